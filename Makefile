@@ -1,0 +1,41 @@
+# npualloc build. Each component keeps its rules in its own fragment:
+#   interpose/build.mk   libnpualloc.so and the allocator's C unit tests
+#   tools/aclsim/build.mk the simulated CANN runtime and the pyACL-compatible module
+# `make test` is the one test command (README, .ci/run): it builds everything,
+# makes its own virtual environment, then runs the C tests and pytest.
+
+BUILD   ?= build
+PYTHON  ?= python3
+VENV    ?= .venv
+CC      ?= cc
+OPT     ?= -O2
+CFLAGS_BASE := $(OPT) -g -std=gnu11 -Wall -Wextra -Werror=implicit-function-declaration \
+               -fPIC -pthread -Iinclude -Iinterpose/include
+LDFLAGS_BASE := -pthread
+
+.PHONY: all lib sim ctest pytest test demo bench venv clean
+all: lib sim
+
+include interpose/build.mk
+include tools/aclsim/build.mk
+-include tools/bench.mk
+
+# The test environment: pytest and the runtime deps, in a venv of our own so
+# nothing has to be installed by hand on a fresh machine.
+VENV_STAMP := $(VENV)/.npualloc-deps
+$(VENV_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+	touch $@
+venv: $(VENV_STAMP)
+
+pytest: all $(VENV_STAMP)
+	$(VENV)/bin/python -m pytest -q tests $(PYTEST_ARGS)
+
+test: ctest ctest-asan ctest-tsan pytest
+
+demo: all $(VENV_STAMP)
+	$(VENV)/bin/python tools/demo.py
+
+clean:
+	rm -rf $(BUILD) npualloc/lib

@@ -1,0 +1,41 @@
+/* npualloc's in-process C API, exported by libnpualloc.so beside the ACL
+ * symbols it interposes. The Python package calls these (cffi ABI mode) when it
+ * runs inside a preloaded process; other processes read the shared-memory
+ * region instead (npualloc_shm.h). Every function is safe to call before the
+ * allocator has seen its first allocation. */
+#ifndef NPUALLOC_H
+#define NPUALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "npualloc_shm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cffi:begin */
+/* 1 when calls are being served by the caching allocator (not disabled). */
+int npualloc_is_active(void);
+/* A consistent copy of one device's stats; returns 0, or -1 for a bad device. */
+int npualloc_get_stats(int device, npualloc_device_stats *out);
+void npualloc_empty_cache(int device);          /* device < 0: every device */
+void npualloc_reset_peak_stats(int device);
+void npualloc_reset_accumulated_stats(int device);
+/* The config in force, canonical "key:value,..." text; returns its length. */
+size_t npualloc_get_config(char *buf, size_t len);
+/* Applies the keys that can change at run time (garbage_collection_threshold,
+ * record_history); returns the number of rejected keys (each warned once). */
+int npualloc_set_config(const char *text);
+/* aclrtGetMemInfo(ACL_HBM_MEM) for a device, through the real runtime; an aclError. */
+int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
+/* The device current on the calling thread as npualloc tracks it, -1 if none. */
+int npualloc_current_device(void);
+/* cffi:end */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,130 @@
+/* The layout of npualloc's shared-memory stats region: the one definition that
+ * the allocator (writer) and the Python package (reader, through cffi ABI mode)
+ * both use. Everything between the cffi markers must stay parseable by
+ * cffi's cdef: fixed-width fields, plain structs, integer #defines only.
+ *
+ * Rules for readers: check the file size >= sizeof(npualloc_region), then
+ * magic, then version, then header.size == sizeof(npualloc_region) before
+ * trusting any other field. Stats are published with one seqlock per device
+ * (npualloc_device_stats.seq: odd while a writer is inside); copy, re-read seq,
+ * retry when it changed or was odd.
+ *
+ * Bump NPUALLOC_SHM_VERSION on any change below. */
+#ifndef NPUALLOC_SHM_H
+#define NPUALLOC_SHM_H
+
+#include <stdint.h>
+
+/* cffi:begin */
+#define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
+#define NPUALLOC_SHM_VERSION 1
+#define NPUALLOC_MAX_DEVICES 16
+#define NPUALLOC_CONFIG_LEN 512
+#define NPUALLOC_CMDLINE_LEN 256
+
+/* Pool index of every per-pool stat, as torch's "all", "small_pool", "large_pool". */
+#define NPUALLOC_POOL_ALL 0
+#define NPUALLOC_POOL_SMALL 1
+#define NPUALLOC_POOL_LARGE 2
+#define NPUALLOC_POOL_COUNT 3
+
+/* Commands another process can post (npualloc_command.code). */
+#define NPUALLOC_CMD_NONE 0
+#define NPUALLOC_CMD_EMPTY_CACHE 1
+#define NPUALLOC_CMD_RESET_PEAK 2
+#define NPUALLOC_CMD_RESET_ACCUMULATED 3
+#define NPUALLOC_CMD_SET_GC_THRESHOLD 4
+#define NPUALLOC_CMD_SNAPSHOT 5
+
+/* Command results (npualloc_command.ack_status). */
+#define NPUALLOC_CMD_OK 0
+#define NPUALLOC_CMD_EUNKNOWN 1
+#define NPUALLOC_CMD_EINVAL 2
+#define NPUALLOC_CMD_EFAILED 3
+
+/* One torch Stat: current, peak, allocated (sum of increases), freed (sum of decreases). */
+typedef struct npualloc_stat {
+    int64_t current;
+    int64_t peak;
+    int64_t allocated;
+    int64_t freed;
+} npualloc_stat;
+
+/* torch's memory_stats() schema for one device, plus npualloc's own counters. */
+typedef struct npualloc_device_stats {
+    uint64_t seq;            /* seqlock: odd while being written */
+    int32_t in_use;          /* 1 once this device has allocated through npualloc */
+    int32_t pad0;
+    npualloc_stat allocation[3];
+    npualloc_stat segment[3];
+    npualloc_stat active[3];
+    npualloc_stat inactive_split[3];
+    npualloc_stat allocated_bytes[3];
+    npualloc_stat reserved_bytes[3];
+    npualloc_stat active_bytes[3];
+    npualloc_stat inactive_split_bytes[3];
+    npualloc_stat requested_bytes[3];
+    npualloc_stat oversize_allocations;
+    npualloc_stat oversize_segments;
+    int64_t num_alloc_retries;
+    int64_t num_ooms;
+    int64_t num_sync_all_streams;
+    int64_t num_device_alloc;
+    int64_t num_device_free;
+    int64_t max_split_size;          /* -1 when unset */
+    /* npualloc's own */
+    int64_t num_cache_hits;          /* mallocs served without a raw device malloc */
+    int64_t num_cache_misses;        /* mallocs that needed a new segment */
+    int64_t largest_free_block;      /* fragmentation = 1 - largest_free_block / free cached bytes */
+    int64_t num_foreign_frees;       /* frees of pointers npualloc never made, passed to the runtime */
+    int64_t num_invalid_frees;       /* double frees / interior pointers refused */
+    int64_t num_pending_frees;       /* blocks waiting for stream work before reuse */
+    int64_t num_executor_destroys_forwarded;
+    int64_t num_executor_destroys_skipped;  /* destroys that would have been double frees */
+    int64_t device_free_bytes;       /* last aclrtGetMemInfo(HBM) seen */
+    int64_t device_total_bytes;
+    int64_t reserved_limit_bytes;    /* per_process_memory_fraction cap, 0 when none */
+} npualloc_device_stats;
+
+/* The command slot: a requester fills code/device/arg and then increments
+ * request_seq; the process applies it at its next allocator call and stores
+ * ack_status, then sets ack_seq = request_seq. */
+typedef struct npualloc_command {
+    uint64_t request_seq;
+    uint64_t ack_seq;
+    int32_t code;
+    int32_t device;          /* -1: every device */
+    double arg;
+    int32_t ack_status;
+    int32_t pad0;
+} npualloc_command;
+
+typedef struct npualloc_region_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t pad0;
+    uint64_t size;           /* sizeof(npualloc_region) of the writer */
+    int32_t pid;
+    uint32_t uid;
+    uint64_t start_time;     /* /proc/<pid>/stat field 22: tells a reused pid apart */
+    uint64_t created_unix_ns;
+    char config[512];        /* the config in force, canonical key:value form */
+    char cmdline[256];
+    uint32_t device_count;   /* highest device index in use + 1 */
+    uint32_t pad1;
+} npualloc_region_header;
+
+typedef struct npualloc_region {
+    npualloc_region_header header;
+    npualloc_command command;
+    npualloc_device_stats devices[16];
+} npualloc_region;
+/* cffi:end */
+
+/* cffi wants literal array lengths above; keep them tied to the names. */
+_Static_assert(sizeof(((npualloc_region_header *)0)->config) == NPUALLOC_CONFIG_LEN, "config length");
+_Static_assert(sizeof(((npualloc_region_header *)0)->cmdline) == NPUALLOC_CMDLINE_LEN, "cmdline length");
+_Static_assert(sizeof(((npualloc_region *)0)->devices) / sizeof(npualloc_device_stats) == NPUALLOC_MAX_DEVICES,
+               "device count");
+
+#endif

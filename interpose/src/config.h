@@ -1,0 +1,38 @@
+/* npualloc's configuration: torch's allocator keys plus npualloc's own, parsed
+ * from MINDTORCH_NPU_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
+ * Bad keys or values warn and keep the default; nothing here can crash. */
+#ifndef NPUALLOC_CONFIG_H
+#define NPUALLOC_CONFIG_H
+
+#include <stddef.h>
+
+/* torch: 16 power-of-two intervals starting at 1 MiB. */
+#define NPA_ROUNDUP_INTERVALS 16
+
+typedef enum npa_reuse_policy {
+    NPA_REUSE_AUTO = 0,  /* eager while one stream is in use, safe once more are */
+    NPA_REUSE_EAGER = 1,
+    NPA_REUSE_SAFE = 2,
+} npa_reuse_policy;
+
+typedef struct npa_config {
+    size_t max_split_size;          /* SIZE_MAX: unlimited */
+    size_t max_non_split_rounding;  /* default 20 MiB */
+    double garbage_collection_threshold; /* 0: off; else in (0, 1) */
+    double per_process_memory_fraction;  /* (0, 1], default 1.0 */
+    unsigned roundup_power2_divisions[NPA_ROUNDUP_INTERVALS]; /* 0 or 1: none */
+    npa_reuse_policy reuse_policy;
+    size_t record_history;          /* ring-buffer entries, 0: off */
+    char oom_snapshot[256];         /* path written on OOM, "" : none */
+} npa_config;
+
+/* Called once per problem with a one-line message naming the key and why. */
+typedef void (*npa_config_warn_fn)(void *arg, const char *message);
+
+void npa_config_defaults(npa_config *config);
+/* Applies every valid key of text over *config; returns the number of problems. */
+int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn warn, void *arg);
+/* The config in force as canonical "key:value,..." text; returns the length written. */
+size_t npa_config_format(const npa_config *config, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,132 @@
+/* The allocator core: pure caching policy (torch-aligned pools, rounding,
+ * split/merge, GC, OOM retry, stats) over a small backend interface. It knows
+ * nothing of ACL symbols, dlsym or shared memory: the hook layer gives it a
+ * backend over the real runtime, C unit tests give it a fake one, the replay
+ * tool gives it the simulator. */
+#ifndef NPUALLOC_CORE_H
+#define NPUALLOC_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "npualloc_shm.h"
+
+typedef int npa_error; /* an aclError value: 0 success, 207001 OOM, ... */
+
+#define NPA_OK 0
+#define NPA_ERR_INVALID_PARAM 100000   /* ACL_ERROR_INVALID_PARAM */
+#define NPA_ERR_OOM 207001             /* ACL_ERROR_RT_MEMORY_ALLOCATION */
+#define NPA_ERR_FREE 207002            /* ACL_ERROR_RT_MEMORY_FREE */
+
+/* What the core asks of the device. Every function gets the backend's ctx. */
+typedef struct npa_backend {
+    void *ctx;
+    /* Raw device memory. raw_malloc returns 207001 when the device is full. */
+    npa_error (*raw_malloc)(void *ctx, int device, size_t size, void **ptr);
+    npa_error (*raw_free)(void *ctx, int device, void *ptr);
+    /* Wait until all work queued on every stream of the device has finished. */
+    npa_error (*synchronize)(void *ctx, int device);
+    /* Device free/total bytes, for the fraction cap and the OOM message. */
+    npa_error (*mem_get_info)(void *ctx, int device, size_t *free_bytes, size_t *total_bytes);
+
+    /* Stream-safe reuse, optional (NULL: every free is reusable at once).
+     * fence_record marks "everything queued so far on every live stream of the
+     * device"; it returns NULL when no fence is needed right now (eager). */
+    void *(*fence_record)(void *ctx, int device);
+    int (*fence_done)(void *ctx, void *fence); /* 1 complete, 0 not yet; never blocks */
+    void (*fence_release)(void *ctx, void *fence);
+
+    /* Where the stats of a device live (the shared-memory region), optional:
+     * NULL or a NULL result makes the core keep them in its own memory. */
+    npualloc_device_stats *(*stats_storage)(void *ctx, int device);
+} npa_backend;
+
+/* How a caller reached the allocator: each entry point has its own size contract. */
+typedef enum npa_entry {
+    NPA_ENTRY_MALLOC = 0,  /* aclrtMalloc / aclrtMallocCached: round up to 32, then +32 */
+    NPA_ENTRY_ALIGN32 = 1, /* aclrtMallocAlign32: round up to 32 */
+    NPA_ENTRY_EXACT = 2,   /* replay and tests: the size as given */
+} npa_entry;
+
+typedef enum npa_free_result {
+    NPA_FREE_OK = 0,        /* a live block of ours: freed (or queued until its fence completes) */
+    NPA_FREE_NOT_OURS = 1,  /* not inside any segment of ours: forward to the runtime */
+    NPA_FREE_INVALID = 2,   /* inside one of our segments but not a live block start */
+} npa_free_result;
+
+typedef struct npa_allocator npa_allocator;
+
+/* Block and segment views for snapshots, valid only inside the visitor call. */
+typedef enum npa_block_state {
+    NPA_BLOCK_ACTIVE_ALLOCATED = 0,
+    NPA_BLOCK_ACTIVE_PENDING_FREE = 1,
+    NPA_BLOCK_INACTIVE = 2,
+} npa_block_state;
+
+typedef struct npa_block_view {
+    uintptr_t address;
+    size_t size;
+    size_t requested_size;
+    npa_block_state state;
+} npa_block_view;
+
+typedef struct npa_segment_view {
+    int device;
+    uintptr_t address;
+    size_t total_size;
+    size_t allocated_size;
+    size_t active_size;
+    size_t requested_size;
+    int is_small; /* segment_type "small" else "large" */
+    size_t block_count;
+    const npa_block_view *blocks;
+} npa_segment_view;
+
+typedef void (*npa_segment_visitor)(const npa_segment_view *segment, void *arg);
+
+/* Trace events (history recording, torch's device_traces actions). */
+typedef enum npa_trace_action {
+    NPA_TRACE_ALLOC = 0,
+    NPA_TRACE_FREE_REQUESTED = 1,
+    NPA_TRACE_FREE_COMPLETED = 2,
+    NPA_TRACE_SEGMENT_ALLOC = 3,
+    NPA_TRACE_SEGMENT_FREE = 4,
+    NPA_TRACE_OOM = 5,
+} npa_trace_action;
+
+npa_allocator *npa_create(const npa_backend *backend, const npa_config *config);
+/* Frees every cached segment; live blocks stay with the program (they are
+ * returned to the runtime only by the runtime's own teardown). */
+void npa_destroy(npa_allocator *a);
+
+/* Size after the entry point's contract and torch rounding (what a block of
+ * this request occupies). Pure; exposed for tests and the replay tool. */
+size_t npa_entry_size(npa_entry entry, size_t size);
+size_t npa_round_size(const npa_config *config, size_t size);
+
+npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr);
+/* hint_device: the caller's current device, looked at first. *device_out
+ * (may be NULL) receives the block's device on NPA_FREE_OK. */
+npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out);
+
+/* Give every cached unsplit segment back to the device (device < 0: all). */
+void npa_empty_cache(npa_allocator *a, int device);
+/* For aclrtResetDevice/aclFinalize: wait for pending frees, then empty the cache. */
+void npa_release_device(npa_allocator *a, int device);
+/* Drain pending frees whose fences completed (non-blocking). */
+void npa_process_pending(npa_allocator *a, int device);
+
+/* Stats: a consistent copy (largest_free_block filled in). */
+void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out);
+void npa_reset_peak_stats(npa_allocator *a, int device);
+void npa_reset_accumulated_stats(npa_allocator *a, int device);
+
+/* Change the GC threshold at run time (0 turns GC off). */
+int npa_set_gc_threshold(npa_allocator *a, double threshold);
+const npa_config *npa_get_config(const npa_allocator *a);
+
+/* Visit every segment of a device (device < 0: all) under its lock. */
+void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visitor, void *arg);
+
+#endif

@@ -1,0 +1,24 @@
+/* The shared-memory stats region of this process (layout: npualloc_shm.h).
+ * Created lazily on the first allocator call, removed at exit; a process that
+ * never allocates leaves nothing behind. */
+#ifndef NPUALLOC_REGION_H
+#define NPUALLOC_REGION_H
+
+#include "core.h"
+
+/* Creates the region on first use (idempotent, thread-safe). NULL when
+ * NPUALLOC_STATS=0 or creation failed (warned once); callers carry on. */
+npualloc_region *npa_region_get(void);
+/* Where the core should keep a device's stats: inside the region, or NULL. */
+npualloc_device_stats *npa_region_device_stats(int device);
+/* Records the config in force (canonical text) in the header. */
+void npa_region_set_config(const char *canonical);
+/* Called at every allocator entry: one relaxed load when no command is
+ * pending; otherwise applies it to the allocator and acknowledges it. */
+void npa_region_poll(npa_allocator *allocator);
+/* At exit: unlink the file. */
+void npa_region_remove(void);
+/* In a forked child: forget the parent's region without touching its file. */
+void npa_region_forget_after_fork(void);
+
+#endif

@@ -1,0 +1,65 @@
+"""Shared test plumbing: where the builds live and how to start a process on
+the simulated runtime, with or without npualloc preloaded.
+
+Every scenario that calls aclInit runs in its own subprocess: the runtime is
+per process (a second aclInit is an error), and a preloaded library must be in
+place before the program starts, exactly as a user runs it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = Path(os.environ.get("NPUALLOC_TEST_BUILD", ROOT / "build"))
+SIM_LIB = BUILD / "aclsim" / "lib64"
+SIM_PY = BUILD / "aclsim" / "python"
+NPUALLOC_LIB = BUILD / "lib" / "libnpualloc.so"
+
+
+def sim_env(**extra: str) -> dict[str, str]:
+    """Environment of a process on the simulator, latency model off (tests
+    assert on behaviour, not on time), npualloc not loaded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUSIM_", "NPUALLOC_", "LD_PRELOAD"))}
+    for key in ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                "PYTORCH_NO_CUDA_MEMORY_CACHING"):
+        env.pop(key, None)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(SIM_LIB), env.get("LD_LIBRARY_PATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join([str(SIM_PY), str(ROOT), str(ROOT / "tools")])
+    env["ASCEND_HOME_PATH"] = str(BUILD / "aclsim")
+    env["NPUSIM_MALLOC_US"] = "0"
+    env["NPUSIM_FREE_US"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def preload_env(**extra: str) -> dict[str, str]:
+    """sim_env with libnpualloc.so preloaded, as `LD_PRELOAD=libnpualloc.so prog`."""
+    env = sim_env(**extra)
+    env["LD_PRELOAD"] = str(NPUALLOC_LIB)
+    return env
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 60, check: bool = True,
+               args: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Runs a dedented Python snippet in a fresh interpreter; returns the
+    completed process (stdout/stderr as text). check=True fails the test with
+    both streams when the exit code is not 0."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *(args or [])], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _builds_exist():
+    missing = [p for p in (SIM_LIB / "libascendcl.so", NPUALLOC_LIB) if not p.exists()]
+    if missing:
+        pytest.exit(f"build first (make all): missing {', '.join(map(str, missing))}", returncode=2)

@@ -1,0 +1,382 @@
+/* The shared-memory stats region (layout: npualloc_shm.h, API: region.h).
+ *
+ * Life of a region: the first allocator call creates <dir>/npualloc.<pid>
+ * (dir = $NPUALLOC_SHM_DIR or /dev/shm). The file is filled under a temporary
+ * name and renamed into place, so a reader never sees a half-written header and
+ * a leftover of an earlier process with our pid is replaced atomically. It is
+ * unlinked at exit; exits that skip atexit leave a file that `npualloc ls`
+ * removes once its pid is dead.
+ *
+ * Nothing here may crash or block the host: every failure warns once on stderr
+ * and leaves the process without a region (the core then keeps its stats in
+ * its own memory). */
+#define _GNU_SOURCE
+#include "region/region.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+enum region_state {
+    REGION_UNTRIED = 0, /* no allocator call yet */
+    REGION_LIVE,        /* mapped, file in place */
+    REGION_OFF,         /* NPUALLOC_STATS=0 or creation failed */
+    REGION_REMOVED,     /* unlinked at exit; the mapping stays valid for late writers */
+    REGION_FORKED,      /* forked child: a private copy is mapped, re-create at the next call */
+};
+
+static npualloc_region *_Atomic g_region;
+static _Atomic int g_state = REGION_UNTRIED;
+/* Serialises creation, removal and config updates; never taken on the hot path. */
+static pthread_mutex_t g_create_lock = PTHREAD_MUTEX_INITIALIZER;
+/* One poller applies a command; the others go on with their allocation. */
+static pthread_mutex_t g_command_lock = PTHREAD_MUTEX_INITIALIZER;
+/* In a forked child: the address where the parent's region was mapped. The core
+ * may hold pointers into it, so it stays mapped (as a private copy) and the
+ * child's own region is later mapped over it at the same address. */
+static npualloc_region *g_detached;
+static pid_t g_owner_pid;
+static char g_path[4096];
+static char g_config[NPUALLOC_CONFIG_LEN];
+static atomic_flag g_warned = ATOMIC_FLAG_INIT;
+static int g_hooks_registered;
+
+static void warn_once(const char *what, const char *path, int err)
+{
+    if (atomic_flag_test_and_set(&g_warned))
+        return;
+    char line[sizeof g_path + 256];
+    int n = snprintf(line, sizeof line, "npualloc: live stats disabled: %s%s%s%s%s\n", what,
+                     path ? " " : "", path ? path : "", err ? ": " : "", err ? strerror(err) : "");
+    if (n > 0) {
+        ssize_t ignored = write(STDERR_FILENO, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
+        (void)ignored;
+    }
+}
+
+static int stats_disabled(void)
+{
+    const char *value = getenv("NPUALLOC_STATS");
+    if (!value)
+        return 0;
+    return !strcmp(value, "0") || !strcasecmp(value, "false") || !strcasecmp(value, "off") ||
+           !strcasecmp(value, "no");
+}
+
+/* Field 22 of /proc/self/stat: start time in clock ticks since boot. Fields are
+ * counted after the last ')' because the command name may contain spaces. */
+static uint64_t read_start_time(void)
+{
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (!p)
+        return 0;
+    p++;
+    for (int field = 3; field < 22 && p; field++) /* p sits before field `field` */
+        p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static void read_cmdline(char *out, size_t len)
+{
+    out[0] = '\0';
+    int fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    ssize_t n = read(fd, out, len - 1);
+    close(fd);
+    if (n <= 0) {
+        out[0] = '\0';
+        return;
+    }
+    for (ssize_t i = 0; i < n; i++)
+        if (out[i] == '\0')
+            out[i] = ' ';
+    while (n > 0 && out[n - 1] == ' ')
+        n--;
+    out[n] = '\0';
+}
+
+static void copy_text(char *dst, size_t len, const char *src)
+{
+    size_t n = strnlen(src, len - 1);
+    memcpy(dst, src, n);
+    memset(dst + n, 0, len - n);
+}
+
+static void fill_header(npualloc_region *r)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    npualloc_region_header *h = &r->header;
+    h->version = NPUALLOC_SHM_VERSION;
+    h->size = sizeof(npualloc_region);
+    h->pid = (int32_t)getpid();
+    h->uid = (uint32_t)geteuid();
+    h->start_time = read_start_time();
+    h->created_unix_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    copy_text(h->config, sizeof h->config, g_config);
+    read_cmdline(h->cmdline, sizeof h->cmdline);
+    h->magic = NPUALLOC_SHM_MAGIC;
+}
+
+/* Carries a forked child's inherited stats into its own region. A writer that
+ * was inside its seqlock in another parent thread does not exist in the child:
+ * make such a seq even again, or readers would retry forever. */
+static void seed_from_parent(npualloc_region *r, const npualloc_region *parent)
+{
+    memcpy(r->devices, parent->devices, sizeof r->devices);
+    for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+        r->devices[d].seq += r->devices[d].seq & 1;
+    r->header.device_count = parent->header.device_count;
+}
+
+/* Creates, fills and publishes the file; maps it at `at` when not NULL (the
+ * forked child's detached copy, whose contents seed the new region). */
+static npualloc_region *map_new_region(npualloc_region *at)
+{
+    const char *dir = getenv("NPUALLOC_SHM_DIR");
+    if (!dir || !*dir)
+        dir = "/dev/shm";
+    char tmp[sizeof g_path];
+    int pid = (int)getpid();
+    if ((size_t)snprintf(g_path, sizeof g_path, "%s/npualloc.%d", dir, pid) >= sizeof g_path ||
+        (size_t)snprintf(tmp, sizeof tmp, "%s/.npualloc.%d.tmp", dir, pid) >= sizeof tmp) {
+        warn_once("NPUALLOC_SHM_DIR is too long", NULL, 0);
+        return NULL;
+    }
+    int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    int fd = open(tmp, flags, 0600);
+    if (fd < 0 && errno == EEXIST) { /* left by an earlier process with our pid */
+        unlink(tmp);
+        fd = open(tmp, flags, 0600);
+    }
+    if (fd < 0) {
+        warn_once("cannot create", tmp, errno);
+        return NULL;
+    }
+    /* fallocate, not ftruncate: on a full tmpfs touching a sparse page would
+     * raise SIGBUS in the host; here it fails cleanly instead. */
+    int err = fchmod(fd, 0600) ? errno : posix_fallocate(fd, 0, sizeof(npualloc_region));
+    npualloc_region *fresh = err ? MAP_FAILED
+                                 : mmap(NULL, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (!err && fresh == MAP_FAILED)
+        err = errno;
+    if (err) {
+        warn_once("cannot size or map", tmp, err);
+        close(fd);
+        unlink(tmp);
+        return NULL;
+    }
+    if (at)
+        seed_from_parent(fresh, at);
+    fill_header(fresh);
+    npualloc_region *r = fresh;
+    if (at) {
+        r = mmap(at, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+        if (r == MAP_FAILED) {
+            err = errno;
+            /* Keep the address valid for the core's pointers, whatever happens. */
+            mmap(at, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                 -1, 0);
+        }
+        munmap(fresh, sizeof(npualloc_region));
+    }
+    close(fd);
+    if (!err && rename(tmp, g_path))
+        err = errno;
+    if (err) {
+        warn_once("cannot publish", g_path, err);
+        if (!at && r != MAP_FAILED)
+            munmap(r, sizeof(npualloc_region));
+        unlink(tmp);
+        return NULL;
+    }
+    return r;
+}
+
+static void remove_at_exit(void)
+{
+    npa_region_remove();
+}
+
+static void forget_in_child(void)
+{
+    npa_region_forget_after_fork();
+}
+
+npualloc_region *npa_region_get(void)
+{
+    npualloc_region *r = atomic_load_explicit(&g_region, memory_order_acquire);
+    if (r)
+        return r;
+    int state = atomic_load_explicit(&g_state, memory_order_relaxed);
+    if (state != REGION_UNTRIED && state != REGION_FORKED)
+        return NULL;
+
+    pthread_mutex_lock(&g_create_lock);
+    r = atomic_load_explicit(&g_region, memory_order_relaxed);
+    state = atomic_load_explicit(&g_state, memory_order_relaxed);
+    if (!r && (state == REGION_UNTRIED || state == REGION_FORKED)) {
+        r = stats_disabled() ? NULL : map_new_region(g_detached);
+        if (r) {
+            g_owner_pid = getpid();
+            g_detached = NULL;
+            if (!g_hooks_registered) {
+                /* Inherited by forked children, so registered once per image.
+                 * The hook layer may call the same functions: both are idempotent. */
+                g_hooks_registered = 1;
+                atexit(remove_at_exit);
+                pthread_atfork(NULL, NULL, forget_in_child);
+            }
+            atomic_store_explicit(&g_state, REGION_LIVE, memory_order_relaxed);
+            atomic_store_explicit(&g_region, r, memory_order_release);
+        } else {
+            atomic_store_explicit(&g_state, REGION_OFF, memory_order_relaxed);
+        }
+    }
+    pthread_mutex_unlock(&g_create_lock);
+    return r;
+}
+
+npualloc_device_stats *npa_region_device_stats(int device)
+{
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+        return NULL;
+    npualloc_region *r = npa_region_get();
+    if (!r)
+        return NULL;
+    uint32_t wanted = (uint32_t)device + 1;
+    uint32_t seen = __atomic_load_n(&r->header.device_count, __ATOMIC_RELAXED);
+    while (seen < wanted &&
+           !__atomic_compare_exchange_n(&r->header.device_count, &seen, wanted, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+        ;
+    return &r->devices[device];
+}
+
+void npa_region_set_config(const char *canonical)
+{
+    if (!canonical)
+        return;
+    pthread_mutex_lock(&g_create_lock);
+    copy_text(g_config, sizeof g_config, canonical);
+    npualloc_region *r = atomic_load_explicit(&g_region, memory_order_relaxed);
+    if (r)
+        copy_text(r->header.config, sizeof r->header.config, g_config);
+    pthread_mutex_unlock(&g_create_lock);
+}
+
+static int device_in_use(const npualloc_region *r, int device)
+{
+    return __atomic_load_n(&r->devices[device].in_use, __ATOMIC_RELAXED) != 0;
+}
+
+static int32_t apply_command(npa_allocator *a, npualloc_region *r, int32_t code, int32_t device, double arg)
+{
+    if (code == NPUALLOC_CMD_SET_GC_THRESHOLD) {
+        if (!(arg >= 0.0 && arg < 1.0)) /* also rejects NaN */
+            return NPUALLOC_CMD_EINVAL;
+        if (npa_set_gc_threshold(a, arg) != 0)
+            return NPUALLOC_CMD_EFAILED;
+        char canonical[NPUALLOC_CONFIG_LEN];
+        npa_config_format(npa_get_config(a), canonical, sizeof canonical);
+        npa_region_set_config(canonical);
+        return NPUALLOC_CMD_OK;
+    }
+    if (code != NPUALLOC_CMD_EMPTY_CACHE && code != NPUALLOC_CMD_RESET_PEAK && code != NPUALLOC_CMD_RESET_ACCUMULATED)
+        return NPUALLOC_CMD_EUNKNOWN; /* NPUALLOC_CMD_SNAPSHOT included, for now */
+    if (device < -1 || device >= NPUALLOC_MAX_DEVICES)
+        return NPUALLOC_CMD_EINVAL;
+    /* Only devices that allocated through npualloc have anything to act on;
+     * touching the others could make the core set up state for them. */
+    for (int d = device < 0 ? 0 : device; d < (device < 0 ? NPUALLOC_MAX_DEVICES : device + 1); d++) {
+        if (!device_in_use(r, d))
+            continue;
+        if (code == NPUALLOC_CMD_EMPTY_CACHE)
+            npa_empty_cache(a, d);
+        else if (code == NPUALLOC_CMD_RESET_PEAK)
+            npa_reset_peak_stats(a, d);
+        else
+            npa_reset_accumulated_stats(a, d);
+    }
+    return NPUALLOC_CMD_OK;
+}
+
+void npa_region_poll(npa_allocator *allocator)
+{
+    npualloc_region *r = npa_region_get();
+    if (!r || !allocator)
+        return;
+    npualloc_command *cmd = &r->command;
+    if (__atomic_load_n(&cmd->request_seq, __ATOMIC_RELAXED) == __atomic_load_n(&cmd->ack_seq, __ATOMIC_RELAXED))
+        return;
+    if (pthread_mutex_trylock(&g_command_lock) != 0)
+        return; /* another thread is applying it */
+    uint64_t requested = __atomic_load_n(&cmd->request_seq, __ATOMIC_ACQUIRE);
+    if (requested != __atomic_load_n(&cmd->ack_seq, __ATOMIC_RELAXED)) {
+        /* Read once: the requester is another process and may rewrite them. */
+        int32_t code = __atomic_load_n(&cmd->code, __ATOMIC_RELAXED);
+        int32_t device = __atomic_load_n(&cmd->device, __ATOMIC_RELAXED);
+        double arg;
+        memcpy(&arg, (const void *)&cmd->arg, sizeof arg);
+        __atomic_store_n(&cmd->ack_status, apply_command(allocator, r, code, device, arg), __ATOMIC_RELAXED);
+        __atomic_store_n(&cmd->ack_seq, requested, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_command_lock);
+}
+
+void npa_region_remove(void)
+{
+    pthread_mutex_lock(&g_create_lock);
+    int state = atomic_load_explicit(&g_state, memory_order_relaxed);
+    if (state == REGION_LIVE && g_owner_pid == getpid()) {
+        unlink(g_path);
+        atomic_store_explicit(&g_state, REGION_REMOVED, memory_order_relaxed);
+    } else if (state == REGION_UNTRIED || state == REGION_FORKED) {
+        /* Exiting: an allocator call from a late destructor must not create a file. */
+        atomic_store_explicit(&g_state, REGION_OFF, memory_order_relaxed);
+    }
+    pthread_mutex_unlock(&g_create_lock);
+}
+
+void npa_region_forget_after_fork(void)
+{
+    /* A parent thread may have held these at fork time; it does not exist here. */
+    pthread_mutex_init(&g_create_lock, NULL);
+    pthread_mutex_init(&g_command_lock, NULL);
+    npualloc_region *r = atomic_load_explicit(&g_region, memory_order_relaxed);
+    if (!r || g_owner_pid == getpid())
+        return; /* nothing inherited, or already forgotten */
+    /* Swap the shared mapping for a private copy at the same address: the
+     * child's writes must not reach the parent's region, and the core's
+     * pointers into it must stay valid. */
+    void *copy = malloc(sizeof *r);
+    if (copy) {
+        memcpy(copy, r, sizeof *r);
+        if (mmap(r, sizeof *r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED)
+            memcpy(r, copy, sizeof *r);
+        free(copy);
+    }
+    g_detached = r;
+    atomic_store_explicit(&g_region, NULL, memory_order_relaxed);
+    int state = atomic_load_explicit(&g_state, memory_order_relaxed);
+    atomic_store_explicit(&g_state, state == REGION_LIVE ? REGION_FORKED : REGION_OFF, memory_order_relaxed);
+}

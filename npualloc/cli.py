@@ -1,0 +1,253 @@
+"""`npualloc` / `python -m npualloc`: live allocator stats of other processes.
+
+Exit codes: 0 success, 1 other error, 2 usage, 3 no such process, 4 process
+not running under npualloc, 5 another user's process, 6 region of an
+incompatible version, 7 truncated or corrupt region, 8 command not
+acknowledged in time, 9 command rejected by the process; `run` passes the
+command's own exit code through (127: command not found, 126: not executable).
+Every error is one line on stderr starting "npualloc: ".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from typing import Any, NoReturn
+
+import psutil
+
+from . import memory
+from ._ffi import constants
+from .errors import NpuallocError
+from .region import Region, live_regions, region_path
+
+CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"npualloc: {message} (see `npualloc --help`)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def human_bytes(value: int) -> str:
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _command_line(pid: int, fallback: str) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline()) or fallback
+    except psutil.Error:
+        return fallback
+
+
+def _device_table(device: int, s: dict[str, Any]) -> list[str]:
+    def pair(label: str, key: str, fmt: Any = human_bytes) -> str:
+        return f"  {label:<22}{fmt(s[key + '.current']):>14}{fmt(s[key + '.peak']):>14}"
+
+    hits, misses = s["npualloc.cache_hits"], s["npualloc.cache_misses"]
+    return [
+        f"NPU {device:<22}{'current':>14}{'peak':>14}",
+        pair("allocated", "allocated_bytes.all"),
+        pair("reserved", "reserved_bytes.all"),
+        pair("active", "active_bytes.all"),
+        pair("requested", "requested_bytes.all"),
+        pair("non-releasable", "inactive_split_bytes.all"),
+        pair("allocations", "allocation.all", str),
+        pair("segments", "segment.all", str),
+        pair("oversize allocations", "oversize_allocations", str),
+        f"  {'cache hit rate':<22}{s['npualloc.cache_hit_rate']:>13.1%}   ({hits} hits, {misses} misses)",
+        f"  {'fragmentation':<22}{s['npualloc.fragmentation']:>13.1%}   "
+        f"(largest free block {human_bytes(s['npualloc.largest_free_block'])})",
+        f"  {'device calls':<22}{s['num_device_alloc']:>14} mallocs, {s['num_device_free']} frees",
+        f"  {'OOMs / retries':<22}{s['num_ooms']:>14} / {s['num_alloc_retries']}"
+        f"   (sync all streams {s['num_sync_all_streams']})",
+        f"  {'pending frees':<22}{s['npualloc.pending_frees']:>14}",
+        f"  {'frees refused':<22}{s['npualloc.invalid_frees']:>14} invalid, "
+        f"{s['npualloc.foreign_frees']} foreign (passed on)",
+        f"  {'executor destroys':<22}{s['npualloc.executor_destroys_forwarded']:>14} forwarded, "
+        f"{s['npualloc.executor_destroys_skipped']} skipped",
+        f"  {'device memory':<22}{human_bytes(s['npualloc.device_free_bytes']):>14} free of "
+        f"{human_bytes(s['npualloc.device_total_bytes'])}",
+    ]
+
+
+def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
+    with Region(pid) as region:
+        header = region.header()
+        devices = [memory.device_index(device)] if device is not None else region.devices_in_use()
+        return {
+            "pid": pid,
+            "command": _command_line(pid, header.cmdline),
+            "config": header.config,
+            "created_unix_ns": header.created_unix_ns,
+            "region": str(region.path),
+            "devices": {str(d): memory.stats_to_dict(region.read_device_stats(d)) for d in devices},
+        }
+
+
+def _render(snapshot: dict[str, Any]) -> str:
+    started = datetime.fromtimestamp(snapshot["created_unix_ns"] / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+    lines = [f"npualloc · pid {snapshot['pid']} · {snapshot['command']}",
+             f"config: {snapshot['config'] or '(defaults)'} · region since {started}", ""]
+    if not snapshot["devices"]:
+        lines.append("no device has allocated through npualloc yet")
+    for device, stats in snapshot["devices"].items():
+        lines += _device_table(int(device), stats) + [""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    while True:
+        snapshot = _snapshot(args.pid, args.device)
+        text = json.dumps(snapshot, indent=2) + "\n" if args.json else _render(snapshot)
+        if args.watch and sys.stdout.isatty():
+            text = "\033[H\033[2J" + text
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = []
+    for entry, opened in live_regions():
+        if isinstance(opened, NpuallocError):
+            sys.stderr.write(f"npualloc: skipping {entry.path}: {opened}\n")
+            continue
+        with opened as region:
+            header = region.header()
+            command = _command_line(entry.pid, header.cmdline)
+            devices = region.devices_in_use()
+            for device in devices or [None]:
+                stats = region.read_device_stats(device) if device is not None else None
+                rows.append({
+                    "pid": entry.pid,
+                    "device": device,
+                    "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
+                    "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
+                    "command": command,
+                })
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+    elif not rows:
+        sys.stdout.write("no process is running under npualloc\n")
+    else:
+        sys.stdout.write(f"{'PID':>8}  {'DEV':>3}  {'ALLOCATED':>12}  {'RESERVED':>12}  COMMAND\n")
+        for row in rows:
+            device = "-" if row["device"] is None else row["device"]
+            sys.stdout.write(f"{row['pid']:>8}  {device:>3}  {human_bytes(row['allocated']):>12}  "
+                             f"{human_bytes(row['reserved']):>12}  {row['command']}\n")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        _Parser(prog="npualloc").error("run: no command given (npualloc run [--conf STR] -- CMD ...)")
+    env = dict(os.environ)
+    library = memory.library_path()
+    preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()
+    env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
+    if args.conf is not None:
+        key = next((k for k in CONF_KEYS if k in env), CONF_KEYS[0])
+        env[key] = args.conf
+    try:
+        os.execvpe(command[0], command, env)  # same pid: `npualloc stats <pid>` names what the user started
+    except FileNotFoundError:
+        sys.stderr.write(f"npualloc: {command[0]}: command not found\n")
+        return 127
+    except OSError as e:
+        sys.stderr.write(f"npualloc: cannot run {command[0]}: {e.strerror}\n")
+        return 126
+
+
+def cmd_empty_cache(args: argparse.Namespace) -> int:
+    if args.device is None:
+        memory.empty_cache(pid=args.pid, timeout=args.timeout)
+    else:  # one device: post the command directly, memory.empty_cache is torch's all-devices call
+        with Region(args.pid, writable=True) as region:
+            region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, memory.device_index(args.device),
+                                timeout=args.timeout)
+    sys.stdout.write(f"process {args.pid}: cache emptied\n")
+    return 0
+
+
+def cmd_reset_peak(args: argparse.Namespace) -> int:
+    memory.reset_peak_memory_stats(args.device, pid=args.pid, timeout=args.timeout)
+    sys.stdout.write(f"process {args.pid}: peak stats reset\n")
+    return 0
+
+
+def cmd_set_gc_threshold(args: argparse.Namespace) -> int:
+    try:
+        memory.set_gc_threshold(args.value, pid=args.pid, timeout=args.timeout)
+    except ValueError as e:
+        _Parser(prog="npualloc").error(str(e))
+    sys.stdout.write(f"process {args.pid}: garbage_collection_threshold set to {args.value:g}\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="npualloc", description="Live stats of processes running under npualloc "
+                     f"(regions in {region_path(0).parent}).",
+                     epilog=__doc__.split("\n\n")[1] if __doc__ else None)
+    sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
+
+    def with_pid(name: str, help: str, device: bool = True, timeout: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("pid", type=int)
+        if device:
+            p.add_argument("--device", type=int, default=None, help="device index (default: every device in use)")
+        if timeout:
+            p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the acknowledgement")
+        return p
+
+    stats = with_pid("stats", "allocator stats of a process", timeout=False)
+    stats.add_argument("--json", action="store_true", help="machine-readable output (memory_stats() keys)")
+    stats.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    stats.set_defaults(run=cmd_stats)
+
+    ls = sub.add_parser("ls", help="every process running under npualloc (cleans stale regions)")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(run=cmd_ls)
+
+    run = sub.add_parser("run", help="run a command with npualloc preloaded")
+    run.add_argument("--conf", help="allocator config, e.g. max_split_size_mb:128,garbage_collection_threshold:0.8")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    run.set_defaults(run=cmd_run)
+
+    with_pid("empty-cache", "release the process's cached unused segments").set_defaults(run=cmd_empty_cache)
+    with_pid("reset-peak", "reset the process's peak stats").set_defaults(run=cmd_reset_peak)
+    gc = with_pid("set-gc-threshold", "set garbage_collection_threshold at run time (0: off)", device=False)
+    gc.add_argument("value", type=float)
+    gc.set_defaults(run=cmd_set_gc_threshold)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if getattr(args, "watch", None) is not None and args.watch <= 0:
+        _Parser(prog="npualloc").error("--watch needs a positive number of seconds")
+    try:
+        return int(args.run(args))
+    except NpuallocError as e:
+        sys.stderr.write(f"npualloc: {e}\n")
+        return e.exit_code
+    except ValueError as e:  # a bad --device
+        sys.stderr.write(f"npualloc: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # --watch ends with Ctrl-C
+        return 0
+    except BrokenPipeError:  # `npualloc ls | head`
+        return 0

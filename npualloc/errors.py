@@ -1,0 +1,44 @@
+"""npualloc's errors. Each carries the CLI exit code that reports it, so the
+command line and scripts can tell the cases apart."""
+from __future__ import annotations
+
+
+class NpuallocError(Exception):
+    """Anything npualloc cannot do; the message is one line meant for a user."""
+
+    exit_code = 1
+
+
+class NoSuchProcessError(NpuallocError):
+    exit_code = 3
+
+
+class NotUnderNpuallocError(NpuallocError):
+    """The process runs, but has no (live) region: not preloaded, stats turned
+    off with NPUALLOC_STATS=0, or no allocation made yet."""
+
+    exit_code = 4
+
+
+class OtherUserError(NpuallocError):
+    exit_code = 5
+
+
+class IncompatibleRegionError(NpuallocError):
+    """The region was written by an npualloc with another layout version."""
+
+    exit_code = 6
+
+
+class CorruptRegionError(NpuallocError):
+    """Truncated, damaged or not an npualloc region at all."""
+
+    exit_code = 7
+
+
+class CommandTimeoutError(NpuallocError):
+    exit_code = 8
+
+
+class CommandRejectedError(NpuallocError):
+    exit_code = 9

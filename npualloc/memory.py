@@ -1,0 +1,268 @@
+"""torch.cuda.memory's API over npualloc.
+
+With pid=None (or this process's pid) the calls go to the libnpualloc.so loaded
+in this process (LD_PRELOAD); with another pid they read that process's
+shared-memory region, and the mutating calls post a command to it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, constants, ffi, loaded_library, runtime_library
+from .errors import NotUnderNpuallocError, NpuallocError
+from .region import COMMAND_TIMEOUT_S, Region
+from .summary import format_summary
+
+# Pool order of every per-pool stat array (NPUALLOC_POOL_ALL, _SMALL, _LARGE).
+_POOLS = ("all", "small_pool", "large_pool")
+_POOLED_STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+                 "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STAT_FIELDS = ("current", "peak", "allocated", "freed")
+_COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+             "max_split_size")
+# npualloc's own counters, reported as "npualloc.<key>".
+_OWN_COUNTERS = {
+    "cache_hits": "num_cache_hits",
+    "cache_misses": "num_cache_misses",
+    "largest_free_block": "largest_free_block",
+    "foreign_frees": "num_foreign_frees",
+    "invalid_frees": "num_invalid_frees",
+    "pending_frees": "num_pending_frees",
+    "executor_destroys_forwarded": "num_executor_destroys_forwarded",
+    "executor_destroys_skipped": "num_executor_destroys_skipped",
+    "device_free_bytes": "device_free_bytes",
+    "device_total_bytes": "device_total_bytes",
+    "reserved_limit_bytes": "reserved_limit_bytes",
+}
+
+Stats = dict[str, Any]
+
+
+def stats_to_dict(s: Any) -> Stats:
+    """torch's flat memory_stats() dict (same keys, sorted like torch) from an
+    npualloc_device_stats, plus npualloc's own keys under "npualloc."."""
+    out: Stats = {}
+    for name in _POOLED_STATS:
+        for pool_index, pool in enumerate(_POOLS):
+            stat = getattr(s, name)[pool_index]
+            for field in _STAT_FIELDS:
+                out[f"{name}.{pool}.{field}"] = getattr(stat, field)
+    for name in ("oversize_allocations", "oversize_segments"):
+        for field in _STAT_FIELDS:
+            out[f"{name}.{field}"] = getattr(getattr(s, name), field)
+    for name in _COUNTERS:
+        out[name] = getattr(s, name)
+    for key, field in _OWN_COUNTERS.items():
+        out[f"npualloc.{key}"] = getattr(s, field)
+    lookups = s.num_cache_hits + s.num_cache_misses
+    out["npualloc.cache_hit_rate"] = s.num_cache_hits / lookups if lookups else 0.0
+    # Free cached bytes are reserved minus active (pending frees are not free yet);
+    # 0 when everything free sits in one block.
+    free_cached = s.reserved_bytes[0].current - s.active_bytes[0].current
+    fragmentation = 1.0 - s.largest_free_block / free_cached if free_cached > 0 else 0.0
+    out["npualloc.fragmentation"] = min(max(fragmentation, 0.0), 1.0)
+    return dict(sorted(out.items()))
+
+
+def _in_process(pid: int | None) -> bool:
+    return pid is None or pid == os.getpid()
+
+
+def _library() -> Any:
+    lib = loaded_library()
+    if lib is None:
+        raise NotUnderNpuallocError("npualloc is not loaded in this process "
+                                    "(start it with `npualloc run -- ...` or LD_PRELOAD=libnpualloc.so)")
+    return lib
+
+
+def _current_device() -> int:
+    lib = loaded_library()
+    device = lib.npualloc_current_device() if lib is not None else -1
+    return device if device >= 0 else 0
+
+
+def device_index(device: object, current: int | None = None) -> int:
+    """Normalises a device like torch: None or "npu" -> the current device, an
+    int, "npu:N", or an object with .index (and .type "npu" when it has one)."""
+    index: object
+    if device is None:
+        index = None
+    elif isinstance(device, bool):
+        raise ValueError(f"invalid device {device!r}")
+    elif isinstance(device, int):
+        index = device
+    elif isinstance(device, str):
+        kind, _, number = device.strip().partition(":")
+        if kind != "npu" or (number and not number.isdigit()):
+            raise ValueError(f"invalid device {device!r}: expected 'npu' or 'npu:N'")
+        index = int(number) if number else None
+    elif hasattr(device, "index"):
+        kind = getattr(device, "type", "npu")
+        if kind != "npu":
+            raise ValueError(f"invalid device {device!r}: not an NPU device")
+        index = device.index
+        if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+            raise ValueError(f"invalid device {device!r}")
+    else:
+        raise ValueError(f"invalid device {device!r}")
+    if index is None:
+        return _current_device() if current is None else current
+    assert isinstance(index, int)
+    if not 0 <= index < constants.NPUALLOC_MAX_DEVICES:
+        raise ValueError(f"invalid device {device!r}: index out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
+    return index
+
+
+def _region_device(region: Region, device: object) -> int:
+    """Outside the process its current device is unknown: default to the first
+    device it allocated on."""
+    in_use = region.devices_in_use()
+    return device_index(device, current=in_use[0] if in_use else 0)
+
+
+def _raw_stats(device: object, pid: int | None) -> tuple[Any, int]:
+    if _in_process(pid):
+        lib = _library()
+        index = device_index(device)
+        out = ffi.new("npualloc_device_stats *")
+        if lib.npualloc_get_stats(index, out) != 0:
+            raise ValueError(f"npualloc has no stats for device {index}")
+        return out, index
+    assert pid is not None
+    with Region(pid) as region:
+        index = _region_device(region, device)
+        return region.read_device_stats(index), index
+
+
+def memory_stats(device: object = None, pid: int | None = None) -> Stats:
+    return stats_to_dict(_raw_stats(device, pid)[0])
+
+
+def memory_allocated(device: object = None, pid: int | None = None) -> int:
+    return int(_raw_stats(device, pid)[0].allocated_bytes[0].current)
+
+
+def max_memory_allocated(device: object = None, pid: int | None = None) -> int:
+    return int(_raw_stats(device, pid)[0].allocated_bytes[0].peak)
+
+
+def memory_reserved(device: object = None, pid: int | None = None) -> int:
+    return int(_raw_stats(device, pid)[0].reserved_bytes[0].current)
+
+
+def max_memory_reserved(device: object = None, pid: int | None = None) -> int:
+    return int(_raw_stats(device, pid)[0].reserved_bytes[0].peak)
+
+
+def memory_summary(device: object = None, pid: int | None = None, abbreviated: bool = False) -> str:
+    raw, index = _raw_stats(device, pid)
+    return format_summary(stats_to_dict(raw), index, abbreviated)
+
+
+def _post(code: int, device: int, arg: float, pid: int, timeout: float) -> None:
+    with Region(pid, writable=True) as region:
+        region.post_command(code, device, arg, timeout)
+
+
+def empty_cache(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> None:
+    """Releases every cached unused segment of every device (torch semantics)."""
+    if _in_process(pid):
+        _library().npualloc_empty_cache(-1)
+    else:
+        assert pid is not None
+        _post(constants.NPUALLOC_CMD_EMPTY_CACHE, -1, 0.0, pid, timeout)
+
+
+def _reset(code: int, c_function: str, device: object, pid: int | None, timeout: float) -> None:
+    if _in_process(pid):
+        getattr(_library(), c_function)(device_index(device))
+        return
+    assert pid is not None
+    with Region(pid) as region:
+        index = _region_device(region, device)
+    _post(code, index, 0.0, pid, timeout)
+
+
+def reset_peak_memory_stats(device: object = None, pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> None:
+    _reset(constants.NPUALLOC_CMD_RESET_PEAK, "npualloc_reset_peak_stats", device, pid, timeout)
+
+
+def reset_accumulated_memory_stats(device: object = None, pid: int | None = None,
+                                   timeout: float = COMMAND_TIMEOUT_S) -> None:
+    _reset(constants.NPUALLOC_CMD_RESET_ACCUMULATED, "npualloc_reset_accumulated_stats", device, pid, timeout)
+
+
+def set_gc_threshold(threshold: float, pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> None:
+    """garbage_collection_threshold at run time; 0 turns GC off."""
+    if not 0.0 <= threshold < 1.0:
+        raise ValueError(f"garbage_collection_threshold must be in [0, 1): {threshold}")
+    if _in_process(pid):
+        set_config(f"garbage_collection_threshold:{threshold}")
+    else:
+        assert pid is not None
+        _post(constants.NPUALLOC_CMD_SET_GC_THRESHOLD, -1, threshold, pid, timeout)
+
+
+def mem_get_info(device: object = None) -> tuple[int, int]:
+    """(free_bytes, total_bytes) of the device from aclrtGetMemInfo(ACL_HBM_MEM):
+    through npualloc when it is loaded, else through the runtime directly."""
+    free_bytes = ffi.new("size_t *")
+    total_bytes = ffi.new("size_t *")
+    lib = loaded_library()
+    if lib is not None:
+        index = device_index(device)
+        ret = lib.npualloc_mem_get_info(index, free_bytes, total_bytes)
+    else:
+        runtime = runtime_library()
+        current = ffi.new("int32_t *")
+        has_current = runtime.aclrtGetDevice(current) == 0
+        index = device_index(device, current=current[0] if has_current else 0)
+        if not has_current or current[0] != index:
+            ret = runtime.aclrtSetDevice(index)
+            if ret != 0:
+                raise NpuallocError(f"aclrtSetDevice({index}) failed: error {ret}")
+        ret = runtime.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes)
+    if ret != 0:
+        raise NpuallocError(f"aclrtGetMemInfo(ACL_HBM_MEM) on device {index} failed: error {ret}")
+    return int(free_bytes[0]), int(total_bytes[0])
+
+
+def is_active() -> bool:
+    """True when this process's runtime calls are served by npualloc."""
+    lib = loaded_library()
+    return lib is not None and lib.npualloc_is_active() == 1
+
+
+def library_path() -> str:
+    """The libnpualloc.so shipped in this package (what LD_PRELOAD should name)."""
+    path = PACKAGE_DIR / "lib" / "libnpualloc.so"
+    if not path.is_file():
+        raise NpuallocError(f"{path} is missing: build it with `make lib` (or reinstall npualloc)")
+    return str(path)
+
+
+def get_config(pid: int | None = None) -> str:
+    """The config in force, canonical "key:value,..." text."""
+    if not _in_process(pid):
+        assert pid is not None
+        with Region(pid) as region:
+            return region.header().config
+    lib = _library()
+    size = 1024
+    while True:
+        buf = ffi.new("char[]", size)
+        length = lib.npualloc_get_config(buf, size)
+        if length < size:
+            return ffi.string(buf).decode()
+        size = length + 1
+
+
+def set_config(config: str) -> None:
+    """Applies the run-time keys of an npualloc/torch config string in this
+    process (garbage_collection_threshold, record_history); for another process
+    use set_gc_threshold(..., pid=...)."""
+    rejected = _library().npualloc_set_config(config.encode())
+    if rejected:
+        raise ValueError(f"npualloc rejected {rejected} key(s) of {config!r} (warned on stderr)")

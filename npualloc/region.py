@@ -1,0 +1,264 @@
+"""Reading (and posting commands to) another process's shared-memory region.
+
+Nothing in a region file is trusted before it is validated: the file size
+first, then magic, version and the header's size field, all through a mapping
+of exactly sizeof(npualloc_region) bytes, so a truncated or crafted file can
+never make the reader touch memory outside it.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ._ffi import DEVICE_STATS_SIZE, REGION_SIZE, constants, ffi
+from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
+                     NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
+
+REGION_NAME = re.compile(r"npualloc\.(\d+)")
+# A writer stays inside its seqlock for a handful of stores; a seq that stays
+# odd this long belongs to a writer that died mid-update.
+SEQLOCK_TIMEOUT_S = 1.0
+COMMAND_TIMEOUT_S = 5.0
+
+_ACK_ERRORS = {
+    constants.NPUALLOC_CMD_EUNKNOWN: "the process does not support this command",
+    constants.NPUALLOC_CMD_EINVAL: "the process rejected the argument",
+    constants.NPUALLOC_CMD_EFAILED: "the process failed to apply it",
+}
+
+
+def region_dir() -> Path:
+    return Path(os.environ.get("NPUALLOC_SHM_DIR") or "/dev/shm")
+
+
+def region_path(pid: int) -> Path:
+    return region_dir() / f"npualloc.{pid}"
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (counted after the last ')': the command
+    name may hold spaces), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text[text.rindex(b")") + 2:].split()
+    return int(fields[22 - 3])
+
+
+def process_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except FileNotFoundError:
+        return None
+
+
+def _may_access(uid: int) -> bool:
+    euid = os.geteuid()
+    return euid == 0 or uid == euid
+
+
+@dataclass(frozen=True)
+class RegionHeader:
+    pid: int
+    uid: int
+    start_time: int
+    created_unix_ns: int
+    cmdline: str
+    config: str
+    device_count: int
+
+
+class Region:
+    """The mapped region of one live process. Use as a context manager."""
+
+    def __init__(self, pid: int, writable: bool = False):
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise NoSuchProcessError(f"invalid pid {pid!r}")
+        self.pid = pid
+        self.path = region_path(pid)
+        self._writable = writable
+        start_time = process_start_time(pid)
+        if start_time is None:
+            raise NoSuchProcessError(f"no such process: {pid}")
+        self._fd = self._open()
+        try:
+            self._map = self._map_validated()
+            self._region: Any = ffi.from_buffer("npualloc_region *", self._map)
+            self._check_header(start_time)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> int:
+        flags = (os.O_RDWR if self._writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(self.path, flags)
+        except FileNotFoundError:
+            owner = process_uid(self.pid)
+            if owner is not None and not _may_access(owner):
+                raise OtherUserError(f"process {self.pid} belongs to another user") from None
+            raise NotUnderNpuallocError(
+                f"process {self.pid} is not running under npualloc (no region {self.path}: not preloaded, "
+                "NPUALLOC_STATS=0, or nothing allocated yet)") from None
+        except PermissionError:
+            raise OtherUserError(f"process {self.pid} belongs to another user ({self.path} is not readable)") from None
+        except OSError as e:  # ELOOP: a symlink planted where the region should be
+            raise CorruptRegionError(f"cannot open {self.path}: {e.strerror}") from None
+
+    def _map_validated(self) -> mmap.mmap:
+        info = os.fstat(self._fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptRegionError(f"{self.path} is not a regular file")
+        if not _may_access(info.st_uid):
+            raise OtherUserError(f"{self.path} belongs to another user")
+        if info.st_size < REGION_SIZE:
+            raise CorruptRegionError(f"{self.path} is truncated: {info.st_size} bytes, a region has {REGION_SIZE}")
+        access = mmap.ACCESS_WRITE if self._writable else mmap.ACCESS_READ
+        return mmap.mmap(self._fd, REGION_SIZE, access=access)
+
+    def _check_header(self, start_time: int) -> None:
+        header = self._region.header
+        if header.magic != constants.NPUALLOC_SHM_MAGIC:
+            raise CorruptRegionError(f"{self.path} is not an npualloc region (bad magic)")
+        if header.version != constants.NPUALLOC_SHM_VERSION:
+            raise IncompatibleRegionError(
+                f"{self.path} has region layout version {header.version}; this npualloc reads version "
+                f"{constants.NPUALLOC_SHM_VERSION} (use the npualloc the process was started with)")
+        if header.size != REGION_SIZE:
+            raise CorruptRegionError(f"{self.path} declares a {header.size}-byte region, expected {REGION_SIZE}")
+        if header.pid != self.pid or header.device_count > constants.NPUALLOC_MAX_DEVICES:
+            raise CorruptRegionError(f"{self.path} has an inconsistent header")
+        if not _may_access(header.uid):
+            raise OtherUserError(f"process {self.pid} belongs to another user")
+        if header.start_time and header.start_time != start_time:
+            raise NotUnderNpuallocError(
+                f"process {self.pid} is not running under npualloc ({self.path} is stale: it was left by an "
+                "earlier process with the same pid)")
+
+    def close(self) -> None:
+        region = self.__dict__.pop("_region", None)
+        if region is not None:
+            ffi.release(region)
+        mapping = self.__dict__.pop("_map", None)
+        if mapping is not None:
+            mapping.close()
+        fd = self.__dict__.pop("_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> Region:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def header(self) -> RegionHeader:
+        h = self._region.header
+        return RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
+                            cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
+                            config=ffi.string(h.config, len(h.config)).decode(errors="replace"),
+                            device_count=h.device_count)
+
+    def devices_in_use(self) -> list[int]:
+        count = min(self._region.header.device_count, constants.NPUALLOC_MAX_DEVICES)
+        return [d for d in range(count) if self._region.devices[d].in_use]
+
+    def read_device_stats(self, device: int) -> Any:
+        """A consistent copy of one device's stats (npualloc_device_stats *):
+        copy between two reads of an even, unchanged seq."""
+        if not 0 <= device < constants.NPUALLOC_MAX_DEVICES:
+            raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
+        source = self._region.devices + device
+        copy = ffi.new("npualloc_device_stats *")
+        deadline = time.monotonic() + SEQLOCK_TIMEOUT_S
+        while True:
+            before = source.seq
+            if before % 2 == 0:
+                ffi.memmove(copy, source, DEVICE_STATS_SIZE)
+                if source.seq == before and copy.seq == before:
+                    return copy
+            if time.monotonic() > deadline:
+                raise CorruptRegionError(f"{self.path}: device {device} stats stayed mid-update for "
+                                         f"{SEQLOCK_TIMEOUT_S:g}s (writer died inside its seqlock?)")
+            os.sched_yield()
+
+    def post_command(self, code: int, device: int = -1, arg: float = 0.0,
+                     timeout: float = COMMAND_TIMEOUT_S) -> None:
+        """Posts a command and waits for the process to acknowledge it. The
+        process applies it at its next allocator call, so an idle process times out."""
+        if not self._writable:
+            raise NpuallocError("region opened read-only")
+        # Serialises requesters (two CLIs at once); the process never takes it.
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            command = self._region.command
+            command.code = code
+            command.device = device
+            command.arg = arg
+            target = command.request_seq + 1
+            command.request_seq = target  # publishes the fields above (stored after them)
+            deadline = time.monotonic() + timeout
+            while command.ack_seq < target:
+                if time.monotonic() > deadline:
+                    raise CommandTimeoutError(
+                        f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is applied at "
+                        "its next allocator call (it stays posted; is the process idle?)")
+                time.sleep(0.005)
+            status = command.ack_status
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if status != constants.NPUALLOC_CMD_OK:
+            raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status, f'status {status}')}")
+
+
+@dataclass(frozen=True)
+class RegionEntry:
+    pid: int
+    path: Path
+
+
+def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
+    """Every region file of the region directory with its opened Region, or
+    the error that kept it from opening. Files of dead pids and stale files of
+    reused pids are removed (only our own: the sticky /dev/shm refuses others)
+    and not yielded."""
+    try:
+        names = sorted(os.listdir(region_dir()))
+    except FileNotFoundError:
+        return
+    for name in names:
+        match = REGION_NAME.fullmatch(name)
+        if match is None:
+            continue
+        entry = RegionEntry(int(match.group(1)), region_dir() / name)
+        try:
+            inode = entry.path.lstat().st_ino
+            region = Region(entry.pid)
+        except FileNotFoundError:
+            continue  # its process removed it at exit meanwhile
+        except (NoSuchProcessError, NotUnderNpuallocError):
+            _remove_stale(entry.path, inode)
+            continue
+        except NpuallocError as e:
+            yield entry, e
+            continue
+        yield entry, region
+
+
+def _remove_stale(path: Path, inode: int) -> None:
+    try:
+        info = path.lstat()
+        # Same inode: not a fresh region a new process with this pid just renamed into place.
+        if info.st_ino == inode and _may_access(info.st_uid):
+            path.unlink()
+    except OSError:
+        pass  # gone already, or not ours to remove

@@ -125,6 +125,16 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device);
 /* Change the GC threshold at run time (0 turns GC off). */
 int npa_set_gc_threshold(npa_allocator *a, double threshold);
 const npa_config *npa_get_config(const npa_allocator *a);
+/* Change record_history at run time (0 turns it off; the trace restarts). */
+void npa_set_record_history(npa_allocator *a, size_t max_entries);
+
+/* Counters only the hook layer sees, added to a device's stats (under its
+ * lock, like every other stat, so readers of the region see them too). */
+typedef enum npa_counter {
+    NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED = 0, /* num_executor_destroys_forwarded */
+    NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED = 1,   /* num_executor_destroys_skipped */
+} npa_counter;
+void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta);
 
 /* Visit every segment of a device (device < 0: all) under its lock. */
 void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visitor, void *arg);

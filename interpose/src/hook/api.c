@@ -1,0 +1,160 @@
+/* npualloc.h: the in-process C API, callable before the first allocation
+ * (then there is nothing cached and the stats are zero). */
+#include <dlfcn.h>
+#include <string.h>
+
+#include "hook.h"
+#include "npualloc.h"
+#include "region/region.h"
+
+NPA_EXPORT int npualloc_is_active(void)
+{
+    if (npa_hook_disabled())
+        return 0;
+    if (atomic_load_explicit(&npa_serving, memory_order_acquire) != NULL)
+        return 1;
+    /* Not allocated yet (or finalized): active when the program's aclrtMalloc
+     * would reach us, i.e. we are preloaded rather than merely dlopened by the
+     * Python package. */
+    return npa_real_dlsym(RTLD_DEFAULT, "aclrtMalloc") == npa_self_fn(NPA_FN_aclrtMalloc);
+}
+
+static int bad_device(int device)
+{
+    return device < 0 || device >= NPUALLOC_MAX_DEVICES;
+}
+
+NPA_EXPORT int npualloc_get_stats(int device, npualloc_device_stats *out)
+{
+    if (bad_device(device) || out == NULL)
+        return -1;
+    npa_allocator *a = npa_hook_allocator_any();
+    if (a != NULL) {
+        npa_get_stats(a, device, out);
+    } else {
+        memset(out, 0, sizeof(*out));
+        out->max_split_size = -1; /* torch's "unset" */
+    }
+    return 0;
+}
+
+NPA_EXPORT void npualloc_empty_cache(int device)
+{
+    /* Only while serving: after aclFinalize the segments are the runtime's past. */
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (a != NULL)
+        npa_empty_cache(a, device);
+}
+
+NPA_EXPORT void npualloc_reset_peak_stats(int device)
+{
+    npa_allocator *a = npa_hook_allocator_any();
+    if (a != NULL)
+        npa_reset_peak_stats(a, device);
+}
+
+NPA_EXPORT void npualloc_reset_accumulated_stats(int device)
+{
+    npa_allocator *a = npa_hook_allocator_any();
+    if (a != NULL)
+        npa_reset_accumulated_stats(a, device);
+}
+
+NPA_EXPORT size_t npualloc_get_config(char *buf, size_t len)
+{
+    npa_allocator *a = npa_hook_allocator_any();
+    return npa_config_format(a ? npa_get_config(a) : npa_hook_config(), buf, len);
+}
+
+static void set_config_warn(void *arg, const char *message)
+{
+    (void)arg;
+    npa_warn_once("npualloc_set_config: %s (not applied)", message);
+}
+
+/* One "key:value" item; list values keep their brackets. */
+static int apply_item(npa_allocator *a, const char *item, size_t len)
+{
+    char text[256];
+    if (len >= sizeof(text)) {
+        npa_warn_once("npualloc_set_config: item too long (not applied)");
+        return 1;
+    }
+    memcpy(text, item, len);
+    text[len] = '\0';
+    size_t klen = strcspn(text, ":=");
+    while (klen > 0 && (text[klen - 1] == ' ' || text[klen - 1] == '\t'))
+        klen--;
+    const char *key = text + strspn(text, " \t");
+    size_t key_len = (size_t)(text + klen - key);
+    if (key_len == 0)
+        return 0; /* an empty item, as in "a:1,,b:2" */
+    int gc = key_len == strlen("garbage_collection_threshold") &&
+             strncmp(key, "garbage_collection_threshold", key_len) == 0;
+    int history = key_len == strlen("record_history") && strncmp(key, "record_history", key_len) == 0;
+    if (!gc && !history) {
+        npa_warn_once("npualloc_set_config: %.*s cannot change at run time; set it in PYTORCH_NPU_ALLOC_CONF "
+                      "before the program starts",
+                      (int)key_len, key);
+        return 1;
+    }
+    npa_config parsed;
+    npa_config_defaults(&parsed);
+    if (npa_config_parse(&parsed, text, set_config_warn, NULL) != 0)
+        return 1;
+    if (a == NULL)
+        a = npa_hook_preinit_config(&parsed, gc);
+    if (a == NULL)
+        return 0; /* the allocator will be created with it */
+    if (gc)
+        return npa_set_gc_threshold(a, parsed.garbage_collection_threshold) != 0;
+    npa_set_record_history(a, parsed.record_history);
+    return 0;
+}
+
+NPA_EXPORT int npualloc_set_config(const char *text)
+{
+    if (text == NULL)
+        return 0;
+    npa_allocator *a = npa_hook_allocator_any();
+    int rejected = 0;
+    const char *item = text;
+    int depth = 0;
+    for (const char *p = text;; p++) {
+        if (*p == '[')
+            depth++;
+        else if (*p == ']' && depth > 0)
+            depth--;
+        if (*p == '\0' || (*p == ',' && depth == 0)) {
+            rejected += apply_item(a, item, (size_t)(p - item));
+            if (*p == '\0')
+                break;
+            item = p + 1;
+        }
+    }
+    if (a != NULL) {
+        char canonical[NPUALLOC_CONFIG_LEN];
+        npa_config_format(npa_get_config(a), canonical, sizeof(canonical));
+        npa_region_set_config(canonical);
+    }
+    return rejected;
+}
+
+NPA_EXPORT int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
+{
+    __typeof__(&aclrtGetMemInfo) real = NPA_REAL(aclrtGetMemInfo);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtGetMemInfo);
+    npa_devswitch sw;
+    aclError err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = real(ACL_HBM_MEM, free_bytes, total_bytes);
+    npa_device_leave(&sw);
+    return err;
+}
+
+NPA_EXPORT int npualloc_current_device(void)
+{
+    return npa_tls_device;
+}

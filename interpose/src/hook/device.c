@@ -1,0 +1,75 @@
+/* The device current on each thread. aclrtMalloc carries no device, and
+ * asking the runtime on every call would cost more than the cache saves, so
+ * we record what aclrtSetDevice made current (it goes through us) and ask
+ * aclrtGetDevice only for a thread that never set a device through us. */
+#include "hook.h"
+
+NPA_TLS int npa_tls_device = -1;
+
+static atomic_uint devices_seen;
+
+static void note_seen(int device)
+{
+    if (device >= 0 && device < 32)
+        atomic_fetch_or_explicit(&devices_seen, 1u << device, memory_order_relaxed);
+}
+
+unsigned npa_devices_seen(void)
+{
+    return atomic_load_explicit(&devices_seen, memory_order_relaxed);
+}
+
+int npa_thread_device_slow(void)
+{
+    __typeof__(&aclrtGetDevice) get = NPA_REAL(aclrtGetDevice);
+    int32_t device = -1;
+    /* A failure (no device on this thread) is not remembered: the thread may
+     * set one later through a path we do not see. */
+    if (get == NULL || get(&device) != ACL_SUCCESS || device < 0)
+        return -1;
+    npa_tls_device = device;
+    note_seen(device);
+    return device;
+}
+
+void npa_device_set_current(int device)
+{
+    npa_tls_device = device;
+    note_seen(device);
+}
+
+void npa_device_forget_current(void)
+{
+    npa_tls_device = -1;
+}
+
+/* The runtime's synchronize, mem-info and event calls act on the thread's
+ * current device. When the core asks about another one we switch for the one
+ * call. SetDevice is reference-counted, so the switch is undone with a
+ * ResetDevice of the device we borrowed before going back. */
+aclError npa_device_enter(int device, npa_devswitch *s)
+{
+    s->device = device;
+    s->prev = npa_thread_device();
+    s->switched = 0;
+    if (s->prev == device)
+        return ACL_SUCCESS;
+    __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
+    if (set == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtSetDevice);
+    aclError err = set(device);
+    if (err == ACL_SUCCESS)
+        s->switched = 1;
+    return err;
+}
+
+void npa_device_leave(npa_devswitch *s)
+{
+    if (!s->switched)
+        return;
+    __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
+    __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
+    reset(s->device);
+    if (s->prev >= 0)
+        set(s->prev);
+}

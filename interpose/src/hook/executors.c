@@ -1,0 +1,234 @@
+/* aclnn executors. Phase 2 of an aclnn call destroys a plain executor itself;
+ * only an executor made repeatable must be destroyed by the caller. Programs
+ * that cannot tell the two apart either destroy every executor after phase 2
+ * (a double free: the runtime aborts) or, like MindTorch v2, defer every
+ * destroy to exit. We remember which executors were made repeatable: a destroy
+ * of any other (or a second destroy) is a no-op that succeeds, and a real one
+ * is forwarded once, after the work queued before it has finished, because the
+ * executor may still be in use by a kernel in flight. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "hook.h"
+
+#define TOMBSTONE ((aclOpExecutor *)(uintptr_t)1)
+
+/* Open-addressing set of repeatable executors. */
+static aclOpExecutor **set_slots;
+static size_t set_cap, set_used, set_live; /* used counts tombstones too */
+
+typedef struct deferred {
+    aclOpExecutor *executor;
+    void *fence;
+    int device;
+} deferred;
+static deferred *pending;
+static size_t npending, cap_pending;
+
+static pthread_mutex_t exec_lock = PTHREAD_MUTEX_INITIALIZER;
+atomic_int npa_exec_deferred;
+
+static size_t slot_of(const aclOpExecutor *e, size_t cap)
+{
+    uintptr_t x = (uintptr_t)e;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x & (cap - 1);
+}
+
+static int set_grow(void)
+{
+    size_t ncap = set_cap ? set_cap * 2 : 64;
+    aclOpExecutor **ns = calloc(ncap, sizeof(*ns));
+    if (ns == NULL)
+        return -1;
+    for (size_t i = 0; i < set_cap; i++) {
+        aclOpExecutor *e = set_slots[i];
+        if (e == NULL || e == TOMBSTONE)
+            continue;
+        size_t s = slot_of(e, ncap);
+        while (ns[s] != NULL)
+            s = (s + 1) & (ncap - 1);
+        ns[s] = e;
+    }
+    free(set_slots);
+    set_slots = ns;
+    set_cap = ncap;
+    set_used = set_live;
+    return 0;
+}
+
+static void set_insert(aclOpExecutor *e)
+{
+    if ((set_used + 1) * 2 > set_cap && set_grow() != 0) {
+        npa_warn_once("out of host memory tracking aclnn executors; destroying one will be skipped");
+        return;
+    }
+    size_t s = slot_of(e, set_cap);
+    size_t tomb = SIZE_MAX;
+    for (; set_slots[s] != NULL; s = (s + 1) & (set_cap - 1)) {
+        if (set_slots[s] == e)
+            return; /* made repeatable twice: still one destroy to forward */
+        if (set_slots[s] == TOMBSTONE && tomb == SIZE_MAX)
+            tomb = s;
+    }
+    if (tomb != SIZE_MAX) {
+        s = tomb;
+    } else {
+        set_used++;
+    }
+    set_slots[s] = e;
+    set_live++;
+}
+
+static int set_remove(aclOpExecutor *e)
+{
+    if (set_cap == 0)
+        return 0;
+    for (size_t s = slot_of(e, set_cap); set_slots[s] != NULL; s = (s + 1) & (set_cap - 1))
+        if (set_slots[s] == e) {
+            set_slots[s] = TOMBSTONE;
+            set_live--;
+            return 1;
+        }
+    return 0;
+}
+
+static void count(int device, npa_counter counter)
+{
+    npa_allocator *a = npa_hook_allocator_any();
+    if (a != NULL)
+        npa_count(a, device < 0 ? 0 : device, counter, 1);
+}
+
+static void forward_destroy(aclOpExecutor *e, int device)
+{
+    __typeof__(&aclDestroyAclOpExecutor) destroy = NPA_REAL(aclDestroyAclOpExecutor);
+    if (destroy != NULL)
+        destroy(e);
+    count(device, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED);
+}
+
+void npa_exec_drain(int force)
+{
+    if (force) {
+        pthread_mutex_lock(&exec_lock);
+    } else if (pthread_mutex_trylock(&exec_lock) != 0) {
+        return; /* another thread is draining: the allocation path never waits here */
+    }
+    size_t kept = 0;
+    for (size_t i = 0; i < npending; i++) {
+        deferred *d = &pending[i];
+        if (!npa_fence_done(NULL, d->fence)) {
+            if (!force) {
+                pending[kept++] = *d;
+                continue;
+            }
+            npa_hook_synchronize(d->device);
+        }
+        npa_fence_release(NULL, d->fence);
+        forward_destroy(d->executor, d->device);
+    }
+    npending = kept;
+    atomic_store_explicit(&npa_exec_deferred, (int)kept, memory_order_relaxed);
+    pthread_mutex_unlock(&exec_lock);
+}
+
+NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
+{
+    __typeof__(&aclSetAclOpExecutorRepeatable) real = NPA_REAL(aclSetAclOpExecutorRepeatable);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclSetAclOpExecutorRepeatable);
+    aclnnStatus ret = real(executor);
+    if (ret == ACLNN_SUCCESS && executor != NULL && !npa_hook_disabled()) {
+        npa_hook_register_handlers();
+        pthread_mutex_lock(&exec_lock);
+        set_insert(executor);
+        pthread_mutex_unlock(&exec_lock);
+    }
+    npa_exec_poll();
+    return ret;
+}
+
+NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
+{
+    if (executor == NULL || npa_hook_disabled()) {
+        __typeof__(&aclDestroyAclOpExecutor) real = NPA_REAL(aclDestroyAclOpExecutor);
+        return real ? real(executor) : npa_no_runtime_error(NPA_FN_aclDestroyAclOpExecutor);
+    }
+    /* An executor means the process uses the NPU: create the allocator (and
+     * its stats) now if no allocation did, so the destroy is counted. */
+    npa_hook_allocator();
+    int device = npa_thread_device();
+    pthread_mutex_lock(&exec_lock);
+    int repeatable = set_remove(executor);
+    pthread_mutex_unlock(&exec_lock);
+    if (!repeatable) {
+        /* Phase 2 destroyed it already, or this is a second destroy. */
+        count(device, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED);
+        return ACLNN_SUCCESS;
+    }
+    void *fence = device >= 0 ? npa_fence_record_always(device) : NULL;
+    if (fence == NULL) {
+        /* No device on this thread (nothing of its own queued), or the fence
+         * synchronized the device instead: nothing left to wait for. */
+        forward_destroy(executor, device);
+        return ACLNN_SUCCESS;
+    }
+    pthread_mutex_lock(&exec_lock);
+    if (npending == cap_pending) {
+        size_t ncap = cap_pending ? cap_pending * 2 : 16;
+        deferred *np = realloc(pending, ncap * sizeof(*np));
+        if (np == NULL) {
+            pthread_mutex_unlock(&exec_lock);
+            npa_hook_synchronize(device);
+            npa_fence_release(NULL, fence);
+            forward_destroy(executor, device);
+            return ACLNN_SUCCESS;
+        }
+        pending = np;
+        cap_pending = ncap;
+    }
+    pending[npending++] = (deferred){executor, fence, device};
+    atomic_store_explicit(&npa_exec_deferred, (int)npending, memory_order_relaxed);
+    pthread_mutex_unlock(&exec_lock);
+    npa_exec_poll();
+    return ACLNN_SUCCESS;
+}
+
+NPA_EXPORT aclnnStatus aclnnFinalize(void)
+{
+    __typeof__(&aclnnFinalize) real = NPA_REAL(aclnnFinalize);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclnnFinalize);
+    /* The deferred destroys must reach the runtime while it still exists. */
+    npa_exec_drain(1);
+    return real();
+}
+
+#define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
+SELF(aclSetAclOpExecutorRepeatable) SELF(aclDestroyAclOpExecutor) SELF(aclnnFinalize)
+#undef SELF
+
+void npa_exec_lock_for_fork(void)
+{
+    pthread_mutex_lock(&exec_lock);
+}
+
+void npa_exec_unlock_after_fork(void)
+{
+    pthread_mutex_unlock(&exec_lock);
+}
+
+void npa_exec_forget_after_fork(void)
+{
+    /* The parent owns its executors: the child must not destroy them. */
+    if (set_slots != NULL)
+        for (size_t i = 0; i < set_cap; i++)
+            set_slots[i] = NULL;
+    set_used = set_live = 0;
+    npending = 0;
+    atomic_store_explicit(&npa_exec_deferred, 0, memory_order_relaxed);
+}

@@ -1,0 +1,195 @@
+/* The ACL entry points the program calls. Allocations and frees are served by
+ * the caching allocator; the device and stream calls are forwarded and noted
+ * (the current device per thread, the live streams), and aclrtResetDevice /
+ * aclFinalize give our cache back before the runtime tears the device down.
+ *
+ * The hit path of aclrtMalloc/aclrtFree is: one acquire load (the allocator),
+ * one thread-local load (the device), two relaxed loads (region command,
+ * deferred executors), then the core. */
+#include "hook.h"
+#include "region/region.h"
+
+/* Policies we serve from our segments (all HUGE_FIRST). P2P, 1 GB pages and
+ * the memory-type / read-only flags ask for memory of another kind: those
+ * calls go to the runtime whole, and their frees come back as not ours. */
+static inline int cacheable_policy(aclrtMemMallocPolicy policy)
+{
+    return (unsigned)policy <= ACL_MEM_MALLOC_NORMAL_ONLY;
+}
+
+static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPolicy policy, npa_entry entry,
+                                    npa_fn fn)
+{
+    npa_allocator *a = npa_hook_allocator();
+    /* NULL devPtr and size 0 are the runtime's to refuse, with its own code. */
+    if (NPA_LIKELY(a != NULL && devPtr != NULL && size != 0 && cacheable_policy(policy))) {
+        int device = npa_thread_device();
+        if (NPA_LIKELY(device >= 0 && device < NPUALLOC_MAX_DEVICES)) {
+            if (NPA_UNLIKELY(npa_real(NPA_FN_aclrtMalloc) == NULL))
+                return npa_no_runtime_error(fn);
+            npa_region_poll(a);
+            npa_exec_poll();
+            return npa_malloc(a, device, size, entry, devPtr);
+        }
+        /* No device on this thread: the runtime reports that better than we can. */
+    }
+    __typeof__(&aclrtMalloc) real = (__typeof__(&aclrtMalloc))npa_real(fn);
+    return real ? real(devPtr, size, policy) : npa_no_runtime_error(fn);
+}
+
+NPA_EXPORT aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    return malloc_entry(devPtr, size, policy, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc);
+}
+
+NPA_EXPORT aclError aclrtMallocAlign32(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    return malloc_entry(devPtr, size, policy, NPA_ENTRY_ALIGN32, NPA_FN_aclrtMallocAlign32);
+}
+
+/* Same size contract as aclrtMalloc (the cached flavour only differs in the
+ * host-side cache attribute of the mapping, which device memory ignores). */
+NPA_EXPORT aclError aclrtMallocCached(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    return malloc_entry(devPtr, size, policy, NPA_ENTRY_MALLOC, NPA_FN_aclrtMallocCached);
+}
+
+/* Frees: ours go back to the cache; a pointer we never made goes to the
+ * runtime (torch_npu and MindTorch allocate through paths we may not see); a
+ * pointer inside our segments that is not a live block (a double free, an
+ * interior pointer) is refused with the runtime's free error. */
+static inline aclError free_entry(void *devPtr, npa_fn fn)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (NPA_LIKELY(a != NULL && devPtr != NULL)) {
+        npa_region_poll(a);
+        npa_exec_poll();
+        switch (npa_free(a, devPtr, npa_tls_device, NULL)) {
+        case NPA_FREE_OK:
+            return ACL_SUCCESS;
+        case NPA_FREE_INVALID:
+            npa_warn_once("%s(%p): not a live allocation (double free or interior pointer); refused with %d",
+                          fn == NPA_FN_aclrtFree ? "aclrtFree" : "aclrtFreeWithDevSync", devPtr,
+                          ACL_ERROR_RT_MEMORY_FREE);
+            return ACL_ERROR_RT_MEMORY_FREE;
+        case NPA_FREE_NOT_OURS:
+            break;
+        }
+    }
+    __typeof__(&aclrtFree) real = (__typeof__(&aclrtFree))npa_real(fn);
+    return real ? real(devPtr) : npa_no_runtime_error(fn);
+}
+
+NPA_EXPORT aclError aclrtFree(void *devPtr)
+{
+    return free_entry(devPtr, NPA_FN_aclrtFree);
+}
+
+/* The runtime's version synchronizes the device, then frees. For a block of
+ * ours the synchronize is what the caller asked for (everything queued is
+ * done, so the block is reusable at once); a foreign pointer gets the
+ * runtime's own call whole, never a sync from us plus a free from it. */
+NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (a != NULL && devPtr != NULL) {
+        int device = npa_thread_device();
+        npa_region_poll(a);
+        if (device >= 0) {
+            aclError err = npa_hook_synchronize(device);
+            if (err != ACL_SUCCESS)
+                return err;
+        }
+        switch (npa_free(a, devPtr, device, NULL)) {
+        case NPA_FREE_OK:
+            return ACL_SUCCESS;
+        case NPA_FREE_INVALID:
+            npa_warn_once("aclrtFreeWithDevSync(%p): not a live allocation (double free or interior pointer); "
+                          "refused with %d",
+                          devPtr, ACL_ERROR_RT_MEMORY_FREE);
+            return ACL_ERROR_RT_MEMORY_FREE;
+        case NPA_FREE_NOT_OURS:
+            break;
+        }
+    }
+    __typeof__(&aclrtFreeWithDevSync) real = NPA_REAL(aclrtFreeWithDevSync);
+    return real ? real(devPtr) : npa_no_runtime_error(NPA_FN_aclrtFreeWithDevSync);
+}
+
+NPA_EXPORT aclError aclrtSetDevice(int32_t deviceId)
+{
+    __typeof__(&aclrtSetDevice) real = NPA_REAL(aclrtSetDevice);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtSetDevice);
+    aclError err = real(deviceId);
+    if (err == ACL_SUCCESS)
+        npa_device_set_current(deviceId);
+    return err;
+}
+
+NPA_EXPORT aclError aclrtResetDevice(int32_t deviceId)
+{
+    __typeof__(&aclrtResetDevice) real = NPA_REAL(aclrtResetDevice);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtResetDevice);
+    if (!npa_hook_disabled())
+        npa_hook_before_reset(deviceId);
+    aclError err = real(deviceId);
+    /* The device may or may not still be current (SetDevice is counted): ask
+     * the runtime again on this thread's next allocation. */
+    npa_device_forget_current();
+    return err;
+}
+
+NPA_EXPORT aclError aclInit(const char *configPath)
+{
+    __typeof__(&aclInit) real = NPA_REAL(aclInit);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclInit);
+    aclError err = real(configPath);
+    if (err == ACL_SUCCESS)
+        npa_hook_after_init();
+    return err;
+}
+
+NPA_EXPORT aclError aclFinalize(void)
+{
+    __typeof__(&aclFinalize) real = NPA_REAL(aclFinalize);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclFinalize);
+    if (!npa_hook_disabled())
+        npa_hook_before_finalize();
+    return real();
+}
+
+NPA_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
+{
+    __typeof__(&aclrtCreateStream) real = NPA_REAL(aclrtCreateStream);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtCreateStream);
+    aclError err = real(stream);
+    if (err == ACL_SUCCESS && stream != NULL && !npa_hook_disabled()) {
+        npa_hook_register_handlers();
+        npa_streams_add(npa_thread_device(), *stream);
+    }
+    return err;
+}
+
+NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
+{
+    __typeof__(&aclrtDestroyStream) real = NPA_REAL(aclrtDestroyStream);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtDestroyStream);
+    /* Untracked first, so no fence records on a stream being destroyed. */
+    int tracked = npa_streams_remove(stream);
+    aclError err = real(stream);
+    if (err != ACL_SUCCESS && tracked)
+        npa_streams_add(npa_thread_device(), stream);
+    return err;
+}
+
+#define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
+SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtMalloc)
+SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
+SELF(aclrtCreateStream) SELF(aclrtDestroyStream)
+#undef SELF

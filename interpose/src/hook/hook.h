@@ -1,0 +1,180 @@
+/* The hook layer's internal interface: the pieces of libnpualloc.so that sit
+ * between the program's ACL calls and the allocator core. One concern per file:
+ *   realacl.c   finding the real runtime's functions (never our own)
+ *   dlsym.c     the exported dlsym that hands out our functions for handle lookups
+ *   device.c    the device current on each thread, and switching to another one
+ *   streams.c   live streams per device and the event fences of stream-safe reuse
+ *   executors.c aclnn executor destroys: skip double frees, defer the real ones
+ *   lifecycle.c lazy init, the backend, reset/finalize, exit and fork
+ *   exports.c   the aclrt* / acl* entry points the program calls
+ *   api.c       npualloc.h, the in-process C API
+ *   warn.c      once-only stderr warnings */
+#ifndef NPUALLOC_HOOK_H
+#define NPUALLOC_HOOK_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+
+#include "acl/acl.h"
+#include "aclnn/acl_meta.h"
+#include "core.h"
+
+/* Only what carries this leaves the library (it is built -fvisibility=hidden). */
+#define NPA_EXPORT __attribute__((visibility("default")))
+#define NPA_HIDDEN __attribute__((visibility("hidden")))
+/* Thread-locals read on the allocation path: a fixed offset from the thread
+ * pointer instead of a __tls_get_addr call. */
+#define NPA_TLS __thread __attribute__((tls_model("initial-exec")))
+#define NPA_LIKELY(x) __builtin_expect(!!(x), 1)
+#define NPA_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- realacl.c ------------------------------------------------------------ */
+
+/* Every runtime function the hook layer calls or hands out. The first
+ * NPA_FN_INTERPOSED_COUNT are also exported by us, in this order. */
+typedef enum npa_fn {
+    NPA_FN_aclInit,
+    NPA_FN_aclFinalize,
+    NPA_FN_aclrtSetDevice,
+    NPA_FN_aclrtResetDevice,
+    NPA_FN_aclrtMalloc,
+    NPA_FN_aclrtMallocAlign32,
+    NPA_FN_aclrtMallocCached,
+    NPA_FN_aclrtFree,
+    NPA_FN_aclrtFreeWithDevSync,
+    NPA_FN_aclrtCreateStream,
+    NPA_FN_aclrtDestroyStream,
+    NPA_FN_aclnnFinalize,
+    NPA_FN_aclSetAclOpExecutorRepeatable,
+    NPA_FN_aclDestroyAclOpExecutor,
+    NPA_FN_INTERPOSED_COUNT,
+    /* Called by the hook layer only. */
+    NPA_FN_aclrtGetDevice = NPA_FN_INTERPOSED_COUNT,
+    NPA_FN_aclrtSynchronizeDevice,
+    NPA_FN_aclrtGetMemInfo,
+    NPA_FN_aclrtCreateEvent,
+    NPA_FN_aclrtRecordEvent,
+    NPA_FN_aclrtQueryEventStatus,
+    NPA_FN_aclrtDestroyEvent,
+    NPA_FN_COUNT
+} npa_fn;
+
+/* The real function, resolved once and cached; NULL when no runtime provides it
+ * (warned once per function; the caller returns npa_no_runtime_error). */
+void *npa_real_slow(npa_fn fn);
+extern _Atomic(void *) npa_real_fns[NPA_FN_COUNT];
+static inline void *npa_real(npa_fn fn)
+{
+    void *p = atomic_load_explicit(&npa_real_fns[fn], memory_order_acquire);
+    return NPA_LIKELY(p != NULL) ? p : npa_real_slow(fn);
+}
+#define NPA_REAL(name) ((__typeof__(&name))npa_real(NPA_FN_##name))
+/* The error a call returns when the runtime cannot be found. */
+int npa_no_runtime_error(npa_fn fn);
+
+/* For dlsym: the npa_fn of an interposed name (-1 if not ours), our own
+ * function for it, and recording a real one found through a handle. */
+int npa_interposed_index(const char *name);
+void *npa_self_fn(int index);
+void npa_real_offer(int index, void *fn);
+/* The real dlsym (dlvsym of the newest glibc version that exists), NULL if
+ * none; npa_real_dlsym calls it (RTLD_NEXT then means "after libnpualloc"). */
+typedef void *(*npa_dlsym_fn)(void *, const char *);
+npa_dlsym_fn npa_get_real_dlsym(void);
+void *npa_real_dlsym(void *handle, const char *name);
+
+/* ---- device.c ------------------------------------------------------------- */
+
+extern NPA_TLS int npa_tls_device; /* -1: not known on this thread yet */
+int npa_thread_device_slow(void);
+/* The device current on this thread: the recorded one, else asked of the
+ * runtime once; -1 when the thread has none. */
+static inline int npa_thread_device(void)
+{
+    int d = npa_tls_device;
+    return NPA_LIKELY(d >= 0) ? d : npa_thread_device_slow();
+}
+void npa_device_set_current(int device); /* after a successful SetDevice */
+void npa_device_forget_current(void);    /* after ResetDevice */
+/* Devices that have been current on some thread (bit per device). */
+unsigned npa_devices_seen(void);
+
+/* Making `device` current for one runtime call and restoring afterwards. */
+typedef struct npa_devswitch {
+    int device, prev, switched;
+} npa_devswitch;
+aclError npa_device_enter(int device, npa_devswitch *s);
+void npa_device_leave(npa_devswitch *s);
+
+/* ---- streams.c ------------------------------------------------------------ */
+
+void npa_streams_add(int device, aclrtStream stream);
+int npa_streams_remove(aclrtStream stream); /* 1 when it was tracked */
+int npa_streams_live(void);                 /* created and not yet destroyed */
+/* A fence over every live stream of the device and its default stream,
+ * whatever the reuse policy (the executors need one always); NULL only when
+ * the fence could not be recorded, after synchronizing the device instead. */
+void *npa_fence_record_always(int device);
+void *npa_fence_record(void *ctx, int device); /* backend: honours reuse_policy */
+int npa_fence_done(void *ctx, void *fence);
+void npa_fence_release(void *ctx, void *fence);
+int npa_fence_device(const void *fence);
+void npa_streams_destroy_events(int device); /* device < 0: all; before reset/finalize */
+void npa_streams_forget_after_fork(void);
+void npa_streams_lock_for_fork(void);
+void npa_streams_unlock_after_fork(void);
+
+/* ---- executors.c ---------------------------------------------------------- */
+
+extern atomic_int npa_exec_deferred; /* destroys waiting for their fence */
+void npa_exec_drain(int force);       /* force: wait for every fence, then forward */
+static inline void npa_exec_poll(void)
+{
+    if (NPA_UNLIKELY(atomic_load_explicit(&npa_exec_deferred, memory_order_relaxed) != 0))
+        npa_exec_drain(0);
+}
+void npa_exec_forget_after_fork(void);
+void npa_exec_lock_for_fork(void);
+void npa_exec_unlock_after_fork(void);
+
+/* ---- lifecycle.c ---------------------------------------------------------- */
+
+/* The allocator serving calls: NULL before init (see npa_hook_allocator),
+ * when disabled, after aclFinalize. */
+extern _Atomic(npa_allocator *) npa_serving;
+npa_allocator *npa_hook_init(void);
+/* The allocator for the next malloc, initialising on the first call. */
+static inline npa_allocator *npa_hook_allocator(void)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    return NPA_LIKELY(a != NULL) ? a : npa_hook_init();
+}
+/* The allocator whatever its state (stats stay readable after aclFinalize). */
+npa_allocator *npa_hook_allocator_any(void);
+int npa_hook_disabled(void); /* NPUALLOC_DISABLE / PYTORCH_NO_CUDA_MEMORY_CACHING */
+/* The config from the environment, parsed once (its warnings printed once). */
+const npa_config *npa_hook_config(void);
+/* A run-time key set before the first allocation: the allocator is created
+ * with it (gc: garbage_collection_threshold, else record_history). Returns
+ * the allocator instead when one exists by now; the caller applies it there. */
+npa_allocator *npa_hook_preinit_config(const npa_config *parsed, int gc);
+/* backend.synchronize: wait for all work queued on the device. */
+npa_error npa_hook_synchronize(int device);
+void npa_hook_before_reset(int device);
+void npa_hook_before_finalize(void);
+void npa_hook_after_init(void);
+/* atexit and pthread_atfork, registered once the process uses the NPU
+ * through us (so a process that never does pays nothing). */
+void npa_hook_register_handlers(void);
+void npa_realacl_lock_for_fork(void);
+void npa_realacl_unlock_after_fork(void);
+
+/* ---- warn.c --------------------------------------------------------------- */
+
+/* "npualloc: <message>\n" on stderr in one write, at most once per distinct
+ * message text (a process may hit the same problem millions of times). */
+void npa_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void npa_warn_lock_for_fork(void);
+void npa_warn_unlock_after_fork(void);
+
+#endif

@@ -1,0 +1,317 @@
+/* Lazy init, the backend over the real runtime, and the ends of a process's
+ * life with the NPU: aclrtResetDevice, aclFinalize, exit and fork.
+ *
+ * Loading the library does nothing: no constructor, no file. The allocator,
+ * its stats region and the exit/fork handlers appear on the first allocation
+ * (or the first stream or executor), so a process that never touches the NPU
+ * pays nothing and leaves nothing behind. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "hook.h"
+#include "region/region.h"
+
+_Atomic(npa_allocator *) npa_serving;
+static _Atomic(npa_allocator *) any_allocator;
+
+enum { ST_UNINIT, ST_ACTIVE, ST_FINALIZED };
+static int state; /* under init_lock */
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* ---- environment ---------------------------------------------------------- */
+
+static int env_true(const char *name)
+{
+    const char *v = getenv(name);
+    return v && (strcmp(v, "1") == 0 || strcasecmp(v, "true") == 0 || strcasecmp(v, "yes") == 0 ||
+                 strcasecmp(v, "on") == 0);
+}
+
+static atomic_int disabled_cache; /* 0 not read yet, 1 enabled, 2 disabled */
+
+int npa_hook_disabled(void)
+{
+    int d = atomic_load_explicit(&disabled_cache, memory_order_relaxed);
+    if (NPA_LIKELY(d != 0))
+        return d == 2;
+    d = env_true("NPUALLOC_DISABLE") || env_true("PYTORCH_NO_CUDA_MEMORY_CACHING") ? 2 : 1;
+    atomic_store_explicit(&disabled_cache, d, memory_order_relaxed);
+    return d == 2;
+}
+
+static npa_config config;
+static pthread_once_t config_once = PTHREAD_ONCE_INIT;
+static const char *config_var;
+
+static void config_warn(void *arg, const char *message)
+{
+    (void)arg;
+    npa_warn_once("%s: %s (default kept)", config_var, message);
+}
+
+static void load_config(void)
+{
+    npa_config_defaults(&config);
+    static const char *const vars[] = {"MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF",
+                                       "PYTORCH_CUDA_ALLOC_CONF"};
+    for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
+        const char *text = getenv(vars[i]);
+        if (text != NULL) {
+            config_var = vars[i];
+            npa_config_parse(&config, text, config_warn, NULL);
+            break;
+        }
+    }
+}
+
+const npa_config *npa_hook_config(void)
+{
+    pthread_once(&config_once, load_config);
+    return &config;
+}
+
+npa_allocator *npa_hook_preinit_config(const npa_config *parsed, int gc)
+{
+    npa_hook_config();
+    pthread_mutex_lock(&init_lock);
+    npa_allocator *a = atomic_load_explicit(&any_allocator, memory_order_acquire);
+    if (a == NULL) {
+        if (gc)
+            config.garbage_collection_threshold = parsed->garbage_collection_threshold;
+        else
+            config.record_history = parsed->record_history;
+    }
+    pthread_mutex_unlock(&init_lock);
+    return a;
+}
+
+/* ---- the backend ---------------------------------------------------------- */
+
+static npa_error be_raw_malloc(void *ctx, int device, size_t size, void **ptr)
+{
+    (void)ctx;
+    __typeof__(&aclrtMalloc) real = NPA_REAL(aclrtMalloc);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtMalloc);
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    /* The core rounded already; the runtime's +32 pad is its own business. */
+    err = real(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST);
+    npa_device_leave(&sw);
+    return err;
+}
+
+static npa_error be_raw_free(void *ctx, int device, void *ptr)
+{
+    (void)ctx;
+    (void)device; /* aclrtFree finds the device from the address */
+    __typeof__(&aclrtFree) real = NPA_REAL(aclrtFree);
+    return real ? real(ptr) : npa_no_runtime_error(NPA_FN_aclrtFree);
+}
+
+npa_error npa_hook_synchronize(int device)
+{
+    __typeof__(&aclrtSynchronizeDevice) real = NPA_REAL(aclrtSynchronizeDevice);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtSynchronizeDevice);
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = real();
+    npa_device_leave(&sw);
+    return err;
+}
+
+static npa_error be_synchronize(void *ctx, int device)
+{
+    (void)ctx;
+    return npa_hook_synchronize(device);
+}
+
+static npa_error be_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)ctx;
+    __typeof__(&aclrtGetMemInfo) real = NPA_REAL(aclrtGetMemInfo);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtGetMemInfo);
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = real(ACL_HBM_MEM, free_bytes, total_bytes);
+    npa_device_leave(&sw);
+    return err;
+}
+
+static npualloc_device_stats *be_stats_storage(void *ctx, int device)
+{
+    (void)ctx;
+    return npa_region_device_stats(device);
+}
+
+static const npa_backend backend = {
+    .ctx = NULL,
+    .raw_malloc = be_raw_malloc,
+    .raw_free = be_raw_free,
+    .synchronize = be_synchronize,
+    .mem_get_info = be_mem_get_info,
+    .fence_record = npa_fence_record,
+    .fence_done = npa_fence_done,
+    .fence_release = npa_fence_release,
+    .stats_storage = be_stats_storage,
+};
+
+/* ---- init ----------------------------------------------------------------- */
+
+npa_allocator *npa_hook_init(void)
+{
+    if (npa_hook_disabled())
+        return NULL;
+    pthread_mutex_lock(&init_lock);
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (a == NULL && state == ST_UNINIT) {
+        const npa_config *c = npa_hook_config();
+        npa_region_get(); /* before the core asks where its stats live */
+        a = npa_create(&backend, c);
+        if (a != NULL) {
+            char canonical[NPUALLOC_CONFIG_LEN];
+            npa_config_format(c, canonical, sizeof(canonical));
+            npa_region_set_config(canonical);
+            atomic_store_explicit(&any_allocator, a, memory_order_release);
+            atomic_store_explicit(&npa_serving, a, memory_order_release);
+            state = ST_ACTIVE;
+        } else {
+            npa_warn_once("cannot create the allocator (out of host memory?); calls go to the runtime uncached");
+        }
+    }
+    pthread_mutex_unlock(&init_lock);
+    if (a != NULL)
+        npa_hook_register_handlers();
+    return a;
+}
+
+npa_allocator *npa_hook_allocator_any(void)
+{
+    return atomic_load_explicit(&any_allocator, memory_order_acquire);
+}
+
+/* Give a device's cache back before the runtime tears it down: deferred
+ * executor destroys first (they may still wait on that device's streams), then
+ * pending frees and cached segments, then our idle events. */
+void npa_hook_before_reset(int device)
+{
+    npa_exec_drain(1);
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (a != NULL)
+        npa_release_device(a, device);
+    npa_streams_destroy_events(device);
+}
+
+static void release_everything(npa_allocator *a)
+{
+    npa_exec_drain(1);
+    if (a != NULL) {
+        unsigned seen = npa_devices_seen();
+        for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+            if (seen & (1u << d))
+                npa_release_device(a, d);
+    }
+    npa_streams_destroy_events(-1);
+}
+
+/* After this nothing of ours calls the runtime: later allocator calls pass
+ * straight through (the runtime answers them as it would without us), until
+ * an aclInit starts a new session with a fresh cache. */
+void npa_hook_before_finalize(void)
+{
+    pthread_mutex_lock(&init_lock);
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    int live = state != ST_FINALIZED;
+    if (live) {
+        release_everything(a);
+        atomic_store_explicit(&npa_serving, NULL, memory_order_release);
+        state = ST_FINALIZED;
+    }
+    pthread_mutex_unlock(&init_lock);
+}
+
+void npa_hook_after_init(void)
+{
+    pthread_mutex_lock(&init_lock);
+    /* A new runtime session: the old cache's segments died with the last
+     * one, so the next allocation builds a new allocator. */
+    if (state == ST_FINALIZED)
+        state = ST_UNINIT;
+    pthread_mutex_unlock(&init_lock);
+}
+
+/* ---- exit and fork -------------------------------------------------------- */
+
+/* Runs before the runtime's own teardown (the runtime registers its handlers
+ * at load or aclInit, before our first allocation). A program that never
+ * finalized gets its cache returned, so the runtime sees no leak of ours. */
+static void at_exit(void)
+{
+    if (pthread_mutex_trylock(&init_lock) != 0)
+        return; /* another thread is mid-init or mid-finalize: never hang exit */
+    if (state == ST_ACTIVE || state == ST_UNINIT)
+        release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire));
+    pthread_mutex_unlock(&init_lock);
+    npa_region_remove();
+}
+
+static void fork_prepare(void)
+{
+    /* No thread may be inside one of our critical sections when the address
+     * space is copied, or the child would inherit a lock nobody releases. The
+     * core's own locks need no such care: the child never touches the parent's
+     * allocator again. */
+    pthread_mutex_lock(&init_lock);
+    npa_exec_lock_for_fork();
+    npa_streams_lock_for_fork();
+    npa_realacl_lock_for_fork();
+    npa_warn_lock_for_fork();
+}
+
+static void fork_parent(void)
+{
+    npa_warn_unlock_after_fork();
+    npa_realacl_unlock_after_fork();
+    npa_streams_unlock_after_fork();
+    npa_exec_unlock_after_fork();
+    pthread_mutex_unlock(&init_lock);
+}
+
+static void fork_child(void)
+{
+    /* The child starts with an empty cache of its own: the parent's allocator
+     * is dropped as it is (its segments are the parent's device memory, never
+     * to be freed from here; its locks may be held by threads that did not
+     * come along), and the next allocation creates a new one with new stats. */
+    atomic_store_explicit(&npa_serving, NULL, memory_order_relaxed);
+    atomic_store_explicit(&any_allocator, NULL, memory_order_relaxed);
+    if (state == ST_ACTIVE)
+        state = ST_UNINIT;
+    npa_streams_forget_after_fork();
+    npa_exec_forget_after_fork();
+    npa_region_forget_after_fork();
+    fork_parent();
+}
+
+static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
+
+static void register_handlers(void)
+{
+    atexit(at_exit);
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
+void npa_hook_register_handlers(void)
+{
+    pthread_once(&handlers_once, register_handlers);
+}

@@ -1,0 +1,248 @@
+/* Live streams and the event fences of stream-safe reuse. aclrtMalloc and
+ * aclrtFree carry no stream, so a block freed while a kernel on another stream
+ * still reads it must not be handed out until that work is done. A fence is
+ * one event recorded on every live stream of the device (and its default
+ * stream) at the time of the free; it completes when all of them have. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hook.h"
+
+typedef struct npa_fence {
+    int device;
+    int count;
+    aclrtEvent events[];
+} npa_fence;
+
+/* Per device: its live streams and a pool of idle events (creating an event
+ * per free would cost a runtime call each time). */
+typedef struct dev_streams {
+    pthread_mutex_t lock;
+    aclrtStream *streams;
+    size_t nstreams, cap_streams;
+    aclrtEvent *pool;
+    size_t npool, cap_pool;
+} dev_streams;
+
+static dev_streams devs[NPUALLOC_MAX_DEVICES] = {
+    [0 ... NPUALLOC_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER},
+};
+static atomic_int live_streams;
+
+static int push(void ***v, size_t *n, size_t *cap, void *item)
+{
+    if (*n == *cap) {
+        size_t ncap = *cap ? *cap * 2 : 8;
+        void **nv = realloc(*v, ncap * sizeof(void *));
+        if (nv == NULL)
+            return -1;
+        *v = nv;
+        *cap = ncap;
+    }
+    (*v)[(*n)++] = item;
+    return 0;
+}
+
+void npa_streams_add(int device, aclrtStream stream)
+{
+    atomic_fetch_add_explicit(&live_streams, 1, memory_order_relaxed);
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+        return; /* counted for the auto policy; fences there fall back to a sync */
+    dev_streams *d = &devs[device];
+    pthread_mutex_lock(&d->lock);
+    if (push(&d->streams, &d->nstreams, &d->cap_streams, stream) != 0)
+        npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", device);
+    pthread_mutex_unlock(&d->lock);
+}
+
+int npa_streams_remove(aclrtStream stream)
+{
+    for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
+        dev_streams *d = &devs[dev];
+        pthread_mutex_lock(&d->lock);
+        for (size_t i = 0; i < d->nstreams; i++)
+            if (d->streams[i] == stream) {
+                d->streams[i] = d->streams[--d->nstreams];
+                pthread_mutex_unlock(&d->lock);
+                atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
+                return 1;
+            }
+        pthread_mutex_unlock(&d->lock);
+    }
+    return 0;
+}
+
+int npa_streams_live(void)
+{
+    return atomic_load_explicit(&live_streams, memory_order_relaxed);
+}
+
+static aclrtEvent take_event(dev_streams *d)
+{
+    if (d->npool > 0)
+        return d->pool[--d->npool];
+    aclrtEvent ev = NULL;
+    __typeof__(&aclrtCreateEvent) create = NPA_REAL(aclrtCreateEvent);
+    if (create == NULL || create(&ev) != ACL_SUCCESS)
+        return NULL;
+    return ev;
+}
+
+static void give_event(dev_streams *d, aclrtEvent ev)
+{
+    if (push(&d->pool, &d->npool, &d->cap_pool, ev) != 0) {
+        __typeof__(&aclrtDestroyEvent) destroy = NPA_REAL(aclrtDestroyEvent);
+        if (destroy)
+            destroy(ev);
+    }
+}
+
+static void synchronize(int device)
+{
+    npa_devswitch sw;
+    if (npa_device_enter(device, &sw) != ACL_SUCCESS)
+        return;
+    __typeof__(&aclrtSynchronizeDevice) sync = NPA_REAL(aclrtSynchronizeDevice);
+    if (sync)
+        sync();
+    npa_device_leave(&sw);
+}
+
+void *npa_fence_record_always(int device)
+{
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) {
+        synchronize(device);
+        return NULL;
+    }
+    __typeof__(&aclrtRecordEvent) record = NPA_REAL(aclrtRecordEvent);
+    npa_devswitch sw;
+    /* Events and the default stream belong to the current device. */
+    if (record == NULL || npa_device_enter(device, &sw) != ACL_SUCCESS)
+        return NULL;
+    dev_streams *d = &devs[device];
+    int complete = 1;
+    pthread_mutex_lock(&d->lock);
+    npa_fence *f = malloc(sizeof(npa_fence) + (d->nstreams + 1) * sizeof(aclrtEvent));
+    if (f != NULL) {
+        f->device = device;
+        f->count = 0;
+        for (size_t i = 0; i <= d->nstreams; i++) {
+            aclrtStream stream = i < d->nstreams ? d->streams[i] : NULL; /* NULL: the default stream */
+            aclrtEvent ev = take_event(d);
+            if (ev != NULL && record(ev, stream) == ACL_SUCCESS) {
+                f->events[f->count++] = ev;
+            } else {
+                if (ev != NULL)
+                    give_event(d, ev);
+                complete = 0;
+            }
+        }
+    } else {
+        complete = 0;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (!complete) {
+        /* Cannot see when that stream's work ends: wait for all of it now,
+         * which is what the fence would have waited for. */
+        __typeof__(&aclrtSynchronizeDevice) sync = NPA_REAL(aclrtSynchronizeDevice);
+        if (sync)
+            sync();
+    }
+    npa_device_leave(&sw);
+    if (f != NULL && f->count == 0) {
+        free(f);
+        f = NULL;
+    }
+    return f;
+}
+
+void *npa_fence_record(void *ctx, int device)
+{
+    (void)ctx;
+    switch (npa_hook_config()->reuse_policy) {
+    case NPA_REUSE_EAGER:
+        return NULL;
+    case NPA_REUSE_AUTO:
+        /* Only the default stream exists: work on it runs in order, so a block
+         * freed now is safe for whatever is queued after. */
+        if (npa_streams_live() == 0)
+            return NULL;
+        break;
+    case NPA_REUSE_SAFE:
+        break;
+    }
+    return npa_fence_record_always(device);
+}
+
+int npa_fence_done(void *ctx, void *fence)
+{
+    (void)ctx;
+    npa_fence *f = fence;
+    __typeof__(&aclrtQueryEventStatus) query = NPA_REAL(aclrtQueryEventStatus);
+    if (query == NULL)
+        return 1;
+    for (int i = 0; i < f->count; i++) {
+        aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
+        /* A query that fails names an event whose stream or context is gone,
+         * and with it the work we were waiting for. */
+        if (query(f->events[i], &status) == ACL_SUCCESS && status != ACL_EVENT_RECORDED_STATUS_COMPLETE)
+            return 0;
+    }
+    return 1;
+}
+
+void npa_fence_release(void *ctx, void *fence)
+{
+    (void)ctx;
+    npa_fence *f = fence;
+    dev_streams *d = &devs[f->device];
+    pthread_mutex_lock(&d->lock);
+    for (int i = 0; i < f->count; i++)
+        give_event(d, f->events[i]);
+    pthread_mutex_unlock(&d->lock);
+    free(f);
+}
+
+int npa_fence_device(const void *fence)
+{
+    return ((const npa_fence *)fence)->device;
+}
+
+void npa_streams_destroy_events(int device)
+{
+    __typeof__(&aclrtDestroyEvent) destroy = NPA_REAL(aclrtDestroyEvent);
+    for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
+        if (device >= 0 && dev != device)
+            continue;
+        dev_streams *d = &devs[dev];
+        pthread_mutex_lock(&d->lock);
+        for (size_t i = 0; destroy && i < d->npool; i++)
+            destroy(d->pool[i]);
+        d->npool = 0;
+        pthread_mutex_unlock(&d->lock);
+    }
+}
+
+void npa_streams_lock_for_fork(void)
+{
+    for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++)
+        pthread_mutex_lock(&devs[dev].lock);
+}
+
+void npa_streams_unlock_after_fork(void)
+{
+    for (int dev = NPUALLOC_MAX_DEVICES - 1; dev >= 0; dev--)
+        pthread_mutex_unlock(&devs[dev].lock);
+}
+
+void npa_streams_forget_after_fork(void)
+{
+    /* The parent's streams and events are not the child's: forget them
+     * without destroying anything. */
+    for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
+        devs[dev].nstreams = 0;
+        devs[dev].npool = 0;
+    }
+    atomic_store_explicit(&live_streams, 0, memory_order_relaxed);
+}

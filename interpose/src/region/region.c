@@ -31,7 +31,7 @@ enum region_state {
     REGION_LIVE,        /* mapped, file in place */
     REGION_OFF,         /* NPUALLOC_STATS=0 or creation failed */
     REGION_REMOVED,     /* unlinked at exit; the mapping stays valid for late writers */
-    REGION_FORKED,      /* forked child: a private copy is mapped, re-create at the next call */
+    REGION_FORKED,      /* forked child: the parent's region is forgotten, create ours at the next call */
 };
 
 static npualloc_region *_Atomic g_region;
@@ -40,10 +40,6 @@ static _Atomic int g_state = REGION_UNTRIED;
 static pthread_mutex_t g_create_lock = PTHREAD_MUTEX_INITIALIZER;
 /* One poller applies a command; the others go on with their allocation. */
 static pthread_mutex_t g_command_lock = PTHREAD_MUTEX_INITIALIZER;
-/* In a forked child: the address where the parent's region was mapped. The core
- * may hold pointers into it, so it stays mapped (as a private copy) and the
- * child's own region is later mapped over it at the same address. */
-static npualloc_region *g_detached;
 static pid_t g_owner_pid;
 static char g_path[4096];
 static char g_config[NPUALLOC_CONFIG_LEN];
@@ -137,20 +133,8 @@ static void fill_header(npualloc_region *r)
     h->magic = NPUALLOC_SHM_MAGIC;
 }
 
-/* Carries a forked child's inherited stats into its own region. A writer that
- * was inside its seqlock in another parent thread does not exist in the child:
- * make such a seq even again, or readers would retry forever. */
-static void seed_from_parent(npualloc_region *r, const npualloc_region *parent)
-{
-    memcpy(r->devices, parent->devices, sizeof r->devices);
-    for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
-        r->devices[d].seq += r->devices[d].seq & 1;
-    r->header.device_count = parent->header.device_count;
-}
-
-/* Creates, fills and publishes the file; maps it at `at` when not NULL (the
- * forked child's detached copy, whose contents seed the new region). */
-static npualloc_region *map_new_region(npualloc_region *at)
+/* Creates, fills and publishes the file. */
+static npualloc_region *map_new_region(void)
 {
     const char *dir = getenv("NPUALLOC_SHM_DIR");
     if (!dir || !*dir)
@@ -175,37 +159,20 @@ static npualloc_region *map_new_region(npualloc_region *at)
     /* fallocate, not ftruncate: on a full tmpfs touching a sparse page would
      * raise SIGBUS in the host; here it fails cleanly instead. */
     int err = fchmod(fd, 0600) ? errno : posix_fallocate(fd, 0, sizeof(npualloc_region));
-    npualloc_region *fresh = err ? MAP_FAILED
-                                 : mmap(NULL, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (!err && fresh == MAP_FAILED)
+    npualloc_region *r = err ? MAP_FAILED
+                             : mmap(NULL, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (!err && r == MAP_FAILED)
         err = errno;
+    close(fd);
     if (err) {
         warn_once("cannot size or map", tmp, err);
-        close(fd);
         unlink(tmp);
         return NULL;
     }
-    if (at)
-        seed_from_parent(fresh, at);
-    fill_header(fresh);
-    npualloc_region *r = fresh;
-    if (at) {
-        r = mmap(at, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
-        if (r == MAP_FAILED) {
-            err = errno;
-            /* Keep the address valid for the core's pointers, whatever happens. */
-            mmap(at, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
-                 -1, 0);
-        }
-        munmap(fresh, sizeof(npualloc_region));
-    }
-    close(fd);
-    if (!err && rename(tmp, g_path))
-        err = errno;
-    if (err) {
-        warn_once("cannot publish", g_path, err);
-        if (!at && r != MAP_FAILED)
-            munmap(r, sizeof(npualloc_region));
+    fill_header(r);
+    if (rename(tmp, g_path)) {
+        warn_once("cannot publish", g_path, errno);
+        munmap(r, sizeof(npualloc_region));
         unlink(tmp);
         return NULL;
     }
@@ -235,10 +202,9 @@ npualloc_region *npa_region_get(void)
     r = atomic_load_explicit(&g_region, memory_order_relaxed);
     state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (!r && (state == REGION_UNTRIED || state == REGION_FORKED)) {
-        r = stats_disabled() ? NULL : map_new_region(g_detached);
+        r = stats_disabled() ? NULL : map_new_region();
         if (r) {
             g_owner_pid = getpid();
-            g_detached = NULL;
             if (!g_hooks_registered) {
                 /* Inherited by forked children, so registered once per image.
                  * The hook layer may call the same functions: both are idempotent. */
@@ -365,17 +331,11 @@ void npa_region_forget_after_fork(void)
     npualloc_region *r = atomic_load_explicit(&g_region, memory_order_relaxed);
     if (!r || g_owner_pid == getpid())
         return; /* nothing inherited, or already forgotten */
-    /* Swap the shared mapping for a private copy at the same address: the
-     * child's writes must not reach the parent's region, and the core's
-     * pointers into it must stay valid. */
-    void *copy = malloc(sizeof *r);
-    if (copy) {
-        memcpy(copy, r, sizeof *r);
-        if (mmap(r, sizeof *r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED)
-            memcpy(r, copy, sizeof *r);
-        free(copy);
-    }
-    g_detached = r;
+    /* Replace the shared mapping with private zero pages instead of
+     * unmapping it: nothing in the child may reach the parent's region, and a
+     * stray pointer into it must not fault. The child's new allocator gets a
+     * region of its own at its first call. */
+    mmap(r, sizeof *r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     atomic_store_explicit(&g_region, NULL, memory_order_relaxed);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     atomic_store_explicit(&g_state, state == REGION_LIVE ? REGION_FORKED : REGION_OFF, memory_order_relaxed);

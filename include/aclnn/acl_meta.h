@@ -13,6 +13,8 @@ typedef struct aclOpExecutor aclOpExecutor;
 
 #define ACLNN_SUCCESS 0
 #define ACLNN_ERR_PARAM_NULLPTR 161001
+#define ACLNN_ERR_PARAM_INVALID 161002
+#define ACLNN_ERR_RUNTIME_ERROR 361001
 #define ACLNN_ERR_INNER_NULLPTR 561103
 
 aclnnStatus aclnnInit(const char *configPath);

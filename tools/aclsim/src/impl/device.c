@@ -1,0 +1,155 @@
+/* Devices and the per-thread current device. As in ACL, the current device
+ * (really: the current context) belongs to the calling thread: a new thread
+ * has none until it calls aclrtSetDevice, and memory/stream calls without one
+ * fail with ACL_ERROR_RT_CONTEXT_NULL. aclrtSetDevice is reference-counted
+ * against aclrtResetDevice; the first reference creates the default stream,
+ * the last reset drains and destroys the device's streams. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+static struct sim_device *devices;
+static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
+
+/* The thread's context: a device and the generation of that device it was
+ * set in, so a context outlived by a full reset is recognised as gone. */
+static __thread int32_t current_device = -1;
+static __thread uint64_t current_generation;
+
+static void allocate_devices(void)
+{
+    devices = calloc((size_t)sim_config()->device_count, sizeof *devices);
+    if (devices == NULL)
+        sim_fatal("out of host memory for %d devices", sim_config()->device_count);
+}
+
+struct sim_device *sim_device(int32_t id)
+{
+    pthread_once(&devices_once, allocate_devices);
+    if (id < 0 || id >= sim_config()->device_count)
+        return NULL;
+    return &devices[id];
+}
+
+aclError sim_current_device(int32_t *id)
+{
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    if (current_device < 0)
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    struct sim_device *d = sim_device(current_device);
+    pthread_mutex_lock(&sim_lock);
+    int alive = d->refcount > 0 && d->generation == current_generation;
+    pthread_mutex_unlock(&sim_lock);
+    if (!alive)
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    *id = current_device;
+    return ACL_SUCCESS;
+}
+
+void sim_forget_current_device(void)
+{
+    current_device = -1;
+}
+
+/* The arena spans twice the capacity: accounting, not address space, decides
+ * when memory runs out, so fragmentation of the sim's own layout never shows. */
+static uint64_t arena_size(void)
+{
+    return 2 * sim_config()->hbm_bytes + (1ull << 30);
+}
+
+SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
+{
+    sim_count(SIM_API_aclrtSetDevice);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    struct sim_device *d = sim_device(deviceId);
+    if (d == NULL)
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    pthread_mutex_lock(&sim_lock);
+    if (d->arena.base == NULL && sim_arena_reserve(&d->arena, arena_size()) != 0) {
+        pthread_mutex_unlock(&sim_lock);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    if (d->refcount++ == 0)
+        d->default_stream = sim_stream_create(deviceId);
+    current_device = deviceId;
+    current_generation = d->generation;
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_GetDevice(int32_t *deviceId)
+{
+    sim_count(SIM_API_aclrtGetDevice);
+    if (deviceId == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    return sim_current_device(deviceId);
+}
+
+/* Lock held. Streams are destroyed one at a time because destroying one
+ * releases the lock while its worker is joined. */
+static void reset_device(struct sim_device *d)
+{
+    d->refcount = 0;
+    d->generation++;
+    d->default_stream = NULL;
+    while (d->streams != NULL)
+        sim_stream_destroy(d->streams);
+}
+
+SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
+{
+    sim_count(SIM_API_aclrtResetDevice);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    struct sim_device *d = sim_device(deviceId);
+    if (d == NULL)
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    pthread_mutex_lock(&sim_lock);
+    /* Resetting a device with no reference left is tolerated, as in ACL. */
+    if (d->refcount > 0 && --d->refcount == 0) {
+        reset_device(d);
+        if (current_device == deviceId)
+            current_device = -1;
+    }
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}
+
+void sim_reset_all_devices(void)
+{
+    for (int32_t id = 0; id < sim_config()->device_count; id++) {
+        struct sim_device *d = sim_device(id);
+        if (d->refcount > 0)
+            reset_device(d);
+    }
+}
+
+/* The device count is a property of the machine, not of ACL state, so the
+ * sim answers it before aclInit too. */
+SIM_EXPORT aclError simrt_GetDeviceCount(uint32_t *count)
+{
+    sim_count(SIM_API_aclrtGetDeviceCount);
+    if (count == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    *count = (uint32_t)sim_config()->device_count;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_SynchronizeDevice(void)
+{
+    sim_count(SIM_API_aclrtSynchronizeDevice);
+    int32_t id;
+    aclError ret = sim_current_device(&id);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    sim_device_wait_idle(sim_device(id));
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}

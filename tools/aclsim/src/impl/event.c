@@ -1,0 +1,213 @@
+/* Events. An event remembers how many records were issued and how many have
+ * executed; it is complete when they match, so a never-recorded event is
+ * complete, as on real hardware. Query polarity differs per API:
+ * aclrtQueryEventStatus says COMPLETE=1, the older aclrtQueryEvent COMPLETE=0.
+ *
+ * Event objects are recycled through a free list of our own instead of being
+ * handed back to malloc, so a destroyed handle can always be read safely and
+ * reported as invalid (until the slot is reused, as a real runtime reuses ids). */
+#include <stdlib.h>
+
+#include "internal.h"
+
+#define EVENT_LIVE 0x45564e54u
+#define EVENT_DEAD 0xdeadeeeeu
+
+struct sim_event {
+    uint32_t magic;
+    uint64_t record_seq;   /* records issued */
+    uint64_t done_seq;     /* highest record that has executed */
+    int refs;              /* queued record/wait tasks still pointing here */
+    struct sim_event *next_free;
+};
+
+static struct sim_event *free_events;
+
+static void recycle(struct sim_event *ev)
+{
+    ev->next_free = free_events;
+    free_events = ev;
+}
+
+static void unref(struct sim_event *ev)
+{
+    if (--ev->refs == 0 && ev->magic == EVENT_DEAD)
+        recycle(ev);
+}
+
+void sim_event_task_done(struct sim_event *ev, uint64_t seq)
+{
+    if (seq > ev->done_seq)
+        ev->done_seq = seq;
+    unref(ev);
+}
+
+void sim_event_task_wait(struct sim_event *ev, uint64_t seq)
+{
+    while (ev->done_seq < seq)
+        pthread_cond_wait(&sim_progress, &sim_lock);
+    unref(ev);
+}
+
+/* Lock held. */
+static int is_live(const struct sim_event *ev)
+{
+    return ev != NULL && ev->magic == EVENT_LIVE;
+}
+
+static aclError create_event(aclrtEvent *event)
+{
+    if (event == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    int32_t id;
+    aclError ret = sim_current_device(&id);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    struct sim_event *ev = free_events;
+    if (ev != NULL)
+        free_events = ev->next_free;
+    else
+        ev = malloc(sizeof *ev);
+    if (ev != NULL)
+        *ev = (struct sim_event){.magic = EVENT_LIVE};
+    pthread_mutex_unlock(&sim_lock);
+    if (ev == NULL)
+        return ACL_ERROR_BAD_ALLOC;
+    *event = ev;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_CreateEvent(aclrtEvent *event)
+{
+    sim_count(SIM_API_aclrtCreateEvent);
+    return create_event(event);
+}
+
+SIM_EXPORT aclError simrt_CreateEventWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    sim_count(SIM_API_aclrtCreateEventWithFlag);
+    (void)flag; /* timing/sync flags change nothing the sim models */
+    return create_event(event);
+}
+
+/* Queues a record or wait task on a stream for a live event. */
+static aclError queue_event_task(aclrtEvent event, aclrtStream stream, enum sim_task_kind kind)
+{
+    struct sim_stream *s;
+    aclError ret = sim_stream_resolve(stream, &s);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    struct sim_task *t = calloc(1, sizeof *t);
+    if (t == NULL)
+        return ACL_ERROR_BAD_ALLOC;
+    pthread_mutex_lock(&sim_lock);
+    struct sim_event *ev = event;
+    if (!is_live(ev)) {
+        pthread_mutex_unlock(&sim_lock);
+        free(t);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    if (kind == TASK_EVENT_RECORD)
+        ev->record_seq++;
+    t->kind = kind;
+    t->u.event.ev = ev;
+    t->u.event.seq = ev->record_seq; /* a wait waits for the latest record issued so far */
+    ev->refs++;
+    sim_stream_submit(s, t);
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_RecordEvent(aclrtEvent event, aclrtStream stream)
+{
+    sim_count(SIM_API_aclrtRecordEvent);
+    return queue_event_task(event, stream, TASK_EVENT_RECORD);
+}
+
+SIM_EXPORT aclError simrt_StreamWaitEvent(aclrtStream stream, aclrtEvent event)
+{
+    sim_count(SIM_API_aclrtStreamWaitEvent);
+    return queue_event_task(event, stream, TASK_EVENT_WAIT);
+}
+
+/* 1 complete, 0 not ready, -1 not a live event. */
+static int event_complete(aclrtEvent event)
+{
+    pthread_mutex_lock(&sim_lock);
+    struct sim_event *ev = event;
+    int state = is_live(ev) ? ev->done_seq >= ev->record_seq : -1;
+    pthread_mutex_unlock(&sim_lock);
+    return state;
+}
+
+SIM_EXPORT aclError simrt_QueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
+{
+    sim_count(SIM_API_aclrtQueryEventStatus);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    if (status == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    int state = event_complete(event);
+    if (state < 0)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    *status = state ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_QueryEvent(aclrtEvent event, aclrtEventStatus *status)
+{
+    sim_count(SIM_API_aclrtQueryEvent);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    if (status == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    int state = event_complete(event);
+    if (state < 0)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    *status = state ? ACL_EVENT_STATUS_COMPLETE : ACL_EVENT_STATUS_NOT_READY;
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_SynchronizeEvent(aclrtEvent event)
+{
+    sim_count(SIM_API_aclrtSynchronizeEvent);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    struct sim_event *ev = event;
+    if (!is_live(ev)) {
+        pthread_mutex_unlock(&sim_lock);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    uint64_t target = ev->record_seq;
+    ev->refs++; /* stays readable if destroyed by another thread meanwhile */
+    while (ev->done_seq < target)
+        pthread_cond_wait(&sim_progress, &sim_lock);
+    unref(ev);
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}
+
+/* A destroyed event with records still queued is released once they ran. */
+SIM_EXPORT aclError simrt_DestroyEvent(aclrtEvent event)
+{
+    sim_count(SIM_API_aclrtDestroyEvent);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    struct sim_event *ev = event;
+    if (!is_live(ev)) {
+        pthread_mutex_unlock(&sim_lock);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    ev->magic = EVENT_DEAD;
+    if (ev->refs == 0)
+        recycle(ev);
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}

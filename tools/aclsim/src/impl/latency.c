@@ -1,0 +1,32 @@
+/* Time the simulated hardware takes. Driver calls cost the calling thread CPU
+ * time, so they busy-wait on the monotonic clock (sleeping would undershoot
+ * short latencies by the scheduler's wake-up slack). Ops run on stream
+ * workers and may last long, so they sleep and leave the CPU to others. */
+#include <time.h>
+
+#include "internal.h"
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void sim_spend_us(uint64_t us)
+{
+    if (us == 0)
+        return;
+    uint64_t deadline = now_ns() + us * 1000u;
+    while (now_ns() < deadline) {
+    }
+}
+
+void sim_sleep_us(uint64_t us)
+{
+    if (us == 0)
+        return;
+    struct timespec ts = {.tv_sec = (time_t)(us / 1000000u), .tv_nsec = (long)(us % 1000000u) * 1000};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}

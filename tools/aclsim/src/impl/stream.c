@@ -1,0 +1,203 @@
+/* Streams: each has a worker thread that runs its queued tasks in order, so
+ * async work really overlaps with the host and really finishes later, which
+ * is what makes freeing memory that queued work still uses observable. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+/* Lock held. Runs the task at the head of the queue; the lock is dropped
+ * around work that takes time so other threads keep going. */
+static void run_task(struct sim_task *t)
+{
+    switch (t->kind) {
+    case TASK_COPY:
+        pthread_mutex_unlock(&sim_lock);
+        sim_do_copy(&t->u.copy);
+        pthread_mutex_lock(&sim_lock);
+        break;
+    case TASK_FILL:
+        pthread_mutex_unlock(&sim_lock);
+        sim_do_fill(&t->u.fill);
+        pthread_mutex_lock(&sim_lock);
+        break;
+    case TASK_OP:
+        pthread_mutex_unlock(&sim_lock);
+        sim_executor_run(t->u.op.exec, t->u.op.ws, t->u.op.ws_size);
+        pthread_mutex_lock(&sim_lock);
+        sim_executor_task_done(t->u.op.exec);
+        break;
+    case TASK_EVENT_RECORD:
+        sim_event_task_done(t->u.event.ev, t->u.event.seq);
+        break;
+    case TASK_EVENT_WAIT:
+        sim_event_task_wait(t->u.event.ev, t->u.event.seq);
+        break;
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    struct sim_stream *s = arg;
+    pthread_mutex_lock(&sim_lock);
+    for (;;) {
+        while (s->head == NULL && !s->stopping)
+            pthread_cond_wait(&s->work, &sim_lock);
+        struct sim_task *t = s->head;
+        if (t == NULL)
+            break;
+        run_task(t);
+        s->head = t->next;
+        if (s->head == NULL)
+            s->tail = NULL;
+        s->completed++;
+        free(t);
+        pthread_cond_broadcast(&sim_progress);
+    }
+    pthread_mutex_unlock(&sim_lock);
+    return NULL;
+}
+
+struct sim_stream *sim_stream_create(int32_t device)
+{
+    struct sim_stream *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return NULL;
+    s->device = device;
+    pthread_cond_init(&s->work, NULL);
+    if (pthread_create(&s->worker, NULL, worker_main, s) != 0) {
+        pthread_cond_destroy(&s->work);
+        free(s);
+        return NULL;
+    }
+    struct sim_device *d = sim_device(device);
+    s->next_on_device = d->streams;
+    d->streams = s;
+    return s;
+}
+
+void sim_stream_submit(struct sim_stream *s, struct sim_task *t)
+{
+    t->next = NULL;
+    if (s->tail != NULL)
+        s->tail->next = t;
+    else
+        s->head = t;
+    s->tail = t;
+    s->submitted++;
+    pthread_cond_signal(&s->work);
+}
+
+void sim_stream_wait_idle(struct sim_stream *s)
+{
+    uint64_t target = s->submitted;
+    while (s->completed < target)
+        pthread_cond_wait(&sim_progress, &sim_lock);
+}
+
+void sim_device_wait_idle(struct sim_device *d)
+{
+again:
+    for (struct sim_stream *s = d->streams; s != NULL; s = s->next_on_device) {
+        if (s->completed < s->submitted) {
+            pthread_cond_wait(&sim_progress, &sim_lock);
+            goto again; /* the list may have changed while waiting */
+        }
+    }
+}
+
+void sim_stream_destroy(struct sim_stream *s)
+{
+    struct sim_device *d = sim_device(s->device);
+    for (struct sim_stream **link = &d->streams; *link != NULL; link = &(*link)->next_on_device) {
+        if (*link == s) {
+            *link = s->next_on_device;
+            break;
+        }
+    }
+    sim_stream_wait_idle(s);
+    s->stopping = 1;
+    pthread_cond_signal(&s->work);
+    pthread_mutex_unlock(&sim_lock);
+    pthread_join(s->worker, NULL);
+    pthread_mutex_lock(&sim_lock);
+    pthread_cond_destroy(&s->work);
+    free(s);
+}
+
+/* Lock held. Whether handle is a live stream (handles are checked against
+ * the live set so a destroyed stream is an error, not a wild pointer). */
+static int is_live_stream(const struct sim_stream *handle)
+{
+    for (int32_t id = 0; id < sim_config()->device_count; id++)
+        for (const struct sim_stream *s = sim_device(id)->streams; s != NULL; s = s->next_on_device)
+            if (s == handle)
+                return 1;
+    return 0;
+}
+
+aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
+{
+    int32_t id;
+    aclError ret = sim_current_device(&id);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    if (handle == NULL)
+        *out = sim_device(id)->default_stream;
+    else if (is_live_stream(handle))
+        *out = handle;
+    else
+        ret = ACL_ERROR_RT_PARAM_INVALID;
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
+}
+
+SIM_EXPORT aclError simrt_CreateStream(aclrtStream *stream)
+{
+    sim_count(SIM_API_aclrtCreateStream);
+    if (stream == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    int32_t id;
+    aclError ret = sim_current_device(&id);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    struct sim_stream *s = sim_stream_create(id);
+    pthread_mutex_unlock(&sim_lock);
+    if (s == NULL)
+        return ACL_ERROR_BAD_ALLOC;
+    *stream = s;
+    return ACL_SUCCESS;
+}
+
+/* Destroying a stream waits for its queued work first. */
+SIM_EXPORT aclError simrt_DestroyStream(aclrtStream stream)
+{
+    sim_count(SIM_API_aclrtDestroyStream);
+    if (stream == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    struct sim_stream *s;
+    aclError ret = sim_stream_resolve(stream, &s);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    if (s == sim_device(s->device)->default_stream)
+        ret = ACL_ERROR_INVALID_PARAM; /* the default stream lives as long as the device */
+    else
+        sim_stream_destroy(s);
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
+}
+
+SIM_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream)
+{
+    sim_count(SIM_API_aclrtSynchronizeStream);
+    struct sim_stream *s;
+    aclError ret = sim_stream_resolve(stream, &s);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    sim_stream_wait_idle(s);
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}

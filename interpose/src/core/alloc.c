@@ -1,0 +1,346 @@
+/* The allocator's entry points: lifetime, per-device state, malloc (best fit
+ * and split) and free (merge), the cache-emptying calls. The retry path lives
+ * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) {
+    if (!backend || !backend->raw_malloc || !backend->raw_free || !backend->synchronize || !backend->mem_get_info)
+        return NULL;
+    if (backend->fence_record && !backend->fence_done) return NULL;
+    npa_allocator *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    a->backend = *backend;
+    if (config) a->config = *config;
+    else npa_config_defaults(&a->config);
+    pthread_mutex_init(&a->init_lock, NULL);
+    return a;
+}
+
+static void device_destroy(npa_allocator *a, npa_device *d) {
+    pthread_mutex_lock(&d->lock);
+    npa_pending_poll(a, d);
+    /* Batches still waiting belong to work that may yet run: their blocks
+     * (and segments) stay with the device; only the fences go. */
+    for (npa_fence_batch *b = d->batches, *next; b; b = next) {
+        next = b->next;
+        if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, b->fence);
+        free(b);
+    }
+    for (npa_fence_batch *b = d->spare_batches, *next; b; b = next) {
+        next = b->next;
+        free(b);
+    }
+    npa_release_cached_segments(a, d);
+    pthread_mutex_unlock(&d->lock);
+    npa_block_map_destroy(&d->live);
+    npa_slab_destroy(&d->slab);
+    free(d->segments.items);
+    pthread_mutex_destroy(&d->lock);
+    free(d);
+}
+
+void npa_destroy(npa_allocator *a) {
+    if (!a) return;
+    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++)
+        if (a->devices[i]) device_destroy(a, a->devices[i]);
+    pthread_mutex_destroy(&a->init_lock);
+    free(a);
+}
+
+static npa_device *device_create(npa_allocator *a, int id) {
+    npa_device *d = calloc(1, sizeof *d);
+    if (!d) return NULL;
+    if (!npa_block_map_init(&d->live, 256)) {
+        free(d);
+        return NULL;
+    }
+    pthread_mutex_init(&d->lock, NULL);
+    d->id = id;
+    d->small.is_small = true;
+    d->batches_tail = &d->batches;
+
+    size_t free_bytes = 0, total_bytes = 0;
+    if (a->backend.mem_get_info(a->backend.ctx, id, &free_bytes, &total_bytes) != NPA_OK) free_bytes = total_bytes = 0;
+    d->total_bytes = total_bytes;
+    double fraction = a->config.per_process_memory_fraction;
+    if (fraction < 1.0 && total_bytes) d->limit_bytes = (size_t)(fraction * (double)total_bytes);
+    d->allowed_bytes = d->limit_bytes ? d->limit_bytes : total_bytes;
+
+    d->stats = a->backend.stats_storage ? a->backend.stats_storage(a->backend.ctx, id) : NULL;
+    if (!d->stats) d->stats = &d->local_stats;
+    npa_stats_init(a, d, free_bytes);
+    return d;
+}
+
+npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
+    npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);
+    if (d || !create) return d;
+    pthread_mutex_lock(&a->init_lock);
+    d = a->devices[device];
+    if (!d) {
+        d = device_create(a, device);
+        if (d) __atomic_store_n(&a->devices[device], d, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&a->init_lock);
+    return d;
+}
+
+double npa_gc_threshold(const npa_allocator *a) {
+    double t;
+    __atomic_load(&a->config.garbage_collection_threshold, &t, __ATOMIC_RELAXED);
+    return t;
+}
+
+int npa_set_gc_threshold(npa_allocator *a, double threshold) {
+    if (!a || !(threshold >= 0.0 && threshold < 1.0)) return -1;
+    __atomic_store(&a->config.garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
+    return 0;
+}
+
+const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config : NULL; }
+
+/* torch's get_free_block: only the lower_bound is considered; the oversize
+ * rules keep small requests off blocks >= max_split_size and stop large ones
+ * from taking a block more than max_non_split_rounding bigger. */
+static npa_block *get_free_block(const npa_config *c, npa_pool *pool, size_t size) {
+    pool->search_count++;
+    npa_block *b = npa_pool_lower_bound(pool, size);
+    if (!b) return NULL;
+    if (size < c->max_split_size && b->size >= c->max_split_size) return NULL;
+    if (size >= c->max_split_size && b->size >= size + c->max_non_split_rounding) return NULL;
+    npa_pool_remove(pool, b);
+    return b;
+}
+
+static bool should_split(const npa_config *c, const npa_block *b, size_t size) {
+    size_t remaining = b->size - size;
+    if (b->is_small) return remaining >= NPA_MIN_BLOCK_SIZE;
+    return size < c->max_split_size && remaining > NPA_SMALL_SIZE;
+}
+
+/* torch's alloc_found_block: b is out of its pool; split off the tail if the
+ * rules allow, then account the allocation. */
+static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size, size_t requested,
+                              bool cache_hit) {
+    npualloc_device_stats *s = d->stats;
+    bool already_split = npa_block_is_split(b);
+    npa_block *rest = should_split(&a->config, b, size) ? npa_slab_get(&d->slab) : NULL;
+
+    npa_stats_begin(d);
+    if (rest) {
+        rest->addr = b->addr + size;
+        rest->size = b->size - size;
+        rest->is_small = b->is_small;
+        rest->phase = NPA_PHASE_FREE;
+        rest->prev = b;
+        rest->next = b->next;
+        if (b->next) b->next->prev = rest;
+        b->next = rest;
+        b->size = size;
+        npa_pool_insert(b->is_small ? &d->small : &d->large, rest);
+        if (already_split) {
+            /* An inactive split block shrinks by the part handed out. */
+            npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)size);
+        } else {
+            npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, (int64_t)rest->size);
+            npa_pool_stat_increase(s->inactive_split, b->is_small, 1);
+        }
+    } else if (already_split) {
+        npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)b->size);
+        npa_pool_stat_decrease(s->inactive_split, b->is_small, 1);
+    }
+
+    b->phase = NPA_PHASE_ALLOCATED;
+    b->requested = requested;
+    npa_block_map_insert(&d->live, b);
+
+    npa_pool_stat_increase(s->allocation, b->is_small, 1);
+    npa_pool_stat_increase(s->allocated_bytes, b->is_small, (int64_t)b->size);
+    npa_pool_stat_increase(s->active, b->is_small, 1);
+    npa_pool_stat_increase(s->active_bytes, b->is_small, (int64_t)b->size);
+    npa_pool_stat_increase(s->requested_bytes, b->is_small, (int64_t)requested);
+    if (b->size >= a->config.max_split_size) npa_stat_increase(&s->oversize_allocations, 1);
+    if (cache_hit) s->num_cache_hits++;
+    else s->num_cache_misses++;
+    npa_stats_end(d);
+}
+
+npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
+    if (!ptr) return NPA_ERR_INVALID_PARAM;
+    *ptr = NULL;
+    if (!a || size == 0 || (unsigned)entry > NPA_ENTRY_EXACT) return NPA_ERR_INVALID_PARAM;
+    npa_device *d = npa_device_get(a, device, true);
+    if (!d) return device < 0 || device >= NPUALLOC_MAX_DEVICES ? NPA_ERR_INVALID_PARAM : NPA_ERR_OOM;
+
+    pthread_mutex_lock(&d->lock);
+    npa_pending_poll(a, d);
+    npa_block *b = NULL;
+    bool cache_hit = false, cap_hit = false;
+    size_t rounded = SIZE_MAX;
+    if (size <= NPA_MAX_REQUEST) {
+        rounded = npa_round_size(&a->config, npa_entry_size(entry, size));
+        npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &d->small : &d->large;
+        b = get_free_block(&a->config, pool, rounded);
+        cache_hit = b != NULL;
+        if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
+    }
+    if (!b) {
+        char msg[512];
+        npa_oom_report(a, d, size, rounded, cap_hit, msg, sizeof msg);
+        pthread_mutex_unlock(&d->lock);
+        ssize_t unused = write(STDERR_FILENO, msg, strlen(msg));
+        (void)unused;
+        return NPA_ERR_OOM;
+    }
+    alloc_found_block(a, d, b, rounded, size, cache_hit);
+    *ptr = (void *)b->addr;
+    pthread_mutex_unlock(&d->lock);
+    return NPA_OK;
+}
+
+/* torch's free_block: merge with free neighbours (the lower block survives,
+ * so a segment's first block keeps its struct), back into the pool. */
+void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
+    (void)a;
+    npualloc_device_stats *s = d->stats;
+    npa_pool *pool = b->is_small ? &d->small : &d->large;
+    size_t original_size = b->size;
+    size_t requested = b->requested;
+    int64_t inactive_blocks = 0, inactive_bytes = 0;
+
+    npa_block *prev = b->prev;
+    if (prev && prev->phase == NPA_PHASE_FREE) {
+        npa_pool_remove(pool, prev);
+        inactive_blocks -= 1;
+        inactive_bytes -= (int64_t)prev->size;
+        prev->size += b->size;
+        prev->next = b->next;
+        if (b->next) b->next->prev = prev;
+        npa_slab_put(&d->slab, b);
+        b = prev;
+    }
+    npa_block *next = b->next;
+    if (next && next->phase == NPA_PHASE_FREE) {
+        npa_pool_remove(pool, next);
+        inactive_blocks -= 1;
+        inactive_bytes -= (int64_t)next->size;
+        b->size += next->size;
+        b->next = next->next;
+        if (next->next) next->next->prev = b;
+        npa_slab_put(&d->slab, next);
+    }
+    b->phase = NPA_PHASE_FREE;
+    b->requested = 0;
+    npa_pool_insert(pool, b);
+    if (npa_block_is_split(b)) {
+        inactive_blocks += 1;
+        inactive_bytes += (int64_t)b->size;
+    }
+
+    npa_stats_begin(d);
+    if (inactive_blocks > 0) npa_pool_stat_increase(s->inactive_split, b->is_small, inactive_blocks);
+    else if (inactive_blocks < 0) npa_pool_stat_decrease(s->inactive_split, b->is_small, -inactive_blocks);
+    if (inactive_bytes > 0) npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, inactive_bytes);
+    else if (inactive_bytes < 0) npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, -inactive_bytes);
+    npa_pool_stat_decrease(s->active, b->is_small, 1);
+    npa_pool_stat_decrease(s->active_bytes, b->is_small, (int64_t)original_size);
+    npa_pool_stat_decrease(s->requested_bytes, b->is_small, (int64_t)requested);
+    npa_stats_end(d);
+}
+
+/* torch's free: the allocation ends now; the block becomes reusable now, or
+ * once the fence of its batch completes. */
+static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
+    npualloc_device_stats *s = d->stats;
+    npa_stats_begin(d);
+    npa_pool_stat_decrease(s->allocation, b->is_small, 1);
+    npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
+    if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
+    if (a->backend.fence_record) {
+        b->phase = NPA_PHASE_PENDING;
+        b->link = d->open_batch;
+        d->open_batch = b;
+        s->num_pending_frees++;
+    } else {
+        npa_free_block(a, d, b);
+    }
+    npa_stats_end(d);
+}
+
+/* Which device owns ptr: 1 freed, 0 not in this device, -1 inside one of its
+ * segments but not a live block start. */
+static int free_on_device(npa_allocator *a, npa_device *d, uintptr_t addr) {
+    pthread_mutex_lock(&d->lock);
+    int result = 0;
+    npa_block *b = npa_block_map_take(&d->live, addr);
+    if (b) {
+        free_allocated(a, d, b);
+        result = 1;
+    } else if (npa_segments_find(&d->segments, addr) >= 0) {
+        npa_stats_begin(d);
+        d->stats->num_invalid_frees++;
+        npa_stats_end(d);
+        result = -1;
+    }
+    pthread_mutex_unlock(&d->lock);
+    return result;
+}
+
+npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
+    if (!a || !ptr) return NPA_FREE_NOT_OURS;
+    bool hint_valid = hint_device >= 0 && hint_device < NPUALLOC_MAX_DEVICES;
+    int first = hint_valid ? hint_device : 0;
+    for (int i = -1; i < NPUALLOC_MAX_DEVICES; i++) {
+        int dev = i < 0 ? first : i;
+        if (i >= 0 && dev == first) continue;
+        npa_device *d = npa_device_get(a, dev, false);
+        if (!d) continue;
+        int found = free_on_device(a, d, (uintptr_t)ptr);
+        if (found < 0) return NPA_FREE_INVALID;
+        if (found > 0) {
+            if (device_out) *device_out = dev;
+            return NPA_FREE_OK;
+        }
+    }
+    npa_device *hint = hint_valid ? npa_device_get(a, hint_device, false) : NULL;
+    if (hint) {
+        pthread_mutex_lock(&hint->lock);
+        npa_stats_begin(hint);
+        hint->stats->num_foreign_frees++;
+        npa_stats_end(hint);
+        pthread_mutex_unlock(&hint->lock);
+    }
+    return NPA_FREE_NOT_OURS;
+}
+
+/* Runs fn on one device (if it exists) or on every existing one (device < 0). */
+static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *)) {
+    if (!a) return;
+    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
+        if (device >= 0 && i != device) continue;
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        pthread_mutex_lock(&d->lock);
+        fn(a, d);
+        pthread_mutex_unlock(&d->lock);
+    }
+}
+
+static void empty_cache_locked(npa_allocator *a, npa_device *d) {
+    npa_pending_poll(a, d);
+    npa_release_cached_segments(a, d);
+}
+
+static void release_device_locked(npa_allocator *a, npa_device *d) {
+    npa_synchronize_and_drain(a, d);
+    npa_release_cached_segments(a, d);
+}
+
+void npa_empty_cache(npa_allocator *a, int device) { for_devices(a, device, empty_cache_locked); }
+void npa_release_device(npa_allocator *a, int device) { for_devices(a, device, release_device_locked); }
+void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_poll); }

@@ -1,0 +1,224 @@
+/* The allocator core's internal types, shared by the files of interpose/src/core
+ * (one concern each) and by the C unit tests. Nothing here is exported.
+ *
+ * Locking: every structure reached through an npa_device is guarded by that
+ * device's mutex; the allocator-wide fields are immutable after npa_create
+ * except the GC threshold (atomic) and the device table (published once per
+ * device with release/acquire). */
+#ifndef NPUALLOC_CORE_INTERNAL_H
+#define NPUALLOC_CORE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core.h"
+
+/* torch's sizing constants (CUDACachingAllocator.cpp). */
+#define NPA_MIN_BLOCK_SIZE ((size_t)512)
+#define NPA_SMALL_SIZE ((size_t)1 << 20)
+#define NPA_SMALL_BUFFER ((size_t)2 << 20)
+#define NPA_MIN_LARGE_ALLOC ((size_t)10 << 20)
+#define NPA_LARGE_BUFFER ((size_t)20 << 20)
+#define NPA_ROUND_LARGE ((size_t)2 << 20)
+#define NPA_MiB ((size_t)1 << 20)
+/* Requests above this cannot be padded and rounded without overflow; no
+ * device has that much memory, so they fail as OOM straight away. */
+#define NPA_MAX_REQUEST ((size_t)1 << 60)
+
+/* Where a block is in its life. A pending block was freed by the program but
+ * may still be used by queued stream work: it is neither reusable nor
+ * mergeable until its fence completes (torch's event-deferred free). */
+typedef enum npa_block_phase {
+    NPA_PHASE_FREE = 0,
+    NPA_PHASE_ALLOCATED = 1,
+    NPA_PHASE_PENDING = 2,
+} npa_block_phase;
+
+typedef struct npa_block npa_block;
+struct npa_block {
+    npa_block *left, *right; /* treap children while FREE (in a pool) */
+    npa_block *prev, *next;  /* address neighbours inside the segment */
+    npa_block *link;         /* hash chain while ALLOCATED, batch list while PENDING, slab list while unused */
+    uintptr_t addr;
+    size_t size;
+    size_t requested;        /* caller's size while active, 0 while free */
+    uint64_t age_base;       /* pool search count when it entered the pool (GC age) */
+    uint32_t priority;       /* treap heap key, derived from addr */
+    uint8_t phase;           /* npa_block_phase */
+    bool is_small;           /* small pool (2 MiB segments) */
+};
+
+static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NULL || b->next != NULL; }
+
+/* An ordered set of free blocks keyed (size, addr): an intrusive treap whose
+ * priorities hash the address, so no node is allocated and no RNG is shared. */
+typedef struct npa_pool {
+    npa_block *root;
+    npa_block *largest;      /* the maximum, kept for largest_free_block */
+    uint64_t search_count;   /* best-fit searches so far: the GC clock */
+    bool is_small;
+} npa_pool;
+
+void npa_pool_insert(npa_pool *pool, npa_block *b);
+void npa_pool_remove(npa_pool *pool, npa_block *b);
+/* The smallest block of at least size bytes (lowest address among equals). */
+npa_block *npa_pool_lower_bound(const npa_pool *pool, size_t size);
+
+/* Live (allocated) blocks by start address: chained hash over block->link. */
+typedef struct npa_block_map {
+    npa_block **buckets;
+    size_t mask;             /* bucket count - 1 (a power of two) */
+    size_t count;
+} npa_block_map;
+
+bool npa_block_map_init(npa_block_map *map, size_t buckets);
+void npa_block_map_destroy(npa_block_map *map);
+void npa_block_map_insert(npa_block_map *map, npa_block *b);
+/* Removes and returns the block starting at addr, or NULL. */
+npa_block *npa_block_map_take(npa_block_map *map, uintptr_t addr);
+
+/* Block structs come from per-device chunks so the hit path never calls malloc. */
+typedef struct npa_slab {
+    npa_block *free_list;
+    void *chunks;            /* singly linked, freed at destroy */
+} npa_slab;
+
+npa_block *npa_slab_get(npa_slab *slab); /* NULL only when host memory is exhausted */
+void npa_slab_put(npa_slab *slab, npa_block *b);
+void npa_slab_destroy(npa_slab *slab);
+
+/* Every device allocation of a device, sorted by address: tells an interior
+ * pointer or a double free (inside a segment) from a foreign pointer. The
+ * block at a segment's base is always the same struct (merges keep the lower
+ * block), so `first` stays valid for the segment's life. */
+typedef struct npa_segment {
+    uintptr_t base;
+    size_t size;
+    npa_block *first;
+} npa_segment;
+
+typedef struct npa_segment_table {
+    npa_segment *items;
+    size_t count, capacity;
+} npa_segment_table;
+
+/* Frees received since the last fence, and batches waiting on their fence. */
+typedef struct npa_fence_batch npa_fence_batch;
+struct npa_fence_batch {
+    void *fence;
+    npa_block *blocks;       /* chained through block->link */
+    npa_fence_batch *next;
+};
+
+typedef struct npa_device {
+    pthread_mutex_t lock;
+    int id;
+    unsigned stats_depth;    /* nesting of open seqlock write sections */
+    npa_pool small, large;
+    npa_block_map live;
+    npa_segment_table segments;
+    npa_slab slab;
+    npa_block *open_batch;   /* pending frees not yet covered by a fence */
+    npa_fence_batch *batches; /* oldest first */
+    npa_fence_batch **batches_tail;
+    npa_fence_batch *spare_batches;
+    size_t total_bytes;      /* device capacity seen at init (0: unknown) */
+    size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none */
+    size_t allowed_bytes;    /* what GC measures its threshold against */
+    npualloc_device_stats *stats; /* backend storage or local_stats */
+    npualloc_device_stats local_stats;
+} npa_device;
+
+struct npa_allocator {
+    npa_backend backend;
+    npa_config config;       /* garbage_collection_threshold: read/written atomically */
+    pthread_mutex_t init_lock;
+    npa_device *devices[NPUALLOC_MAX_DEVICES];
+};
+
+/* alloc.c */
+npa_device *npa_device_get(npa_allocator *a, int device, bool create);
+/* Completes a free: merges with free neighbours, returns it to its pool. */
+void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b);
+double npa_gc_threshold(const npa_allocator *a);
+
+/* sizes.c */
+size_t npa_segment_size(size_t rounded);
+
+/* segment.c: raw device memory in and out; call with no stats section open,
+ * the backend may take long. */
+bool npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_block *first);
+/* Index of the segment containing addr, or -1. */
+ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr);
+/* A new segment as one FREE block outside any pool, or NULL. *cap_hit tells
+ * whether the per-process cap (rather than the device) refused it. */
+npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool is_small, bool *cap_hit);
+/* Gives a cached whole-segment block back to the device; false (nothing
+ * done) when b is not a whole free segment. */
+bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b);
+/* torch's release_blocks over both pools: every cached unsplit segment. */
+void npa_release_cached_segments(npa_allocator *a, npa_device *d);
+
+/* pending.c */
+void npa_pending_poll(npa_allocator *a, npa_device *d);
+/* After a synchronize: every pending free is safe. */
+void npa_pending_drain_all(npa_allocator *a, npa_device *d);
+/* Synchronizes the device and drains every pending free (num_sync_all_streams++). */
+void npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
+
+/* gc.c */
+void npa_gc(npa_allocator *a, npa_device *d);
+
+/* oom.c: steps 3-6 of the malloc path; NULL when all of them failed. */
+npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit);
+/* Step 7: counts the OOM and writes the one-line report into msg. */
+void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t rounded, bool cap_hit,
+                    char *msg, size_t msg_len);
+
+/* stats.c: the seqlock around a batch of mutations. Sections nest; only the
+ * outermost one flips seq, and it also publishes largest_free_block. */
+static inline void npa_stats_begin(npa_device *d) {
+    if (d->stats_depth++ == 0) {
+        npualloc_device_stats *s = d->stats;
+        __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+    }
+}
+
+static inline void npa_stats_end(npa_device *d) {
+    if (--d->stats_depth == 0) {
+        npualloc_device_stats *s = d->stats;
+        size_t small = d->small.largest ? d->small.largest->size : 0;
+        size_t large = d->large.largest ? d->large.largest->size : 0;
+        s->largest_free_block = (int64_t)(small > large ? small : large);
+        __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
+    }
+}
+
+static inline void npa_stat_increase(npualloc_stat *st, int64_t x) {
+    st->current += x;
+    if (st->current > st->peak) st->peak = st->current;
+    st->allocated += x;
+}
+
+static inline void npa_stat_decrease(npualloc_stat *st, int64_t x) {
+    st->current -= x;
+    st->freed += x;
+}
+
+/* A per-pool stat moves in "all" and in the block's own pool. */
+static inline void npa_pool_stat_increase(npualloc_stat st[NPUALLOC_POOL_COUNT], bool is_small, int64_t x) {
+    npa_stat_increase(&st[NPUALLOC_POOL_ALL], x);
+    npa_stat_increase(&st[is_small ? NPUALLOC_POOL_SMALL : NPUALLOC_POOL_LARGE], x);
+}
+
+static inline void npa_pool_stat_decrease(npualloc_stat st[NPUALLOC_POOL_COUNT], bool is_small, int64_t x) {
+    npa_stat_decrease(&st[NPUALLOC_POOL_ALL], x);
+    npa_stat_decrease(&st[is_small ? NPUALLOC_POOL_SMALL : NPUALLOC_POOL_LARGE], x);
+}
+
+void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes);
+
+#endif

@@ -1,0 +1,73 @@
+/* The malloc path after a best-fit miss, step for step as torch:
+ * (3) GC if a threshold is set, (4) a new segment, (5) on failure free cached
+ * oversize blocks and retry, (6) on failure synchronize, drain every pending
+ * free, free every cached unsplit segment and retry; (7) report the OOM. */
+#include <stdio.h>
+
+#include "internal.h"
+
+/* torch's release_available_cached_blocks: one cached oversize block big
+ * enough for the request, else the largest ones until enough is freed.
+ * Oversize blocks are never split, so each is a whole segment. */
+static bool release_oversize_blocks(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size) {
+    size_t max_split = a->config.max_split_size;
+    if (max_split == SIZE_MAX) return false;
+    size_t key = size < max_split ? max_split : size;
+    npa_block *b = npa_pool_lower_bound(pool, key);
+    if (b) return npa_segment_release(a, d, b);
+    size_t released = 0;
+    while (released < key && (b = pool->largest) && b->size >= max_split) {
+        size_t block_size = b->size;
+        if (!npa_segment_release(a, d, b)) break;
+        released += block_size;
+    }
+    return released >= key;
+}
+
+npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
+    if (npa_gc_threshold(a) > 0.0) npa_gc(a, d);
+    size_t size = npa_segment_size(rounded);
+    npa_block *b = npa_segment_alloc(a, d, size, pool->is_small, cap_hit);
+    if (b) return b;
+    if (release_oversize_blocks(a, d, pool, rounded) && (b = npa_segment_alloc(a, d, size, pool->is_small, cap_hit)))
+        return b;
+    npa_synchronize_and_drain(a, d);
+    npa_release_cached_segments(a, d);
+    npa_stats_begin(d);
+    d->stats->num_alloc_retries++;
+    npa_stats_end(d);
+    return npa_segment_alloc(a, d, size, pool->is_small, cap_hit);
+}
+
+/* The config key that would most likely have avoided this OOM. */
+static const char *oom_hint(bool cap_hit, size_t rounded, size_t allocated, size_t reserved) {
+    if (cap_hit) return "the per-process cap was hit: raise per_process_memory_fraction";
+    if (reserved - allocated >= rounded)
+        return "reserved but unallocated memory is large (fragmentation): try max_split_size_mb";
+    return "the device itself is full: free tensors or lower the batch size";
+}
+
+void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t rounded, bool cap_hit, char *msg,
+                    size_t msg_len) {
+    npualloc_device_stats *s = d->stats;
+    size_t free_bytes = 0, total_bytes = 0;
+    if (a->backend.mem_get_info(a->backend.ctx, d->id, &free_bytes, &total_bytes) != NPA_OK)
+        free_bytes = total_bytes = 0;
+    size_t allocated = (size_t)s->allocated_bytes[NPUALLOC_POOL_ALL].current;
+    size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
+
+    npa_stats_begin(d);
+    s->num_ooms++;
+    s->device_free_bytes = (int64_t)free_bytes;
+    s->device_total_bytes = (int64_t)total_bytes;
+    npa_stats_end(d);
+
+    char cap[64] = "";
+    if (d->limit_bytes) snprintf(cap, sizeof cap, ", per-process cap %zu bytes", d->limit_bytes);
+    snprintf(msg, msg_len,
+             "npualloc: out of memory on device %d: requested %zu bytes (%zu after rounding); "
+             "allocated %zu bytes, reserved %zu bytes (%zu reserved but unallocated), "
+             "device free %zu of %zu bytes%s; %s\n",
+             d->id, requested, rounded, allocated, reserved, reserved - allocated, free_bytes, total_bytes, cap,
+             oom_hint(cap_hit, rounded, allocated, reserved));
+}

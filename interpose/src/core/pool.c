@@ -1,0 +1,89 @@
+/* The free-block sets: an intrusive treap ordered by (size, addr). Best fit
+ * is a lower_bound; insert and remove are split/merge walks with no recursion
+ * and no allocation. Priorities hash the block address (fixed per address,
+ * well spread), which keeps the expected depth logarithmic. */
+#include "internal.h"
+
+static bool block_less(const npa_block *x, const npa_block *y) {
+    return x->size < y->size || (x->size == y->size && x->addr < y->addr);
+}
+
+static uint32_t address_priority(uintptr_t addr) {
+    uint64_t z = (uint64_t)addr;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return (uint32_t)(z ^ (z >> 31));
+}
+
+/* Splits subtree t into the keys below key (*lo) and the rest (*hi). */
+static void treap_split(npa_block *t, const npa_block *key, npa_block **lo, npa_block **hi) {
+    while (t) {
+        if (block_less(t, key)) {
+            *lo = t;
+            lo = &t->right;
+            t = t->right;
+        } else {
+            *hi = t;
+            hi = &t->left;
+            t = t->left;
+        }
+    }
+    *lo = NULL;
+    *hi = NULL;
+}
+
+/* Joins two subtrees where every key of lo is below every key of hi. */
+static npa_block *treap_merge(npa_block *lo, npa_block *hi) {
+    npa_block *root = NULL;
+    npa_block **link = &root;
+    while (lo && hi) {
+        if (lo->priority > hi->priority) {
+            *link = lo;
+            link = &lo->right;
+            lo = lo->right;
+        } else {
+            *link = hi;
+            link = &hi->left;
+            hi = hi->left;
+        }
+    }
+    *link = lo ? lo : hi;
+    return root;
+}
+
+static npa_block *rightmost(npa_block *t) {
+    if (t)
+        while (t->right) t = t->right;
+    return t;
+}
+
+void npa_pool_insert(npa_pool *pool, npa_block *b) {
+    b->priority = address_priority(b->addr);
+    b->age_base = pool->search_count;
+    npa_block **link = &pool->root;
+    while (*link && (*link)->priority > b->priority) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
+    treap_split(*link, b, &b->left, &b->right);
+    *link = b;
+    if (!pool->largest || block_less(pool->largest, b)) pool->largest = b;
+}
+
+void npa_pool_remove(npa_pool *pool, npa_block *b) {
+    npa_block **link = &pool->root;
+    while (*link != b) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
+    *link = treap_merge(b->left, b->right);
+    b->left = b->right = NULL;
+    if (pool->largest == b) pool->largest = rightmost(pool->root);
+}
+
+npa_block *npa_pool_lower_bound(const npa_pool *pool, size_t size) {
+    npa_block *best = NULL;
+    for (npa_block *t = pool->root; t;) {
+        if (t->size >= size) {
+            best = t;
+            t = t->left;
+        } else {
+            t = t->right;
+        }
+    }
+    return best;
+}

@@ -1,0 +1,99 @@
+/* Segments: the device allocations behind the pools. Adding or removing one
+ * is a raw backend call (slow anyway), so the table is a sorted array: binary
+ * search for lookups, memmove for changes. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Index of the first segment whose base is above addr. */
+static size_t upper_index(const npa_segment_table *t, uintptr_t addr) {
+    size_t lo = 0, hi = t->count;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (t->items[mid].base <= addr) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+bool npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_block *first) {
+    if (t->count == t->capacity) {
+        size_t capacity = t->capacity ? t->capacity * 2 : 16;
+        npa_segment *items = realloc(t->items, capacity * sizeof *items);
+        if (!items) return false;
+        t->items = items;
+        t->capacity = capacity;
+    }
+    size_t i = upper_index(t, base);
+    memmove(&t->items[i + 1], &t->items[i], (t->count - i) * sizeof *t->items);
+    t->items[i] = (npa_segment){.base = base, .size = size, .first = first};
+    t->count++;
+    return true;
+}
+
+ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr) {
+    size_t i = upper_index(t, addr);
+    if (i == 0) return -1;
+    const npa_segment *s = &t->items[i - 1];
+    return addr - s->base < s->size ? (ptrdiff_t)(i - 1) : -1;
+}
+
+npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool is_small, bool *cap_hit) {
+    npualloc_device_stats *s = d->stats;
+    size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
+    *cap_hit = d->limit_bytes && (size > d->limit_bytes || reserved > d->limit_bytes - size);
+    if (*cap_hit) return NULL;
+
+    npa_block *b = npa_slab_get(&d->slab);
+    if (!b) return NULL;
+    void *ptr = NULL;
+    if (a->backend.raw_malloc(a->backend.ctx, d->id, size, &ptr) != NPA_OK || !ptr) {
+        npa_slab_put(&d->slab, b);
+        return NULL;
+    }
+    b->addr = (uintptr_t)ptr;
+    b->size = size;
+    b->is_small = is_small;
+    b->phase = NPA_PHASE_FREE;
+    if (!npa_segments_add(&d->segments, b->addr, size, b)) {
+        a->backend.raw_free(a->backend.ctx, d->id, ptr);
+        npa_slab_put(&d->slab, b);
+        return NULL;
+    }
+
+    npa_stats_begin(d);
+    npa_pool_stat_increase(s->segment, is_small, 1);
+    npa_pool_stat_increase(s->reserved_bytes, is_small, (int64_t)size);
+    if (size >= a->config.max_split_size) npa_stat_increase(&s->oversize_segments, 1);
+    s->num_device_alloc++;
+    npa_stats_end(d);
+    return b;
+}
+
+bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
+    if (b->phase != NPA_PHASE_FREE || npa_block_is_split(b)) return false;
+    ptrdiff_t index = npa_segments_find(&d->segments, b->addr);
+    if (index < 0) return false;
+
+    npa_pool_remove(b->is_small ? &d->small : &d->large, b);
+    a->backend.raw_free(a->backend.ctx, d->id, (void *)b->addr);
+    npa_segment_table *t = &d->segments;
+    memmove(&t->items[index], &t->items[index + 1], (t->count - (size_t)index - 1) * sizeof *t->items);
+    t->count--;
+
+    npualloc_device_stats *s = d->stats;
+    npa_stats_begin(d);
+    npa_pool_stat_decrease(s->segment, b->is_small, 1);
+    npa_pool_stat_decrease(s->reserved_bytes, b->is_small, (int64_t)b->size);
+    if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_segments, 1);
+    s->num_device_free++;
+    npa_stats_end(d);
+    npa_slab_put(&d->slab, b);
+    return true;
+}
+
+void npa_release_cached_segments(npa_allocator *a, npa_device *d) {
+    /* Backwards, so removing entry i leaves the unvisited ones in place. */
+    for (size_t i = d->segments.count; i-- > 0;) npa_segment_release(a, d, d->segments.items[i].first);
+}

@@ -1,0 +1,67 @@
+/* Stats publication and the reset calls. Every mutation happens under the
+ * device mutex inside an npa_stats_begin/end section (internal.h), so a reader
+ * of the shared-memory copy sees seq odd, or a whole update. */
+#include <stddef.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* The torch Stat fields, allocation[0] .. oversize_segments, are one run of
+ * npualloc_stat; the resets walk it as an array. */
+#define STAT_RUN_LENGTH (9 * NPUALLOC_POOL_COUNT + 2)
+_Static_assert(offsetof(npualloc_device_stats, oversize_segments) - offsetof(npualloc_device_stats, allocation) ==
+                   (STAT_RUN_LENGTH - 1) * sizeof(npualloc_stat),
+               "the torch stats must be contiguous");
+
+static npualloc_stat *stat_run(npualloc_device_stats *s) { return &s->allocation[0]; }
+
+void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes) {
+    npualloc_device_stats *s = d->stats;
+    npa_stats_begin(d);
+    s->in_use = 1;
+    s->max_split_size = a->config.max_split_size == SIZE_MAX ? -1 : (int64_t)a->config.max_split_size;
+    s->device_free_bytes = (int64_t)free_bytes;
+    s->device_total_bytes = (int64_t)d->total_bytes;
+    s->reserved_limit_bytes = (int64_t)d->limit_bytes;
+    npa_stats_end(d);
+}
+
+void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
+    if (!out) return;
+    npa_device *d = a ? npa_device_get(a, device, false) : NULL;
+    if (!d) {
+        memset(out, 0, sizeof *out);
+        if (a) out->max_split_size = a->config.max_split_size == SIZE_MAX ? -1 : (int64_t)a->config.max_split_size;
+        return;
+    }
+    pthread_mutex_lock(&d->lock);
+    memcpy(out, d->stats, sizeof *out);
+    pthread_mutex_unlock(&d->lock);
+}
+
+void npa_reset_peak_stats(npa_allocator *a, int device) {
+    npa_device *d = a ? npa_device_get(a, device, false) : NULL;
+    if (!d) return;
+    pthread_mutex_lock(&d->lock);
+    npa_stats_begin(d);
+    npualloc_stat *run = stat_run(d->stats);
+    for (size_t i = 0; i < STAT_RUN_LENGTH; i++) run[i].peak = run[i].current;
+    npa_stats_end(d);
+    pthread_mutex_unlock(&d->lock);
+}
+
+void npa_reset_accumulated_stats(npa_allocator *a, int device) {
+    npa_device *d = a ? npa_device_get(a, device, false) : NULL;
+    if (!d) return;
+    pthread_mutex_lock(&d->lock);
+    npa_stats_begin(d);
+    npualloc_device_stats *s = d->stats;
+    npualloc_stat *run = stat_run(s);
+    for (size_t i = 0; i < STAT_RUN_LENGTH; i++) run[i].allocated = run[i].freed = 0;
+    s->num_alloc_retries = s->num_ooms = s->num_sync_all_streams = 0;
+    s->num_device_alloc = s->num_device_free = 0;
+    s->num_cache_hits = s->num_cache_misses = 0;
+    s->num_foreign_frees = s->num_invalid_frees = 0;
+    npa_stats_end(d);
+    pthread_mutex_unlock(&d->lock);
+}

@@ -1,0 +1,184 @@
+/* The fake device behind the core's unit tests (see fake_backend.h). */
+#include "fake_backend.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct fake_fence {
+    unsigned long long epoch;
+    int polls;
+} fake_fence;
+
+/* Fake addresses start high, 2 MiB aligned, with a gap between segments so a
+ * merge across segments would show. */
+#define FAKE_BASE 0x100000000000ULL
+#define FAKE_ALIGN ((size_t)2 << 20)
+
+void fake_init(fake_backend *f, size_t capacity, bool host_memory) {
+    memset(f, 0, sizeof *f);
+    pthread_mutex_init(&f->lock, NULL);
+    f->capacity = capacity;
+    f->host_memory = host_memory;
+    f->next_addr = FAKE_BASE;
+}
+
+void fake_destroy(fake_backend *f) {
+    if (f->host_memory)
+        for (size_t i = 0; i < f->segment_count; i++) free(f->segments[i].ptr);
+    free(f->segments);
+    pthread_mutex_destroy(&f->lock);
+}
+
+static npa_error fake_malloc(void *ctx, int device, size_t size, void **ptr) {
+    fake_backend *f = ctx;
+    npa_error err = NPA_OK;
+    pthread_mutex_lock(&f->lock);
+    f->raw_malloc_calls++;
+    if (f->fail_next_mallocs > 0) {
+        f->fail_next_mallocs--;
+        err = NPA_ERR_OOM;
+    } else if (size > f->capacity - f->used[device]) {
+        err = NPA_ERR_OOM;
+    } else if (f->segment_count == f->segment_capacity) {
+        size_t cap = f->segment_capacity ? f->segment_capacity * 2 : 64;
+        fake_segment *grown = realloc(f->segments, cap * sizeof *grown);
+        if (grown) {
+            f->segments = grown;
+            f->segment_capacity = cap;
+        } else {
+            err = NPA_ERR_OOM;
+        }
+    }
+    void *p = NULL;
+    if (err == NPA_OK) {
+        if (f->host_memory) {
+            if (posix_memalign(&p, 4096, size) != 0) err = NPA_ERR_OOM;
+        } else {
+            p = (void *)(uintptr_t)f->next_addr;
+            f->next_addr += (size + FAKE_ALIGN - 1) / FAKE_ALIGN * FAKE_ALIGN + FAKE_ALIGN;
+        }
+    }
+    if (err == NPA_OK) {
+        f->segments[f->segment_count++] = (fake_segment){p, size, device};
+        f->used[device] += size;
+        *ptr = p;
+    } else {
+        f->raw_malloc_failures++;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+static npa_error fake_free(void *ctx, int device, void *ptr) {
+    fake_backend *f = ctx;
+    npa_error err = NPA_ERR_FREE;
+    pthread_mutex_lock(&f->lock);
+    f->raw_free_calls++;
+    for (size_t i = 0; i < f->segment_count; i++) {
+        if (f->segments[i].ptr != ptr || f->segments[i].device != device) continue;
+        f->used[device] -= f->segments[i].size;
+        if (f->host_memory) free(ptr);
+        f->segments[i] = f->segments[--f->segment_count];
+        err = NPA_OK;
+        break;
+    }
+    if (err != NPA_OK) f->bad_frees++;
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+static npa_error fake_synchronize(void *ctx, int device) {
+    (void)device;
+    fake_backend *f = ctx;
+    pthread_mutex_lock(&f->lock);
+    f->sync_calls++;
+    f->completed_epoch = f->recorded_epoch;
+    pthread_mutex_unlock(&f->lock);
+    return NPA_OK;
+}
+
+static npa_error fake_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
+    fake_backend *f = ctx;
+    pthread_mutex_lock(&f->lock);
+    *free_bytes = f->capacity - f->used[device];
+    *total_bytes = f->capacity;
+    pthread_mutex_unlock(&f->lock);
+    return NPA_OK;
+}
+
+static void *fake_fence_record(void *ctx, int device) {
+    (void)device;
+    fake_backend *f = ctx;
+    fake_fence *fence = NULL;
+    pthread_mutex_lock(&f->lock);
+    if (!f->eager) {
+        fence = calloc(1, sizeof *fence);
+        if (fence) {
+            fence->epoch = ++f->recorded_epoch;
+            f->fence_records++;
+        }
+    }
+    pthread_mutex_unlock(&f->lock);
+    return fence;
+}
+
+static int fake_fence_done(void *ctx, void *opaque) {
+    fake_backend *f = ctx;
+    fake_fence *fence = opaque;
+    pthread_mutex_lock(&f->lock);
+    fence->polls++;
+    int done = fence->epoch <= f->completed_epoch ||
+               (f->auto_complete_polls > 0 && fence->polls >= f->auto_complete_polls);
+    pthread_mutex_unlock(&f->lock);
+    return done;
+}
+
+static void fake_fence_release(void *ctx, void *fence) {
+    fake_backend *f = ctx;
+    pthread_mutex_lock(&f->lock);
+    f->fence_releases++;
+    pthread_mutex_unlock(&f->lock);
+    free(fence);
+}
+
+static npualloc_device_stats *fake_stats_storage(void *ctx, int device) {
+    fake_backend *f = ctx;
+    return f->stats[device];
+}
+
+npa_backend fake_iface(fake_backend *f) {
+    npa_backend b = {
+        .ctx = f,
+        .raw_malloc = fake_malloc,
+        .raw_free = fake_free,
+        .synchronize = fake_synchronize,
+        .mem_get_info = fake_mem_get_info,
+        .stats_storage = fake_stats_storage,
+    };
+    if (f->fences) {
+        b.fence_record = fake_fence_record;
+        b.fence_done = fake_fence_done;
+        b.fence_release = fake_fence_release;
+    }
+    return b;
+}
+
+void fake_complete_fences(fake_backend *f) {
+    pthread_mutex_lock(&f->lock);
+    f->completed_epoch = f->recorded_epoch;
+    pthread_mutex_unlock(&f->lock);
+}
+
+long fake_live_fences(fake_backend *f) {
+    pthread_mutex_lock(&f->lock);
+    long live = f->fence_records - f->fence_releases;
+    pthread_mutex_unlock(&f->lock);
+    return live;
+}
+
+size_t fake_used(fake_backend *f, int device) {
+    pthread_mutex_lock(&f->lock);
+    size_t used = f->used[device];
+    pthread_mutex_unlock(&f->lock);
+    return used;
+}

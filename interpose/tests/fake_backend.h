@@ -1,0 +1,52 @@
+/* A fake device for the core's unit tests: a capacity, optional real host
+ * memory behind each segment (for pattern checks), failure injection, call
+ * counters and controllable fences. Thread-safe (the core calls it under
+ * per-device locks, so two devices may call at once). */
+#ifndef NPUALLOC_TESTS_FAKE_BACKEND_H
+#define NPUALLOC_TESTS_FAKE_BACKEND_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "core.h"
+
+typedef struct fake_segment {
+    void *ptr;
+    size_t size;
+    int device;
+} fake_segment;
+
+typedef struct fake_backend {
+    pthread_mutex_t lock;
+    size_t capacity;           /* per device */
+    size_t used[NPUALLOC_MAX_DEVICES];
+    bool host_memory;          /* segments are real, writable host memory */
+    unsigned long long next_addr; /* fake address space when !host_memory */
+    int fail_next_mallocs;     /* the next N raw mallocs fail with 207001 */
+
+    fake_segment *segments;
+    size_t segment_count, segment_capacity;
+
+    long raw_malloc_calls, raw_malloc_failures, raw_free_calls, sync_calls, bad_frees;
+
+    /* Fences: fence_record hands out epochs; a fence is done once
+     * completed_epoch reaches it, or after auto_complete_polls queries. */
+    bool fences;
+    bool eager;                /* fence_record returns NULL (nothing queued) */
+    unsigned long long recorded_epoch, completed_epoch;
+    int auto_complete_polls;   /* 0: only explicit completion */
+    long fence_records, fence_releases;
+
+    npualloc_device_stats *stats[NPUALLOC_MAX_DEVICES];
+} fake_backend;
+
+void fake_init(fake_backend *f, size_t capacity, bool host_memory);
+void fake_destroy(fake_backend *f);
+npa_backend fake_iface(fake_backend *f);
+/* Every fence recorded so far completes (the device went idle). */
+void fake_complete_fences(fake_backend *f);
+long fake_live_fences(fake_backend *f);
+size_t fake_used(fake_backend *f, int device);
+
+#endif

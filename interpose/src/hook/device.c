@@ -45,8 +45,11 @@ void npa_device_forget_current(void)
 
 /* The runtime's synchronize, mem-info and event calls act on the thread's
  * current device. When the core asks about another one we switch for the one
- * call. SetDevice is reference-counted, so the switch is undone with a
- * ResetDevice of the device we borrowed before going back. */
+ * call. SetDevice is reference-counted (process-wide) against ResetDevice, so
+ * every SetDevice we make is matched by a ResetDevice: the borrowed device's
+ * count ends where it was, and the way back to the previous device is a
+ * SetDevice+ResetDevice pair on it, which leaves it current (it was current,
+ * so its count stays above zero). */
 aclError npa_device_enter(int device, npa_devswitch *s)
 {
     s->device = device;
@@ -70,6 +73,6 @@ void npa_device_leave(npa_devswitch *s)
     __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
     __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
     reset(s->device);
-    if (s->prev >= 0)
-        set(s->prev);
+    if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS)
+        reset(s->prev);
 }

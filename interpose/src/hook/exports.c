@@ -58,6 +58,18 @@ NPA_EXPORT aclError aclrtMallocCached(void **devPtr, size_t size, aclrtMemMalloc
  * runtime (torch_npu and MindTorch allocate through paths we may not see); a
  * pointer inside our segments that is not a live block (a double free, an
  * interior pointer) is refused with the runtime's free error. */
+static aclError refuse_invalid_free(void *devPtr)
+{
+    /* One line for the first; the rest are counted (num_invalid_frees), since
+     * a loop that double-frees would otherwise flood stderr. */
+    static atomic_flag warned = ATOMIC_FLAG_INIT;
+    if (!atomic_flag_test_and_set(&warned))
+        npa_warn_once("aclrtFree(%p): not a live allocation (double free or interior pointer); refused with %d, "
+                      "further ones are only counted",
+                      devPtr, ACL_ERROR_RT_MEMORY_FREE);
+    return ACL_ERROR_RT_MEMORY_FREE;
+}
+
 static inline aclError free_entry(void *devPtr, npa_fn fn)
 {
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
@@ -68,10 +80,7 @@ static inline aclError free_entry(void *devPtr, npa_fn fn)
         case NPA_FREE_OK:
             return ACL_SUCCESS;
         case NPA_FREE_INVALID:
-            npa_warn_once("%s(%p): not a live allocation (double free or interior pointer); refused with %d",
-                          fn == NPA_FN_aclrtFree ? "aclrtFree" : "aclrtFreeWithDevSync", devPtr,
-                          ACL_ERROR_RT_MEMORY_FREE);
-            return ACL_ERROR_RT_MEMORY_FREE;
+            return refuse_invalid_free(devPtr);
         case NPA_FREE_NOT_OURS:
             break;
         }
@@ -104,10 +113,7 @@ NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
         case NPA_FREE_OK:
             return ACL_SUCCESS;
         case NPA_FREE_INVALID:
-            npa_warn_once("aclrtFreeWithDevSync(%p): not a live allocation (double free or interior pointer); "
-                          "refused with %d",
-                          devPtr, ACL_ERROR_RT_MEMORY_FREE);
-            return ACL_ERROR_RT_MEMORY_FREE;
+            return refuse_invalid_free(devPtr);
         case NPA_FREE_NOT_OURS:
             break;
         }

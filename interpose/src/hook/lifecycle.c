@@ -108,9 +108,18 @@ static npa_error be_raw_malloc(void *ctx, int device, size_t size, void **ptr)
 static npa_error be_raw_free(void *ctx, int device, void *ptr)
 {
     (void)ctx;
-    (void)device; /* aclrtFree finds the device from the address */
     __typeof__(&aclrtFree) real = NPA_REAL(aclrtFree);
-    return real ? real(ptr) : npa_no_runtime_error(NPA_FN_aclrtFree);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtFree);
+    /* aclrtFree needs a context on the calling thread, and empty_cache or a
+     * reset may free another device's segments. */
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = real(ptr);
+    npa_device_leave(&sw);
+    return err;
 }
 
 npa_error npa_hook_synchronize(int device)

@@ -1,0 +1,197 @@
+"""libnpualloc.so preloaded under unmodified pyACL programs on the simulator:
+the cache serves aclrtMalloc/aclrtFree, foreign and invalid frees are handled
+as the runtime would, and the environment switches (disable, config) work.
+Every scenario runs in its own process; each prints one JSON line of what it
+saw (the simulator's counters are the ground truth of what reached the device)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import NPUALLOC_LIB, preload_env, run_python, sim_env
+
+PRELUDE = """
+import json, os, ctypes
+import acl
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+def emit(**kw):
+    print(json.dumps(kw))
+"""
+
+
+def run(code: str, env: dict[str, str], **kw):
+    proc = run_python(PRELUDE + code, env, **kw)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return (json.loads(lines[-1]) if lines else None), proc
+
+
+TRAINING_LOOP = """
+import random
+rng = random.Random(7)
+# A training step: persistent weights, then per step activations of mixed
+# sizes (small, medium, large), a workspace, gradients; freed in another order.
+weights = []
+for size in (4 << 20, 1 << 20, 4096):
+    p, ret = acl.rt.malloc(size, 0); assert ret == 0
+    weights.append((p, size))
+sizes = [512, 3000, 65536, 1 << 20, (1 << 20) + 7, 3 << 20, 12 << 20, 100, 2 << 20]
+counts, bad = [], 0
+for it in range(20):
+    blocks = []
+    for i, size in enumerate(sizes):
+        alloc = (acl.rt.malloc, acl.rt.malloc_align32, acl.rt.malloc_cached)[i % 3]
+        p, ret = alloc(size, 0); assert ret == 0, ret
+        pattern = bytes([(it * 31 + i * 7 + k) % 251 for k in range(251)])
+        data = (pattern * (size // 251 + 1))[:size]
+        host = ctypes.create_string_buffer(data, size)
+        assert acl.rt.memcpy(p, size, ctypes.addressof(host), size, 1) == 0
+        blocks.append((p, size, data))
+    for p, size, data in blocks:
+        back = ctypes.create_string_buffer(size)
+        assert acl.rt.memcpy(ctypes.addressof(back), size, p, size, 2) == 0
+        bad += back.raw != data
+    rng.shuffle(blocks)
+    for p, _, _ in blocks:
+        assert acl.rt.free(p) == 0
+    counts.append(aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32")
+                  + aclsim.call_count("aclrtMallocCached"))
+for p, _ in weights:
+    assert acl.rt.free(p) == 0
+live_before_reset = aclsim.live_allocations(0)
+assert acl.rt.reset_device(0) == 0
+live_after_reset = aclsim.live_allocations(0)
+assert acl.finalize() == 0
+emit(counts=counts, bad=bad, live_before_reset=live_before_reset, live_after_reset=live_after_reset,
+     frees=aclsim.call_count("aclrtFree"))
+"""
+
+
+def test_training_loop_makes_no_raw_malloc_after_the_first_iteration():
+    out, proc = run(TRAINING_LOOP, preload_env())
+    counts = out["counts"]
+    assert counts[0] > 0
+    assert counts[1:] == [counts[1]] * 19 and counts[1] == counts[0], counts  # zero raw mallocs after iteration 1
+    assert out["bad"] == 0
+    assert out["live_before_reset"] > 0  # the cache holds segments ...
+    assert out["live_after_reset"] == 0  # ... and gives every one back at aclrtResetDevice
+    assert out["frees"] == counts[-1]  # each raw malloc freed exactly once
+    assert proc.stderr == ""
+
+
+def test_training_loop_without_npualloc_mallocs_every_time():
+    """The baseline the previous test is compared with: the counter counts."""
+    out, _ = run(TRAINING_LOOP, sim_env())
+    assert out["counts"][-1] == 20 * 9 + 3
+    assert out["bad"] == 0
+
+
+@pytest.mark.parametrize("switch", ["NPUALLOC_DISABLE", "PYTORCH_NO_CUDA_MEMORY_CACHING"])
+def test_disable_passes_every_call_through(switch, tmp_path):
+    out, proc = run(TRAINING_LOOP + """
+lib = ctypes.CDLL(os.environ["LD_PRELOAD"])
+emit(counts=counts, bad=bad, active=lib.npualloc_is_active(), files=os.listdir(os.environ["NPUALLOC_SHM_DIR"]))
+""", preload_env(**{switch: "1", "NPUALLOC_SHM_DIR": str(tmp_path)}))
+    assert out["counts"][-1] == 20 * 9 + 3
+    assert out["active"] == 0
+    assert out["files"] == []
+    assert out["bad"] == 0
+
+
+def test_foreign_frees_go_to_the_runtime():
+    out, proc = run("""
+sim = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libaclsim.so"))
+sim.simrt_Malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
+warm, ret = acl.rt.malloc(4096, 0); assert ret == 0  # the cache exists and owns a segment
+# Memory the hook never saw: straight from the runtime's implementation, and
+# a P2P policy the cache does not serve.
+hidden = ctypes.c_void_p()
+assert sim.simrt_Malloc(ctypes.byref(hidden), 1 << 20, 0) == 0
+p2p, ret = acl.rt.malloc(1 << 20, 3); assert ret == 0
+live = aclsim.live_allocations(0)
+frees = aclsim.call_count("aclrtFree")
+r1 = acl.rt.free(hidden.value)
+r2 = acl.rt.free(p2p)
+emit(r1=r1, r2=r2, freed=aclsim.call_count("aclrtFree") - frees, live_drop=live - aclsim.live_allocations(0))
+""", preload_env())
+    assert out == {"r1": 0, "r2": 0, "freed": 2, "live_drop": 2}
+    assert proc.stderr == ""
+
+
+def test_invalid_and_double_frees_are_refused_with_one_warning():
+    out, proc = run("""
+p, ret = acl.rt.malloc(8192, 0); assert ret == 0
+q, ret = acl.rt.malloc(8192, 0); assert ret == 0
+frees = aclsim.call_count("aclrtFree")
+first = acl.rt.free(p)
+double = [acl.rt.free(p) for _ in range(5)]
+interior = acl.rt.free(q + 64)
+null = acl.rt.free(0)
+# q is still intact and freeable after the refused interior free
+emit(first=first, double=double, interior=interior, null=null, q=acl.rt.free(q),
+     forwarded=aclsim.call_count("aclrtFree") - frees)
+""", preload_env())
+    assert out["first"] == 0 and out["q"] == 0
+    assert out["double"] == [207002] * 5
+    assert out["interior"] == 207002
+    assert out["null"] == 100000  # the runtime's own answer: NULL is forwarded
+    assert out["forwarded"] == 1  # only the NULL reached the runtime; refused frees never do
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("npualloc: ") and "207002" in lines[0], proc.stderr
+
+
+def test_null_and_zero_size_answer_like_the_runtime():
+    code = """
+from aclsim import aclsim
+lib = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
+lib.aclrtMalloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+p = ctypes.c_void_p()
+emit(null=lib.aclrtMalloc(None, 64, 0), zero=lib.aclrtMalloc(ctypes.byref(p), 0, 0),
+     align_zero=acl.rt.malloc_align32(0, 0)[1], free_null=acl.rt.free(0))
+"""
+    with_npa, _ = run(code, preload_env())
+    without, _ = run(code, sim_env())
+    assert with_npa == without
+    assert with_npa["null"] != 0 and with_npa["zero"] != 0
+
+
+def test_garbage_config_warns_once_per_problem_and_keeps_defaults():
+    code = """
+p, ret = acl.rt.malloc(4096, 0); assert ret == 0
+assert acl.rt.free(p) == 0
+import npualloc
+s = npualloc.memory_stats(0)
+emit(max_split=s["max_split_size"], reserved=s["reserved_bytes.all.current"])
+"""
+    garbage = "max_split_size_mb:abc,,bogus_key:1,garbage_collection_threshold:7,%%%"
+    out, proc = run(code, preload_env(PYTORCH_NPU_ALLOC_CONF=garbage))
+    assert out == {"max_split": -1, "reserved": 2 << 20}  # defaults: unlimited split, a 2 MiB small segment
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert lines and all(line.startswith("npualloc: PYTORCH_NPU_ALLOC_CONF") for line in lines), proc.stderr
+    assert len(lines) == len(set(lines))
+    assert any("bogus_key" in line for line in lines) and any("max_split_size_mb" in line for line in lines)
+
+
+def test_mindtorch_variable_wins_over_the_torch_ones():
+    code = """
+p, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
+import npualloc
+emit(max_split=npualloc.memory_stats(0)["max_split_size"])
+"""
+    out, proc = run(code, preload_env(MINDTORCH_NPU_ALLOC_CONF="max_split_size_mb:40",
+                                      PYTORCH_NPU_ALLOC_CONF="bogus", PYTORCH_CUDA_ALLOC_CONF="bogus"))
+    assert out["max_split"] == 40 << 20
+    assert proc.stderr == ""
+    out, proc = run(code, preload_env(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:60"))
+    assert out["max_split"] == 60 << 20
+
+
+def test_process_that_never_touches_the_npu_prints_nothing_and_leaves_no_file(tmp_path):
+    env = preload_env(NPUALLOC_SHM_DIR=str(tmp_path))
+    proc = run_python("import json, ctypes; print('hello'); ctypes.CDLL(None).strlen", env)
+    assert proc.stdout == "hello\n"
+    assert proc.stderr == ""
+    assert os.listdir(tmp_path) == []
+    assert NPUALLOC_LIB.exists()

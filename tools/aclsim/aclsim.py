@@ -127,3 +127,53 @@ class Ops:
 
     def destroy_executor(self, executor: int) -> int:
         return self._destroy(executor)
+
+
+# Signatures of the runtime's C API, for calls pyACL cannot express (NULL
+# out-pointers, the VMM API). Every function returns aclError (int).
+_P = ctypes.POINTER
+_RUNTIME_ARGTYPES = {
+    "aclInit": [ctypes.c_char_p],
+    "aclFinalize": [],
+    "aclrtSetDevice": [ctypes.c_int32],
+    "aclrtGetDevice": [_P(ctypes.c_int32)],
+    "aclrtResetDevice": [ctypes.c_int32],
+    "aclrtGetDeviceCount": [_P(ctypes.c_uint32)],
+    "aclrtSynchronizeDevice": [],
+    "aclrtMalloc": [_P(_vp), ctypes.c_size_t, ctypes.c_int],
+    "aclrtMallocAlign32": [_P(_vp), ctypes.c_size_t, ctypes.c_int],
+    "aclrtMallocCached": [_P(_vp), ctypes.c_size_t, ctypes.c_int],
+    "aclrtFree": [_vp],
+    "aclrtFreeWithDevSync": [_vp],
+    "aclrtMemset": [_vp, ctypes.c_size_t, ctypes.c_int32, ctypes.c_size_t],
+    "aclrtMemcpy": [_vp, ctypes.c_size_t, _vp, ctypes.c_size_t, ctypes.c_int],
+    "aclrtGetMemInfo": [ctypes.c_int, _P(ctypes.c_size_t), _P(ctypes.c_size_t)],
+    "aclrtReserveMemAddress": [_P(_vp), ctypes.c_size_t, ctypes.c_size_t, _vp, _u64],
+    "aclrtReleaseMemAddress": [_vp],
+    "aclrtMallocPhysical": [_P(_vp), ctypes.c_size_t, _vp, _u64],
+    "aclrtFreePhysical": [_vp],
+    "aclrtMapMem": [_vp, ctypes.c_size_t, ctypes.c_size_t, _vp, _u64],
+    "aclrtUnmapMem": [_vp],
+    "aclrtMemGetAllocationGranularity": [_vp, ctypes.c_int, _P(ctypes.c_size_t)],
+}
+
+
+class PhysicalMemProp(ctypes.Structure):
+    """aclrtPhysicalMemProp"""
+    _fields_ = [("handleType", ctypes.c_int), ("allocationType", ctypes.c_int), ("memAttr", ctypes.c_int),
+                ("location_id", ctypes.c_uint32), ("location_type", ctypes.c_int), ("reserve", _u64)]
+
+    @classmethod
+    def device(cls, device_id: int = 0) -> "PhysicalMemProp":
+        return cls(0, 0, 1, device_id, 1, 0)  # pinned HBM on ACL_MEM_LOCATION_TYPE_DEVICE
+
+
+def runtime(library: str = "libascendcl.so") -> ctypes.CDLL:
+    """The simulated runtime library (libascendcl.so or libacl_rt.so) with the
+    argument types of its C API set. Functions are looked up on the library
+    handle (dlsym), so an LD_PRELOADed interposer does not intercept them:
+    use the `acl` module to go through the dynamic linker."""
+    lib = _load(library)
+    for name, argtypes in _RUNTIME_ARGTYPES.items():
+        _bind(lib, name, ctypes.c_int, *argtypes)
+    return lib

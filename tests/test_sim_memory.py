@@ -1,0 +1,205 @@
+"""The simulated runtime's memory API against the documented CANN behaviour
+(tools/aclsim/README.md): error codes, rounding, capacity, mem info, devices,
+fault injection, latency. Each scenario runs in its own process."""
+from __future__ import annotations
+
+import textwrap
+
+from conftest import run_python, sim_env
+
+PRELUDE = """\
+import ctypes, threading, time
+import acl, aclsim
+def ok(ret):
+    assert ret == 0, ret
+"""
+
+
+def sim(code: str, check: bool = True, **env: str):
+    return run_python(PRELUDE + textwrap.dedent(code), sim_env(**env), check=check)
+
+
+def test_parameter_and_free_errors():
+    proc = sim("""
+        rt = aclsim.runtime()
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        assert rt.aclrtMalloc(None, 16, 0) == 100000            # NULL devPtr
+        assert acl.rt.malloc(0, 0)[1] == 100000                 # size 0
+        assert acl.rt.malloc_align32(0, 0)[1] == 100000
+        assert acl.rt.free(0) == 100000                         # aclrtFree(NULL)
+        p, ret = acl.rt.malloc(256, 0); ok(ret)
+        host = bytearray(64)
+        assert acl.rt.free(acl.util.bytes_to_ptr(host)) == 207002   # not device memory
+        assert acl.rt.free(p + 64) == 207002                    # interior pointer
+        ok(acl.rt.free(p))
+        assert acl.rt.free(p) == 207002                         # double free
+        assert aclsim.live_allocations(0) == 0
+    """)
+    assert proc.stderr.count("aclsim: aclrtFree(") == 3
+
+
+def test_init_and_finalize_order():
+    sim("""
+        assert acl.rt.malloc(64, 0)[1] == 100001                # before aclInit
+        assert acl.rt.set_device(0) == 100001
+        assert acl.rt.get_device_count() == (8, 0)              # a machine property, answered anyway
+        ok(acl.init())
+        assert acl.init() == 100002                             # second aclInit
+        ok(acl.rt.set_device(0))
+        p, ret = acl.rt.malloc(64, 0); ok(ret)
+        ok(acl.finalize())
+        assert acl.finalize() == 100037                         # second aclFinalize
+        assert acl.rt.malloc(64, 0)[1] == 100001                # after aclFinalize
+        assert acl.rt.free(p) == 100001
+        assert acl.init() == 100002                             # once per process
+    """)
+
+
+def test_current_device_is_per_thread():
+    sim("""
+        ok(acl.init())
+        assert acl.rt.malloc(64, 0)[1] == 107002                # no device set yet
+        assert acl.rt.get_device()[1] == 107002
+        ok(acl.rt.set_device(0))
+        assert acl.rt.get_device() == (0, 0)
+        seen = {}
+        def worker():
+            seen["malloc"] = acl.rt.malloc(64, 0)[1]
+            seen["get_device"] = acl.rt.get_device()[1]
+            seen["mem_info"] = acl.rt.get_mem_info(1)[2]
+            ok(acl.rt.set_device(0))
+            p, seen["after_set"] = acl.rt.malloc(64, 0)
+            ok(acl.rt.free(p))
+        t = threading.Thread(target=worker); t.start(); t.join()
+        assert seen == {"malloc": 107002, "get_device": 107002, "mem_info": 107002, "after_set": 0}, seen
+    """)
+
+
+def test_set_device_is_reference_counted():
+    sim("""
+        ok(acl.init())
+        assert acl.rt.set_device(2) == 107001                   # only 2 devices
+        ok(acl.rt.set_device(1)); ok(acl.rt.set_device(1))
+        ok(acl.rt.reset_device(1))
+        p, ret = acl.rt.malloc(1000, 0); ok(ret)                # one reference left
+        assert aclsim.bytes_outstanding(1) == 1056 and aclsim.bytes_outstanding(0) == 0
+        ok(acl.rt.reset_device(1))
+        assert acl.rt.malloc(64, 0)[1] == 107002                # context gone with the last reference
+    """, NPUSIM_DEVICE_COUNT="2")
+
+
+def test_rounding_alignment_and_accounting():
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        up32 = lambda n: (n + 31) // 32 * 32
+        free0, total, ret = acl.rt.get_mem_info(1); ok(ret)
+        expected = 0
+        for size in (1, 31, 32, 33, 100, 4096, 1 << 20, (1 << 20) + 1, 3 << 20):
+            for fn, pad in ((acl.rt.malloc, 32), (acl.rt.malloc_cached, 32), (acl.rt.malloc_align32, 0)):
+                p, ret = fn(size, 0); ok(ret)
+                assert p % 64 == 0, (size, hex(p))
+                if size > (1 << 20):
+                    assert p % (2 << 20) == 0, (size, hex(p))   # huge pages
+                assert aclsim.allocation_info(p) == (size, up32(size) + pad), (size, aclsim.allocation_info(p))
+                expected += up32(size) + pad
+        free1, _, _ = acl.rt.get_mem_info(1)
+        assert free0 - free1 == expected == aclsim.bytes_outstanding(0)
+        assert aclsim.live_allocations(0) == 27
+    """)
+
+
+def test_capacity_exhaustion_returns_207001():
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        half = 32 << 20
+        a, ret = acl.rt.malloc(half, 0); ok(ret)                # charges 32 MiB + 32
+        assert acl.rt.malloc(half, 0)[1] == 207001              # 2 * (32 MiB + 32) > 64 MiB
+        assert acl.rt.get_mem_info(1)[0] == half - 32
+        c, ret = acl.rt.malloc_align32(half - 32, 0); ok(ret)   # exactly the rest: no pad for Align32
+        assert acl.rt.get_mem_info(1)[0] == 0
+        assert acl.rt.malloc_align32(32, 0)[1] == 207001        # nothing left
+        ok(acl.rt.free(a))
+        a, ret = acl.rt.malloc(half, 0); ok(ret)                # freed capacity comes back, exactly
+        assert acl.rt.malloc(1 << 40, 0)[1] == 207001           # beyond the device
+    """, NPUSIM_HBM_MB="64")
+
+
+def test_get_mem_info_attributes():
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        p, ret = acl.rt.malloc(4000, 0); ok(ret)
+        hbm = acl.rt.get_mem_info(1)                            # ACL_HBM_MEM
+        assert hbm == ((1 << 30) - 4032, 1 << 30, 0), hbm
+        assert acl.rt.get_mem_info(0) == hbm                    # ACL_DDR_MEM: same single pool
+        assert acl.rt.get_mem_info(4) == hbm                    # ACL_HBM_MEM_HUGE
+        assert acl.rt.get_mem_info(8) == (0, 0, 0)              # P2P huge: unsupported, 0/0
+        assert acl.rt.get_mem_info(10) == (0, 0, 0)             # HUGE1G
+        assert acl.rt.get_mem_info(99)[2] == 100000
+        rt = aclsim.runtime()
+        free = ctypes.c_size_t()
+        assert rt.aclrtGetMemInfo(1, ctypes.byref(free), None) == 100000
+    """, NPUSIM_HBM_MB="1024")
+
+
+def test_fail_nth_malloc():
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        rets = [acl.rt.malloc(64, 0)[1] for _ in range(5)]
+        assert rets == [0, 0, 207001, 0, 0], rets
+        assert aclsim.injected_failures() == 1
+    """, NPUSIM_FAIL_NTH_MALLOC="3")
+
+
+FAILURE_PATTERN = """
+    ok(acl.init()); ok(acl.rt.set_device(0))
+    print("".join("x" if acl.rt.malloc(64, 0)[1] == 207001 else "." for _ in range(64)))
+"""
+
+
+def test_fail_probability_is_reproducible_per_seed():
+    runs = [sim(FAILURE_PATTERN, NPUSIM_FAIL_PROB="0.3", NPUSIM_FAIL_SEED=seed).stdout.strip()
+            for seed in ("7", "7", "8")]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert 5 <= runs[0].count("x") <= 40, runs[0]
+
+
+def test_fail_next_mallocs_on_request():
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        aclsim.fail_next_mallocs(2)
+        assert [acl.rt.malloc(64, 0)[1] for _ in range(3)] == [207001, 207001, 0]
+        assert aclsim.injected_failures() == 2
+    """)
+
+
+def test_latency_is_spent_on_the_caller():
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        t0 = time.perf_counter(); p, ret = acl.rt.malloc(64, 0); t1 = time.perf_counter()
+        ok(ret); ok(acl.rt.free(p)); t2 = time.perf_counter()
+        assert t1 - t0 >= 0.002, t1 - t0
+        assert t2 - t1 >= 0.001, t2 - t1
+    """, NPUSIM_MALLOC_US="2000", NPUSIM_FREE_US="1000")
+
+
+def test_call_counters_and_both_runtime_libraries():
+    sim("""
+        ascendcl, acl_rt = aclsim.runtime("libascendcl.so"), aclsim.runtime("libacl_rt.so")
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        aclsim.reset_counters()
+        p = ctypes.c_void_p()
+        ok(ascendcl.aclrtMalloc(ctypes.byref(p), 128, 0))
+        ok(acl_rt.aclrtFree(p))                                  # one state behind both libraries
+        acl.rt.malloc(0, 0)                                     # failed calls count too
+        assert aclsim.call_count("aclrtMalloc") == 2
+        assert aclsim.call_count("aclrtFree") == 1
+        assert aclsim.call_count("aclrtMallocAlign32") == 0
+        try:
+            aclsim.call_count("aclrtNoSuchThing")
+            raise AssertionError("unknown API name accepted")
+        except KeyError:
+            pass
+        aclsim.reset_counters()
+        assert aclsim.call_count("aclrtMalloc") == 0
+    """)

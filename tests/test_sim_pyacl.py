@@ -1,0 +1,84 @@
+"""The pyACL-compatible `acl` module: pyACL's calling conventions, and that
+its calls reach the runtime through the dynamic linker, so an LD_PRELOADed
+aclrtMalloc wins exactly as with the real pyACL."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import textwrap
+
+import pytest
+
+from conftest import run_python, sim_env
+
+CONVENTIONS = """
+import acl, acl.rt, acl.util
+assert acl.init() == 0
+count, ret = acl.rt.get_device_count(); assert (count, ret) == (8, 0)
+assert acl.rt.set_device(0) == 0
+assert acl.rt.get_device() == (0, 0)
+for fn in (acl.rt.malloc, acl.rt.malloc_cached, acl.rt.malloc_align32):
+    ptr, ret = fn(1000, 0)
+    assert type(ptr) is int and ptr > 0 and ret == 0
+    assert acl.rt.free(ptr) == 0
+free, total, ret = acl.rt.get_mem_info(1)
+assert (type(free), type(total), ret) == (int, int, 0) and free == total == 64 << 30
+stream, ret = acl.rt.create_stream(); assert type(stream) is int and stream and ret == 0
+event, ret = acl.rt.create_event(); assert type(event) is int and event and ret == 0
+ptr, _ = acl.rt.malloc(16, 0)
+data = b"0123456789abcdef"
+assert acl.rt.memcpy_async(ptr, 16, acl.util.bytes_to_ptr(data), 16, 1, stream) == 0
+assert acl.rt.memset_async(ptr, 16, ord("z"), 4, stream) == 0
+assert acl.rt.record_event(event, stream) == 0
+assert acl.rt.synchronize_event(event) == 0
+assert acl.rt.query_event_status(event) == (1, 0)
+out = bytearray(16)
+assert acl.rt.memcpy(acl.util.bytes_to_ptr(out), 16, ptr, 16, 2) == 0
+assert bytes(out) == b"zzzz456789abcdef"
+assert acl.util.ptr_to_bytes(ptr, 16) == b"zzzz456789abcdef"   # device memory is host-readable
+assert acl.rt.free(ptr) == 0
+for call in (lambda: acl.rt.destroy_event(event), lambda: acl.rt.destroy_stream(stream),
+             acl.rt.synchronize_device, lambda: acl.rt.reset_device(0), acl.finalize):
+    assert call() == 0
+"""
+
+
+def test_pyacl_calling_conventions():
+    run_python(CONVENTIONS, sim_env())
+
+
+# A minimal interposer. Python imports `acl` with RTLD_LOCAL, so the runtime
+# it pulls in is not in the global scope and RTLD_NEXT cannot see it; the probe
+# then asks the already-loaded libascendcl.so directly.
+PROBE_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stddef.h>
+int probe_mallocs;
+int aclrtMalloc(void **p, size_t size, int policy)
+{
+    void *next = dlsym(RTLD_NEXT, "aclrtMalloc");
+    if (next == NULL)
+        next = dlsym(dlopen("libascendcl.so", RTLD_LAZY | RTLD_NOLOAD), "aclrtMalloc");
+    probe_mallocs++;
+    return ((int (*)(void **, size_t, int))next)(p, size, policy);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the probe interposer")
+def test_preloaded_aclrtmalloc_wins_over_pyacl(tmp_path):
+    src, lib = tmp_path / "probe.c", tmp_path / "libprobe.so"
+    src.write_text(PROBE_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True)
+    env = sim_env()
+    env["LD_PRELOAD"] = str(lib)
+    run_python(f"""
+        import ctypes, acl, aclsim
+        probe = ctypes.CDLL({str(lib)!r})
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        ptr, ret = acl.rt.malloc(64, 0)
+        assert ret == 0 and acl.rt.free(ptr) == 0
+        assert ctypes.c_int.in_dll(probe, "probe_mallocs").value == 1   # the interposer saw it
+        assert aclsim.call_count("aclrtMalloc") == 1                    # and forwarded once, no recursion
+    """, env)

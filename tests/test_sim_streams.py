@@ -1,0 +1,124 @@
+"""Streams and events of the simulated runtime: async execution on stream
+workers, ordering, event status polarity, cross-stream waits, and memory
+checks made when queued work actually executes."""
+from __future__ import annotations
+
+import textwrap
+
+from conftest import run_python, sim_env
+
+PRELUDE = """\
+import time
+import acl, aclsim
+def ok(ret):
+    assert ret == 0, ret
+D2H, H2D, D2D = 2, 1, 3
+ok(acl.init()); ok(acl.rt.set_device(0))
+ops = aclsim.Ops()
+def dev(size, value=0):
+    p, ret = acl.rt.malloc(size, 0); ok(ret)
+    ok(acl.rt.memset(p, size, value, size))
+    return p
+def read(p, size):
+    out = bytearray(size)
+    ok(acl.rt.memcpy(acl.util.bytes_to_ptr(out), size, p, size, D2H))
+    return bytes(out)
+def fill(dst, size, value, stream=0, ws=None):
+    ws = ws or dev(ops.WORKSPACE_BYTES)
+    n, ex, st = ops.fill_get_workspace_size(dst, size, value); ok(st)
+    ok(ops.fill(ws, n, ex, stream))
+"""
+
+
+def sim(code: str, check: bool = True, **env: str):
+    return run_python(PRELUDE + textwrap.dedent(code), sim_env(**env), check=check)
+
+
+def test_fill_then_copy_run_in_order_and_asynchronously():
+    sim("""
+        a, b = dev(4096), dev(4096)
+        stream, ret = acl.rt.create_stream(); ok(ret)
+        aclsim.set_op_duration_us(100_000)
+        t0 = time.perf_counter()
+        fill(a, 4096, 0x5A, stream)
+        ok(acl.rt.memcpy_async(b, 4096, a, 4096, D2D, stream))
+        assert time.perf_counter() - t0 < 0.05                  # enqueueing does not wait
+        assert read(b, 4096) == bytes(4096)                     # nothing has run yet
+        ok(acl.rt.synchronize_stream(stream))
+        assert time.perf_counter() - t0 >= 0.1
+        assert read(b, 4096) == b"\\x5a" * 4096                  # the copy waited for the fill
+        ok(acl.rt.destroy_stream(stream))
+    """)
+
+
+def test_event_status_polarity():
+    sim("""
+        ev, ret = acl.rt.create_event(); ok(ret)
+        assert acl.rt.query_event_status(ev) == (1, 0)          # never recorded: COMPLETE (=1)
+        assert acl.rt.query_event(ev) == (0, 0)                 # old enum: COMPLETE is 0
+        aclsim.set_op_duration_us(100_000)
+        fill(dev(64), 64, 1)
+        ok(acl.rt.record_event(ev, 0))
+        assert acl.rt.query_event_status(ev) == (0, 0)          # NOT_READY (=0)
+        assert acl.rt.query_event(ev) == (1, 0)                 # old enum: NOT_READY is 1
+        ok(acl.rt.synchronize_event(ev))
+        assert acl.rt.query_event_status(ev) == (1, 0)
+        assert acl.rt.query_event(ev) == (0, 0)
+        ok(acl.rt.destroy_event(ev))
+        assert acl.rt.query_event_status(ev)[1] == 107000       # destroyed handle
+    """)
+
+
+def test_stream_wait_event_orders_across_streams():
+    sim("""
+        a, b = dev(1024), dev(1024)
+        s1, _ = acl.rt.create_stream(); s2, _ = acl.rt.create_stream()
+        ev, _ = acl.rt.create_event()
+        aclsim.set_op_duration_us(80_000)
+        fill(a, 1024, 0x33, s1)
+        ok(acl.rt.record_event(ev, s1))
+        ok(acl.rt.stream_wait_event(s2, ev))
+        ok(acl.rt.memcpy_async(b, 1024, a, 1024, D2D, s2))
+        ok(acl.rt.synchronize_stream(s2))
+        assert read(b, 1024) == b"\\x33" * 1024                  # s2's copy waited for s1's fill
+    """)
+
+
+def test_synchronize_device_and_free_with_dev_sync_wait_for_all_streams():
+    sim("""
+        a, b = dev(256), dev(256)
+        s1, _ = acl.rt.create_stream()
+        aclsim.set_op_duration_us(80_000)
+        fill(a, 256, 7, s1)
+        fill(b, 256, 8)                                          # default stream
+        ok(acl.rt.synchronize_device())
+        assert read(a, 256) == b"\\x07" * 256 and read(b, 256) == b"\\x08" * 256
+        fill(a, 256, 9, s1)
+        rt = aclsim.runtime()
+        ok(rt.aclrtFreeWithDevSync(a))                           # waits for the fill, then frees
+        assert aclsim.invalid_accesses() == 0
+    """)
+
+
+def test_async_copy_checks_memory_when_it_executes():
+    proc = sim("""
+        a, b = dev(512, 0x11), dev(512)
+        aclsim.set_op_duration_us(80_000)
+        fill(dev(64), 64, 0)                                     # keeps the stream busy
+        ok(acl.rt.memcpy_async(b, 512, a, 512, D2D, 0))         # a is live when queued...
+        ok(acl.rt.free(a))                                      # ...and freed before the copy runs
+        assert aclsim.invalid_accesses() == 0
+        ok(acl.rt.synchronize_stream(0))
+        assert aclsim.invalid_accesses() == 1
+        assert read(b, 512) == b"\\xdb" * 512                    # the copy read poisoned memory
+    """)
+    assert "aclsim: invalid device access by aclrtMemcpyAsync" in proc.stderr
+
+
+def test_stream_handle_errors():
+    sim("""
+        assert acl.rt.destroy_stream(0) == 100000               # the default stream stays
+        s, _ = acl.rt.create_stream()
+        ok(acl.rt.destroy_stream(s))
+        assert acl.rt.synchronize_stream(s) == 107000           # destroyed stream
+    """)

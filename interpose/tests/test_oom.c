@@ -1,0 +1,278 @@
+/* The malloc path after a miss: the OOM retry sequence with its counters,
+ * the oversize release step, failure injection, the per-process cap, the
+ * OOM report line, and age-based GC. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+/* Runs a malloc with stderr redirected into out (the report line). */
+static npa_error malloc_capturing_stderr(fixture *fx, size_t size, char *out, size_t out_len) {
+    fflush(stderr);
+    FILE *tmp = tmpfile();
+    int saved = dup(STDERR_FILENO);
+    dup2(fileno(tmp), STDERR_FILENO);
+    void *p = (void *)1;
+    npa_error err = npa_malloc(fx->a, 0, size, NPA_ENTRY_EXACT, &p);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    CHECK(err == NPA_OK || p == NULL);
+    rewind(tmp);
+    size_t n = fread(out, 1, out_len - 1, tmp);
+    out[n] = '\0';
+    fclose(tmp);
+    return err;
+}
+
+static int count_char(const char *s, char c) {
+    int n = 0;
+    for (; *s; s++) n += *s == c;
+    return n;
+}
+
+static void test_oom_sequence(void) {
+    fixture fx;
+    fixture_init(&fx, 20 * MiB, NULL);
+    void *p12 = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK_EQ(npa_free(fx.a, p12, 0, NULL), NPA_FREE_OK);
+    /* 14 MiB does not fit beside the cached 12 MiB: step 6 empties the cache. */
+    void *p14 = alloc_exact(&fx, 0, 14 * MiB);
+    CHECK(p14 != NULL);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(s.num_sync_all_streams, 1);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 3); /* 12, 14 refused, 14 */
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    CHECK_EQ(s.num_device_alloc, 2);
+    CHECK_EQ(s.num_device_free, 1);
+
+    /* Nothing left to free: every step runs, then 207001 and one line. */
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 10 * MiB, line, sizeof line), NPA_ERR_OOM);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_ooms, 1);
+    CHECK_EQ(s.num_alloc_retries, 2);
+    CHECK_EQ(s.num_sync_all_streams, 2);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 5);
+    CHECK(strncmp(line, "npualloc:", 9) == 0);
+    CHECK_EQ(count_char(line, '\n'), 1);
+    CHECK(line[strlen(line) - 1] == '\n');
+    CHECK(strstr(line, "requested 10485760 bytes") != NULL);
+    CHECK(strstr(line, "allocated 14680064 bytes") != NULL);
+    CHECK(strstr(line, "reserved 14680064 bytes") != NULL);
+    CHECK(strstr(line, "device free 6291456 of 20971520 bytes") != NULL);
+    CHECK(s.device_free_bytes == 6 * MiB);
+    fixture_destroy(&fx);
+}
+
+static void test_oom_hints_fragmentation(void) {
+    fixture fx;
+    fixture_init(&fx, 20 * MiB, NULL);
+    /* Two 2 MiB blocks hold one 20 MiB segment; freeing the first leaves
+     * 18 MiB reserved but unallocated that no retry can give back. */
+    void *a = alloc_exact(&fx, 0, 2 * MiB);
+    alloc_exact(&fx, 0, 2 * MiB);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 17 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK(strstr(line, "max_split_size_mb") != NULL);
+    CHECK(strstr(line, "per_process_memory_fraction") == NULL);
+    fixture_destroy(&fx);
+}
+
+static void test_oversize_release_step(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.max_split_size = 20 * MiB;
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, &c);
+    void *p30 = alloc_exact(&fx, 0, 30 * MiB);
+    void *p40 = alloc_exact(&fx, 0, 40 * MiB);
+    CHECK_EQ(npa_free(fx.a, p30, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, p40, 0, NULL), NPA_FREE_OK);
+    /* No cached block fits 50 MiB and the device lacks room: step 5 frees
+     * the largest oversize blocks (40, then 30) and the retry succeeds
+     * without any synchronize. */
+    alloc_exact(&fx, 0, 50 * MiB);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(s.num_alloc_retries, 0);
+    CHECK_EQ(s.oversize_segments.current, 1);
+    fixture_destroy(&fx);
+
+    /* One cached oversize block big enough (but refused by the rounding
+     * rule) is released on its own. */
+    fixture_init(&fx, 80 * MiB, &c);
+    void *p60 = alloc_exact(&fx, 0, 60 * MiB);
+    void *p8 = alloc_exact(&fx, 0, 8 * MiB); /* a 20 MiB segment that must stay */
+    CHECK_EQ(npa_free(fx.a, p60, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, p8, 0, NULL), NPA_FREE_OK);
+    alloc_exact(&fx, 0, 30 * MiB); /* 60 >= 30 + 20: not reusable; no room for 30 */
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 50 * MiB);
+    fixture_destroy(&fx);
+}
+
+static void test_failure_injection_retries_once(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    fx.fake.fail_next_mallocs = 1;
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK(p != NULL);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.num_sync_all_streams, 1);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(s.num_cache_misses, 1);
+    CHECK_EQ(fx.fake.raw_malloc_failures, 1);
+
+    fx.fake.fail_next_mallocs = 2; /* both the first try and the retry fail */
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 4 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK_EQ(stats_of(&fx, 0).num_ooms, 1);
+    fixture_destroy(&fx);
+}
+
+static void test_fraction_cap(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.per_process_memory_fraction = 0.5;
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, &c);
+    void *p40 = alloc_exact(&fx, 0, 40 * MiB);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_limit_bytes, 50 * MiB);
+    CHECK_EQ(s.device_total_bytes, 100 * MiB);
+
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 20 * MiB, line, sizeof line), NPA_ERR_OOM);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_ooms, 1);
+    CHECK_EQ(s.num_alloc_retries, 1); /* the cap goes through the retry path first */
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1); /* the device was never asked past the cap */
+    CHECK(strstr(line, "per_process_memory_fraction") != NULL);
+    CHECK(strstr(line, "cap 52428800 bytes") != NULL);
+
+    /* The retry's emptied cache makes room under the cap. */
+    CHECK_EQ(npa_free(fx.a, p40, 0, NULL), NPA_FREE_OK);
+    void *p46 = alloc_exact(&fx, 0, 46 * MiB);
+    CHECK(p46 != NULL);
+    CHECK_EQ(stats_of(&fx, 0).num_alloc_retries, 2);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 46 * MiB);
+    fixture_destroy(&fx);
+}
+
+/* Four cached large segments with ages A 7, B 4, C 2, E 1 pool searches at
+ * the moment the next miss runs GC; returns their addresses in that order. */
+static void build_aged_cache(fixture *fx, void *out[4]) {
+    void *a = alloc_exact(fx, 0, 12 * MiB);
+    void *b = alloc_exact(fx, 0, 14 * MiB);
+    void *c = alloc_exact(fx, 0, 16 * MiB);
+    void *e = alloc_exact(fx, 0, 18 * MiB);
+    CHECK_EQ(npa_free(fx->a, e, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx->a, a, 0, NULL), NPA_FREE_OK);
+    /* Each cycle is one large-pool search that hits e and re-caches it. */
+    for (int cycle = 0; cycle < 6; cycle++) {
+        void *again = alloc_exact(fx, 0, 18 * MiB);
+        CHECK(again == e);
+        CHECK_EQ(npa_free(fx->a, again, 0, NULL), NPA_FREE_OK);
+        if (cycle == 2) CHECK_EQ(npa_free(fx->a, b, 0, NULL), NPA_FREE_OK);
+        if (cycle == 4) CHECK_EQ(npa_free(fx->a, c, 0, NULL), NPA_FREE_OK);
+    }
+    out[0] = a;
+    out[1] = b;
+    out[2] = c;
+    out[3] = e;
+}
+
+typedef struct cached_set {
+    uintptr_t addrs[8];
+    int count;
+} cached_set;
+
+static void note_segment(const npa_segment_view *v, void *arg) {
+    cached_set *set = arg;
+    if (set->count < 8) set->addrs[set->count++] = v->address;
+}
+
+static bool still_cached(fixture *fx, void *p) {
+    cached_set set = {.count = 0};
+    npa_visit_segments(fx->a, 0, note_segment, &set);
+    for (int i = 0; i < set.count; i++)
+        if (set.addrs[i] == (uintptr_t)p) return true;
+    return false;
+}
+
+static void test_gc_frees_oldest_first_and_stops(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    /* 200 MiB device, 0.25: GC once reserved > 50 MiB. Reserved is 60:
+     * target 10 MiB. Average age 3.5 frees A (7) and B (4) in one pass. */
+    c.garbage_collection_threshold = 0.25;
+    fixture fx;
+    fixture_init(&fx, 200 * MiB, &c);
+    void *blocks[4];
+    build_aged_cache(&fx, blocks);
+    CHECK_EQ(fx.fake.raw_free_calls, 0); /* no GC while the pool still hit */
+    alloc_exact(&fx, 0, 20 * MiB);      /* a miss: GC runs first */
+    CHECK(!still_cached(&fx, blocks[0]));
+    CHECK(!still_cached(&fx, blocks[1]));
+    CHECK(still_cached(&fx, blocks[2]));
+    CHECK(still_cached(&fx, blocks[3]));
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    CHECK_EQ(fx.fake.sync_calls, 0); /* GC never synchronizes */
+    CHECK_EQ(stats_of(&fx, 0).num_sync_all_streams, 0);
+    fixture_destroy(&fx);
+
+    /* 0.1: limit 20 MiB, target 40 MiB. Pass 1 frees A, B (26 MiB); pass 2
+     * (average of C and E: 1.5) frees C, reaching 42: E stays. */
+    c.garbage_collection_threshold = 0.1;
+    fixture_init(&fx, 200 * MiB, &c);
+    build_aged_cache(&fx, blocks);
+    alloc_exact(&fx, 0, 20 * MiB);
+    CHECK(!still_cached(&fx, blocks[2]));
+    CHECK(still_cached(&fx, blocks[3]));
+    CHECK_EQ(fx.fake.raw_free_calls, 3);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    fixture_destroy(&fx);
+
+    /* Off (the default): nothing is collected. */
+    fixture_init(&fx, 200 * MiB, NULL);
+    build_aged_cache(&fx, blocks);
+    alloc_exact(&fx, 0, 20 * MiB);
+    CHECK_EQ(fx.fake.raw_free_calls, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_gc_threshold_set_at_run_time(void) {
+    fixture fx;
+    fixture_init(&fx, 200 * MiB, NULL);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 1.5), -1);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.25), 0);
+    CHECK(npa_get_config(fx.a)->garbage_collection_threshold == 0.25);
+    void *blocks[4];
+    build_aged_cache(&fx, blocks);
+    alloc_exact(&fx, 0, 20 * MiB);
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_oom_sequence);
+    RUN(test_oom_hints_fragmentation);
+    RUN(test_oversize_release_step);
+    RUN(test_failure_injection_retries_once);
+    RUN(test_fraction_cap);
+    RUN(test_gc_frees_oldest_first_and_stops);
+    RUN(test_gc_threshold_set_at_run_time);
+    return check_report();
+}

@@ -1,0 +1,123 @@
+/* Stream-safe reuse: frees wait in a batch, one fence per batch, reuse only
+ * after the fence completes (non-blocking poll), pending blocks stay active,
+ * and the synchronizing paths drain everything. */
+#include <stdint.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+static void fixture_with_fences(fixture *fx, size_t capacity) {
+    fake_init(&fx->fake, capacity, false);
+    fx->fake.fences = true;
+    fixture_start(fx, NULL);
+}
+
+static void test_one_fence_per_batch(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *p = alloc_exact(&fx, 0, 1024);
+    void *q = alloc_exact(&fx, 0, 1024);
+    void *r = alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(fx.fake.fence_records, 0); /* freeing records nothing */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 2);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 1);  /* the allocations ended... */
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 3);      /* ...but the blocks are still active */
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 3072);
+    CHECK_EQ(shape_of(&fx, 0).pending_blocks, 2);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_INVALID); /* a pending block is not live */
+
+    /* The next malloc closes the batch with one fence and must not reuse it. */
+    void *t = alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(fx.fake.fence_records, 1);
+    CHECK(t != p && t != q);
+    CHECK_EQ((uintptr_t)t, (uintptr_t)r + 1024);
+    alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(fx.fake.fence_records, 1); /* no new frees, no new fence */
+
+    fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 3);
+    CHECK_EQ(fake_live_fences(&fx.fake), 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    void *reused = alloc_exact(&fx, 0, 2048); /* p and q merged */
+    CHECK(reused == p);
+    fixture_destroy(&fx);
+}
+
+static void test_batches_complete_independently(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *a = alloc_exact(&fx, 0, 1024);
+    void *b = alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* fence 1 covers a */
+    fake_complete_fences(&fx.fake);
+    CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* fence 2 covers b; fence 1 is done */
+    CHECK_EQ(fx.fake.fence_records, 2);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    CHECK_EQ(shape_of(&fx, 0).pending_blocks, 1);
+    fixture_destroy(&fx);
+}
+
+static void test_eager_fence_frees_at_next_poll(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    fx.fake.eager = true;
+    void *p = alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    void *again = alloc_exact(&fx, 0, 1024);
+    CHECK(again == p); /* no fence needed: reusable at once */
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_release_device_drains(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *p = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npa_empty_cache(fx.a, 0); /* not synchronizing: the pending block stays */
+    CHECK_EQ(fx.fake.raw_free_calls, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    npa_release_device(fx.a, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(s.num_sync_all_streams, 1);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    CHECK_EQ(fake_live_fences(&fx.fake), 0);
+    fixture_destroy(&fx);
+}
+
+static void test_oom_path_drains_pending(void) {
+    fixture fx;
+    fixture_with_fences(&fx, 20 * MiB);
+    void *p = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    /* The pending 12 MiB blocks the device until step 6 synchronizes. */
+    void *q = alloc_exact(&fx, 0, 14 * MiB);
+    CHECK(q != NULL);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_one_fence_per_batch);
+    RUN(test_batches_complete_independently);
+    RUN(test_eager_fence_frees_at_next_poll);
+    RUN(test_release_device_drains);
+    RUN(test_oom_path_drains_pending);
+    return check_report();
+}

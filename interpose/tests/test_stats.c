@@ -1,0 +1,134 @@
+/* Stats update rules (torch's Stat: current/peak/allocated/freed per pool),
+ * the resets, npualloc's own counters, and publication into backend storage
+ * under the seqlock. */
+#include <stdint.h>
+#include <string.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+static void check_stat(npualloc_stat st, int64_t current, int64_t peak, int64_t allocated, int64_t freed) {
+    CHECK_EQ(st.current, current);
+    CHECK_EQ(st.peak, peak);
+    CHECK_EQ(st.allocated, allocated);
+    CHECK_EQ(st.freed, freed);
+}
+
+static void test_update_rules_per_pool(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *s1 = alloc_exact(&fx, 0, 1000);     /* small: 1024 */
+    void *s2 = alloc_exact(&fx, 0, 2000);     /* small: 2048 */
+    void *l1 = alloc_exact(&fx, 0, 3 * MiB);  /* large: 3 MiB */
+    CHECK_EQ(npa_free(fx.a, s1, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_SMALL], 2048, 3072, 3072, 1024);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_LARGE], 3 * MiB, 3 * MiB, 3 * MiB, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 2048 + 3 * MiB, 3072 + 3 * MiB, 3072 + 3 * MiB, 1024);
+    check_stat(s.allocation[NPUALLOC_POOL_ALL], 2, 3, 3, 1);
+    check_stat(s.requested_bytes[NPUALLOC_POOL_SMALL], 2000, 3000, 3000, 1000);
+    check_stat(s.active_bytes[NPUALLOC_POOL_SMALL], 2048, 3072, 3072, 1024);
+    check_stat(s.segment[NPUALLOC_POOL_ALL], 2, 2, 2, 0);
+    check_stat(s.reserved_bytes[NPUALLOC_POOL_LARGE], 20 * MiB, 20 * MiB, 20 * MiB, 0);
+    CHECK_EQ(s.num_device_alloc, 2);
+    CHECK_EQ(s.num_cache_misses, 2);
+    CHECK_EQ(s.num_cache_hits, 1);
+    CHECK_EQ(s.max_split_size, -1);
+
+    npa_reset_peak_stats(fx.a, 0);
+    s = stats_of(&fx, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_SMALL], 2048, 2048, 3072, 1024);
+    check_stat(s.allocation[NPUALLOC_POOL_ALL], 2, 2, 3, 1);
+
+    npa_reset_accumulated_stats(fx.a, 0);
+    s = stats_of(&fx, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_SMALL], 2048, 2048, 0, 0);
+    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 22 * MiB, 22 * MiB, 0, 0);
+    CHECK_EQ(s.num_device_alloc, 0);
+    CHECK_EQ(s.num_cache_hits, 0);
+    CHECK_EQ(s.num_cache_misses, 0);
+
+    CHECK_EQ(npa_free(fx.a, s2, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, l1, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 0, 2048 + 3 * MiB, 0, 2048 + 3 * MiB);
+    check_stat(s.active[NPUALLOC_POOL_ALL], 0, 2, 0, 2);
+    check_stat(s.requested_bytes[NPUALLOC_POOL_ALL], 0, 2000 + 3 * MiB, 0, 2000 + 3 * MiB);
+    fixture_destroy(&fx);
+}
+
+static void test_inactive_split_rules(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *a = alloc_exact(&fx, 0, 4096);
+    void *b = alloc_exact(&fx, 0, 4096);
+    /* Taking from an already split inactive block shrinks it by 4096. */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    check_stat(s.inactive_split_bytes[NPUALLOC_POOL_SMALL], 2 * MiB - 8192, 2 * MiB - 4096, 2 * MiB - 4096, 4096);
+    check_stat(s.inactive_split[NPUALLOC_POOL_SMALL], 1, 1, 1, 0);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    /* An already split block taken whole leaves the inactive set. */
+    void *again = alloc_exact(&fx, 0, 4096);
+    CHECK(again == a);
+    s = stats_of(&fx, 0);
+    check_stat(s.inactive_split[NPUALLOC_POOL_SMALL], 1, 2, 2, 1);
+    CHECK_EQ(npa_free(fx.a, again, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_storage_and_seqlock(void) {
+    static npualloc_device_stats shared[2];
+    memset(shared, 0, sizeof shared);
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.stats[1] = &shared[1];
+    fixture_start(&fx, NULL);
+    CHECK_EQ(shared[1].in_use, 0); /* nothing before first use */
+    void *p = alloc_exact(&fx, 1, 4096);
+    CHECK_EQ(shared[1].in_use, 1);
+    CHECK_EQ(shared[1].allocated_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(shared[1].seq % 2, 0);
+    uint64_t seq = shared[1].seq;
+    CHECK(seq > 0);
+    CHECK_EQ(npa_free(fx.a, p, 1, NULL), NPA_FREE_OK);
+    CHECK(shared[1].seq > seq);
+    CHECK_EQ(shared[1].seq % 2, 0);
+    npualloc_device_stats copy = stats_of(&fx, 1);
+    CHECK(memcmp(&copy, &shared[1], sizeof copy) == 0);
+    CHECK_EQ(shared[1].largest_free_block, 2 * MiB);
+    CHECK_EQ(shared[0].seq, 0); /* device 0 keeps its own storage untouched */
+
+    /* A device with no storage keeps its stats itself. */
+    alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(stats_of(&fx, 0).allocation[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(shared[0].seq, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_unused_device_reads_as_zero(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.max_split_size = 64 * MiB;
+    fixture fx;
+    fixture_init(&fx, GiB, &c);
+    npualloc_device_stats s = stats_of(&fx, 7);
+    CHECK_EQ(s.in_use, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 0);
+    CHECK_EQ(s.max_split_size, 64 * MiB);
+    npa_reset_peak_stats(fx.a, 7); /* harmless, creates nothing */
+    CHECK_EQ(stats_of(&fx, 7).in_use, 0);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_update_rules_per_pool);
+    RUN(test_inactive_split_rules);
+    RUN(test_storage_and_seqlock);
+    RUN(test_unused_device_reads_as_zero);
+    return check_report();
+}

@@ -1,0 +1,164 @@
+"""aclnn executors under npualloc. The simulator aborts on a destroy of an
+executor that phase 2 already destroyed (the real runtime's double free) and
+counts a repeatable executor destroyed while its launches are still queued.
+MindTorch v2 binds aclDestroyAclOpExecutor with ctypes (a dlsym on the
+library handle), as aclsim.Ops does here."""
+from __future__ import annotations
+
+import json
+
+from conftest import preload_env, run_python, sim_env
+
+PRELUDE = """
+import json, os, ctypes
+import acl
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+ops = aclsim.Ops()
+stream, ret = acl.rt.create_stream(); assert ret == 0
+def emit(**kw):
+    print(json.dumps(kw), flush=True)
+def launch_fill(dst, nbytes, value, repeatable=False, times=1):
+    ws_size, ex, st = ops.fill_get_workspace_size(dst, nbytes, value); assert st == 0
+    ws, ret = acl.rt.malloc(ws_size, 0); assert ret == 0
+    if repeatable:
+        assert ops.set_repeatable(ex) == 0
+    for _ in range(times):
+        assert ops.fill(ws, ws_size, ex, stream) == 0
+    return ex, ws
+"""
+
+
+def run(code, env, **kw):
+    proc = run_python(PRELUDE + code, env, check=False, **kw)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return (json.loads(lines[-1]) if lines else None), proc
+
+
+# MindTorch v2: keep every executor, destroy them all at the end.
+MINDTORCH_DEFER_ALL = """
+aclsim.set_op_duration_us(500)
+buf, _ = acl.rt.malloc(1 << 16, 0)
+deferred, workspaces = [], []
+for i in range(30):
+    ex, ws = launch_fill(buf, 4096, i, repeatable=(i % 5 == 0), times=2 if i % 5 == 0 else 1)
+    deferred.append(ex)
+    workspaces.append(ws)
+assert acl.rt.synchronize_stream(stream) == 0
+for ex in deferred:
+    assert ops.destroy_executor(ex) == 0
+for ws in workspaces:
+    assert acl.rt.free(ws) == 0
+assert acl.rt.free(buf) == 0
+assert acl.rt.destroy_stream(stream) == 0
+assert acl.rt.reset_device(0) == 0
+assert acl.finalize() == 0
+emit(live=aclsim.executors_live(), destroyed=aclsim.executors_destroyed(),
+     forwarded=aclsim.call_count("aclDestroyAclOpExecutor"), violations=aclsim.executor_violations())
+"""
+
+
+def test_mindtorch_defer_all_pattern_runs_under_npualloc():
+    out, proc = run(MINDTORCH_DEFER_ALL, preload_env())
+    assert proc.returncode == 0, proc.stderr
+    # 24 plain executors died in phase 2; the 6 repeatable ones reached the
+    # runtime once each, so nothing is left and nothing was destroyed twice.
+    assert out == {"live": 0, "destroyed": 30, "forwarded": 6, "violations": 0}
+    assert proc.stderr == ""
+
+
+def test_mindtorch_defer_all_pattern_aborts_without_npualloc():
+    out, proc = run(MINDTORCH_DEFER_ALL, sim_env())
+    assert proc.returncode != 0 and out is None
+    assert "double free of aclOpExecutor" in proc.stderr
+
+
+# torch-style per-op cleanup: destroy right after phase 2, work still queued.
+PER_OP_DESTROY = """
+aclsim.set_op_duration_us(20000)
+buf, _ = acl.rt.malloc(1 << 16, 0)
+rets = []
+for i in range(10):
+    ex, ws = launch_fill(buf, 4096, i)
+    rets.append(ops.destroy_executor(ex))
+    rets.append(ops.destroy_executor(ex))  # and once more for good measure
+reached = aclsim.call_count("aclDestroyAclOpExecutor")
+assert acl.rt.synchronize_stream(stream) == 0
+emit(rets=sorted(set(rets)), reached=reached, live=aclsim.executors_live(), destroyed=aclsim.executors_destroyed())
+"""
+
+
+def test_per_op_destroy_after_phase2_is_a_skipped_noop():
+    out, proc = run(PER_OP_DESTROY, preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"rets": [0], "reached": 0, "live": 0, "destroyed": 10}
+    assert proc.stderr == ""
+
+
+def test_per_op_destroy_aborts_without_npualloc():
+    _, proc = run(PER_OP_DESTROY, sim_env())
+    assert proc.returncode != 0
+    assert "double free of aclOpExecutor" in proc.stderr
+
+
+# A repeatable executor destroyed while its launch is queued: npualloc waits
+# for the queued work before the destroy reaches the runtime.
+REPEATABLE_IN_FLIGHT = """
+aclsim.set_op_duration_us(100000)
+buf, _ = acl.rt.malloc(1 << 16, 0)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True, times=2)
+assert ops.destroy_executor(ex) == 0
+reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor")
+assert acl.rt.synchronize_device() == 0  # the fence's events on every stream have run
+p, _ = acl.rt.malloc(512, 0)  # any later call drains the deferred destroy
+reached_later = aclsim.call_count("aclDestroyAclOpExecutor")
+emit(reached_at_once=reached_at_once, reached_later=reached_later, violations=aclsim.executor_violations(),
+     live=aclsim.executors_live())
+"""
+
+
+def test_repeatable_destroy_waits_for_queued_work():
+    out, proc = run(REPEATABLE_IN_FLIGHT, preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"reached_at_once": 0, "reached_later": 1, "violations": 0, "live": 0}
+
+
+def test_repeatable_destroy_in_flight_is_a_violation_without_npualloc():
+    out, proc = run(REPEATABLE_IN_FLIGHT, sim_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out["violations"] == 1 and out["reached_at_once"] == 1
+
+
+def test_deferred_destroys_are_forwarded_at_exit_without_finalize():
+    """Work still queued when the program ends: npualloc's exit handler waits
+    for it before forwarding the destroy, so the simulator reports no
+    destroy-while-queued violation (it would on stderr) and nothing hangs."""
+    out, proc = run("""
+aclsim.set_op_duration_us(50000)
+buf, _ = acl.rt.malloc(1 << 16, 0)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+assert ops.destroy_executor(ex) == 0
+emit(reached=aclsim.call_count("aclDestroyAclOpExecutor"))
+""", preload_env())
+    assert proc.returncode == 0 and out == {"reached": 0}
+    assert proc.stderr == ""
+
+
+def test_executor_destroys_are_counted_in_stats():
+    out, proc = run("""
+aclsim.set_op_duration_us(0)
+buf, _ = acl.rt.malloc(1 << 16, 0)
+for i in range(4):
+    ex, ws = launch_fill(buf, 4096, i, repeatable=(i == 0))
+    assert acl.rt.synchronize_stream(stream) == 0
+    ops.destroy_executor(ex)
+    ops.destroy_executor(ex)
+assert acl.rt.synchronize_device() == 0
+acl.rt.malloc(512, 0)  # drains the deferred destroy
+import npualloc
+s = npualloc.memory_stats(0)
+emit(skipped=s["npualloc.executor_destroys_skipped"], forwarded=s["npualloc.executor_destroys_forwarded"])
+""", preload_env())
+    assert proc.returncode == 0, proc.stderr
+    # 3 plain executors destroyed twice + the repeatable one's second destroy
+    assert out == {"skipped": 7, "forwarded": 1}

@@ -1,0 +1,68 @@
+"""Stream-safe reuse (reuse_policy). aclrtFree carries no stream: a buffer
+freed while a slow op on stream A still reads it, then reallocated and written
+by stream B, corrupts A's result unless npualloc holds the block back until
+work queued before the free has completed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import preload_env, run_python
+
+HAZARD = """
+import json, ctypes, sys
+import acl
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+ops = aclsim.Ops()
+two_streams = sys.argv[1] == "two"
+sa, ret = acl.rt.create_stream() if two_streams else (0, 0)
+sb, ret = acl.rt.create_stream() if two_streams else (0, 0)
+N = 1 << 16
+src, _ = acl.rt.malloc(N, 0)
+dst, _ = acl.rt.malloc(N, 0)
+host = ctypes.create_string_buffer(b"A" * N, N)
+assert acl.rt.memcpy(src, N, ctypes.addressof(host), N, 1) == 0
+aclsim.set_op_duration_us(200000)  # the copy reads src when its 200 ms end
+ws_size, copy_ex, st = ops.copy_get_workspace_size(dst, src, N); assert st == 0
+ws, _ = acl.rt.malloc(ws_size, 0)
+aclsim.set_op_duration_us(0)
+fill_ws, _ = acl.rt.malloc(ws_size, 0)
+assert ops.copy(ws, ws_size, copy_ex, sa) == 0
+assert acl.rt.free(src) == 0  # the copy has not read it yet
+src2, _ = acl.rt.malloc(N, 0)  # same size, for stream B
+ws2_size, fill_ex, st = ops.fill_get_workspace_size(src2, N, ord("B")); assert st == 0
+assert ops.fill(fill_ws, ws2_size, fill_ex, sb) == 0
+assert acl.rt.synchronize_device() == 0
+back = ctypes.create_string_buffer(N)
+assert acl.rt.memcpy(ctypes.addressof(back), N, dst, N, 2) == 0
+print(json.dumps({"reused": src2 == src, "corrupted": back.raw != b"A" * N}))
+"""
+
+
+def hazard(policy, streams):
+    env = preload_env(PYTORCH_NPU_ALLOC_CONF=f"reuse_policy:{policy}") if policy else preload_env()
+    proc = run_python(HAZARD, env, args=[streams])
+    assert proc.stderr == ""
+    return json.loads(proc.stdout)
+
+
+def test_eager_reuse_corrupts_a_cross_stream_read():
+    """The hazard is real: eager hands the block straight back and B's write
+    lands before A's read (what the raw runtime also allows)."""
+    assert hazard("eager", "two") == {"reused": True, "corrupted": True}
+
+
+@pytest.mark.parametrize("policy", ["safe", "auto", None])
+def test_safe_and_auto_never_reuse_a_block_queued_work_still_reads(policy):
+    assert hazard(policy, "two") == {"reused": False, "corrupted": False}
+
+
+def test_auto_is_eager_on_the_default_stream_alone():
+    """One stream runs in order, so reuse at once is safe and auto does it."""
+    assert hazard("auto", "one") == {"reused": True, "corrupted": False}
+
+
+def test_safe_fences_on_the_default_stream_too():
+    assert hazard("safe", "one") == {"reused": False, "corrupted": False}

@@ -74,8 +74,11 @@ SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
         pthread_mutex_unlock(&sim_lock);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    if (d->refcount++ == 0)
-        d->default_stream = sim_stream_create(deviceId);
+    if (d->refcount == 0 && (d->default_stream = sim_stream_create(deviceId)) == NULL) {
+        pthread_mutex_unlock(&sim_lock);
+        return ACL_ERROR_BAD_ALLOC;
+    }
+    d->refcount++;
     current_device = deviceId;
     current_generation = d->generation;
     pthread_mutex_unlock(&sim_lock);

@@ -92,8 +92,8 @@ struct sim_device {
     uint64_t physical_bytes;
 };
 struct sim_device *sim_device(int32_t id);      /* NULL when out of range */
-/* The calling thread's device (lock not needed): 107002 when the thread has
- * none or its device was reset, 100001 before aclInit. */
+/* The calling thread's device (takes the lock: call without it): 107002 when
+ * the thread has none or its device was reset, 100001 before aclInit. */
 aclError sim_current_device(int32_t *id);
 void sim_reset_all_devices(void);               /* aclFinalize: lock held */
 void sim_forget_current_device(void);
@@ -132,7 +132,6 @@ struct sim_task {
     } u;
 };
 struct sim_stream {
-    uint32_t magic;
     int32_t device;
     struct sim_task *head, *tail;
     uint64_t submitted, completed;

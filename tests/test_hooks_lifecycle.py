@@ -1,0 +1,246 @@
+"""The ends of a process's life with the NPU under npualloc: aclrtResetDevice
+and aclFinalize give the cache back first and nothing of npualloc's calls the
+runtime after aclFinalize; exits without finalizing (atexit order, os._exit,
+an exception) neither hang nor spam; a fork while other threads allocate gives
+the child an empty cache of its own and leaves the parent alone."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import SIM_LIB, preload_env, run_python, sim_env
+
+# A C program, so that its report runs at exit after npualloc's own exit
+# handler (registered later, at the first allocation, so it runs earlier).
+C_PROGRAM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <stdlib.h>
+
+typedef uint64_t (*count_fn)(const char *);
+static count_fn count;
+static uint64_t (*live)(int32_t);
+static const char *const apis[] = {"aclrtMalloc", "aclrtFree", "aclrtSynchronizeDevice", "aclrtCreateEvent",
+    "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtDestroyEvent", "aclrtGetDevice", "aclrtSetDevice",
+    "aclrtResetDevice", "aclrtGetMemInfo", "aclDestroyAclOpExecutor"};
+#define NAPIS (sizeof(apis) / sizeof(apis[0]))
+static uint64_t at_finalize[NAPIS];
+static int finalized;
+
+static void report(void)
+{
+    uint64_t after = 0;
+    for (size_t i = 0; finalized && i < NAPIS; i++)
+        after += count(apis[i]) - at_finalize[i];
+    printf("calls_after_finalize=%llu\nexit_live=%llu\n", (unsigned long long)after, (unsigned long long)live(0));
+}
+
+#define CALL(fn, ...) ((int (*)())dlsym(h, fn))(__VA_ARGS__)
+
+int main(int argc, char **argv)
+{
+    const char *mode = argv[2];
+    void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    count = (count_fn)dlsym(h, "aclsim_call_count");
+    live = (uint64_t (*)(int32_t))dlsym(h, "aclsim_live_allocations");
+    atexit(report);
+    if (CALL("aclInit", NULL) || CALL("aclrtSetDevice", 0)) return 3;
+    void *streams[2];
+    CALL("aclrtCreateStream", &streams[0]);
+    CALL("aclrtCreateStream", &streams[1]); /* two streams: frees are fenced (auto) */
+    void *keep = NULL;
+    for (int i = 0; i < 20; i++) {
+        void *p = NULL;
+        if (CALL("aclrtMalloc", &p, (size_t)(1000 + 4096 * i), 0) || CALL("aclrtFree", p)) return 4;
+    }
+    CALL("aclrtMalloc", &keep, (size_t)4096, 0);
+    if (strstr(mode, "keep") == NULL)
+        CALL("aclrtFree", keep);
+    CALL("aclrtDestroyStream", streams[0]);
+    CALL("aclrtDestroyStream", streams[1]);
+    if (strstr(mode, "reset")) {
+        printf("reset=%d\n", CALL("aclrtResetDevice", 0));
+        printf("live_after_reset=%llu\n", (unsigned long long)live(0));
+    }
+    if (strstr(mode, "finalize")) {
+        printf("finalize=%d\n", CALL("aclFinalize"));
+        for (size_t i = 0; i < NAPIS; i++)
+            at_finalize[i] = count(apis[i]);
+        finalized = 1;
+        printf("live_after_finalize=%llu\n", (unsigned long long)live(0));
+    }
+    if (strstr(mode, "keep"))
+        printf("free_after=%d\n", CALL("aclrtFree", keep));
+    fflush(stdout);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def c_program(tmp_path_factory):
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("lifecycle")
+    (d / "prog.c").write_text(C_PROGRAM)
+    subprocess.run([cc, "-O1", "-o", str(d / "prog"), str(d / "prog.c"), "-ldl"], check=True)
+    return d / "prog"
+
+
+def run_c(prog, env, mode):
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), mode], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines()), proc
+
+
+@pytest.mark.parametrize("mode", ["finalize", "reset+finalize"])
+def test_finalize_gives_the_cache_back_and_then_npualloc_is_silent(c_program, mode):
+    out, proc = run_c(c_program, preload_env(), mode)
+    assert out["finalize"] == "0"
+    if "reset" in mode:
+        assert out["reset"] == "0" and out["live_after_reset"] == "0"
+    assert out["live_after_finalize"] == "0"
+    assert out["calls_after_finalize"] == "0"  # not even at exit
+    assert out["exit_live"] == "0"
+    assert proc.stderr == ""
+
+
+def test_exit_without_finalize_gives_the_cache_back(c_program):
+    out, proc = run_c(c_program, preload_env(), "plain")
+    assert out["exit_live"] == "0"
+    assert proc.stderr == ""
+
+
+def test_block_live_across_finalize_is_the_programs(c_program):
+    """A block still held at aclFinalize stays the program's; freeing it
+    afterwards gets the runtime's own answer, as without npualloc."""
+    out, proc = run_c(c_program, preload_env(), "keep+finalize")
+    raw, _ = run_c(c_program, sim_env(), "keep+finalize")
+    assert out["free_after"] == raw["free_after"] != "0"
+    assert out["live_after_finalize"] == "1"  # the kept block's segment, nothing cached
+    assert out["calls_after_finalize"] == "1"  # only the program's own late free
+    assert proc.stderr == ""
+
+
+PY_PRELUDE = """
+import os, sys, atexit
+import acl
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+held = []
+for i in range(30):
+    p, ret = acl.rt.malloc(4096 * (i + 1), 0); assert ret == 0
+    held.append(p)
+for p in held[::2]:
+    assert acl.rt.free(p) == 0
+stream, _ = acl.rt.create_stream()
+"""
+
+
+@pytest.mark.parametrize("ending,rc", [
+    ("pass", 0),                                       # falls off the end, blocks still held
+    ("os._exit(3)", 3),                                # no atexit at all
+    ("raise RuntimeError('boom')", 1),                 # a Python crash
+    ("atexit.register(acl.finalize)", 0),              # MindTorch: finalize from Python's atexit
+    ("acl.rt.reset_device(0); acl.finalize()", 0),     # torch_npu's explicit shutdown
+])
+def test_python_exits_neither_hang_nor_spam(ending, rc):
+    proc = run_python(PY_PRELUDE + ending + "\n", preload_env(), check=False, timeout=30)
+    assert proc.returncode == rc
+    noise = [line for line in proc.stderr.splitlines() if line.startswith(("npualloc:", "aclsim:"))]
+    assert noise == []
+    if rc == 1:
+        assert "RuntimeError: boom" in proc.stderr
+
+
+FORK = """
+import json, os, sys, threading, time, ctypes
+import acl
+from aclsim import aclsim
+import npualloc
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+sizes = [512, 4096, 100000, 1 << 20, 3 << 20]
+stop = threading.Event()
+errors = []
+def worker():
+    try:
+        assert acl.rt.set_device(0) == 0
+        while not stop.is_set():
+            ps = []
+            for s in sizes:
+                p, ret = acl.rt.malloc(s, 0); assert ret == 0
+                ps.append(p)
+            for p in ps:
+                assert acl.rt.free(p) == 0
+    except BaseException as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=worker, daemon=True) for _ in range(4)]
+for t in threads:
+    t.start()
+time.sleep(0.2)
+parent_reserved = npualloc.memory_stats(0)["reserved_bytes.all.current"]
+children = []
+for i in range(20):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        s = npualloc.memory_stats(0)
+        frees = aclsim.call_count("aclrtFree")
+        ctypes.CDLL(os.environ["LD_PRELOAD"]).npualloc_empty_cache(-1)
+        freed_parent = aclsim.call_count("aclrtFree") - frees
+        p, ret = acl.rt.malloc(4096, 0)
+        ok = ret == 0 and acl.rt.free(p) == 0
+        after = npualloc.memory_stats(0)
+        files = sorted(os.listdir(os.environ["NPUALLOC_SHM_DIR"]))
+        os.write(w, json.dumps({"reserved_at_fork": s["reserved_bytes.all.current"], "freed_parent": freed_parent,
+                                "ok": ok, "reserved": after["reserved_bytes.all.current"],
+                                "own_region": f"npualloc.{os.getpid()}" in files}).encode())
+        os._exit(0)
+    os.close(w)
+    children.append((pid, r))
+    time.sleep(0.01)
+results, hung = [], 0
+for pid, r in children:
+    deadline = time.time() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.time() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
+            break
+        time.sleep(0.01)
+    data = os.read(r, 4096)
+    os.close(r)
+    if data:
+        results.append(json.loads(data))
+stop.set()
+for t in threads:
+    t.join()
+print(json.dumps({"hung": hung, "errors": errors, "results": results, "parent_reserved": parent_reserved,
+                  "parent_reserved_after": npualloc.memory_stats(0)["reserved_bytes.all.current"]}))
+"""
+
+
+def test_fork_while_threads_allocate(tmp_path):
+    proc = run_python(FORK, preload_env(NPUALLOC_SHM_DIR=str(tmp_path)), timeout=120)
+    out = json.loads(proc.stdout)
+    assert out["hung"] == 0 and out["errors"] == []
+    assert len(out["results"]) == 20
+    for child in out["results"]:
+        assert child["reserved_at_fork"] == 0  # an empty cache of its own
+        assert child["freed_parent"] == 0  # empty_cache in the child never frees the parent's segments
+        assert child["ok"] and child["reserved"] == 2 << 20  # its own first segment
+        assert child["own_region"]
+    assert out["parent_reserved"] > 0
+    assert out["parent_reserved_after"] == out["parent_reserved"]  # the parent's cache is untouched
+    assert proc.stderr == ""

@@ -21,7 +21,7 @@ import psutil
 
 from . import memory
 from ._ffi import constants
-from .errors import NpuallocError
+from .errors import NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
 
 CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -43,11 +43,15 @@ def human_bytes(value: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _command_line(pid: int, fallback: str) -> str:
+def _command_line(pid: int, fallback: str, width: int = 100) -> str:
+    """One display line: psutil's view (the region's copy is truncated), newlines
+    of `python -c` scripts collapsed."""
     try:
-        return " ".join(psutil.Process(pid).cmdline()) or fallback
+        words = psutil.Process(pid).cmdline() or fallback.split()
     except psutil.Error:
-        return fallback
+        words = fallback.split()
+    text = " ".join(" ".join(words).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _device_table(device: int, s: dict[str, Any]) -> list[str]:
@@ -122,6 +126,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
     for entry, opened in live_regions():
+        if isinstance(opened, OtherUserError):
+            continue  # other users' processes are theirs to list
         if isinstance(opened, NpuallocError):
             sys.stderr.write(f"npualloc: skipping {entry.path}: {opened}\n")
             continue

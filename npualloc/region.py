@@ -62,8 +62,9 @@ def process_uid(pid: int) -> int | None:
 
 
 def _may_access(uid: int) -> bool:
-    euid = os.geteuid()
-    return euid == 0 or uid == euid
+    """Regions are private to their user (mode 0600), root included: stats and
+    commands are for one's own processes."""
+    return uid == os.geteuid()
 
 
 @dataclass(frozen=True)

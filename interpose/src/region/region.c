@@ -102,8 +102,8 @@ static void read_cmdline(char *out, size_t len)
         out[0] = '\0';
         return;
     }
-    for (ssize_t i = 0; i < n; i++)
-        if (out[i] == '\0')
+    for (ssize_t i = 0; i < n; i++) /* NULs between arguments, newlines of `python -c` scripts */
+        if ((unsigned char)out[i] < ' ')
             out[i] = ' ';
     while (n > 0 && out[n - 1] == ' ')
         n--;

@@ -1,0 +1,189 @@
+"""Plumbing for the region, CLI and Python API tests: a preloaded workload
+process driven over stdin, crafted region files, and running the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import ROOT, preload_env, sim_env
+
+sys.path.insert(0, str(ROOT))  # the package of this checkout, whatever the cwd
+
+from npualloc._ffi import REGION_SIZE, constants, ffi
+from npualloc.region import process_start_time
+
+# Evaluates one Python expression per stdin line and answers with one JSON line,
+# so a test can allocate, read its own stats, or churn in threads on demand.
+WORKLOAD = textwrap.dedent("""
+    import json, os, random, sys, threading, traceback
+    import acl
+    import npualloc
+
+    assert acl.init() == 0
+    assert acl.rt.set_device(0) == 0
+    live = []
+    churners = []
+    stop = threading.Event()
+
+    def malloc(size):
+        ptr, ret = acl.rt.malloc(size, 0)
+        assert ret == 0, ret
+        live.append(ptr)
+        return ptr
+
+    def free():
+        return acl.rt.free(live.pop())
+
+    def _churn(seed):
+        assert acl.rt.set_device(0) == 0
+        rng = random.Random(seed)
+        mine = []
+        while not stop.is_set():
+            if mine and (len(mine) > 16 or rng.random() < 0.5):
+                assert acl.rt.free(mine.pop(rng.randrange(len(mine)))) == 0
+            else:
+                ptr, ret = acl.rt.malloc(rng.choice([512, 4096, 300000, 1 << 20, 3 << 20, 12 << 20]), 0)
+                assert ret == 0, ret
+                mine.append(ptr)
+        for ptr in mine:
+            assert acl.rt.free(ptr) == 0
+
+    def start_churn(threads):
+        stop.clear()
+        churners[:] = [threading.Thread(target=_churn, args=(i,)) for i in range(threads)]
+        for t in churners:
+            t.start()
+
+    def stop_churn():
+        stop.set()
+        for t in churners:
+            t.join()
+
+    def fork_child_allocates(size):
+        # The child allocates and reports whether it got a region of its own,
+        # then leaves without atexit (as a crash would).
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                malloc(size)
+                mine = os.path.exists(os.path.join(os.environ["NPUALLOC_SHM_DIR"], f"npualloc.{os.getpid()}"))
+                os.write(write_end, json.dumps([mine, npualloc.memory_allocated()]).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        report = json.loads(os.read(read_end, 4096))
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        return [pid] + report
+
+    print(json.dumps("ready"), flush=True)
+    for line in sys.stdin:
+        try:
+            reply = {"value": eval(line)}
+        except BaseException as e:
+            reply = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()}
+        print(json.dumps(reply), flush=True)
+""")
+
+
+class Workload:
+    """A pyACL program under the simulator, npualloc preloaded unless told
+    otherwise; call() evaluates an expression in it."""
+
+    def __init__(self, shm_dir: Path, preload: bool = True, **env: str):
+        make_env = preload_env if preload else sim_env
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKLOAD], env=make_env(NPUALLOC_SHM_DIR=str(shm_dir), **env),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        self.stderr_text = ""
+        ready = self.proc.stdout.readline() if self.proc.stdout else ""
+        if ready.strip() != '"ready"':
+            self.close()
+            raise AssertionError(f"workload did not start: {ready!r} {self.stderr()}")
+
+    def call(self, expression: str) -> Any:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(expression + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"workload died on {expression!r}: {self.stderr()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise AssertionError(f"{expression!r} failed in the workload: {reply['error']}")
+        return reply["value"]
+
+    def stderr(self) -> str:
+        self.close()
+        return self.stderr_text
+
+    def close(self) -> int:
+        """Ends the workload (EOF on stdin: a normal exit); its exit code. What it
+        wrote on stderr is kept in stderr_text."""
+        if self.proc.returncode is None:
+            try:
+                _, self.stderr_text = self.proc.communicate(timeout=30)
+            finally:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def __enter__(self) -> Workload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_for_pending_command(path: Path, timeout: float = 10.0) -> None:
+    """Returns once a command is posted (request_seq ahead of ack_seq)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = path.read_bytes()
+        region = ffi.from_buffer("npualloc_region *", bytearray(data[:REGION_SIZE]))
+        if region.command.request_seq != region.command.ack_seq:
+            return
+        time.sleep(0.01)
+    raise AssertionError("no command was posted")
+
+
+def region_bytes(for_pid: int, **header: int) -> bytes:
+    """A well-formed region of a live process, header fields overridden."""
+    region = ffi.new("npualloc_region *")
+    fields = {"magic": constants.NPUALLOC_SHM_MAGIC, "version": constants.NPUALLOC_SHM_VERSION, "size": REGION_SIZE,
+              "pid": for_pid, "uid": os.geteuid(), "start_time": process_start_time(for_pid) or 0}
+    fields.update(header)
+    for name, value in fields.items():
+        setattr(region.header, name, value)
+    region.header.cmdline = b"crafted"
+    return bytes(ffi.buffer(region))
+
+
+def write_region(directory: Path, pid: int, data: bytes) -> Path:
+    path = directory / f"npualloc.{pid}"
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return path
+
+
+def cli_env(shm_dir: Path) -> dict[str, str]:
+    return sim_env(NPUALLOC_SHM_DIR=str(shm_dir))
+
+
+def run_cli(args: list[str], shm_dir: Path, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "npualloc", *args], env=cli_env(shm_dir), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, exit_code: int, fragment: str) -> None:
+    assert proc.returncode == exit_code, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("npualloc: "), proc.stderr
+    assert fragment in lines[0], proc.stderr

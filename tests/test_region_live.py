@@ -1,0 +1,224 @@
+"""The region of real preloaded processes under the simulator: its life
+(created at the first allocation, 0600, removed at exit, fork, NPUALLOC_STATS=0,
+problems), what it publishes, and commands posted to it."""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from region_helpers import Workload, wait_for_pending_command, write_region
+
+import npualloc
+from npualloc._ffi import constants
+from npualloc.errors import CommandRejectedError, CommandTimeoutError
+from npualloc.region import Region, process_start_time
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_created_at_first_allocation_private_and_removed_at_exit(shm: Path) -> None:
+    with Workload(shm) as w:
+        path = shm / f"npualloc.{w.pid}"
+        assert not path.exists()  # aclInit and aclrtSetDevice allocate nothing
+        w.call("malloc(4096)")
+        info = path.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+        with Region(w.pid) as region:
+            header = region.header()
+            assert header.pid == w.pid and header.uid == os.geteuid()
+            assert header.start_time == process_start_time(w.pid)
+            assert abs(header.created_unix_ns / 1e9 - time.time()) < 60
+            assert "import acl" in header.cmdline and "\n" not in header.cmdline
+            assert header.device_count == 1 and region.devices_in_use() == [0]
+        assert w.close() == 0
+    assert not path.exists()
+    assert os.listdir(shm) == []
+
+
+def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
+    with Workload(shm) as w:
+        for size in (512, 300_000, MiB, 12 * MiB, 40 * MiB):
+            w.call(f"malloc({size})")
+        w.call("free()")
+        inside = w.call("npualloc.memory_stats()")
+        outside = npualloc.memory_stats(pid=w.pid)
+        assert outside == inside
+        assert outside["allocated_bytes.all.current"] > 12 * MiB
+        assert outside["num_device_alloc"] >= 2
+        assert npualloc.memory_allocated(pid=w.pid) == inside["allocated_bytes.all.current"]
+        assert npualloc.max_memory_reserved(pid=w.pid) == inside["reserved_bytes.all.peak"]
+        assert npualloc.memory_summary(pid=w.pid) == w.call("npualloc.memory_summary()")
+
+
+def test_leftover_region_with_our_pid_is_replaced(shm: Path) -> None:
+    with Workload(shm) as w:
+        path = write_region(shm, w.pid, b"garbage from a process long gone")
+        w.call("malloc(4096)")
+        assert npualloc.memory_allocated(pid=w.pid) >= 4096
+        assert path.stat().st_size > 100
+
+
+def test_stats_off_leaves_nothing_and_keeps_serving(shm: Path) -> None:
+    with Workload(shm, NPUALLOC_STATS="0") as w:
+        w.call(f"malloc({MiB})")
+        assert os.listdir(shm) == []
+        assert w.call("npualloc.memory_allocated()") >= MiB  # the in-process API does not need the region
+        w.close()
+        assert w.proc.returncode == 0
+
+
+def test_unusable_directory_warns_once_and_carries_on(tmp_path: Path) -> None:
+    with Workload(tmp_path / "missing") as w:
+        for _ in range(3):
+            w.call(f"malloc({MiB})")
+        assert w.call("npualloc.memory_allocated()") >= 3 * MiB
+        assert w.close() == 0
+    warnings = [line for line in w.stderr_text.splitlines() if "live stats disabled" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("npualloc: "), w.stderr_text
+
+
+def test_forked_child_gets_its_own_region(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call(f"malloc({3 * MiB})")
+        before = npualloc.memory_stats(pid=w.pid)
+        child, child_had_region, child_allocated = w.call(f"fork_child_allocates({12 * MiB})")
+        assert child_had_region
+        assert 12 * MiB <= child_allocated < 13 * MiB  # a fresh allocator: none of the parent's blocks
+        assert npualloc.memory_stats(pid=w.pid) == before  # the child wrote nothing here
+        # The child left through _exit (no atexit): its file stays until `ls` cleans it.
+        assert (shm / f"npualloc.{child}").exists()
+        assert (shm / f"npualloc.{w.pid}").exists()
+
+
+def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: int = -1, arg: float = 0.0) -> None:
+    """Posts a command from a thread, makes the process reach its allocator
+    once the command is pending, and re-raises what the poster got."""
+    errors: list[BaseException] = []
+
+    def post() -> None:
+        try:
+            with Region(w.pid, writable=True) as region:
+                region.post_command(code, device, arg, timeout=20)
+        except BaseException as e:
+            errors.append(e)
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    wait_for_pending_command(shm / f"npualloc.{w.pid}")
+    w.call(trigger)
+    poster.join()
+    if errors:
+        raise errors[0]
+
+
+def test_empty_cache_command_releases_reserved(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call(f"malloc({3 * MiB})")  # a 20 MiB segment of the large pool
+        w.call("malloc(4096)")
+        live = w.call("live")
+        w.call(f"acl.rt.free({live[0]})")
+        before = npualloc.memory_stats(pid=w.pid)
+        assert before["reserved_bytes.large_pool.current"] >= 20 * MiB
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_EMPTY_CACHE, "free()")
+        after = npualloc.memory_stats(pid=w.pid)
+        assert after["reserved_bytes.large_pool.current"] == 0
+        assert after["num_device_free"] == before["num_device_free"] + 1
+        assert after == w.call("npualloc.memory_stats()")
+
+
+def test_reset_peak_and_accumulated_commands(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call(f"malloc({40 * MiB})")
+        w.call("free()")
+        assert npualloc.max_memory_allocated(pid=w.pid) >= 40 * MiB
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_RESET_PEAK, "malloc(4096)", device=0)
+        stats = npualloc.memory_stats(pid=w.pid)
+        assert stats["allocated_bytes.all.peak"] == stats["allocated_bytes.all.current"] < MiB
+        assert stats["allocated_bytes.all.allocated"] >= 40 * MiB  # accumulated ones untouched
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_RESET_ACCUMULATED, "malloc(4096)")
+        stats = npualloc.memory_stats(pid=w.pid)
+        assert stats["allocated_bytes.all.allocated"] < MiB
+
+
+def test_gc_threshold_command_changes_the_config(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_SET_GC_THRESHOLD, "malloc(4096)", arg=0.5)
+        assert "garbage_collection_threshold:0.5" in npualloc.get_config(pid=w.pid)
+        assert npualloc.get_config(pid=w.pid) == w.call("npualloc.get_config()")
+
+
+@pytest.mark.parametrize("code, arg, fragment", [
+    (constants.NPUALLOC_CMD_SET_GC_THRESHOLD, 1.5, "rejected the argument"),
+    (constants.NPUALLOC_CMD_SET_GC_THRESHOLD, float("nan"), "rejected the argument"),
+    (constants.NPUALLOC_CMD_SNAPSHOT, 0.0, "does not support"),
+    (77, 0.0, "does not support"),
+])
+def test_bad_commands_are_acknowledged_as_rejected(shm: Path, code: int, arg: float, fragment: str) -> None:
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        config = npualloc.get_config(pid=w.pid)
+        with pytest.raises(CommandRejectedError, match=fragment):
+            _post_and_trigger(w, shm, code, "malloc(4096)", arg=arg)
+        assert npualloc.get_config(pid=w.pid) == config
+
+
+def test_idle_process_times_out_and_applies_later(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call(f"malloc({3 * MiB})")  # a 20 MiB segment of the large pool
+        w.call("malloc(4096)")
+        w.call(f"acl.rt.free({w.call('live')[0]})")
+        with pytest.raises(CommandTimeoutError, match="next allocator call"):
+            npualloc.empty_cache(pid=w.pid, timeout=0.2)
+        assert npualloc.memory_reserved(pid=w.pid) >= 20 * MiB
+        w.call("free()")  # the next allocator call applies the posted command
+        assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 0
+
+
+def _assert_consistent(s: dict) -> None:
+    pools = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+             "active_bytes", "inactive_split_bytes", "requested_bytes")
+    for name in pools:
+        for pool in ("all", "small_pool", "large_pool"):
+            key = f"{name}.{pool}"
+            assert s[f"{key}.current"] == s[f"{key}.allocated"] - s[f"{key}.freed"], key
+            assert 0 <= s[f"{key}.current"] <= s[f"{key}.peak"], key
+        assert s[f"{name}.all.current"] == s[f"{name}.small_pool.current"] + s[f"{name}.large_pool.current"], name
+    # torch's order: a free lowers allocated at once, active and requested once
+    # the block is really free (pending frees sit in between).
+    allocated, requested, active, reserved = (s[f"{name}.all.current"] for name in
+                                              ("allocated_bytes", "requested_bytes", "active_bytes", "reserved_bytes"))
+    assert allocated <= active <= reserved and requested <= active, (allocated, requested, active, reserved, s)
+    assert s["allocation.all.current"] <= s["active.all.current"], s
+    assert s["segment.all.current"] == s["num_device_alloc"] - s["num_device_free"], s
+
+
+def test_reader_hammering_a_process_allocating_in_4_threads(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        w.call("start_churn(4)")
+        reads, changes, last = 0, 0, None
+        try:
+            with Region(w.pid) as region:
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:
+                    stats = npualloc.memory.stats_to_dict(region.read_device_stats(0))
+                    _assert_consistent(stats)
+                    changes += stats != last
+                    last = stats
+                    reads += 1
+        finally:
+            w.call("stop_churn()")
+        assert reads > 200 and changes > 20, (reads, changes)
+        _assert_consistent(npualloc.memory_stats(pid=w.pid))
+        assert npualloc.memory_stats(pid=w.pid) == w.call("npualloc.memory_stats()")

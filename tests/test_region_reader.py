@@ -1,0 +1,132 @@
+"""The region reader against crafted files: nothing is trusted before it is
+validated, and no file, however damaged, makes it read out of bounds."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from region_helpers import region_bytes, write_region
+
+import npualloc
+from npualloc import region as region_module
+from npualloc._ffi import REGION_SIZE, constants, ffi
+from npualloc.errors import (CorruptRegionError, IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError,
+                             OtherUserError)
+from npualloc.region import Region
+
+
+@pytest.fixture
+def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def sleeper():
+    """A live process that is not running under npualloc."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_well_formed_region_is_read(shm: Path, sleeper: int) -> None:
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper, device_count=2), REGION_SIZE)
+    device = region.devices[1]
+    device.in_use = 1
+    device.allocated_bytes[constants.NPUALLOC_POOL_ALL].current = 1234
+    device.allocated_bytes[constants.NPUALLOC_POOL_ALL].peak = 5678
+    device.reserved_bytes[constants.NPUALLOC_POOL_LARGE].current = 20 << 20
+    device.max_split_size = -1
+    write_region(shm, sleeper, bytes(ffi.buffer(region)))
+
+    stats = npualloc.memory_stats(pid=sleeper)  # device None: the first device in use
+    assert stats["allocated_bytes.all.current"] == 1234
+    assert stats["allocated_bytes.all.peak"] == 5678
+    assert stats["reserved_bytes.large_pool.current"] == 20 << 20
+    assert stats["max_split_size"] == -1
+    assert npualloc.memory_allocated("npu:1", pid=sleeper) == 1234
+    assert npualloc.memory_allocated(0, pid=sleeper) == 0
+    with Region(sleeper) as opened:
+        assert opened.header().cmdline == "crafted"
+        assert opened.devices_in_use() == [1]
+
+
+def test_a_larger_file_is_read_up_to_the_layout_size(shm: Path, sleeper: int) -> None:
+    write_region(shm, sleeper, region_bytes(sleeper) + b"\xff" * 4096)
+    assert npualloc.memory_reserved(pid=sleeper) == 0
+
+
+@pytest.mark.parametrize("data, error, fragment", [
+    (b"", CorruptRegionError, "truncated"),
+    (b"\x00" * 64, CorruptRegionError, "truncated"),
+    ("one byte short", CorruptRegionError, "truncated"),
+    ("garbage", CorruptRegionError, "bad magic"),
+    ({"magic": 0x1234}, CorruptRegionError, "bad magic"),
+    ({"version": constants.NPUALLOC_SHM_VERSION + 1}, IncompatibleRegionError, "version"),
+    ({"size": REGION_SIZE + 8}, CorruptRegionError, "declares"),
+    ({"size": 16}, CorruptRegionError, "declares"),
+    ({"pid": 1}, CorruptRegionError, "inconsistent header"),
+    ({"device_count": 1000}, CorruptRegionError, "inconsistent header"),
+    ({"start_time": 1}, NotUnderNpuallocError, "stale"),
+    ({"uid": os.geteuid() + 1}, OtherUserError, "another user"),
+])
+def test_damaged_regions_are_refused(shm: Path, sleeper: int, data: object, error: type, fragment: str) -> None:
+    if data == "one byte short":
+        data = region_bytes(sleeper)[:-1]
+    elif data == "garbage":
+        data = os.urandom(REGION_SIZE)
+    elif isinstance(data, dict):
+        data = region_bytes(sleeper, **data)
+    assert isinstance(data, bytes)
+    write_region(shm, sleeper, data)
+    with pytest.raises(error, match=fragment):
+        npualloc.memory_stats(pid=sleeper)
+
+
+def test_symlink_is_refused(shm: Path, sleeper: int) -> None:
+    target = write_region(shm, 999999999, region_bytes(sleeper))
+    (shm / f"npualloc.{sleeper}").symlink_to(target)
+    with pytest.raises(CorruptRegionError, match="cannot open"):
+        npualloc.memory_stats(pid=sleeper)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_file_of_another_user_is_refused(shm: Path, sleeper: int) -> None:
+    os.chown(write_region(shm, sleeper, region_bytes(sleeper)), 65534, 65534)
+    with pytest.raises(OtherUserError):
+        npualloc.memory_stats(pid=sleeper)
+
+
+def test_missing_region_and_dead_process(shm: Path, sleeper: int) -> None:
+    with pytest.raises(NotUnderNpuallocError, match="not running under npualloc"):
+        npualloc.memory_stats(pid=sleeper)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    write_region(shm, dead.pid, region_bytes(sleeper, pid=dead.pid))
+    with pytest.raises(NoSuchProcessError):
+        npualloc.memory_stats(pid=dead.pid)
+
+
+def test_writer_stuck_in_its_seqlock_is_reported(shm: Path, sleeper: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper, device_count=1), REGION_SIZE)
+    region.devices[0].in_use = 1
+    region.devices[0].seq = 7  # odd: a writer inside, forever
+    write_region(shm, sleeper, bytes(ffi.buffer(region)))
+    monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
+    with pytest.raises(CorruptRegionError, match="mid-update"):
+        npualloc.memory_stats(pid=sleeper)
+
+
+def test_region_is_closed_after_use(shm: Path, sleeper: int) -> None:
+    write_region(shm, sleeper, region_bytes(sleeper))
+    opened = Region(sleeper)
+    opened.close()
+    opened.close()  # idempotent
+    with pytest.raises(AttributeError):
+        opened.read_device_stats(0)

@@ -125,10 +125,27 @@ static void test_unused_device_reads_as_zero(void) {
     fixture_destroy(&fx);
 }
 
+static void test_hook_counters(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED, 3);
+    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1);
+    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED, 2);
+    npa_count(fx.a, NPUALLOC_MAX_DEVICES, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1); /* ignored */
+    npualloc_device_stats s = stats_of(&fx, 2);
+    CHECK_EQ(s.num_executor_destroys_forwarded, 5);
+    CHECK_EQ(s.num_executor_destroys_skipped, 1);
+    CHECK_EQ(s.seq % 2, 0);
+    npa_set_record_history(fx.a, 123);
+    CHECK_EQ(npa_get_config(fx.a)->record_history, 123);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_update_rules_per_pool);
     RUN(test_inactive_split_rules);
     RUN(test_storage_and_seqlock);
     RUN(test_unused_device_reads_as_zero);
+    RUN(test_hook_counters);
     return check_report();
 }

@@ -102,6 +102,11 @@ int npa_set_gc_threshold(npa_allocator *a, double threshold) {
     return 0;
 }
 
+/* Only the value is kept: the core has no trace buffer yet. */
+void npa_set_record_history(npa_allocator *a, size_t max_entries) {
+    if (a) __atomic_store_n(&a->config.record_history, max_entries, __ATOMIC_RELAXED);
+}
+
 const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config : NULL; }
 
 /* torch's get_free_block: only the lower_bound is considered; the oversize

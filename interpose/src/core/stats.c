@@ -65,3 +65,16 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     npa_stats_end(d);
     pthread_mutex_unlock(&d->lock);
 }
+
+void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta) {
+    npa_device *d = a ? npa_device_get(a, device, true) : NULL;
+    if (!d) return;
+    pthread_mutex_lock(&d->lock);
+    npa_stats_begin(d);
+    switch (counter) {
+    case NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED: d->stats->num_executor_destroys_forwarded += delta; break;
+    case NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED: d->stats->num_executor_destroys_skipped += delta; break;
+    }
+    npa_stats_end(d);
+    pthread_mutex_unlock(&d->lock);
+}

@@ -1,0 +1,254 @@
+/* The config parser: every key's valid and invalid values, the syntax
+ * variants, ignored torch keys, one warning per problem naming the key,
+ * canonical formatting that parses back, and a fuzz run over random and
+ * mutated strings (meant for ASan: any out-of-bounds read fails it). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "core.h"
+#include "test_util.h"
+
+typedef struct warnings {
+    int count;
+    char last[256];
+} warnings;
+
+static void collect(void *arg, const char *message) {
+    warnings *w = arg;
+    w->count++;
+    snprintf(w->last, sizeof w->last, "%s", message);
+}
+
+/* Parses text over the defaults; returns the problem count. */
+static int parse(const char *text, npa_config *c, warnings *w) {
+    npa_config_defaults(c);
+    memset(w, 0, sizeof *w);
+    return npa_config_parse(c, text, collect, w);
+}
+
+static void test_valid_keys(void) {
+    npa_config c;
+    warnings w;
+    CHECK_EQ(parse("max_split_size_mb:64,max_non_split_rounding_mb:8,garbage_collection_threshold:0.6,"
+                   "per_process_memory_fraction:0.75,reuse_policy:safe,record_history:1000,"
+                   "oom_snapshot:/tmp/oom.pickle,roundup_power2_divisions:4",
+                   &c, &w),
+             0);
+    CHECK_EQ(w.count, 0);
+    CHECK_EQ(c.max_split_size, 64 * MiB);
+    CHECK_EQ(c.max_non_split_rounding, 8 * MiB);
+    CHECK(c.garbage_collection_threshold == 0.6);
+    CHECK(c.per_process_memory_fraction == 0.75);
+    CHECK_EQ(c.reuse_policy, NPA_REUSE_SAFE);
+    CHECK_EQ(c.record_history, 1000);
+    CHECK(strcmp(c.oom_snapshot, "/tmp/oom.pickle") == 0);
+    for (int i = 0; i < NPA_ROUNDUP_INTERVALS; i++) CHECK_EQ(c.roundup_power2_divisions[i], 4);
+    CHECK_EQ(parse("per_process_memory_fraction:1", &c, &w), 0);
+    CHECK(c.per_process_memory_fraction == 1.0);
+    CHECK_EQ(parse("max_split_size_mb:20", &c, &w), 0); /* the minimum itself */
+    CHECK_EQ(c.max_split_size, 20 * MiB);
+}
+
+static void test_syntax_variants(void) {
+    npa_config c;
+    warnings w;
+    CHECK_EQ(parse("  max_split_size_mb = 100 ,\tgarbage_collection_threshold=0.5 ,, reuse_policy: EAGER ,", &c, &w),
+             0);
+    CHECK_EQ(w.count, 0);
+    CHECK_EQ(c.max_split_size, 100 * MiB);
+    CHECK(c.garbage_collection_threshold == 0.5);
+    CHECK_EQ(c.reuse_policy, NPA_REUSE_EAGER);
+    CHECK_EQ(parse("", &c, &w), 0);
+    CHECK_EQ(parse(" , ,", &c, &w), 0);
+    CHECK_EQ(w.count, 0);
+    /* Commas inside brackets belong to the list. */
+    CHECK_EQ(parse("roundup_power2_divisions:[ 1:2 , >:4 ],max_split_size_mb:30", &c, &w), 0);
+    CHECK_EQ(c.roundup_power2_divisions[0], 2);
+    CHECK_EQ(c.roundup_power2_divisions[1], 4);
+    CHECK_EQ(c.max_split_size, 30 * MiB);
+}
+
+/* Each bad entry: exactly one warning naming the key, the default kept. */
+static void expect_rejected(const char *text, const char *key) {
+    npa_config c, d;
+    warnings w;
+    npa_config_defaults(&d);
+    CHECK_EQ(parse(text, &c, &w), 1);
+    CHECK_EQ(w.count, 1);
+    if (w.count != 1 || !strstr(w.last, key)) fprintf(stderr, "  for '%s': warning '%s'\n", text, w.last);
+    CHECK(strstr(w.last, key) != NULL);
+    CHECK(memcmp(&c, &d, sizeof c) == 0);
+}
+
+static void test_invalid_values_warn_once_and_keep_default(void) {
+    expect_rejected("max_split_size_mb:10", "max_split_size_mb");
+    expect_rejected("max_split_size_mb:-5", "max_split_size_mb");
+    expect_rejected("max_split_size_mb:abc", "max_split_size_mb");
+    expect_rejected("max_split_size_mb:99999999999999999999999", "max_split_size_mb");
+    expect_rejected("max_non_split_rounding_mb:1.5", "max_non_split_rounding_mb");
+    expect_rejected("garbage_collection_threshold:0", "garbage_collection_threshold");
+    expect_rejected("garbage_collection_threshold:1", "garbage_collection_threshold");
+    expect_rejected("garbage_collection_threshold:nan", "garbage_collection_threshold");
+    expect_rejected("garbage_collection_threshold:0.5x", "garbage_collection_threshold");
+    expect_rejected("per_process_memory_fraction:0", "per_process_memory_fraction");
+    expect_rejected("per_process_memory_fraction:1.01", "per_process_memory_fraction");
+    expect_rejected("per_process_memory_fraction:", "per_process_memory_fraction");
+    expect_rejected("roundup_power2_divisions:3", "roundup_power2_divisions");
+    expect_rejected("roundup_power2_divisions:0", "roundup_power2_divisions");
+    expect_rejected("roundup_power2_divisions:[256:3]", "roundup_power2_divisions");
+    expect_rejected("roundup_power2_divisions:[300:2]", "roundup_power2_divisions");
+    expect_rejected("roundup_power2_divisions:[256:2", "roundup_power2_divisions");
+    expect_rejected("roundup_power2_divisions:[256:2,]", "roundup_power2_divisions");
+    expect_rejected("roundup_power2_divisions:[256]", "roundup_power2_divisions");
+    expect_rejected("reuse_policy:sometimes", "reuse_policy");
+    expect_rejected("record_history:many", "record_history");
+    expect_rejected("unknown_key:1", "unknown_key");
+    expect_rejected("max_split_size_mb", "max_split_size_mb"); /* no value at all */
+    char long_path[400];
+    memset(long_path, 'a', sizeof long_path);
+    memcpy(long_path, "oom_snapshot:", 13);
+    long_path[sizeof long_path - 1] = '\0';
+    expect_rejected(long_path, "oom_snapshot");
+}
+
+static void test_problems_counted_and_good_keys_applied(void) {
+    npa_config c;
+    warnings w;
+    CHECK_EQ(parse("bogus:1,max_split_size_mb:50,garbage_collection_threshold:2", &c, &w), 2);
+    CHECK_EQ(w.count, 2);
+    CHECK_EQ(c.max_split_size, 50 * MiB);
+    CHECK(c.garbage_collection_threshold == 0.0);
+}
+
+static void test_ignored_torch_keys(void) {
+    npa_config c, d;
+    warnings w;
+    npa_config_defaults(&d);
+    CHECK_EQ(parse("expandable_segments:False,release_lock_on_cudamalloc:false,backend:native,"
+                   "base_addr_aligned_kb:16",
+                   &c, &w),
+             0);
+    CHECK_EQ(w.count, 0); /* asking for the default is silent */
+    const char *non_default[] = {"expandable_segments:True", "release_lock_on_cudamalloc:True",
+                                 "backend:cudaMallocAsync", "base_addr_aligned_kb:0", "page_size:1g",
+                                 "segment_size_mb:32"};
+    for (size_t i = 0; i < sizeof non_default / sizeof *non_default; i++) {
+        CHECK_EQ(parse(non_default[i], &c, &w), 0); /* accepted, not a problem */
+        CHECK_EQ(w.count, 1);
+        CHECK(strstr(w.last, "ignored") != NULL);
+        CHECK(memcmp(&c, &d, sizeof c) == 0);
+    }
+}
+
+static void test_format_round_trip(void) {
+    npa_config c, back;
+    warnings w;
+    char text[NPUALLOC_CONFIG_LEN];
+    npa_config_defaults(&c);
+    CHECK_EQ(npa_config_format(&c, text, sizeof text), 0);
+    CHECK(text[0] == '\0');
+
+    const char *inputs[] = {
+        "max_split_size_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.3333333333333333",
+        "roundup_power2_divisions:[256:1,512:2,1024:4,>:8],reuse_policy:safe,record_history:5",
+        "roundup_power2_divisions:8,max_non_split_rounding_mb:0,oom_snapshot:/tmp/x.pickle",
+        "roundup_power2_divisions:[1:0,2:4]",
+    };
+    for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
+        CHECK_EQ(parse(inputs[i], &c, &w), 0);
+        size_t n = npa_config_format(&c, text, sizeof text);
+        CHECK_EQ(n, strlen(text));
+        CHECK_EQ(parse(text, &back, &w), 0);
+        CHECK(memcmp(&c, &back, sizeof c) == 0);
+    }
+    CHECK_EQ(parse("max_split_size_mb:64,reuse_policy:eager", &c, &w), 0);
+    npa_config_format(&c, text, sizeof text);
+    CHECK(strcmp(text, "max_split_size_mb:64,reuse_policy:eager") == 0);
+    /* A short buffer truncates and stays terminated. */
+    char tiny[8];
+    CHECK_EQ(npa_config_format(&c, tiny, sizeof tiny), 7);
+    CHECK(strcmp(tiny, "max_spl") == 0);
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
+static uint64_t rng(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static void count_only(void *arg, const char *message) {
+    int *n = arg;
+    (*n)++;
+    /* A warning is one line. */
+    if (strchr(message, '\n')) (*n) += 1000000;
+}
+
+/* Random bytes, random picks from a grammar-ish alphabet, and mutations of
+ * valid strings; every result must be a config within its documented ranges. */
+static void test_fuzz(void) {
+    static const char *seeds[] = {
+        "max_split_size_mb:64,garbage_collection_threshold:0.6",
+        "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+        "per_process_memory_fraction:0.5,reuse_policy:auto,record_history:10,oom_snapshot:/tmp/a",
+        "expandable_segments:True,backend:native,page_size:1g",
+    };
+    static const char alphabet[] = "[]:=,> 0123456789.-abcdefgmx_\t";
+    char buf[300];
+    int bad_results = 0;
+    int multi_line_warnings = 0;
+    for (int iter = 0; iter < 30000; iter++) {
+        size_t len = rng() % (sizeof buf - 1);
+        int kind = iter % 3;
+        if (kind == 0) {
+            for (size_t i = 0; i < len; i++) buf[i] = (char)(1 + rng() % 255);
+        } else if (kind == 1) {
+            for (size_t i = 0; i < len; i++) buf[i] = alphabet[rng() % (sizeof alphabet - 1)];
+        } else {
+            const char *seed = seeds[rng() % (sizeof seeds / sizeof *seeds)];
+            len = strlen(seed);
+            memcpy(buf, seed, len);
+            for (int m = 0; m < 1 + (int)(rng() % 4); m++) {
+                size_t at = rng() % len;
+                switch (rng() % 3) {
+                case 0: buf[at] = alphabet[rng() % (sizeof alphabet - 1)]; break;
+                case 1: len = at; break; /* truncate */
+                default: buf[at] = (char)(1 + rng() % 255); break;
+                }
+                if (len == 0) break;
+            }
+        }
+        buf[len] = '\0';
+        npa_config c;
+        npa_config_defaults(&c);
+        int warned = 0;
+        npa_config_parse(&c, buf, count_only, &warned);
+        multi_line_warnings += warned >= 1000000;
+        bad_results += !(c.max_split_size >= 20 * MiB);
+        bad_results += !(c.garbage_collection_threshold >= 0.0 && c.garbage_collection_threshold < 1.0);
+        bad_results += !(c.per_process_memory_fraction > 0.0 && c.per_process_memory_fraction <= 1.0);
+        bad_results += c.oom_snapshot[sizeof c.oom_snapshot - 1] != '\0';
+        bad_results += (unsigned)c.reuse_policy > NPA_REUSE_SAFE;
+        for (int i = 0; i < NPA_ROUNDUP_INTERVALS; i++)
+            bad_results += (c.roundup_power2_divisions[i] & (c.roundup_power2_divisions[i] - 1)) != 0;
+        char text[NPUALLOC_CONFIG_LEN];
+        size_t n = npa_config_format(&c, text, sizeof text);
+        bad_results += n != strlen(text);
+    }
+    CHECK_EQ(bad_results, 0);
+    CHECK_EQ(multi_line_warnings, 0);
+}
+
+int main(void) {
+    RUN(test_valid_keys);
+    RUN(test_syntax_variants);
+    RUN(test_invalid_values_warn_once_and_keep_default);
+    RUN(test_problems_counted_and_good_keys_applied);
+    RUN(test_ignored_torch_keys);
+    RUN(test_format_round_trip);
+    RUN(test_fuzz);
+    return check_report();
+}

@@ -1,0 +1,173 @@
+"""The CLI's commands against real preloaded processes: stats, ls, run and the
+commands that change a running process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from region_helpers import Workload, cli_env, region_bytes, run_cli, wait_for_pending_command, write_region
+
+import pytest
+
+import npualloc
+from npualloc.cli import human_bytes
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _regions_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test reads regions where its workloads and CLIs put them."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+
+
+def test_stats_table_and_json_match_the_process(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call(f"malloc({3 * MiB})")
+        w.call("malloc(1000)")
+        inside = w.call("npualloc.memory_stats()")
+        table = run_cli(["stats", str(w.pid)], tmp_path)
+        assert table.returncode == 0 and table.stderr == "", table.stderr
+        assert f"pid {w.pid}" in table.stdout and "import acl" in table.stdout
+        for label in ("allocated", "reserved", "active", "segments", "cache hit rate", "fragmentation",
+                      "device calls", "OOMs / retries", "pending frees", "executor destroys"):
+            assert label in table.stdout, label
+        assert f"{human_bytes(inside['reserved_bytes.all.current'])} " in table.stdout
+
+        as_json = run_cli(["stats", str(w.pid), "--json", "--device", "0"], tmp_path)
+        snapshot = json.loads(as_json.stdout)
+        assert snapshot["pid"] == w.pid and list(snapshot["devices"]) == ["0"]
+        assert snapshot["devices"]["0"] == inside
+
+
+def test_stats_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.1"],
+                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=10)
+        assert watcher.returncode == 0 and "Traceback" not in err, err
+        assert out.count(f"pid {w.pid}") >= 3
+
+
+def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = write_region(tmp_path, dead.pid, region_bytes(os.getpid(), pid=dead.pid))
+    with Workload(tmp_path) as first, Workload(tmp_path) as second:
+        first.call(f"malloc({3 * MiB})")
+        second.call("malloc(4096)")
+        rows = json.loads(run_cli(["ls", "--json"], tmp_path).stdout)
+        by_pid = {row["pid"]: row for row in rows}
+        assert set(by_pid) == {first.pid, second.pid}
+        assert by_pid[first.pid]["device"] == 0
+        assert by_pid[first.pid]["allocated"] == npualloc.memory_allocated(pid=first.pid) >= 3 * MiB
+        assert by_pid[second.pid]["reserved"] == npualloc.memory_reserved(pid=second.pid) > 0
+        assert "import acl" in by_pid[second.pid]["command"]
+        assert not stale.exists()
+
+        table = run_cli(["ls"], tmp_path)
+        assert table.returncode == 0
+        header, *lines = table.stdout.splitlines()
+        assert header.split() == ["PID", "DEV", "ALLOCATED", "RESERVED", "COMMAND"]
+        assert sorted(int(line.split()[0]) for line in lines) == sorted([first.pid, second.pid])
+    assert run_cli(["ls"], tmp_path).stdout == "no process is running under npualloc\n"
+
+
+def test_ls_cleans_the_region_of_a_forked_child_that_skipped_atexit(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        child = w.call(f"fork_child_allocates({MiB})")[0]
+        assert (tmp_path / f"npualloc.{child}").exists()
+        rows = json.loads(run_cli(["ls", "--json"], tmp_path).stdout)
+        assert [row["pid"] for row in rows] == [w.pid]
+        assert not (tmp_path / f"npualloc.{child}").exists()
+
+
+def _run_cli_with_trigger(w: Workload, tmp_path: Path, args: list[str], trigger: str) -> subprocess.CompletedProcess:
+    cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pending_command(tmp_path / f"npualloc.{w.pid}")
+    w.call(trigger)
+    out, err = cli.communicate(timeout=30)
+    return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+
+
+def test_empty_cache_reset_peak_and_gc_threshold(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call(f"malloc({3 * MiB})")
+        w.call("malloc(4096)")
+        w.call(f"acl.rt.free({w.call('live')[0]})")
+        assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 20 * MiB
+
+        done = _run_cli_with_trigger(w, tmp_path, ["empty-cache", str(w.pid), "--device", "0"], "free()")
+        assert done.returncode == 0 and "cache emptied" in done.stdout, done.stderr
+        assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 0
+
+        assert npualloc.max_memory_allocated(pid=w.pid) >= 3 * MiB
+        done = _run_cli_with_trigger(w, tmp_path, ["reset-peak", str(w.pid)], "malloc(4096)")
+        assert done.returncode == 0, done.stderr
+        assert npualloc.max_memory_allocated(pid=w.pid) == npualloc.memory_allocated(pid=w.pid) < MiB
+
+        done = _run_cli_with_trigger(w, tmp_path, ["set-gc-threshold", str(w.pid), "0.25"], "malloc(4096)")
+        assert done.returncode == 0, done.stderr
+        assert "garbage_collection_threshold:0.25" in w.call("npualloc.get_config()")
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "npualloc", "run", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+PRINT_CHILD_ENV = ("import os, subprocess, sys; print(subprocess.run([sys.executable, '-c', "
+                   "\"import os; print(os.environ['LD_PRELOAD']); "
+                   "print(any(l.rstrip().endswith('/libnpualloc.so') for l in open('/proc/self/maps'))); "
+                   "print(os.environ.get('MINDTORCH_NPU_ALLOC_CONF')); print(os.environ.get('PYTORCH_NPU_ALLOC_CONF'))\"], "
+                   "capture_output=True, text=True).stdout, end='')")
+
+
+def test_run_preloads_into_children_and_keeps_ld_preload(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    env["LD_PRELOAD"] = "libm.so.6"
+    done = _run(["--conf", "garbage_collection_threshold:0.6", "--", sys.executable, "-c", PRINT_CHILD_ENV], env)
+    assert done.returncode == 0, done.stderr
+    preload, mapped, mindtorch_conf, torch_npu_conf = done.stdout.splitlines()
+    assert preload == f"{npualloc.library_path()}:libm.so.6"
+    assert mapped == "True"
+    assert (mindtorch_conf, torch_npu_conf) == ("garbage_collection_threshold:0.6", "None")
+
+    env["PYTORCH_NPU_ALLOC_CONF"] = "max_split_size_mb:64"  # the key the user already uses wins
+    done = _run(["--conf", "max_split_size_mb:128", "--", sys.executable, "-c", PRINT_CHILD_ENV], env)
+    assert done.stdout.splitlines()[2:] == ["None", "max_split_size_mb:128"]
+
+
+def test_run_passes_the_exit_code_through(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    assert _run(["--", sys.executable, "-c", "raise SystemExit(7)"], env).returncode == 7
+    assert _run([sys.executable, "-c", "pass"], env).returncode == 0  # "--" is optional
+    # exec: the command replaces the CLI, so a shell sees its signal as 128+N.
+    shell = subprocess.run(["sh", "-c", f'"{sys.executable}" -m npualloc run -- sh -c \'kill -9 $$\'; echo $?'],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert shell.stdout.strip() == str(128 + signal.SIGKILL)
+
+
+def test_run_process_is_visible_to_stats(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    script = ("import acl, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(1 << 20, 0); "
+              "print('ready', flush=True); sys.stdin.readline()")
+    proc = subprocess.Popen([sys.executable, "-m", "npualloc", "run", "--", sys.executable, "-c", script], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        assert npualloc.memory_allocated(pid=proc.pid) >= MiB  # same pid: run execs
+        assert json.loads(run_cli(["ls", "--json"], tmp_path).stdout)[0]["pid"] == proc.pid
+    finally:
+        proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0

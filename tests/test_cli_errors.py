@@ -1,0 +1,104 @@
+"""Every error of the CLI: one line on stderr starting "npualloc: ", its own
+exit code, no traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from region_helpers import Workload, assert_one_line_error, region_bytes, run_cli, write_region
+
+from npualloc._ffi import REGION_SIZE, constants
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli([], tmp_path), 2, "required")
+    assert_one_line_error(run_cli(["stats"], tmp_path), 2, "pid")
+    assert_one_line_error(run_cli(["stats", "notapid"], tmp_path), 2, "invalid int value")
+    assert_one_line_error(run_cli(["frobnicate"], tmp_path), 2, "invalid choice")
+    assert_one_line_error(run_cli(["stats", "1", "--watch", "0"], tmp_path), 2, "--watch")
+    assert_one_line_error(run_cli(["run"], tmp_path), 2, "no command")
+
+
+def test_no_such_process(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for action in ("stats", "empty-cache", "reset-peak"):
+        assert_one_line_error(run_cli([action, str(dead.pid)], tmp_path), 3, f"no such process: {dead.pid}")
+
+
+def test_process_not_under_npualloc(tmp_path: Path, sleeper: int) -> None:
+    assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 4, "not running under npualloc")
+    write_region(tmp_path, sleeper, region_bytes(sleeper, start_time=1))  # left by an earlier holder of the pid
+    assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 4, "stale")
+
+
+def test_process_without_a_region_yet_or_with_stats_off(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        assert_one_line_error(run_cli(["stats", str(w.pid)], tmp_path), 4, "nothing allocated yet")
+    with Workload(tmp_path, NPUALLOC_STATS="0") as w:
+        w.call("malloc(4096)")
+        assert_one_line_error(run_cli(["stats", str(w.pid)], tmp_path), 4, "NPUALLOC_STATS=0")
+
+
+def test_another_users_region(tmp_path: Path, sleeper: int) -> None:
+    write_region(tmp_path, sleeper, region_bytes(sleeper, uid=os.geteuid() + 1))
+    assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 5, "another user")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files and processes of another user")
+def test_another_users_process_and_file(tmp_path: Path, sleeper: int) -> None:
+    os.chown(write_region(tmp_path, sleeper, region_bytes(sleeper)), 65534, 65534)
+    assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 5, "another user")
+    theirs = subprocess.Popen(["sleep", "60"], user=65534, group=65534)
+    try:
+        assert_one_line_error(run_cli(["empty-cache", str(theirs.pid)], tmp_path), 5, "belongs to another user")
+    finally:
+        theirs.kill()
+        theirs.wait()
+
+
+def test_incompatible_version(tmp_path: Path, sleeper: int) -> None:
+    write_region(tmp_path, sleeper, region_bytes(sleeper, version=constants.NPUALLOC_SHM_VERSION + 1))
+    assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 6, "version")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "magic", "size field", "garbage", "zeros"])
+def test_corrupt_or_truncated_region(tmp_path: Path, sleeper: int, damage: str) -> None:
+    data = {
+        "truncated": region_bytes(sleeper)[:REGION_SIZE // 2],
+        "empty": b"",
+        "magic": region_bytes(sleeper, magic=0x0123456789ABCDEF),
+        "size field": region_bytes(sleeper, size=REGION_SIZE * 4),
+        "garbage": os.urandom(REGION_SIZE),
+        "zeros": bytes(REGION_SIZE),
+    }[damage]
+    write_region(tmp_path, sleeper, data)
+    for args in (["stats", str(sleeper)], ["stats", str(sleeper), "--json"], ["reset-peak", str(sleeper)]):
+        assert_one_line_error(run_cli(args, tmp_path), 7, f"npualloc.{sleeper}")
+
+
+def test_command_not_acknowledged(tmp_path: Path, sleeper: int) -> None:
+    """A region nobody serves (the sleeper never reaches an allocator)."""
+    write_region(tmp_path, sleeper, region_bytes(sleeper))
+    proc = run_cli(["empty-cache", str(sleeper), "--timeout", "0.3"], tmp_path)
+    assert_one_line_error(proc, 8, "next allocator call")
+
+
+def test_bad_device_and_gc_value(tmp_path: Path, sleeper: int) -> None:
+    write_region(tmp_path, sleeper, region_bytes(sleeper))
+    assert_one_line_error(run_cli(["stats", str(sleeper), "--device", "99"], tmp_path), 2, "out of range")
+    assert_one_line_error(run_cli(["set-gc-threshold", str(sleeper), "1.5"], tmp_path), 2, "[0, 1)")
+
+
+def test_run_command_not_found(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")

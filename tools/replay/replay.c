@@ -78,9 +78,10 @@ typedef struct raw_probe {
 } raw_probe;
 
 /* The simulator counts each API under its public name; npualloc may reach the
- * device through any of the malloc variants. */
-static const char *const raw_malloc_apis[] = {"aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached"};
-static const char *const raw_free_apis[] = {"aclrtFree", "aclrtFreeWithDevSync"};
+ * device through any of the malloc variants, or map physical memory. */
+static const char *const raw_malloc_apis[] = {"aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached",
+                                              "aclrtMallocPhysical"};
+static const char *const raw_free_apis[] = {"aclrtFree", "aclrtFreeWithDevSync", "aclrtFreePhysical"};
 
 static uint64_t sum_call_counts(call_count_fn call_count, const char *const *apis, size_t n)
 {

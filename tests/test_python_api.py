@@ -1,0 +1,139 @@
+"""The torch.cuda.memory mirror: device normalisation, memory_summary's
+layout, mem_get_info inside and outside a preloaded process, the in-process API."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import run_python, sim_env
+from region_helpers import Workload
+
+import npualloc
+from npualloc.errors import NotUnderNpuallocError
+from npualloc.memory import device_index
+from npualloc.summary import format_count, format_size
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("device, index", [
+    (None, 0), (0, 0), (3, 3), ("npu", 0), ("npu:1", 1), (" npu:15 ", 15),
+    (SimpleNamespace(type="npu", index=2), 2), (SimpleNamespace(index=4), 4), (SimpleNamespace(type="npu", index=None), 0),
+])
+def test_device_normalisation(device: object, index: int) -> None:
+    assert device_index(device) == index  # None: no npualloc here, so device 0
+
+
+@pytest.mark.parametrize("device", [
+    "cuda", "cuda:0", "npu:x", "npu:-1", "npu:16", "", -1, 16, True, 1.5, object(),
+    SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="npu", index="1"),
+])
+def test_bad_devices_are_rejected(device: object) -> None:
+    with pytest.raises(ValueError, match="invalid device"):
+        device_index(device)
+
+
+def test_size_and_count_scaling_like_torch() -> None:
+    assert format_size(100, 100) == "   100 B  "
+    assert format_size(1536 * 1024, 1536 * 1024) == "  1536 KiB"
+    assert format_size(2 << 30, 2 << 30) == "  2048 MiB"
+    assert format_size(5 * MiB, 0) == "5242880 B  "  # scaled by the row's "all" value, not its own
+    assert format_count(7, 7) == "      7   "
+    assert format_count(800_000, 800_000) == "    800 K "
+
+
+def test_memory_summary_has_torchs_rows_and_columns(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call(f"malloc({3 * MiB})")
+        w.call("malloc(512)")
+        full = w.call("npualloc.memory_summary()").splitlines()
+        short = w.call("npualloc.memory_summary(abbreviated=True)").splitlines()
+        stats = w.call("npualloc.memory_stats()")
+    assert all(len(line) == 77 and line[0] == line[-1] == "|" for line in full + short)
+    assert "npualloc NPU memory summary, device ID 0" in full[1]
+    assert full[5] == "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |"
+    labels = [line[1:24].strip() for line in full if line[2:3] not in ("-", "=") and "|" in line[1:-1]]
+    assert labels[:2] == ["NPU OOMs: 0", "Metric"]
+    assert labels[2:] == [
+        label for row in ("Allocated memory", "Active memory", "Requested memory", "NPU reserved memory",
+                          "Non-releasable memory", "Allocations", "Active allocs", "NPU reserved segments",
+                          "Non-releasable allocs")
+        for label in (row, "from large pool", "from small pool")
+    ] + ["Oversize allocations", "Oversize NPU segments"]
+    assert not any("from large pool" in line for line in short) and len(short) == len(full) - 18
+    allocations = next(line for line in full if "Allocations" in line).split("|")[2:6]
+    assert [int(cell) for cell in allocations] == [stats[f"allocation.all.{c}"] for c in
+                                                   ("current", "peak", "allocated", "freed")]
+
+
+def test_in_process_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    with Workload(tmp_path) as w:
+        assert w.call("npualloc.is_active()") is True
+        w.call(f"malloc({3 * MiB})")
+        assert w.call("npualloc.memory_allocated()") >= 3 * MiB
+        assert w.call("npualloc.memory_allocated('npu:0')") == w.call("npualloc.memory_allocated(0)")
+        w.call("free()")
+        assert w.call("npualloc.memory_allocated()") == 0
+        assert w.call("npualloc.max_memory_allocated()") >= 3 * MiB
+        w.call("npualloc.reset_peak_memory_stats()")
+        assert w.call("npualloc.max_memory_allocated()") == 0
+        assert w.call("npualloc.memory_reserved()") >= 20 * MiB
+        w.call("npualloc.empty_cache()")
+        assert w.call("npualloc.memory_reserved()") == 0
+        assert w.call("npualloc.max_memory_reserved()") >= 20 * MiB
+        w.call("npualloc.reset_accumulated_memory_stats()")
+        assert w.call("npualloc.memory_stats()['num_device_alloc']") == 0
+
+        w.call("npualloc.set_config('garbage_collection_threshold:0.7')")
+        assert "garbage_collection_threshold:0.7" in w.call("npualloc.get_config()")
+        assert w.call("npualloc.get_config()") == npualloc.get_config(pid=w.pid)
+        with pytest.raises(AssertionError, match="ValueError"):
+            w.call("npualloc.set_config('no_such_key:1')")
+        assert w.call("npualloc.library_path()").endswith("/npualloc/lib/libnpualloc.so")
+
+
+def test_mem_get_info_inside_follows_the_runtime(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        free, total = w.call("npualloc.mem_get_info()")
+        assert 0 < free <= total
+        assert [free, total] == w.call("acl.rt.get_mem_info(1)")[:2]
+        w.call(f"malloc({64 * MiB})")  # a new segment: device memory really taken
+        free_after, total_after = w.call("npualloc.mem_get_info('npu:0')")
+        assert total_after == total and free_after <= free - 64 * MiB
+
+
+def test_mem_get_info_outside_loads_the_runtime() -> None:
+    proc = run_python("""
+        import json, npualloc
+        assert not npualloc.is_active()
+        print(json.dumps([npualloc.mem_get_info(), npualloc.mem_get_info("npu:0")]))
+    """, sim_env())
+    (free, total), again = json.loads(proc.stdout)
+    assert 0 < free <= total and again == [free, total]
+
+
+def test_mem_get_info_without_a_runtime_says_so() -> None:
+    env = sim_env(NPUALLOC_ACL_LIB="/nonexistent/libascendcl.so")
+    env.pop("ASCEND_HOME_PATH")
+    env["LD_LIBRARY_PATH"] = ""
+    proc = run_python("""
+        import npualloc
+        try:
+            npualloc.mem_get_info()
+        except npualloc.NpuallocError as e:
+            print(e)
+    """, env)
+    assert "no Ascend runtime found" in proc.stdout and "/nonexistent/libascendcl.so" in proc.stdout
+
+
+def test_in_process_calls_without_npualloc_loaded() -> None:
+    assert not npualloc.is_active()
+    with pytest.raises(NotUnderNpuallocError, match="not loaded in this process"):
+        npualloc.memory_stats()
+    with pytest.raises(NotUnderNpuallocError):
+        npualloc.memory_allocated(pid=os.getpid())
+    assert npualloc.library_path().endswith("libnpualloc.so")

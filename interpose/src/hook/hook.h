@@ -118,7 +118,6 @@ void *npa_fence_record_always(int device);
 void *npa_fence_record(void *ctx, int device); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);
-int npa_fence_device(const void *fence);
 void npa_streams_destroy_events(int device); /* device < 0: all; before reset/finalize */
 void npa_streams_forget_after_fork(void);
 void npa_streams_lock_for_fork(void);

@@ -204,11 +204,6 @@ void npa_fence_release(void *ctx, void *fence)
     free(f);
 }
 
-int npa_fence_device(const void *fence)
-{
-    return ((const npa_fence *)fence)->device;
-}
-
 void npa_streams_destroy_events(int device)
 {
     __typeof__(&aclrtDestroyEvent) destroy = NPA_REAL(aclrtDestroyEvent);

@@ -1,0 +1,205 @@
+"""`npualloc replay`: a hand-made trace whose figures are worked out below on
+paper, a shipped trace of a real model, and the command's errors.
+
+Sizes as npualloc sees them: aclrtMalloc rounds a request up to 32 and adds
+32 (the runtime's own contract), then torch's rounding takes it up to a
+multiple of 512. Segments follow torch: requests up to 1 MiB share 2 MiB
+small-pool segments; larger ones under 10 MiB get a 20 MiB segment; from
+10 MiB on a segment is the request rounded up to 2 MiB.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BUILD, ROOT, sim_env
+from npualloc import replay
+
+MIB = 1 << 20
+TRACES = ROOT / "tools" / "traces"
+TINY = TRACES / "tiny.pickle.gz"
+
+
+def run_replay(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "npualloc.replay", *args], env=sim_env(),
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def replay_json(trace: Path, *args: str) -> dict:
+    return json.loads(run_replay(str(trace), "--build", str(BUILD), "--json", *args).stdout)
+
+
+def block(request: int) -> int:
+    """What one aclrtMalloc(request) occupies in npualloc's cache."""
+    padded = (request + 31) // 32 * 32 + 32
+    return (padded + 511) // 512 * 512
+
+
+# tools/traces/make_tiny.py: a, b, c, d as first allocated.
+A, B, C, D = 1000, 500_000, 4 * MIB, 16 * MIB
+
+
+def test_tiny_trace_figures_match_hand_computation():
+    report = replay_json(TINY)
+    r = report["replay"]
+    assert (report["allocs"], report["frees"], report["iterations"]) == (8, 4, 2)
+    assert report["skipped_frees"] == 1 and report["skipped_allocs"] == 0
+    assert r["completed"] and not r["oom"]
+
+    # Live requested bytes peak at the very end: all four of iteration 2
+    # (in iteration 1, a is freed before d arrives).
+    assert r["peak_requested_bytes"] == A + B + C + D == 21_472_520
+    # The same four blocks, rounded: 1536 + 500224 + 4194816 + 16777728.
+    assert [block(x) for x in (A, B, C, D)] == [1536, 500_224, 4_194_816, 16_777_728]
+    assert r["peak_allocated_bytes"] == block(A) + block(B) + block(C) + block(D) == 21_474_304
+
+    # Segments: a and b share one 2 MiB small segment; c gets a 20 MiB one;
+    # d (16 MiB + 512) no longer fits the 20 MiB segment's remaining
+    # 20 MiB - block(c) = 16 MiB - 1024, so it gets its own, rounded up to
+    # 18 MiB. Iteration 2 reuses all three: 40 MiB, from 3 raw mallocs, all
+    # in iteration 1.
+    assert r["peak_reserved_bytes"] == (2 + 20 + 18) * MIB
+    assert r["raw_mallocs"] == r["num_device_alloc"] == 3
+    assert r["raw_frees"] == 0
+    assert r["raw_mallocs_per_iteration"] == [3, 0]
+    assert r["raw_mallocs_after_first_iteration"] == 0
+    assert r["num_ooms"] == 0 and r["num_alloc_retries"] == 0
+    assert report["reserved_over_requested"] == pytest.approx(40 * MIB / 21_472_520)
+
+    # Iteration 2 places c best-fit in the smallest free block that holds it,
+    # the 18 MiB segment, leaving 18 MiB - block(c); d then fills the 20 MiB
+    # segment but for 20 MiB - block(d). Free cached bytes = reserved -
+    # allocated, the largest of them the 18 MiB segment's remainder.
+    largest = 18 * MIB - block(C)
+    cached_free = 40 * MIB - r["peak_allocated_bytes"]
+    assert cached_free == (2 * MIB - block(A) - block(B)) + largest + (20 * MIB - block(D))
+    assert r["largest_free_block"] == largest
+    assert r["fragmentation"] == pytest.approx(1 - largest / cached_free, abs=1e-6)
+
+    # The simulator charges each raw malloc round_up(size, 32) + 32 bytes:
+    # 40 MiB of segments cost 40 MiB + 96 B, so the smallest HBM (in whole
+    # MiB) is 41 MiB, and the search resolves to 1 MiB at this size.
+    assert report["fits"]
+    assert report["smallest_hbm_bytes"] == 41 * MIB
+    assert report["smallest_hbm_resolution_bytes"] == MIB
+
+
+def test_tiny_trace_on_the_raw_runtime():
+    r = replay_json(TINY, "--raw")["replay"]
+    assert not r["npualloc_loaded"] and r["peak_reserved_bytes"] is None
+    # Every call reaches the runtime: 4 allocs per iteration, 4 frees in between.
+    assert (r["raw_mallocs"], r["raw_frees"]) == (8, 4)
+    assert r["raw_mallocs_per_iteration"] == [4, 4]
+    assert r["peak_requested_bytes"] == A + B + C + D
+
+
+def test_raw_runtime_smallest_hbm_is_the_accounted_peak():
+    # Raw, the device holds exactly the live requests, each charged
+    # round_up(size, 32) + 32: 21472672 B at the end, just over 20 MiB.
+    report = replay_json(TINY, "--raw")
+    accounted = sum((x + 31) // 32 * 32 + 32 for x in (A, B, C, D))
+    assert 20 * MIB < accounted <= 21 * MIB
+    assert report["smallest_hbm_bytes"] == 21 * MIB
+
+
+def test_oom_stops_the_replay_and_is_reported():
+    # 40 MiB of HBM: a, b, c fit (2 + 20 MiB segments); d's 18 MiB segment
+    # does not, nothing cached can be released (both segments hold live
+    # blocks), so event 4 (alloc d, after a, b, c, free a) is an OOM.
+    report = replay_json(TINY, "--hbm", "40M", "--no-search")
+    r = report["replay"]
+    assert not report["fits"] and r["oom"] and not r["completed"]
+    assert r["failed_event"] == 4 and r["failed_size"] == D
+    assert r["num_ooms"] == 1
+    assert "smallest_hbm_bytes" not in report
+
+
+def test_text_report():
+    out = run_replay(str(TINY), "--build", str(BUILD), "--no-search").stdout
+    assert "peak reserved      40.00 MiB  (reserved/requested 1.953)" in out
+    assert "raw device calls   3 mallocs, 0 frees, 0 mallocs after iteration 1" in out
+    assert "fits in 64.00 GiB  yes" in out
+
+
+def first_iterations(trace: Path, iterations: int, out: Path) -> Path:
+    """The trace cut after its n-th iteration mark, as a snapshot file."""
+    snapshot = replay.load_snapshot(trace)
+    events = snapshot["device_traces"][0]
+    marks = [i for i, e in enumerate(events) if e["action"] == "snapshot"]
+    snapshot["device_traces"] = [events[:marks[iterations - 1] + 1]]
+    with open(out, "wb") as f:
+        pickle.dump(snapshot, f)
+    return out
+
+
+def test_shipped_decode_trace_makes_no_raw_malloc_after_its_first_iteration(tmp_path):
+    # GPT-2 decoding, the same request shape repeated: iteration 2 must be
+    # served entirely from what iteration 1 left cached.
+    sliced = first_iterations(TRACES / "gpt2_decode.pickle.gz", 2, tmp_path / "decode2.pickle")
+    r = replay_json(sliced, "--no-search")["replay"]
+    assert r["completed"] and r["iterations"] == 2
+    assert r["raw_mallocs_per_iteration"][0] > 0
+    assert r["raw_mallocs_after_first_iteration"] == 0
+
+
+def test_shipped_traces_are_well_formed():
+    for path in sorted(TRACES.glob("*.pickle.gz")):
+        with gzip.open(path, "rb") as f:
+            snapshot = pickle.load(f)
+        assert snapshot["segments"] == [] and snapshot["allocator_settings"] == {}
+        live: dict[int, int] = {}
+        for e in snapshot["device_traces"][0]:
+            assert set(e) == {"action", "addr", "size", "stream", "time_us", "frames"}, path
+            if e["action"] == "alloc":
+                assert e["addr"] not in live, path
+                live[e["addr"]] = e["size"]
+            elif e["action"] == "free_completed" and e["addr"] in live:
+                assert live.pop(e["addr"]) == e["size"], path
+
+
+def test_event_file_skips_what_cannot_be_replayed(tmp_path):
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "addr": 16, "size": 100},
+        {"action": "alloc", "addr": 16, "size": 200},           # still live: skipped
+        {"action": "free", "addr": 16, "size": 100},             # the old format's free
+        {"action": "free_requested", "addr": 48, "size": 64},    # never allocated: skipped
+        {"action": "alloc", "addr": 32, "size": 300},
+        {"action": "free_completed", "addr": 32, "size": 300},   # no request came first: it is the free
+        {"action": "segment_alloc", "addr": 0, "size": 2 * MIB},  # the allocator's own: ignored
+        {"action": "snapshot", "addr": 0, "size": 0},
+    ]]}
+    written = replay.write_event_file(snapshot, tmp_path / "events.bin")
+    assert (written.allocs, written.frees, written.iterations) == (2, 2, 1)
+    assert (written.skipped_allocs, written.skipped_frees) == (1, 1)
+    assert written.slot_count == 1   # the freed slot is reused
+    data = (tmp_path / "events.bin").read_bytes()
+    assert data[:8] == replay.EVENT_FILE_MAGIC
+    assert len(data) == replay.EVENT_FILE_HEADER.size + 5 * replay.EVENT.size
+
+
+@pytest.mark.parametrize("text,value", [("64G", 64 << 30), ("16GiB", 16 << 30), ("512M", 512 * MIB),
+                                        ("1.5T", 3 << 39), ("4096", 4096), ("2mb", 2 * MIB)])
+def test_parse_size(text, value):
+    assert replay.parse_size(text) == value
+
+
+def test_missing_runtime_is_one_line_error(tmp_path):
+    proc = run_replay(str(TINY), "--build", str(BUILD), "--runtime", str(tmp_path), check=False)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.startswith("npualloc: no simulated runtime found") and proc.stderr.count("\n") == 1
+
+
+def test_not_a_snapshot_is_one_line_error(tmp_path):
+    bogus = tmp_path / "x.pickle"
+    bogus.write_bytes(b"not a pickle")
+    proc = run_replay(str(bogus), "--build", str(BUILD), check=False)
+    assert proc.returncode != 0 and proc.stderr.startswith("npualloc: ") and proc.stderr.count("\n") == 1

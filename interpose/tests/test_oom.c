@@ -253,6 +253,31 @@ static void test_gc_frees_oldest_first_and_stops(void) {
     fixture_destroy(&fx);
 }
 
+static void test_gc_frees_blocks_of_exactly_average_age(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.garbage_collection_threshold = 0.2; /* limit 40 MiB of 200; 44 reserved: target 4 MiB */
+    fixture fx;
+    fixture_init(&fx, 200 * MiB, &c);
+    void *a = alloc_exact(&fx, 0, 12 * MiB);
+    void *b = alloc_exact(&fx, 0, 14 * MiB);
+    void *e = alloc_exact(&fx, 0, 18 * MiB);
+    CHECK_EQ(npa_free(fx.a, e, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    for (int cycle = 0; cycle < 2; cycle++) {
+        CHECK(alloc_exact(&fx, 0, 18 * MiB) == e);
+        CHECK_EQ(npa_free(fx.a, e, 0, NULL), NPA_FREE_OK);
+        if (cycle == 0) CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK);
+    }
+    /* At the miss: ages A 3, B 2, E 1; the average is 2, and B goes too
+     * although A alone would have met the target. */
+    alloc_exact(&fx, 0, 20 * MiB);
+    CHECK(!still_cached(&fx, a));
+    CHECK(!still_cached(&fx, b));
+    CHECK(still_cached(&fx, e));
+    fixture_destroy(&fx);
+}
+
 static void test_gc_threshold_set_at_run_time(void) {
     fixture fx;
     fixture_init(&fx, 200 * MiB, NULL);
@@ -273,6 +298,7 @@ int main(void) {
     RUN(test_failure_injection_retries_once);
     RUN(test_fraction_cap);
     RUN(test_gc_frees_oldest_first_and_stops);
+    RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);
     return check_report();
 }

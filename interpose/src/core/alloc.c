@@ -117,7 +117,7 @@ static npa_block *get_free_block(const npa_config *c, npa_pool *pool, size_t siz
     npa_block *b = npa_pool_lower_bound(pool, size);
     if (!b) return NULL;
     if (size < c->max_split_size && b->size >= c->max_split_size) return NULL;
-    if (size >= c->max_split_size && b->size >= size + c->max_non_split_rounding) return NULL;
+    if (size >= c->max_split_size && b->size - size >= c->max_non_split_rounding) return NULL; /* no overflow */
     npa_pool_remove(pool, b);
     return b;
 }

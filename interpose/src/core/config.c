@@ -260,7 +260,7 @@ static int apply_entry(npa_config *config, span entry, npa_config_warn_fn warn, 
     while (sep < entry.n && entry.p[sep] != ':' && entry.p[sep] != '=') sep++;
     if (sep == entry.n) {
         describe(entry, shown_key, sizeof shown_key);
-        warnf(warn, arg, "config entry '%s' ignored: expected key:value", shown_key);
+        warnf(warn, arg, "'%s' is not a key:value entry", shown_key);
         return 1;
     }
     span key = trim((span){entry.p, sep});
@@ -272,17 +272,17 @@ static int apply_entry(npa_config *config, span entry, npa_config_warn_fn warn, 
         if (!span_is(key, known_keys[i].name)) continue;
         char why[WHY_LEN] = "";
         if (known_keys[i].apply(config, value, why)) return 0;
-        warnf(warn, arg, "config key %s: invalid value '%s' (%s); keeping the value in force", shown_key,
+        warnf(warn, arg, "%s: invalid value '%s' (%s)", shown_key,
               shown_value, why);
         return 1;
     }
     for (size_t i = 0; i < sizeof ignored_keys / sizeof *ignored_keys; i++) {
         if (!span_is(key, ignored_keys[i].name)) continue;
         if (!is_default_value(ignored_keys[i].defaults, value))
-            warnf(warn, arg, "config key %s:%s is not implemented by npualloc; ignored", shown_key, shown_value);
+            warnf(warn, arg, "%s:%s is not implemented by npualloc; ignored", shown_key, shown_value);
         return 0;
     }
-    warnf(warn, arg, "unknown config key '%s' ignored", shown_key);
+    warnf(warn, arg, "unknown key '%s'", shown_key);
     return 1;
 }
 

@@ -195,3 +195,25 @@ def test_process_that_never_touches_the_npu_prints_nothing_and_leaves_no_file(tm
     assert proc.stderr == ""
     assert os.listdir(tmp_path) == []
     assert NPUALLOC_LIB.exists()
+
+
+def test_free_with_dev_sync_is_served_whole_by_one_side():
+    """Ours: the device is synchronized and the block goes back to the cache
+    (the runtime's FreeWithDevSync never sees it); foreign: the runtime's own
+    call, whole."""
+    out, proc = run("""
+lib = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libascendcl.so"))
+lib.aclrtFreeWithDevSync.argtypes = [ctypes.c_void_p]
+p, _ = acl.rt.malloc(4096, 0)
+syncs, raw = aclsim.call_count("aclrtSynchronizeDevice"), aclsim.call_count("aclrtMalloc")
+ours = lib.aclrtFreeWithDevSync(p)
+synced = aclsim.call_count("aclrtSynchronizeDevice") - syncs
+again, _ = acl.rt.malloc(4096, 0)
+foreign, _ = acl.rt.malloc(4096, 3)  # a P2P policy: the runtime's
+theirs = lib.aclrtFreeWithDevSync(foreign)
+emit(ours=ours, theirs=theirs, synced=synced,
+     reused=again == p, new_raw=aclsim.call_count("aclrtMalloc") - raw,
+     forwarded=aclsim.call_count("aclrtFreeWithDevSync"), double=lib.aclrtFreeWithDevSync(p + 64))
+""", preload_env())
+    assert out == {"ours": 0, "theirs": 0, "synced": 1, "reused": True, "new_raw": 1, "forwarded": 1,
+                   "double": 207002}

@@ -96,8 +96,11 @@ NPA_EXPORT aclError aclrtFree(void *devPtr)
 
 /* The runtime's version synchronizes the device, then frees. For a block of
  * ours the synchronize is what the caller asked for (everything queued is
- * done, so the block is reusable at once); a foreign pointer gets the
- * runtime's own call whole, never a sync from us plus a free from it. */
+ * done, so the block is reusable at once) and the block goes to the cache; a
+ * foreign pointer gets the runtime's own call, whole. The synchronize comes
+ * first because ownership is only known by freeing, and a block back in the
+ * cache before the sync could be handed to another thread while work still
+ * uses it: a foreign pointer pays one extra synchronize for that. */
 NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
 {
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);

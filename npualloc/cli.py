@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import psutil
 
-from . import memory
+from . import memory, replay
 from ._ffi import constants
 from .errors import NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
@@ -124,7 +124,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for entry, opened in live_regions():
         if isinstance(opened, OtherUserError):
             continue  # other users' processes are theirs to list
@@ -134,8 +134,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         with opened as region:
             header = region.header()
             command = _command_line(entry.pid, header.cmdline)
-            devices = region.devices_in_use()
-            for device in devices or [None]:
+            devices: list[int | None] = list(region.devices_in_use()) or [None]  # None: nothing allocated yet
+            for device in devices:
                 stats = region.read_device_stats(device) if device is not None else None
                 rows.append({
                     "pid": entry.pid,
@@ -151,8 +151,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(f"{'PID':>8}  {'DEV':>3}  {'ALLOCATED':>12}  {'RESERVED':>12}  COMMAND\n")
         for row in rows:
-            device = "-" if row["device"] is None else row["device"]
-            sys.stdout.write(f"{row['pid']:>8}  {device:>3}  {human_bytes(row['allocated']):>12}  "
+            shown = "-" if row["device"] is None else str(row["device"])
+            sys.stdout.write(f"{row['pid']:>8}  {shown:>3}  {human_bytes(row['allocated']):>12}  "
                              f"{human_bytes(row['reserved']):>12}  {row['command']}\n")
     return 0
 
@@ -238,6 +238,10 @@ def _parser() -> argparse.ArgumentParser:
     gc = with_pid("set-gc-threshold", "set garbage_collection_threshold at run time (0: off)", device=False)
     gc.add_argument("value", type=float)
     gc.set_defaults(run=cmd_set_gc_threshold)
+
+    replayer = sub.add_parser("replay", help="replay a torch memory snapshot through npualloc on the simulator")
+    replay.add_arguments(replayer)
+    replayer.set_defaults(run=replay.run)
     return parser
 
 

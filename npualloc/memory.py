@@ -255,7 +255,7 @@ def get_config(pid: int | None = None) -> str:
         buf = ffi.new("char[]", size)
         length = lib.npualloc_get_config(buf, size)
         if length < size:
-            return ffi.string(buf).decode()
+            return str(ffi.string(buf).decode())
         size = length + 1
 
 

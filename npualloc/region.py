@@ -175,7 +175,9 @@ class Region:
 
     def read_device_stats(self, device: int) -> Any:
         """A consistent copy of one device's stats (npualloc_device_stats *):
-        copy between two reads of an even, unchanged seq."""
+        copy between two reads of an even, unchanged seq. The three reads stay
+        in program order on x86-64 (loads are not reordered with loads); Python
+        has no load fence for weaker CPUs such as aarch64."""
         if not 0 <= device < constants.NPUALLOC_MAX_DEVICES:
             raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
         source = self._region.devices + device

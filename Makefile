@@ -18,6 +18,7 @@ all: lib sim
 
 include interpose/build.mk
 include tools/aclsim/build.mk
+include tools/replay/build.mk
 -include tools/bench.mk
 
 # The test environment: pytest and the runtime deps, in a venv of our own so

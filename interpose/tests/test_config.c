@@ -65,7 +65,7 @@ static void test_syntax_variants(void) {
     CHECK_EQ(w.count, 0);
     /* Commas inside brackets belong to the list. */
     CHECK_EQ(parse("roundup_power2_divisions:[ 1:2 , >:4 ],max_split_size_mb:30", &c, &w), 0);
-    CHECK_EQ(c.roundup_power2_divisions[0], 2);
+    CHECK_EQ(c.roundup_power2_divisions[0], 4); /* torch: '>' starts at the last interval named */
     CHECK_EQ(c.roundup_power2_divisions[1], 4);
     CHECK_EQ(c.max_split_size, 30 * MiB);
 }

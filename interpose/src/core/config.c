@@ -118,8 +118,9 @@ static bool apply_division_entry(span item, unsigned table[NPA_ROUNDUP_INTERVALS
     if (!parse_uint(val, &divisions) || (divisions && !is_power_of_two(divisions)) || divisions > MAX_DIVISIONS)
         return snprintf(why, WHY_LEN, "divisions must be 0 or a power of 2"), false;
     if (span_is(key, ">")) {
-        /* ">" covers every interval after the last one named. */
-        for (size_t i = *seen_first ? *last_index + 1 : 0; i < NPA_ROUNDUP_INTERVALS; i++)
+        /* As torch: ">" fills from the last interval named (inclusive, so it
+         * overrides that entry) to the end; alone, it fills every interval. */
+        for (size_t i = *last_index; i < NPA_ROUNDUP_INTERVALS; i++)
             table[i] = (unsigned)divisions;
         return true;
     }

@@ -23,11 +23,14 @@ $(NPA_LIB): $(NPA_CORE_OBJS) $(NPA_HOOK_OBJS)
 npualloc/lib/libnpualloc.so: $(NPA_LIB)
 	@mkdir -p $(dir $@)
 	cp $< $@
-npualloc/include/npualloc_shm.h: interpose/include/npualloc_shm.h
+# Python's cffi reads both headers at run time (the region layout and the
+# in-process API), so an installed package carries them.
+NPA_PY_HEADERS := npualloc/include/npualloc_shm.h npualloc/include/npualloc.h
+npualloc/include/%.h: interpose/include/%.h
 	@mkdir -p $(dir $@)
 	cp $< $@
 
-lib: $(NPA_LIB) npualloc/lib/libnpualloc.so npualloc/include/npualloc_shm.h
+lib: $(NPA_LIB) npualloc/lib/libnpualloc.so $(NPA_PY_HEADERS)
 
 # C unit tests: each interpose/tests/test_*.c links the core objects and the
 # shared fake backend (interpose/tests/fake_backend.c), never the hooks.

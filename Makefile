@@ -33,7 +33,11 @@ venv: $(VENV_STAMP)
 pytest: all $(VENV_STAMP)
 	$(VENV)/bin/python -m pytest -q tests $(PYTEST_ARGS)
 
-test: ctest ctest-asan ctest-tsan pytest
+# C tests (plain, ASan, TSan) may run side by side; pytest runs after them so
+# its summary closes the log.
+test:
+	$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan
+	$(MAKE) --no-print-directory pytest
 
 demo: all $(VENV_STAMP)
 	$(VENV)/bin/python tools/demo.py

@@ -63,3 +63,31 @@ def _builds_exist():
     missing = [p for p in (SIM_LIB / "libascendcl.so", NPUALLOC_LIB) if not p.exists()]
     if missing:
         pytest.exit(f"build first (make all): missing {', '.join(map(str, missing))}", returncode=2)
+
+
+def real_npu_env() -> dict[str, str] | None:
+    """Environment of a process on a real Ascend install with npualloc
+    preloaded, or None when this machine has no NPU (device nodes
+    /dev/davinci<N> and a CANN runtime under $ASCEND_HOME_PATH)."""
+    home = os.environ.get("ASCEND_HOME_PATH")
+    if not home or not list(Path("/dev").glob("davinci[0-9]*")):
+        return None
+    if not (Path(home) / "lib64" / "libascendcl.so").exists():
+        return None
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = str(NPUALLOC_LIB)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "npu: needs a real Ascend NPU and CANN; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if real_npu_env() is not None:
+        return
+    skip = pytest.mark.skip(reason="no Ascend NPU on this machine (/dev/davinci* and $ASCEND_HOME_PATH)")
+    for item in items:
+        if "npu" in item.keywords:
+            item.add_marker(skip)

@@ -32,6 +32,13 @@ int npualloc_set_config(const char *text);
 int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 /* The device current on the calling thread as npualloc tracks it, -1 if none. */
 int npualloc_current_device(void);
+/* The memory snapshot torch.cuda.memory._snapshot() returns ({"segments",
+ * "device_traces", "allocator_settings"}), as pickle protocol 2 bytes that use
+ * no globals; device_traces hold events only while record_history is on.
+ * Returns a buffer of *size bytes to release with npualloc_free_snapshot, or
+ * NULL when host memory ran out. */
+void *npualloc_snapshot(size_t *size);
+void npualloc_free_snapshot(void *snapshot);
 /* cffi:end */
 
 #ifdef __cplusplus

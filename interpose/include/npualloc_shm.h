@@ -34,7 +34,8 @@
 #define NPUALLOC_CMD_RESET_PEAK 2
 #define NPUALLOC_CMD_RESET_ACCUMULATED 3
 #define NPUALLOC_CMD_SET_GC_THRESHOLD 4
-#define NPUALLOC_CMD_SNAPSHOT 5
+#define NPUALLOC_CMD_SNAPSHOT 5         /* writes <region path>.snapshot.<request_seq>, torch's pickle */
+#define NPUALLOC_CMD_RECORD_HISTORY 6   /* arg: record_history entries per device, 0: off */
 
 /* Command results (npualloc_command.ack_status). */
 #define NPUALLOC_CMD_OK 0

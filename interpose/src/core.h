@@ -95,6 +95,20 @@ typedef enum npa_trace_action {
     NPA_TRACE_OOM = 5,
 } npa_trace_action;
 
+/* One event of a device's trace, valid only inside the visitor call. For
+ * NPA_TRACE_OOM addr holds the device's free bytes (torch's device_free).
+ * Sizes are torch's: the caller's request for alloc/free events, the rounded
+ * request for an OOM, the whole segment for segment events. */
+typedef struct npa_trace_view {
+    int device;
+    npa_trace_action action;
+    uintptr_t addr;
+    size_t size;
+    int64_t time_us;         /* microseconds since the Unix epoch, as torch */
+} npa_trace_view;
+
+typedef void (*npa_trace_visitor)(const npa_trace_view *entry, void *arg);
+
 npa_allocator *npa_create(const npa_backend *backend, const npa_config *config);
 /* Frees every cached segment; live blocks stay with the program (they are
  * returned to the runtime only by the runtime's own teardown). */
@@ -125,8 +139,10 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device);
 /* Change the GC threshold at run time (0 turns GC off). */
 int npa_set_gc_threshold(npa_allocator *a, double threshold);
 const npa_config *npa_get_config(const npa_allocator *a);
-/* Change record_history at run time (0 turns it off; the trace restarts). */
-void npa_set_record_history(npa_allocator *a, size_t max_entries);
+/* Change record_history at run time: every device's trace restarts with room
+ * for max_entries events (0 turns recording off). -1, with recording left
+ * off everywhere, when host memory for the rings cannot be had. */
+int npa_set_record_history(npa_allocator *a, size_t max_entries);
 
 /* Counters only the hook layer sees, added to a device's stats (under its
  * lock, like every other stat, so readers of the region see them too). */
@@ -138,5 +154,15 @@ void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta)
 
 /* Visit every segment of a device (device < 0: all) under its lock. */
 void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visitor, void *arg);
+/* Visit a device's recorded events (device < 0: all), oldest first, under its lock. */
+void npa_visit_trace(npa_allocator *a, int device, npa_trace_visitor visitor, void *arg);
+
+/* The snapshot torch.cuda.memory._snapshot() returns, {"segments",
+ * "device_traces", "allocator_settings"}, as pickle protocol 2 bytes (no
+ * globals: any unpickler loads it, memory_viz included). Each device is
+ * read under one hold of its lock, so its segments and trace agree. config:
+ * for allocator_settings when a is NULL (nothing allocated yet: empty lists).
+ * A malloc'd buffer the caller frees, or NULL when host memory ran out. */
+void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *size);
 
 #endif

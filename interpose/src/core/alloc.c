@@ -38,6 +38,7 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
     pthread_mutex_unlock(&d->lock);
     npa_block_map_destroy(&d->live);
     npa_slab_destroy(&d->slab);
+    npa_history_reset(&d->history, 0);
     free(d->segments.items);
     pthread_mutex_destroy(&d->lock);
     free(d);
@@ -62,6 +63,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     d->id = id;
     d->small.is_small = true;
     d->batches_tail = &d->batches;
+    npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
     size_t free_bytes = 0, total_bytes = 0;
     if (a->backend.mem_get_info(a->backend.ctx, id, &free_bytes, &total_bytes) != NPA_OK) free_bytes = total_bytes = 0;
@@ -100,11 +102,6 @@ int npa_set_gc_threshold(npa_allocator *a, double threshold) {
     if (!a || !(threshold >= 0.0 && threshold < 1.0)) return -1;
     __atomic_store(&a->config.garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
     return 0;
-}
-
-/* Only the value is kept: the core has no trace buffer yet. */
-void npa_set_record_history(npa_allocator *a, size_t max_entries) {
-    if (a) __atomic_store_n(&a->config.record_history, max_entries, __ATOMIC_RELAXED);
 }
 
 const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config : NULL; }
@@ -203,6 +200,7 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
         return NPA_ERR_OOM;
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
+    npa_history_note(d, NPA_TRACE_ALLOC, b->addr, size);
     *ptr = (void *)b->addr;
     pthread_mutex_unlock(&d->lock);
     return NPA_OK;
@@ -217,6 +215,7 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     size_t original_size = b->size;
     size_t requested = b->requested;
     int64_t inactive_blocks = 0, inactive_bytes = 0;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
 
     npa_block *prev = b->prev;
     if (prev && prev->phase == NPA_PHASE_FREE) {
@@ -262,6 +261,7 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
  * once the fence of its batch completes. */
 static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npualloc_device_stats *s = d->stats;
+    npa_history_note(d, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
     npa_stats_begin(d);
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);

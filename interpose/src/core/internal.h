@@ -112,10 +112,27 @@ struct npa_fence_batch {
     npa_fence_batch *next;
 };
 
+/* One recorded allocator event (torch's TraceEntry without stack or stream). */
+typedef struct npa_trace_entry {
+    uintptr_t addr;          /* for an OOM: the device's free bytes, as torch */
+    size_t size;
+    int64_t time_us;         /* CLOCK_REALTIME, as torch's time_us */
+    npa_trace_action action;
+} npa_trace_entry;
+
+/* The last `capacity` events of a device, oldest at (next - count). */
+typedef struct npa_history {
+    size_t capacity;         /* 0: recording off (the one field the hot path reads) */
+    size_t next;             /* slot of the next event */
+    size_t count;            /* events held, at most capacity */
+    npa_trace_entry *entries;
+} npa_history;
+
 typedef struct npa_device {
     pthread_mutex_t lock;
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
+    npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool small, large;
     npa_block_map live;
     npa_segment_table segments;
@@ -226,5 +243,24 @@ static inline void npa_pool_stat_decrease(npualloc_stat st[NPUALLOC_POOL_COUNT],
 }
 
 void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes);
+
+/* snapshot.c: one device's segments, with its lock held. The views' blocks
+ * live in *scratch (grown as needed, the caller frees it); false when it
+ * could not grow, and the visit stopped. */
+bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void *arg, npa_block_view **scratch,
+                               size_t *capacity);
+
+/* history.c: record_history's ring. Call with the device lock held. */
+void npa_history_record(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size);
+/* With recording off this is the whole cost on the allocation paths: one
+ * predictable branch on a field of the locked device. */
+static inline void npa_history_note(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size) {
+    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, action, addr, size);
+}
+/* Empties the ring and gives it room for capacity events (0: off); false,
+ * leaving recording off, when that memory cannot be had. */
+bool npa_history_reset(npa_history *h, size_t capacity);
+/* Every held event of the device, oldest first. */
+void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg);
 
 #endif

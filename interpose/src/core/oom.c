@@ -56,6 +56,8 @@ void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t ro
     size_t allocated = (size_t)s->allocated_bytes[NPUALLOC_POOL_ALL].current;
     size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
 
+    /* torch's OOM event: the rounded size, and the device's free bytes as addr. */
+    npa_history_note(d, NPA_TRACE_OOM, (uintptr_t)free_bytes, rounded == SIZE_MAX ? requested : rounded);
     npa_stats_begin(d);
     s->num_ooms++;
     s->device_free_bytes = (int64_t)free_bytes;

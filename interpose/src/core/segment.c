@@ -68,6 +68,7 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool 
     if (size >= a->config.max_split_size) npa_stat_increase(&s->oversize_segments, 1);
     s->num_device_alloc++;
     npa_stats_end(d);
+    npa_history_note(d, NPA_TRACE_SEGMENT_ALLOC, b->addr, size);
     return b;
 }
 
@@ -77,6 +78,7 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
     if (index < 0) return false;
 
     npa_pool_remove(b->is_small ? &d->small : &d->large, b);
+    npa_history_note(d, NPA_TRACE_SEGMENT_FREE, b->addr, b->size);
     a->backend.raw_free(a->backend.ctx, d->id, (void *)b->addr);
     npa_segment_table *t = &d->segments;
     memmove(&t->items[index], &t->items[index + 1], (t->count - (size_t)index - 1) * sizeof *t->items);

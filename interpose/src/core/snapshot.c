@@ -12,9 +12,8 @@ static npa_block_state view_state(const npa_block *b) {
     }
 }
 
-/* Returns false when the scratch array could not grow (the visit stops). */
-static bool visit_device(npa_device *d, npa_segment_visitor visitor, void *arg, npa_block_view **scratch,
-                         size_t *capacity) {
+bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void *arg, npa_block_view **scratch,
+                               size_t *capacity) {
     for (size_t i = 0; i < d->segments.count; i++) {
         const npa_segment *seg = &d->segments.items[i];
         size_t count = 0;
@@ -52,7 +51,7 @@ void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visito
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
         pthread_mutex_lock(&d->lock);
-        bool complete = visit_device(d, visitor, arg, &scratch, &capacity);
+        bool complete = npa_visit_device_segments(d, visitor, arg, &scratch, &capacity);
         pthread_mutex_unlock(&d->lock);
         if (!complete) break;
     }

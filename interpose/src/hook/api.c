@@ -1,6 +1,7 @@
 /* npualloc.h: the in-process C API, callable before the first allocation
  * (then there is nothing cached and the stats are zero). */
 #include <dlfcn.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "hook.h"
@@ -108,7 +109,11 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
         return 0; /* the allocator will be created with it */
     if (gc)
         return npa_set_gc_threshold(a, parsed.garbage_collection_threshold) != 0;
-    npa_set_record_history(a, parsed.record_history);
+    if (npa_set_record_history(a, parsed.record_history) != 0) {
+        npa_warn_once("npualloc_set_config: no host memory for %zu history entries per device; recording is off",
+                      parsed.record_history);
+        return 1;
+    }
     return 0;
 }
 
@@ -138,6 +143,19 @@ NPA_EXPORT int npualloc_set_config(const char *text)
         npa_region_set_config(canonical);
     }
     return rejected;
+}
+
+NPA_EXPORT void *npualloc_snapshot(size_t *size)
+{
+    if (size == NULL)
+        return NULL;
+    *size = 0;
+    return npa_snapshot_pickle(npa_hook_allocator_any(), npa_hook_config(), size);
+}
+
+NPA_EXPORT void npualloc_free_snapshot(void *snapshot)
+{
+    free(snapshot);
 }
 
 NPA_EXPORT int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)

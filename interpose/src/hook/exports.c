@@ -29,7 +29,10 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
             npa_exec_poll();
-            return npa_malloc(a, device, size, entry, devPtr);
+            npa_error err = npa_malloc(a, device, size, entry, devPtr);
+            if (NPA_UNLIKELY(err == NPA_ERR_OOM))
+                npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */
+            return err;
         }
         /* No device on this thread: the runtime reports that better than we can. */
     }

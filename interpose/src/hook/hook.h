@@ -8,6 +8,7 @@
  *   lifecycle.c lazy init, the backend, reset/finalize, exit and fork
  *   exports.c   the aclrt* / acl* entry points the program calls
  *   api.c       npualloc.h, the in-process C API
+ *   snapshot.c  memory snapshots written to files (OOM, another process's request)
  *   warn.c      once-only stderr warnings */
 #ifndef NPUALLOC_HOOK_H
 #define NPUALLOC_HOOK_H
@@ -167,6 +168,14 @@ void npa_hook_after_init(void);
 void npa_hook_register_handlers(void);
 void npa_realacl_lock_for_fork(void);
 void npa_realacl_unlock_after_fork(void);
+
+/* ---- snapshot.c ----------------------------------------------------------- */
+
+/* Writes the torch snapshot pickle to path (atomically, mode 0600); 0 or an
+ * errno value. Takes the device locks: call with none held. */
+int npa_snapshot_write(npa_allocator *a, const char *path);
+/* After an OOM: the snapshot to oom_snapshot's path, if one is configured. */
+void npa_oom_snapshot(npa_allocator *a);
 
 /* ---- warn.c --------------------------------------------------------------- */
 

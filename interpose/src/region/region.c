@@ -12,6 +12,7 @@
  * its own memory). */
 #define _GNU_SOURCE
 #include "region/region.h"
+#include "hook/hook.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -255,8 +256,35 @@ static int device_in_use(const npualloc_region *r, int device)
     return __atomic_load_n(&r->devices[device].in_use, __ATOMIC_RELAXED) != 0;
 }
 
-static int32_t apply_command(npa_allocator *a, npualloc_region *r, int32_t code, int32_t device, double arg)
+/* The snapshot file a requester finds beside the region: <region>.snapshot.<seq>. */
+static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
 {
+    char path[sizeof g_path + 32];
+    if ((size_t)snprintf(path, sizeof path, "%s.snapshot.%llu", g_path, (unsigned long long)seq) >= sizeof path)
+        return NPUALLOC_CMD_EFAILED;
+    int err = npa_snapshot_write(a, path);
+    if (err != 0) {
+        npa_warn_once("snapshot for another process: cannot write %s: %s", path, strerror(err));
+        return NPUALLOC_CMD_EFAILED;
+    }
+    return NPUALLOC_CMD_OK;
+}
+
+static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t seq, int32_t code, int32_t device,
+                             double arg)
+{
+    if (code == NPUALLOC_CMD_SNAPSHOT)
+        return write_snapshot(a, seq);
+    if (code == NPUALLOC_CMD_RECORD_HISTORY) {
+        if (!(arg >= 0.0 && arg <= (double)(1u << 30) && arg == (double)(size_t)arg))
+            return NPUALLOC_CMD_EINVAL;
+        if (npa_set_record_history(a, (size_t)arg) != 0)
+            return NPUALLOC_CMD_EFAILED;
+        char canonical[NPUALLOC_CONFIG_LEN];
+        npa_config_format(npa_get_config(a), canonical, sizeof canonical);
+        npa_region_set_config(canonical);
+        return NPUALLOC_CMD_OK;
+    }
     if (code == NPUALLOC_CMD_SET_GC_THRESHOLD) {
         if (!(arg >= 0.0 && arg < 1.0)) /* also rejects NaN */
             return NPUALLOC_CMD_EINVAL;
@@ -268,7 +296,7 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, int32_t code,
         return NPUALLOC_CMD_OK;
     }
     if (code != NPUALLOC_CMD_EMPTY_CACHE && code != NPUALLOC_CMD_RESET_PEAK && code != NPUALLOC_CMD_RESET_ACCUMULATED)
-        return NPUALLOC_CMD_EUNKNOWN; /* NPUALLOC_CMD_SNAPSHOT included, for now */
+        return NPUALLOC_CMD_EUNKNOWN;
     if (device < -1 || device >= NPUALLOC_MAX_DEVICES)
         return NPUALLOC_CMD_EINVAL;
     /* Only devices that allocated through npualloc have anything to act on;
@@ -303,7 +331,7 @@ void npa_region_poll(npa_allocator *allocator)
         int32_t device = __atomic_load_n(&cmd->device, __ATOMIC_RELAXED);
         double arg;
         memcpy(&arg, (const void *)&cmd->arg, sizeof arg);
-        __atomic_store_n(&cmd->ack_status, apply_command(allocator, r, code, device, arg), __ATOMIC_RELAXED);
+        __atomic_store_n(&cmd->ack_status, apply_command(allocator, r, requested, code, device, arg), __ATOMIC_RELAXED);
         __atomic_store_n(&cmd->ack_seq, requested, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&g_command_lock);

@@ -1,0 +1,249 @@
+/* torch.cuda.memory._snapshot()'s dict as pickle protocol 2 bytes, written by
+ * hand: the snapshot is only dicts, lists, ints, strings, a float, booleans
+ * and one tuple, and emitting those opcodes is simpler than any binary format
+ * a reader would need to be taught. The output uses no globals, so it is safe
+ * to load with an unpickler that refuses every class (npualloc's does), and
+ * torch's memory_viz and the web page read it unchanged.
+ *
+ * Each device is read under one hold of its lock into two growing buffers
+ * (its segments, its trace), which are joined into the final dict afterwards. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct pickle_buffer {
+    unsigned char *data;
+    size_t len, cap;
+    bool failed;             /* a realloc failed: every later write is dropped */
+} pickle_buffer;
+
+static void put(pickle_buffer *b, const void *bytes, size_t n) {
+    if (b->failed) return;
+    if (n > b->cap - b->len) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (n > cap - b->len) cap *= 2;
+        unsigned char *data = realloc(b->data, cap);
+        if (!data) {
+            b->failed = true;
+            return;
+        }
+        b->data = data;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, bytes, n);
+    b->len += n;
+}
+
+static void op(pickle_buffer *b, unsigned char opcode) { put(b, &opcode, 1); }
+
+/* Pickle opcodes (Lib/pickletools.py). */
+enum {
+    OP_PROTO = 0x80, OP_STOP = '.', OP_MARK = '(', OP_EMPTY_DICT = '}', OP_SETITEMS = 'u',
+    OP_EMPTY_LIST = ']', OP_APPENDS = 'e', OP_BININT = 'J', OP_LONG1 = 0x8a, OP_BINUNICODE = 'X',
+    OP_BINFLOAT = 'G', OP_NEWTRUE = 0x88, OP_NEWFALSE = 0x89, OP_TUPLE2 = 0x86,
+};
+
+static void put_le(pickle_buffer *b, uint64_t v, size_t n) {
+    unsigned char bytes[8];
+    for (size_t i = 0; i < n; i++) bytes[i] = (unsigned char)(v >> (8 * i));
+    put(b, bytes, n);
+}
+
+static void int_value(pickle_buffer *b, int64_t v) {
+    if (v >= INT32_MIN && v <= INT32_MAX) {
+        op(b, OP_BININT);
+        put_le(b, (uint64_t)v, 4);
+    } else { /* eight bytes of two's complement */
+        op(b, OP_LONG1);
+        op(b, 8);
+        put_le(b, (uint64_t)v, 8);
+    }
+}
+
+/* Addresses and sizes: unsigned, so one zero byte keeps the top bit a sign. */
+static void uint_value(pickle_buffer *b, uint64_t v) {
+    if (v <= INT32_MAX) {
+        int_value(b, (int64_t)v);
+        return;
+    }
+    op(b, OP_LONG1);
+    op(b, 9);
+    put_le(b, v, 8);
+    op(b, 0);
+}
+
+static void str_value(pickle_buffer *b, const char *s) {
+    size_t n = strlen(s);
+    op(b, OP_BINUNICODE);
+    put_le(b, n, 4);
+    put(b, s, n);
+}
+
+static void float_value(pickle_buffer *b, double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    op(b, OP_BINFLOAT);
+    for (int i = 7; i >= 0; i--) op(b, (unsigned char)(bits >> (8 * i))); /* big-endian */
+}
+
+static void bool_value(pickle_buffer *b, bool v) { op(b, v ? OP_NEWTRUE : OP_NEWFALSE); }
+
+/* A dict or list is its empty form, MARK, the items, then SETITEMS/APPENDS. */
+static void open_dict(pickle_buffer *b) {
+    op(b, OP_EMPTY_DICT);
+    op(b, OP_MARK);
+}
+static void close_dict(pickle_buffer *b) { op(b, OP_SETITEMS); }
+static void open_list(pickle_buffer *b) {
+    op(b, OP_EMPTY_LIST);
+    op(b, OP_MARK);
+}
+static void close_list(pickle_buffer *b) { op(b, OP_APPENDS); }
+static void empty_list(pickle_buffer *b) { op(b, OP_EMPTY_LIST); }
+
+static const char *const block_states[] = {
+    [NPA_BLOCK_ACTIVE_ALLOCATED] = "active_allocated",
+    [NPA_BLOCK_ACTIVE_PENDING_FREE] = "active_pending_free",
+    [NPA_BLOCK_INACTIVE] = "inactive",
+};
+
+static const char *const trace_actions[] = {
+    [NPA_TRACE_ALLOC] = "alloc",
+    [NPA_TRACE_FREE_REQUESTED] = "free_requested",
+    [NPA_TRACE_FREE_COMPLETED] = "free_completed",
+    [NPA_TRACE_SEGMENT_ALLOC] = "segment_alloc",
+    [NPA_TRACE_SEGMENT_FREE] = "segment_free",
+    [NPA_TRACE_OOM] = "oom",
+};
+
+/* torch's segment dict; npualloc has no per-allocation stream (0) and no
+ * private pools ((0, 0)), and records no stacks (frames []). */
+static void segment_dict(const npa_segment_view *seg, void *arg) {
+    pickle_buffer *b = arg;
+    open_dict(b);
+    str_value(b, "device"), int_value(b, seg->device);
+    str_value(b, "address"), uint_value(b, seg->address);
+    str_value(b, "total_size"), uint_value(b, seg->total_size);
+    str_value(b, "allocated_size"), uint_value(b, seg->allocated_size);
+    str_value(b, "active_size"), uint_value(b, seg->active_size);
+    str_value(b, "requested_size"), uint_value(b, seg->requested_size);
+    str_value(b, "stream"), int_value(b, 0);
+    str_value(b, "segment_type"), str_value(b, seg->is_small ? "small" : "large");
+    str_value(b, "segment_pool_id"), int_value(b, 0), int_value(b, 0), op(b, OP_TUPLE2);
+    str_value(b, "is_expandable"), bool_value(b, false);
+    str_value(b, "frames"), empty_list(b);
+    str_value(b, "blocks");
+    open_list(b);
+    for (size_t i = 0; i < seg->block_count; i++) {
+        const npa_block_view *block = &seg->blocks[i];
+        open_dict(b);
+        str_value(b, "address"), uint_value(b, block->address);
+        str_value(b, "size"), uint_value(b, block->size);
+        str_value(b, "requested_size"), uint_value(b, block->requested_size);
+        str_value(b, "state"), str_value(b, block_states[block->state]);
+        str_value(b, "frames"), empty_list(b);
+        close_dict(b);
+    }
+    close_list(b);
+    close_dict(b);
+}
+
+static void trace_dict(const npa_trace_view *e, void *arg) {
+    pickle_buffer *b = arg;
+    open_dict(b);
+    str_value(b, "action"), str_value(b, trace_actions[e->action]);
+    str_value(b, "addr"), uint_value(b, e->addr);
+    if (e->action == NPA_TRACE_OOM) str_value(b, "device_free"), uint_value(b, e->addr);
+    str_value(b, "size"), uint_value(b, e->size);
+    str_value(b, "stream"), int_value(b, 0);
+    str_value(b, "time_us"), int_value(b, e->time_us);
+    str_value(b, "frames"), empty_list(b);
+    close_dict(b);
+}
+
+static void allocator_settings(pickle_buffer *b, const npa_config *config, double gc_threshold) {
+    char text[NPUALLOC_CONFIG_LEN];
+    npa_config_format(config, text, sizeof text);
+    open_dict(b);
+    str_value(b, "PYTORCH_CUDA_ALLOC_CONF"), str_value(b, text);
+    str_value(b, "max_split_size"), int_value(b, config->max_split_size == SIZE_MAX ? -1 : (int64_t)config->max_split_size);
+    str_value(b, "garbage_collection_threshold"), float_value(b, gc_threshold);
+    str_value(b, "expandable_segments"), bool_value(b, false);
+    str_value(b, "release_lock_on_cudamalloc"), bool_value(b, false);
+    /* torch's form: the interval's lower bound in MB (powers of two from 1) -> divisions. */
+    str_value(b, "roundup_power2_divisions");
+    open_dict(b);
+    for (int i = 0; i < NPA_ROUNDUP_INTERVALS; i++) {
+        char key[16];
+        unsigned long mb = 1ul << i;
+        int n = 0;
+        do key[n++] = (char)('0' + mb % 10); while ((mb /= 10) && n < 15);
+        for (int l = 0, r = n - 1; l < r; l++, r--) {
+            char c = key[l];
+            key[l] = key[r];
+            key[r] = c;
+        }
+        key[n] = '\0';
+        str_value(b, key), int_value(b, config->roundup_power2_divisions[i]);
+    }
+    close_dict(b);
+    close_dict(b);
+}
+
+void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *size) {
+    pickle_buffer segments = {0}, traces = {0}, out = {0};
+    npa_block_view *scratch = NULL;
+    size_t scratch_capacity = 0;
+    /* torch lists every device; we list up to the highest one in use (at
+     * least one), so the lists after it are cut off at traces_end. */
+    size_t traces_end = 0;
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) {
+            empty_list(&traces);
+            continue;
+        }
+        open_list(&traces);
+        pthread_mutex_lock(&d->lock);
+        if (!npa_visit_device_segments(d, segment_dict, &segments, &scratch, &scratch_capacity))
+            segments.failed = true;
+        npa_history_visit(d, trace_dict, &traces);
+        pthread_mutex_unlock(&d->lock);
+        close_list(&traces);
+        traces_end = traces.len;
+    }
+    free(scratch);
+    if (traces_end == 0) {
+        traces.len = 0;
+        empty_list(&traces);
+        traces_end = traces.len;
+    }
+
+    op(&out, OP_PROTO);
+    op(&out, 2);
+    open_dict(&out);
+    str_value(&out, "segments");
+    open_list(&out);
+    put(&out, segments.data, segments.len);
+    close_list(&out);
+    str_value(&out, "device_traces");
+    open_list(&out);
+    put(&out, traces.data, traces_end);
+    close_list(&out);
+    str_value(&out, "allocator_settings");
+    const npa_config *settings = a ? npa_get_config(a) : config;
+    allocator_settings(&out, settings, a ? npa_gc_threshold(a) : settings->garbage_collection_threshold);
+    close_dict(&out);
+    op(&out, OP_STOP);
+
+    bool failed = segments.failed || traces.failed || out.failed;
+    free(segments.data);
+    free(traces.data);
+    if (failed) {
+        free(out.data);
+        return NULL;
+    }
+    *size = out.len;
+    return out.data;
+}

@@ -1,0 +1,191 @@
+/* History recording: off by default, torch's actions and sizes in order, the
+ * ring keeps the newest N and wraps, run-time restarts, OOM events carry the
+ * device's free bytes, and the snapshot pickle is framed as pickle protocol 2. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+#define MAX_SEEN 64
+
+typedef struct seen_trace {
+    size_t count;
+    npa_trace_view entries[MAX_SEEN];
+} seen_trace;
+
+static void collect(const npa_trace_view *e, void *arg) {
+    seen_trace *seen = arg;
+    if (seen->count < MAX_SEEN) seen->entries[seen->count] = *e;
+    seen->count++;
+}
+
+static seen_trace trace_of(fixture *fx, int device) {
+    seen_trace seen = {0};
+    npa_visit_trace(fx->a, device, collect, &seen);
+    return seen;
+}
+
+static void check_entry(const npa_trace_view *e, npa_trace_action action, uintptr_t addr, size_t size) {
+    CHECK_EQ(e->action, action);
+    CHECK_EQ(e->addr, addr);
+    CHECK_EQ(e->size, size);
+}
+
+static npa_config history_config(size_t entries) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.record_history = entries;
+    return c;
+}
+
+static void test_off_by_default(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(trace_of(&fx, 0).count, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_actions_and_sizes_in_order(void) {
+    npa_config c = history_config(100);
+    fixture fx;
+    fixture_init(&fx, GiB, &c);
+    void *small = alloc_exact(&fx, 0, 1000);        /* a 2 MiB small segment, block of 1024 */
+    void *large = alloc_exact(&fx, 0, 3 * MiB + 1); /* a 20 MiB large segment */
+    CHECK_EQ(npa_free(fx.a, small, 0, NULL), NPA_FREE_OK);
+    npa_empty_cache(fx.a, 0);                       /* the small segment goes back */
+
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 7);
+    check_entry(&t.entries[0], NPA_TRACE_SEGMENT_ALLOC, (uintptr_t)small, 2 * MiB);
+    check_entry(&t.entries[1], NPA_TRACE_ALLOC, (uintptr_t)small, 1000); /* torch: the caller's size */
+    check_entry(&t.entries[2], NPA_TRACE_SEGMENT_ALLOC, (uintptr_t)large, 20 * MiB);
+    check_entry(&t.entries[3], NPA_TRACE_ALLOC, (uintptr_t)large, 3 * MiB + 1);
+    check_entry(&t.entries[4], NPA_TRACE_FREE_REQUESTED, (uintptr_t)small, 1000);
+    check_entry(&t.entries[5], NPA_TRACE_FREE_COMPLETED, (uintptr_t)small, 1000);
+    check_entry(&t.entries[6], NPA_TRACE_SEGMENT_FREE, (uintptr_t)small, 2 * MiB);
+    for (size_t i = 0; i < t.count; i++) {
+        CHECK_EQ(t.entries[i].device, 0);
+        CHECK(t.entries[i].time_us > 1600000000ll * 1000000); /* the Unix epoch, in microseconds */
+        if (i > 0) CHECK(t.entries[i].time_us >= t.entries[i - 1].time_us);
+    }
+    CHECK_EQ(trace_of(&fx, 1).count, 0); /* devices keep their own rings */
+    fixture_destroy(&fx);
+}
+
+/* Stream-safe reuse: the free is requested at once, completed when its fence is. */
+static void test_free_completes_after_its_fence(void) {
+    npa_config c = history_config(100);
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fixture_start(&fx, &c);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0);
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 3);
+    check_entry(&t.entries[2], NPA_TRACE_FREE_REQUESTED, (uintptr_t)p, 4096);
+    fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0);
+    t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 4);
+    check_entry(&t.entries[3], NPA_TRACE_FREE_COMPLETED, (uintptr_t)p, 4096);
+    fixture_destroy(&fx);
+}
+
+static void test_ring_keeps_the_newest_and_wraps(void) {
+    npa_config c = history_config(5);
+    fixture fx;
+    fixture_init(&fx, GiB, &c);
+    void *first = alloc_exact(&fx, 0, 512); /* segment_alloc + alloc */
+    CHECK_EQ(trace_of(&fx, 0).count, 2);
+    size_t sizes[] = {600, 700, 800, 900, 1100, 1200, 1300}; /* seven more allocs: 9 events in a ring of 5 */
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) alloc_exact(&fx, 0, sizes[i]);
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 5);
+    for (size_t i = 0; i < 5; i++) {
+        CHECK_EQ(t.entries[i].action, NPA_TRACE_ALLOC);
+        CHECK_EQ(t.entries[i].size, sizes[2 + i]); /* oldest first */
+    }
+    CHECK_EQ(npa_free(fx.a, first, 0, NULL), NPA_FREE_OK);
+    t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 5);
+    check_entry(&t.entries[4], NPA_TRACE_FREE_COMPLETED, (uintptr_t)first, 512);
+    check_entry(&t.entries[3], NPA_TRACE_FREE_REQUESTED, (uintptr_t)first, 512);
+    CHECK_EQ(t.entries[2].size, 1300);
+    fixture_destroy(&fx);
+}
+
+static void test_run_time_switch_restarts_the_ring(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    alloc_exact(&fx, 0, 512);
+    CHECK_EQ(npa_set_record_history(fx.a, 3), 0);
+    CHECK_EQ(npa_get_config(fx.a)->record_history, 3);
+    CHECK_EQ(trace_of(&fx, 0).count, 0); /* what happened before is not invented */
+    void *p = alloc_exact(&fx, 0, 512);
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 1);
+    check_entry(&t.entries[0], NPA_TRACE_ALLOC, (uintptr_t)p, 512);
+    alloc_exact(&fx, 1, 512); /* a device created later records too */
+    CHECK_EQ(trace_of(&fx, 1).count, 2);
+    CHECK_EQ(trace_of(&fx, -1).count, 3);
+
+    CHECK_EQ(npa_set_record_history(fx.a, 0), 0);
+    alloc_exact(&fx, 0, 512);
+    CHECK_EQ(trace_of(&fx, -1).count, 0);
+    CHECK_EQ(npa_set_record_history(fx.a, SIZE_MAX / 2), -1); /* no such memory: all off, not half on */
+    CHECK_EQ(npa_get_config(fx.a)->record_history, 0);
+    alloc_exact(&fx, 0, 512);
+    CHECK_EQ(trace_of(&fx, -1).count, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_oom_event_holds_free_bytes(void) {
+    npa_config c = history_config(100);
+    fixture fx;
+    fixture_init(&fx, 64 * MiB, &c);
+    void *p = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, 100 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
+    seen_trace t = trace_of(&fx, 0);
+    CHECK(t.count >= 1);
+    const npa_trace_view *oom = &t.entries[t.count - 1];
+    check_entry(oom, NPA_TRACE_OOM, 64 * MiB, 100 * MiB); /* nothing used: all 64 MiB free */
+    fixture_destroy(&fx);
+}
+
+static void test_snapshot_pickle_framing(void) {
+    npa_config c = history_config(10);
+    fixture fx;
+    fixture_init(&fx, GiB, &c);
+    alloc_exact(&fx, 0, 4096);
+    size_t size = 0;
+    unsigned char *data = npa_snapshot_pickle(fx.a, &c, &size);
+    CHECK(data != NULL);
+    CHECK(size > 100);
+    if (data) {
+        CHECK_EQ(data[0], 0x80); /* PROTO 2 */
+        CHECK_EQ(data[1], 2);
+        CHECK_EQ(data[size - 1], '.'); /* STOP */
+    }
+    free(data);
+    unsigned char *empty = npa_snapshot_pickle(NULL, &c, &size); /* before the first allocation */
+    CHECK(empty != NULL && size > 10);
+    free(empty);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_off_by_default);
+    RUN(test_actions_and_sizes_in_order);
+    RUN(test_free_completes_after_its_fence);
+    RUN(test_ring_keeps_the_newest_and_wraps);
+    RUN(test_run_time_switch_restarts_the_ring);
+    RUN(test_oom_event_holds_free_bytes);
+    RUN(test_snapshot_pickle_framing);
+    return check_report();
+}

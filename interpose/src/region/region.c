@@ -276,9 +276,16 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t seq,
     if (code == NPUALLOC_CMD_SNAPSHOT)
         return write_snapshot(a, seq);
     if (code == NPUALLOC_CMD_RECORD_HISTORY) {
-        if (!(arg >= 0.0 && arg <= (double)(1u << 30) && arg == (double)(size_t)arg))
+        /* Through the config parser, so its limit on entries applies here too. */
+        char item[64];
+        npa_config parsed;
+        npa_config_defaults(&parsed);
+        if (!(arg >= 0.0 && arg < 1e15 && arg == (double)(uint64_t)arg))
             return NPUALLOC_CMD_EINVAL;
-        if (npa_set_record_history(a, (size_t)arg) != 0)
+        snprintf(item, sizeof item, "record_history:%llu", (unsigned long long)arg);
+        if (npa_config_parse(&parsed, item, NULL, NULL) != 0)
+            return NPUALLOC_CMD_EINVAL;
+        if (npa_set_record_history(a, parsed.record_history) != 0)
             return NPUALLOC_CMD_EFAILED;
         char canonical[NPUALLOC_CONFIG_LEN];
         npa_config_format(npa_get_config(a), canonical, sizeof canonical);

@@ -16,8 +16,9 @@ LDFLAGS_BASE := -pthread
 .PHONY: all lib sim ctest pytest test demo bench venv clean
 all: lib sim
 
-include interpose/build.mk
+# aclsim first: the interposer's tests run on the simulator and name its paths.
 include tools/aclsim/build.mk
+include interpose/build.mk
 include tools/replay/build.mk
 -include tools/bench.mk
 

@@ -14,6 +14,11 @@ $(BUILD)/obj/interpose/%.o: interpose/%.c
 	@mkdir -p $(dir $@)
 	$(CC) $(NPA_CFLAGS) -MMD -MP -c $< -o $@
 
+# Our exported dlsym runs inside the sanitizer runtimes' start-up and must
+# reach the real dlsym by a tail call (see hook/dlsym.c): never instrumented,
+# always optimised for sibling calls, in every build tree.
+$(BUILD)/obj/interpose/src/hook/dlsym.o: NPA_CFLAGS += -fno-sanitize=all -O2 -foptimize-sibling-calls
+
 $(NPA_LIB): $(NPA_CORE_OBJS) $(NPA_HOOK_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) -shared -Wl,-soname,libnpualloc.so -Wl,-z,nodelete $(SANFLAGS) $(LDFLAGS_BASE) -o $@ $^ -ldl
@@ -43,16 +48,35 @@ $(BUILD)/ctest/%: interpose/tests/%.c $(NPA_CTEST_SUPPORT) $(NPA_CORE_OBJS)
 	$(CC) $(NPA_CFLAGS) -Iinterpose/tests -o $@ $^ $(LDFLAGS_BASE) -lm
 
 ctest-build: $(NPA_CTEST_BINS)
-ctest: $(NPA_CTEST_BINS)
+ctest-core: $(NPA_CTEST_BINS)
 	@set -e; for t in $(NPA_CTEST_BINS); do echo "== $$t"; $$t; done
+
+# The exported entry points under threads: a C program on the simulated
+# runtime with this tree's libnpualloc.so preloaded (interpose/tests/preload).
+# In a sanitizer tree SANLIB names the sanitizer runtime, which must come
+# first in LD_PRELOAD (ASan refuses to start otherwise).
+NPA_EXPORTS_STRESS := $(BUILD)/ctest/preload/exports_stress
+$(NPA_EXPORTS_STRESS): interpose/tests/preload/exports_stress.c $(SIM_LIB64)/libascendcl.so
+	@mkdir -p $(dir $@)
+	$(CC) $(NPA_CFLAGS) -o $@ $< -L$(SIM_LIB64) -lascendcl -Wl,-rpath,$(abspath $(SIM_LIB64)) -ldl $(LDFLAGS_BASE)
+
+NPA_SAN_RUNTIME = $(if $(SANLIB),$(shell $(CC) -print-file-name=$(SANLIB)))
+exports-stress: $(NPA_LIB) $(NPA_EXPORTS_STRESS)
+	@echo "== $(NPA_EXPORTS_STRESS)"
+	LD_PRELOAD="$(NPA_SAN_RUNTIME) $(abspath $(NPA_LIB))" NPUSIM_MALLOC_US=0 NPUSIM_FREE_US=0 \
+	    $(NPA_EXPORTS_STRESS) $(STRESS_OPS)
+
+ctest: ctest-core exports-stress
 
 # The same C tests under AddressSanitizer and ThreadSanitizer, each in its own
 # build tree so the objects never mix.
 ctest-asan:
-	$(MAKE) --no-print-directory BUILD=build-asan OPT=-O1 SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer" ctest
+	$(MAKE) --no-print-directory BUILD=build-asan OPT=-O1 SANLIB=libasan.so \
+	    SANFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" ctest
 ctest-tsan:
-	$(MAKE) --no-print-directory BUILD=build-tsan OPT=-O1 SANFLAGS="-fsanitize=thread" ctest
+	$(MAKE) --no-print-directory BUILD=build-tsan OPT=-O1 SANLIB=libtsan.so SANFLAGS="-fsanitize=thread" \
+	    STRESS_OPS=150 ctest
 
-.PHONY: ctest-build ctest-asan ctest-tsan
+.PHONY: ctest-build ctest-core ctest-asan ctest-tsan exports-stress
 
 -include $(NPA_CORE_OBJS:.o=.d) $(NPA_HOOK_OBJS:.o=.d)

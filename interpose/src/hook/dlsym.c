@@ -10,9 +10,44 @@
 
 #include "hook.h"
 
+/* This file is built without sanitizer instrumentation and always optimised
+ * (interpose/build.mk): the sanitizer runtimes look up the functions they wrap
+ * with dlsym during their own start-up, before their shadow memory exists, so
+ * that path must run no instrumented code, call nothing they intercept, and
+ * keep its tail call at every optimisation level. */
+
+static _Atomic(npa_dlsym_fn) real_dlsym;
+
+npa_dlsym_fn npa_get_real_dlsym(void)
+{
+    npa_dlsym_fn f = atomic_load_explicit(&real_dlsym, memory_order_acquire);
+    if (f != NULL)
+        return f;
+    /* We export dlsym ourselves, so the real one is reached by version: the
+     * newest glibc first (2.34 moved it into libc), then the base versions of
+     * aarch64 and x86_64. */
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.17", "GLIBC_2.2.5"};
+    for (size_t i = 0; f == NULL && i < sizeof(versions) / sizeof(versions[0]); i++)
+        f = (npa_dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+    atomic_store_explicit(&real_dlsym, f, memory_order_release);
+    return f;
+}
+
+void *npa_real_dlsym(void *handle, const char *name)
+{
+    npa_dlsym_fn f = npa_get_real_dlsym();
+    return f ? f(handle, name) : NULL;
+}
+
+/* Only names starting "acl" can be ours; anything else never leaves this file. */
+static inline int may_be_interposed(const char *name)
+{
+    return name != NULL && name[0] == 'a' && name[1] == 'c' && name[2] == 'l';
+}
+
 NPA_EXPORT void *dlsym(void *handle, const char *name)
 {
-    int index = npa_interposed_index(name);
+    int index = may_be_interposed(name) ? npa_interposed_index(name) : -1;
     if (NPA_LIKELY(index < 0)) {
         npa_dlsym_fn real = npa_get_real_dlsym();
         /* A tail call, so the real dlsym sees our caller's return address:

@@ -69,8 +69,7 @@ static int is_self(void *p)
 
 int npa_interposed_index(const char *name)
 {
-    /* Most lookups are for other names: reject them on the first bytes. */
-    if (name == NULL || name[0] != 'a' || name[1] != 'c' || name[2] != 'l')
+    if (name == NULL)
         return -1;
     for (int i = 0; i < NPA_FN_INTERPOSED_COUNT; i++)
         if (strcmp(name, fn_info[i].name) == 0)
@@ -89,29 +88,6 @@ void npa_real_offer(int index, void *fn)
     if (fn != NULL && !is_self(fn))
         atomic_compare_exchange_strong_explicit(&npa_real_fns[index], &expected, fn, memory_order_acq_rel,
                                                 memory_order_acquire);
-}
-
-static _Atomic(npa_dlsym_fn) real_dlsym;
-
-npa_dlsym_fn npa_get_real_dlsym(void)
-{
-    npa_dlsym_fn f = atomic_load_explicit(&real_dlsym, memory_order_acquire);
-    if (f != NULL)
-        return f;
-    /* We export dlsym ourselves, so the real one is reached by version: the
-     * newest glibc first (2.34 moved it into libc), then the base versions of
-     * aarch64 and x86_64. */
-    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.17", "GLIBC_2.2.5"};
-    for (size_t i = 0; f == NULL && i < sizeof(versions) / sizeof(versions[0]); i++)
-        f = (npa_dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
-    atomic_store_explicit(&real_dlsym, f, memory_order_release);
-    return f;
-}
-
-void *npa_real_dlsym(void *handle, const char *name)
-{
-    npa_dlsym_fn f = npa_get_real_dlsym();
-    return f ? f(handle, name) : NULL;
 }
 
 /* Handles of the libraries found by steps 2-4, kept open for good: a handle

@@ -1,0 +1,264 @@
+/* The hot path as a program sees it: ns per aclrtMalloc + aclrtFree pair
+ * through the exported symbols, bound by the dynamic linker (run it with
+ * LD_PRELOAD=libnpualloc.so to measure npualloc; without, every call would be
+ * a raw runtime call), or glibc malloc/free on the same size sequence.
+ *
+ *     npualloc-bench-hotpath [--allocator acl|glibc] [--threads N] [--batches B]
+ *                            [--pairs P] [--group G] SIZES_FILE
+ *
+ * Each thread walks the size list from its own offset, so threads ask for
+ * different sizes at the same moment. A step allocates G blocks and then
+ * frees them (G = 1: malloc, free, malloc, free ...); a batch is P pairs, timed
+ * with clock_gettime, and its cost per pair is one sample. Every thread first
+ * runs its whole sequence once untimed, so the timed batches are cache hits
+ * (the JSON says how many raw device mallocs and cache misses happened while
+ * timing, so a reader can check). All threads use device 0.
+ *
+ * Prints one JSON object on stdout; exits 1 on any ACL error. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "acl/acl.h"
+#include "aclsim.h"
+#include "npualloc.h"
+
+#define MAX_THREADS 64
+#define MAX_GROUP 256
+
+typedef enum allocator_kind { ALLOCATOR_ACL, ALLOCATOR_GLIBC } allocator_kind;
+
+typedef struct options {
+    allocator_kind allocator;
+    int threads;
+    int batches;
+    int pairs;          /* per batch, a multiple of group */
+    int group;
+    const char *sizes_path;
+} options;
+
+typedef struct sizes {
+    size_t *values;
+    size_t count;
+} sizes;
+
+typedef struct worker {
+    pthread_t thread;
+    int index;
+    double *per_pair_ns;     /* one sample per batch */
+    double wall_s;           /* the timed batches, start to end */
+    double cpu_s;            /* CPU time of those batches: below wall_s when the thread waited for a core */
+    int failed;
+} worker;
+
+static options opts = {ALLOCATOR_ACL, 1, 1000, 1000, 1, NULL};
+static sizes seq;
+static pthread_barrier_t warmed_up, counted, timing_done;
+
+static double clock_s(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Keeps the compiler from pairing a malloc with its free and dropping both. */
+static inline void keep(void *p) { __asm__ volatile("" : : "r"(p) : "memory"); }
+
+static int alloc_block(void **p, size_t size) {
+    if (opts.allocator == ALLOCATOR_GLIBC) {
+        *p = malloc(size);
+        keep(*p);
+        return *p ? 0 : ENOMEM;
+    }
+    return aclrtMalloc(p, size, ACL_MEM_MALLOC_HUGE_FIRST);
+}
+
+static int free_block(void *p) {
+    if (opts.allocator == ALLOCATOR_GLIBC) {
+        free(p);
+        return 0;
+    }
+    return aclrtFree(p);
+}
+
+/* `steps` steps of the group pattern from position *next in the sequence. */
+static int run_steps(int steps, size_t *next) {
+    void *blocks[MAX_GROUP];
+    for (int s = 0; s < steps; s++) {
+        for (int g = 0; g < opts.group; g++) {
+            int err = alloc_block(&blocks[g], seq.values[*next]);
+            if (err) return fprintf(stderr, "hotpath: malloc of %zu B failed: %d\n", seq.values[*next], err), err;
+            *next = (*next + 1) % seq.count;
+        }
+        for (int g = 0; g < opts.group; g++) {
+            int err = free_block(blocks[g]);
+            if (err) return fprintf(stderr, "hotpath: free failed: %d\n", err), err;
+        }
+    }
+    return 0;
+}
+
+static void *work(void *arg) {
+    worker *w = arg;
+    size_t next = seq.count * (size_t)w->index / (size_t)opts.threads;
+    if (opts.allocator == ALLOCATOR_ACL) {
+        aclError err = aclrtSetDevice(0);
+        if (err) fprintf(stderr, "hotpath: aclrtSetDevice: %d\n", err), w->failed = 1;
+    }
+    /* One untimed pass over the whole sequence fills the cache. */
+    if (!w->failed && run_steps((int)(seq.count / (size_t)opts.group), &next)) w->failed = 1;
+    pthread_barrier_wait(&warmed_up);
+    pthread_barrier_wait(&counted); /* main has read the counters the timed part is measured against */
+    double wall_start = clock_s(CLOCK_MONOTONIC), cpu_start = clock_s(CLOCK_THREAD_CPUTIME_ID);
+    for (int b = 0; b < opts.batches && !w->failed; b++) {
+        double start = clock_s(CLOCK_MONOTONIC);
+        if (run_steps(opts.pairs / opts.group, &next)) w->failed = 1;
+        w->per_pair_ns[b] = (clock_s(CLOCK_MONOTONIC) - start) * 1e9 / opts.pairs;
+    }
+    w->wall_s = clock_s(CLOCK_MONOTONIC) - wall_start;
+    w->cpu_s = clock_s(CLOCK_THREAD_CPUTIME_ID) - cpu_start;
+    pthread_barrier_wait(&timing_done);
+    return NULL;
+}
+
+static int compare_double(const void *x, const void *y) {
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+static double percentile(double *sorted, size_t n, double q) { return sorted[(size_t)(q * (double)(n - 1) + 0.5)]; }
+
+static int load_sizes(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return fprintf(stderr, "hotpath: %s: %s\n", path, strerror(errno)), -1;
+    char *line = NULL;
+    size_t line_cap = 0, cap = 0;
+    while (getline(&line, &line_cap, f) > 0) {
+        if (line[0] == '#' || line[0] == '\n') continue;
+        if (seq.count == cap) {
+            cap = cap ? 2 * cap : 1024;
+            size_t *grown = realloc(seq.values, cap * sizeof *seq.values);
+            if (!grown) return free(line), fclose(f), fprintf(stderr, "hotpath: out of memory\n"), -1;
+            seq.values = grown;
+        }
+        seq.values[seq.count] = strtoull(line, NULL, 10);
+        if (seq.values[seq.count] == 0)
+            return fprintf(stderr, "hotpath: %s: bad size %s", path, line), free(line), fclose(f), -1;
+        seq.count++;
+    }
+    free(line);
+    fclose(f);
+    if (seq.count < (size_t)opts.group) return fprintf(stderr, "hotpath: %s: too few sizes\n", path), -1;
+    return 0;
+}
+
+static int usage(void) {
+    fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|glibc] [--threads N] [--batches B] "
+                    "[--pairs P] [--group G] SIZES_FILE\n");
+    return 2;
+}
+
+static int parse_options(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        const char *value = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--allocator") && value) {
+            if (!strcmp(value, "acl")) opts.allocator = ALLOCATOR_ACL;
+            else if (!strcmp(value, "glibc")) opts.allocator = ALLOCATOR_GLIBC;
+            else return -1;
+        } else if (!strcmp(argv[i], "--threads") && value) {
+            opts.threads = atoi(value);
+        } else if (!strcmp(argv[i], "--batches") && value) {
+            opts.batches = atoi(value);
+        } else if (!strcmp(argv[i], "--pairs") && value) {
+            opts.pairs = atoi(value);
+        } else if (!strcmp(argv[i], "--group") && value) {
+            opts.group = atoi(value);
+        } else if (argv[i][0] != '-' && !opts.sizes_path) {
+            opts.sizes_path = argv[i];
+            continue;
+        } else {
+            return -1;
+        }
+        i++;
+    }
+    if (!opts.sizes_path || opts.threads < 1 || opts.threads > MAX_THREADS || opts.batches < 1 ||
+        opts.group < 1 || opts.group > MAX_GROUP || opts.pairs < opts.group || opts.pairs % opts.group)
+        return -1;
+    return 0;
+}
+
+/* Raw device mallocs as the simulator counts them (npualloc's own calls to
+ * the runtime included, the program's calls into npualloc not). */
+static uint64_t raw_mallocs(void) {
+    return opts.allocator == ALLOCATOR_ACL ? aclsim_call_count("aclrtMalloc") : 0;
+}
+
+/* npualloc's cache counters when it is preloaded (looked up, not linked). */
+static int npualloc_stats(npualloc_device_stats *out) {
+    int (*get_stats)(int, npualloc_device_stats *) = (int (*)(int, npualloc_device_stats *))dlsym(
+        RTLD_DEFAULT, "npualloc_get_stats");
+    return get_stats && get_stats(0, out) == 0;
+}
+
+int main(int argc, char **argv) {
+    if (parse_options(argc, argv)) return usage();
+    if (load_sizes(opts.sizes_path)) return 2;
+    if (opts.allocator == ALLOCATOR_ACL) {
+        aclError err = aclInit(NULL);
+        if (err) return fprintf(stderr, "hotpath: aclInit: %d\n", err), 1;
+    }
+    worker workers[MAX_THREADS] = {0};
+    pthread_barrier_init(&warmed_up, NULL, (unsigned)opts.threads + 1);
+    pthread_barrier_init(&counted, NULL, (unsigned)opts.threads + 1);
+    pthread_barrier_init(&timing_done, NULL, (unsigned)opts.threads + 1);
+    for (int t = 0; t < opts.threads; t++) {
+        workers[t].index = t;
+        workers[t].per_pair_ns = calloc((size_t)opts.batches, sizeof(double));
+        if (!workers[t].per_pair_ns) return fprintf(stderr, "hotpath: out of memory\n"), 1;
+        pthread_create(&workers[t].thread, NULL, work, &workers[t]);
+    }
+    pthread_barrier_wait(&warmed_up);
+    npualloc_device_stats before = {0}, after = {0};
+    int have_stats = npualloc_stats(&before);
+    uint64_t raw_before = raw_mallocs();
+    pthread_barrier_wait(&counted);
+    pthread_barrier_wait(&timing_done);
+    uint64_t raw_during = raw_mallocs() - raw_before;
+    have_stats = have_stats && npualloc_stats(&after);
+    for (int t = 0; t < opts.threads; t++) pthread_join(workers[t].thread, NULL);
+
+    size_t samples = (size_t)opts.threads * (size_t)opts.batches;
+    double *all = malloc(samples * sizeof *all);
+    if (!all) return fprintf(stderr, "hotpath: out of memory\n"), 1;
+    int failed = 0;
+    printf("{\"allocator\": \"%s\", \"threads\": %d, \"batches\": %d, \"pairs_per_batch\": %d, \"group\": %d, "
+           "\"sizes\": %zu, \"npualloc_loaded\": %s, \"per_thread\": [",
+           opts.allocator == ALLOCATOR_ACL ? "acl" : "glibc", opts.threads, opts.batches, opts.pairs, opts.group,
+           seq.count, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false");
+    for (int t = 0; t < opts.threads; t++) {
+        worker *w = &workers[t];
+        failed |= w->failed;
+        memcpy(all + (size_t)t * (size_t)opts.batches, w->per_pair_ns, (size_t)opts.batches * sizeof(double));
+        qsort(w->per_pair_ns, (size_t)opts.batches, sizeof(double), compare_double);
+        double pairs = (double)opts.batches * opts.pairs;
+        printf("%s{\"median_ns\": %.2f, \"p90_ns\": %.2f, \"wall_s\": %.6f, \"cpu_s\": %.6f, "
+               "\"pairs_per_s\": %.1f}", t ? ", " : "", percentile(w->per_pair_ns, (size_t)opts.batches, 0.5),
+               percentile(w->per_pair_ns, (size_t)opts.batches, 0.9), w->wall_s, w->cpu_s, pairs / w->wall_s);
+    }
+    qsort(all, samples, sizeof *all, compare_double);
+    printf("], \"median_ns\": %.2f, \"p10_ns\": %.2f, \"p90_ns\": %.2f, \"raw_mallocs_while_timed\": %llu",
+           percentile(all, samples, 0.5), percentile(all, samples, 0.1), percentile(all, samples, 0.9),
+           (unsigned long long)raw_during);
+    if (have_stats)
+        printf(", \"cache_hits_while_timed\": %lld, \"cache_misses_while_timed\": %lld",
+               (long long)(after.num_cache_hits - before.num_cache_hits),
+               (long long)(after.num_cache_misses - before.num_cache_misses));
+    printf(", \"failed\": %s}\n", failed ? "true" : "false");
+    return failed;
+}

@@ -1,0 +1,96 @@
+"""Smoke checks of `make bench` and `make demo` at small scale: the hot-path
+harness measures through npualloc (and glibc) and reports sane figures, the
+demo's program runs raw and under `npualloc run`, and `npualloc stats` can be
+taken from a second process while it waits. Timings are not asserted."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BUILD, ROOT
+
+sys.path[:0] = [str(ROOT / "tools" / "demo"), str(ROOT / "tools" / "bench")]
+import launch  # noqa: E402
+import run as bench  # noqa: E402
+
+HOTPATH = BUILD / "bench" / "npualloc-bench-hotpath"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _harness_built():
+    if not HOTPATH.exists():
+        pytest.fail(f"{HOTPATH} is missing: `make all` builds it (tools/bench.mk)")
+
+
+def test_size_list_is_the_traces_distribution():
+    sizes = [int(line) for line in bench.SIZES.read_text().splitlines() if not line.startswith("#")]
+    assert len(sizes) == 4096 and min(sizes) > 0
+    assert sum(s <= 1 << 20 for s in sizes) > len(sizes) // 2      # mostly small-pool tensors ...
+    assert max(sizes) > 32 << 20                                    # ... with a tail of large ones
+
+
+@pytest.mark.parametrize("reuse, group", [("eager", 1), ("safe", 4)])
+def test_hotpath_goes_through_npualloc_and_hits_the_cache(reuse, group):
+    r = bench.run_hotpath(BUILD, "npualloc", threads=2, reuse=reuse, group=group, batches=20, pairs=100)
+    assert r["npualloc_loaded"] and not r["failed"]
+    assert len(r["per_thread"]) == 2 and r["group"] == group
+    timed_pairs = 2 * 20 * 100
+    assert r["cache_hits_while_timed"] + r["cache_misses_while_timed"] == timed_pairs
+    assert r["raw_mallocs_while_timed"] == r["cache_misses_while_timed"]
+    assert r["cache_misses_while_timed"] < timed_pairs // 100       # the warm-up pass filled the cache
+    assert 0 < r["p10_ns"] <= r["median_ns"] <= r["p90_ns"]
+    assert all(t["pairs_per_s"] > 0 and 0 < t["cpu_s"] <= t["wall_s"] * 1.05 for t in r["per_thread"])
+
+
+def test_hotpath_glibc_baseline_runs_without_npualloc():
+    r = bench.run_hotpath(BUILD, "glibc", threads=1, batches=10, pairs=100)
+    assert not r["npualloc_loaded"] and not r["failed"] and r["median_ns"] > 0
+    assert "cache_hits_while_timed" not in r
+
+
+def test_hotpath_harness_rejects_bad_usage():
+    proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_demo_program_raw_and_under_npualloc_with_live_stats():
+    raw = launch.run_train_step(False, steps=4, layers=2, build=BUILD)
+    seen = []
+
+    def stats(pid: int) -> None:
+        proc = subprocess.run([sys.executable, "-m", "npualloc", "stats", str(pid)], cwd=ROOT,
+                              env=launch.sim_environment(BUILD), capture_output=True, text=True, timeout=30)
+        seen.append((pid, proc.returncode, proc.stdout))
+
+    npa = launch.run_train_step(True, steps=4, layers=2, build=BUILD, while_paused=stats)
+    (pid, code, text), = seen
+    assert code == 0 and f"pid {pid}" in text and "reserved" in text and "cache hit rate" in text
+    for r in (raw, npa):
+        assert r["invalid_accesses"] == 0 and r["workspace_clobbers"] == 0
+        assert r["steps"] == 4 and r["step_ms_median"] > 0 and r["peak_device_bytes"] > 0
+    # every op's workspace is a raw call on the runtime alone; npualloc serves them from its cache
+    assert raw["raw_mallocs"] == raw["raw_frees"] >= 4 * 2 * 9
+    assert npa["raw_mallocs"] < raw["raw_mallocs"] // 4 and npa["raw_frees"] == 0
+
+
+def test_demo_table_and_bench_trace_row_render():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import demo
+
+    result = {"steps": 2, "step_ms_median": 2.0, "step_ms_first": 3.0, "steps_seconds": 0.01, "raw_mallocs": 5,
+              "raw_frees": 5, "raw_calls_after_first_step": 4, "peak_device_bytes": 1 << 20,
+              "invalid_accesses": 0, "workspace_clobbers": 0}
+    table = demo.comparison_table(result, dict(result, step_ms_median=1.0))
+    assert len({len(line) for line in table}) == 1 and "2.0x faster" in "".join(table)
+
+    tiny = str(ROOT / "tools" / "traces" / "tiny.pickle.gz")
+    npa = bench.replay_trace(BUILD, tiny, latency=True)
+    raw = bench.replay_trace(BUILD, tiny, raw=True, latency=True)
+    row = {"trace": "tiny", "events": npa["replay"]["events"], "iterations": npa["iterations"], "raw": raw["replay"],
+           "npualloc": npa["replay"], "reserved_over_requested": npa["reserved_over_requested"],
+           "replay_events_per_second": 1e6}
+    assert raw["replay"]["raw_mallocs"] == npa["allocs"] and npa["replay"]["raw_mallocs"] < raw["replay"]["raw_mallocs"]
+    assert bench.traces_markdown([row])[-1].startswith("| tiny | ")

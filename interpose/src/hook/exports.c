@@ -73,13 +73,14 @@ static aclError refuse_invalid_free(void *devPtr)
     return ACL_ERROR_RT_MEMORY_FREE;
 }
 
-static inline aclError free_entry(void *devPtr, npa_fn fn)
+/* Both free entry points take (void *): a free the cache does not own goes
+ * to the runtime's own entry, whole. */
+typedef aclError (*npa_free_fn)(void *);
+
+static aclError free_through_cache(npa_allocator *a, void *devPtr, int device, npa_fn fn)
 {
-    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
-    if (NPA_LIKELY(a != NULL && devPtr != NULL)) {
-        npa_region_poll(a);
-        npa_exec_poll();
-        switch (npa_free(a, devPtr, npa_tls_device, NULL)) {
+    if (a != NULL && devPtr != NULL) {
+        switch (npa_free(a, devPtr, device, NULL)) {
         case NPA_FREE_OK:
             return ACL_SUCCESS;
         case NPA_FREE_INVALID:
@@ -88,13 +89,18 @@ static inline aclError free_entry(void *devPtr, npa_fn fn)
             break;
         }
     }
-    __typeof__(&aclrtFree) real = (__typeof__(&aclrtFree))npa_real(fn);
+    npa_free_fn real = (npa_free_fn)npa_real(fn);
     return real ? real(devPtr) : npa_no_runtime_error(fn);
 }
 
 NPA_EXPORT aclError aclrtFree(void *devPtr)
 {
-    return free_entry(devPtr, NPA_FN_aclrtFree);
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (NPA_LIKELY(a != NULL && devPtr != NULL)) {
+        npa_region_poll(a);
+        npa_exec_poll();
+    }
+    return free_through_cache(a, devPtr, npa_tls_device, NPA_FN_aclrtFree);
 }
 
 /* The runtime's version synchronizes the device, then frees. For a block of
@@ -107,25 +113,17 @@ NPA_EXPORT aclError aclrtFree(void *devPtr)
 NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
 {
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    int device = -1;
     if (a != NULL && devPtr != NULL) {
-        int device = npa_thread_device();
+        device = npa_thread_device();
         npa_region_poll(a);
         if (device >= 0) {
             aclError err = npa_hook_synchronize(device);
             if (err != ACL_SUCCESS)
                 return err;
         }
-        switch (npa_free(a, devPtr, device, NULL)) {
-        case NPA_FREE_OK:
-            return ACL_SUCCESS;
-        case NPA_FREE_INVALID:
-            return refuse_invalid_free(devPtr);
-        case NPA_FREE_NOT_OURS:
-            break;
-        }
     }
-    __typeof__(&aclrtFreeWithDevSync) real = NPA_REAL(aclrtFreeWithDevSync);
-    return real ? real(devPtr) : npa_no_runtime_error(NPA_FN_aclrtFreeWithDevSync);
+    return free_through_cache(a, devPtr, device, NPA_FN_aclrtFreeWithDevSync);
 }
 
 NPA_EXPORT aclError aclrtSetDevice(int32_t deviceId)

@@ -60,15 +60,23 @@ static uint64_t arena_size(void)
     return 2 * sim_config()->hbm_bytes + (1ull << 30);
 }
 
-SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
+/* The prologue of a call naming a device: counted, after aclInit, in range. */
+static aclError enter_device_call(enum sim_api api, int32_t id, struct sim_device **d)
 {
-    sim_count(SIM_API_aclrtSetDevice);
+    sim_count(api);
     aclError ret = sim_require_init();
     if (ret != ACL_SUCCESS)
         return ret;
-    struct sim_device *d = sim_device(deviceId);
-    if (d == NULL)
-        return ACL_ERROR_RT_INVALID_DEVICEID;
+    *d = sim_device(id);
+    return *d == NULL ? ACL_ERROR_RT_INVALID_DEVICEID : ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
+{
+    struct sim_device *d;
+    aclError ret = enter_device_call(SIM_API_aclrtSetDevice, deviceId, &d);
+    if (ret != ACL_SUCCESS)
+        return ret;
     pthread_mutex_lock(&sim_lock);
     if (d->arena.base == NULL && sim_arena_reserve(&d->arena, arena_size()) != 0) {
         pthread_mutex_unlock(&sim_lock);
@@ -106,13 +114,10 @@ static void reset_device(struct sim_device *d)
 
 SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
 {
-    sim_count(SIM_API_aclrtResetDevice);
-    aclError ret = sim_require_init();
+    struct sim_device *d;
+    aclError ret = enter_device_call(SIM_API_aclrtResetDevice, deviceId, &d);
     if (ret != ACL_SUCCESS)
         return ret;
-    struct sim_device *d = sim_device(deviceId);
-    if (d == NULL)
-        return ACL_ERROR_RT_INVALID_DEVICEID;
     pthread_mutex_lock(&sim_lock);
     /* Resetting a device with no reference left is tolerated, as in ACL. */
     if (d->refcount > 0 && --d->refcount == 0) {

@@ -141,34 +141,36 @@ static int event_complete(aclrtEvent event)
     return state;
 }
 
-SIM_EXPORT aclError simrt_QueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
+/* Both status queries: *complete is 1 or 0; they differ only in how they
+ * spell it (the two enums have opposite polarity). */
+static aclError query_event(enum sim_api api, aclrtEvent event, const void *status, int *complete)
 {
-    sim_count(SIM_API_aclrtQueryEventStatus);
+    sim_count(api);
     aclError ret = sim_require_init();
     if (ret != ACL_SUCCESS)
         return ret;
     if (status == NULL)
         return ACL_ERROR_INVALID_PARAM;
-    int state = event_complete(event);
-    if (state < 0)
-        return ACL_ERROR_RT_PARAM_INVALID;
-    *status = state ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
-    return ACL_SUCCESS;
+    *complete = event_complete(event);
+    return *complete < 0 ? ACL_ERROR_RT_PARAM_INVALID : ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_QueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
+{
+    int complete;
+    aclError ret = query_event(SIM_API_aclrtQueryEventStatus, event, status, &complete);
+    if (ret == ACL_SUCCESS)
+        *status = complete ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    return ret;
 }
 
 SIM_EXPORT aclError simrt_QueryEvent(aclrtEvent event, aclrtEventStatus *status)
 {
-    sim_count(SIM_API_aclrtQueryEvent);
-    aclError ret = sim_require_init();
-    if (ret != ACL_SUCCESS)
-        return ret;
-    if (status == NULL)
-        return ACL_ERROR_INVALID_PARAM;
-    int state = event_complete(event);
-    if (state < 0)
-        return ACL_ERROR_RT_PARAM_INVALID;
-    *status = state ? ACL_EVENT_STATUS_COMPLETE : ACL_EVENT_STATUS_NOT_READY;
-    return ACL_SUCCESS;
+    int complete;
+    aclError ret = query_event(SIM_API_aclrtQueryEvent, event, status, &complete);
+    if (ret == ACL_SUCCESS)
+        *status = complete ? ACL_EVENT_STATUS_COMPLETE : ACL_EVENT_STATUS_NOT_READY;
+    return ret;
 }
 
 SIM_EXPORT aclError simrt_SynchronizeEvent(aclrtEvent event)

@@ -95,6 +95,15 @@ struct sim_device *sim_device(int32_t id);      /* NULL when out of range */
 /* The calling thread's device (takes the lock: call without it): 107002 when
  * the thread has none or its device was reset, 100001 before aclInit. */
 aclError sim_current_device(int32_t *id);
+/* The prologue of a call that needs an argument and a device: count it,
+ * refuse a NULL argument (100000), then find the calling thread's device. */
+static inline aclError sim_enter(enum sim_api api, const void *required, int32_t *id)
+{
+    sim_count(api);
+    if (required == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    return sim_current_device(id);
+}
 void sim_reset_all_devices(void);               /* aclFinalize: lock held */
 void sim_forget_current_device(void);
 

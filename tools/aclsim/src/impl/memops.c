@@ -74,6 +74,24 @@ SIM_EXPORT aclError simrt_Memcpy(void *dst, size_t destMax, const void *src, siz
     return sim_do_copy(&c) ? ACL_SUCCESS : ACL_ERROR_RT_PARAM_INVALID;
 }
 
+/* Queues a prepared task on its stream, or frees it when preparing it (ret)
+ * or resolving the stream failed. */
+static aclError submit_task(struct sim_task *t, enum sim_task_kind kind, aclrtStream stream, aclError ret)
+{
+    struct sim_stream *s;
+    if (ret == ACL_SUCCESS)
+        ret = sim_stream_resolve(stream, &s);
+    if (ret != ACL_SUCCESS) {
+        free(t);
+        return ret;
+    }
+    t->kind = kind;
+    pthread_mutex_lock(&sim_lock);
+    sim_stream_submit(s, t);
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}
+
 SIM_EXPORT aclError simrt_MemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
                                       aclrtMemcpyKind kind, aclrtStream stream)
 {
@@ -82,18 +100,7 @@ SIM_EXPORT aclError simrt_MemcpyAsync(void *dst, size_t destMax, const void *src
     if (t == NULL)
         return ACL_ERROR_BAD_ALLOC;
     aclError ret = prepare_copy(&t->u.copy, dst, destMax, src, count, kind, "aclrtMemcpyAsync");
-    struct sim_stream *s;
-    if (ret == ACL_SUCCESS)
-        ret = sim_stream_resolve(stream, &s);
-    if (ret != ACL_SUCCESS) {
-        free(t);
-        return ret;
-    }
-    t->kind = TASK_COPY;
-    pthread_mutex_lock(&sim_lock);
-    sim_stream_submit(s, t);
-    pthread_mutex_unlock(&sim_lock);
-    return ACL_SUCCESS;
+    return submit_task(t, TASK_COPY, stream, ret);
 }
 
 static aclError prepare_fill(struct sim_fill *f, void *devPtr, size_t maxCount, int32_t value, size_t count,
@@ -127,16 +134,5 @@ SIM_EXPORT aclError simrt_MemsetAsync(void *devPtr, size_t maxCount, int32_t val
     if (t == NULL)
         return ACL_ERROR_BAD_ALLOC;
     aclError ret = prepare_fill(&t->u.fill, devPtr, maxCount, value, count, "aclrtMemsetAsync");
-    struct sim_stream *s;
-    if (ret == ACL_SUCCESS)
-        ret = sim_stream_resolve(stream, &s);
-    if (ret != ACL_SUCCESS) {
-        free(t);
-        return ret;
-    }
-    t->kind = TASK_FILL;
-    pthread_mutex_lock(&sim_lock);
-    sim_stream_submit(s, t);
-    pthread_mutex_unlock(&sim_lock);
-    return ACL_SUCCESS;
+    return submit_task(t, TASK_FILL, stream, ret);
 }

@@ -154,11 +154,8 @@ aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
 
 SIM_EXPORT aclError simrt_CreateStream(aclrtStream *stream)
 {
-    sim_count(SIM_API_aclrtCreateStream);
-    if (stream == NULL)
-        return ACL_ERROR_INVALID_PARAM;
     int32_t id;
-    aclError ret = sim_current_device(&id);
+    aclError ret = sim_enter(SIM_API_aclrtCreateStream, stream, &id);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);

@@ -117,11 +117,8 @@ SIM_EXPORT aclError simrt_ReserveMemAddress(void **virPtr, size_t size, size_t a
 /* Releasing a reservation that still has mappings is refused (207002). */
 SIM_EXPORT aclError simrt_ReleaseMemAddress(void *virPtr)
 {
-    sim_count(SIM_API_aclrtReleaseMemAddress);
-    if (virPtr == NULL)
-        return ACL_ERROR_INVALID_PARAM;
     int32_t id;
-    aclError ret = sim_current_device(&id);
+    aclError ret = sim_enter(SIM_API_aclrtReleaseMemAddress, virPtr, &id);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
@@ -191,11 +188,8 @@ SIM_EXPORT aclError simrt_MallocPhysical(aclrtDrvMemHandle *handle, size_t size,
 /* Freeing a handle that is still mapped is refused (207002): unmap first. */
 SIM_EXPORT aclError simrt_FreePhysical(aclrtDrvMemHandle handle)
 {
-    sim_count(SIM_API_aclrtFreePhysical);
-    if (handle == NULL)
-        return ACL_ERROR_INVALID_PARAM;
     int32_t id;
-    aclError ret = sim_current_device(&id);
+    aclError ret = sim_enter(SIM_API_aclrtFreePhysical, handle, &id);
     if (ret != ACL_SUCCESS)
         return ret;
     sim_spend_us(sim_config()->free_us);
@@ -257,11 +251,8 @@ SIM_EXPORT aclError simrt_MapMem(void *virPtr, size_t size, size_t offset, aclrt
 
 SIM_EXPORT aclError simrt_UnmapMem(void *virPtr)
 {
-    sim_count(SIM_API_aclrtUnmapMem);
-    if (virPtr == NULL)
-        return ACL_ERROR_INVALID_PARAM;
     int32_t id;
-    aclError ret = sim_current_device(&id);
+    aclError ret = sim_enter(SIM_API_aclrtUnmapMem, virPtr, &id);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);

@@ -161,7 +161,8 @@ def test_gc_threshold_command_changes_the_config(shm: Path) -> None:
 @pytest.mark.parametrize("code, arg, fragment", [
     (constants.NPUALLOC_CMD_SET_GC_THRESHOLD, 1.5, "rejected the argument"),
     (constants.NPUALLOC_CMD_SET_GC_THRESHOLD, float("nan"), "rejected the argument"),
-    (constants.NPUALLOC_CMD_SNAPSHOT, 0.0, "does not support"),
+    (constants.NPUALLOC_CMD_RECORD_HISTORY, -1.0, "rejected the argument"),
+    (constants.NPUALLOC_CMD_RECORD_HISTORY, 2.5, "rejected the argument"),
     (77, 0.0, "does not support"),
 ])
 def test_bad_commands_are_acknowledged_as_rejected(shm: Path, code: int, arg: float, fragment: str) -> None:

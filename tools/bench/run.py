@@ -261,7 +261,7 @@ def goals(h: dict[str, Any], trace_rows: list[dict[str, Any]]) -> list[tuple[str
     eager = {r["threads"]: r for r in h["rows"] if r["label"] == "npualloc eager"}
     repeated = [r for r in trace_rows if r["iterations"] >= 2]
     training = [r for r in trace_rows if r["trace"] in TRAINING_TRACES]
-    real = [r for r in trace_rows if r["events"] >= 10_000]
+    real = [r for r in trace_rows if r["events"] >= 1000]   # a rate over tiny's dozen events is only start-up
     return [
         ("zero raw device mallocs after the first iteration of every repeated trace",
          all(r["npualloc"]["raw_mallocs_after_first_iteration"] == 0 for r in repeated),
@@ -269,13 +269,15 @@ def goals(h: dict[str, Any], trace_rows: list[dict[str, Any]]) -> list[tuple[str
         (f"peak reserved / peak requested <= {CEILING:.2f} on the training traces",
          all(r["reserved_over_requested"] <= CEILING for r in training),
          ", ".join(f"{r['trace']} {r['reserved_over_requested']:.3f}" for r in training)),
-        ("replay >= 5 M events/s (traces of 10 000+ events, no latency model)",
+        ("replay >= 5 M events/s (traces of 1 000+ events, no latency model)",
          all(r["replay_events_per_second"] >= 5e6 for r in real),
          ", ".join(f"{r['trace']} {r['replay_events_per_second'] / 1e6:.1f} M" for r in real)),
         ("hot path median < 100 ns per pair, 1 thread", eager[1]["median_ns"] < 100, f"{eager[1]['median_ns']:.1f} ns"),
         ("4 threads on one device lose < 50% per-thread throughput", eager[4]["loss_vs_1_thread"] < 0.5,
-         f"4 threads lose {eager[4]['loss_vs_1_thread']:.0%}, 2 threads {eager[2]['loss_vs_1_thread']:.0%} "
-         f"(machine has {os.cpu_count()} cores)"),
+         f"4 threads lose {eager[4]['loss_vs_1_thread']:.0%}, 2 threads {eager[2]['loss_vs_1_thread']:.0%} at "
+         f"{eager[2]['cpu_share']:.0%} CPU share each; the machine has {os.cpu_count()} cores, so 4 threads are "
+         "oversubscribed and lose half by wall clock alone, and 2 threads measure the lock only when each gets "
+         "a core (CPU share near 100%; near 50% means another load took a core and they took turns)"),
     ]
 
 

@@ -9,11 +9,18 @@ from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionErr
 from .memory import (empty_cache, get_config, is_active, library_path, max_memory_allocated, max_memory_reserved,
                      mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_summary,
                      reset_accumulated_memory_stats, reset_peak_memory_stats, set_config, set_gc_threshold)
+from .snapshot import dump_snapshot, memory_snapshot, record_memory_history
+
+# torch.cuda.memory's own (private) names, so code written for torch runs unchanged.
+_snapshot = memory_snapshot
+_dump_snapshot = dump_snapshot
+_record_memory_history = record_memory_history
 
 __all__ = [
     "CommandRejectedError", "CommandTimeoutError", "CorruptRegionError", "IncompatibleRegionError",
     "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError",
-    "empty_cache", "get_config", "is_active", "library_path", "max_memory_allocated", "max_memory_reserved",
-    "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
-    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_config", "set_gc_threshold",
+    "dump_snapshot", "empty_cache", "get_config", "is_active", "library_path", "max_memory_allocated",
+    "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
+    "memory_summary", "record_memory_history", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
+    "set_config", "set_gc_threshold",
 ]

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import psutil
 
-from . import memory, replay
+from . import memory, plot, replay, snapshot
 from ._ffi import constants
 from .errors import NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
@@ -204,6 +204,30 @@ def cmd_set_gc_threshold(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    data = snapshot.snapshot_bytes(args.pid, timeout=args.timeout)
+    taken = snapshot.loads(data)  # also proves the file loads before it is handed on
+    try:
+        with open(args.output, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise NpuallocError(f"cannot write {args.output}: {e.strerror or e}") from None
+    events = sum(len(trace) for trace in taken["device_traces"])
+    sys.stdout.write(f"process {args.pid}: snapshot written to {args.output} ({len(taken['segments'])} segments, "
+                     f"{events} trace events)\n")
+    return 0
+
+
+def cmd_record_history(args: argparse.Namespace) -> int:
+    if args.entries < 0:
+        _Parser(prog="npualloc").error("record-history: entries must be >= 0 (0 turns recording off)")
+    snapshot.record_memory_history(None if args.entries == 0 else "all", max_entries=args.entries, pid=args.pid,
+                                   timeout=args.timeout)
+    state = f"recording the last {args.entries} events per device" if args.entries else "history recording off"
+    sys.stdout.write(f"process {args.pid}: {state}\n")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="npualloc", description="Live stats of processes running under npualloc "
                      f"(regions in {region_path(0).parent}).",
@@ -238,6 +262,17 @@ def _parser() -> argparse.ArgumentParser:
     gc = with_pid("set-gc-threshold", "set garbage_collection_threshold at run time (0: off)", device=False)
     gc.add_argument("value", type=float)
     gc.set_defaults(run=cmd_set_gc_threshold)
+
+    snap = with_pid("snapshot", "write the process's memory snapshot (torch's _dump_snapshot pickle)", device=False)
+    snap.add_argument("-o", "--output", required=True, help="the .pickle file to write")
+    snap.set_defaults(run=cmd_snapshot)
+    history = with_pid("record-history", "record the last N allocator events per device (0: off)", device=False)
+    history.add_argument("entries", type=int)
+    history.set_defaults(run=cmd_record_history)
+    plotter = sub.add_parser("plot", help="memory over time and the segment map of a snapshot, as a PNG")
+    plotter.add_argument("snapshot", help="a snapshot pickle (ours or torch's, .gz too)")
+    plotter.add_argument("-o", "--output", required=True, help="the .png file to write")
+    plotter.set_defaults(run=plot.cmd_plot)
 
     replayer = sub.add_parser("replay", help="replay a torch memory snapshot through npualloc on the simulator")
     replay.add_arguments(replayer)

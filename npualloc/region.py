@@ -195,8 +195,9 @@ class Region:
             os.sched_yield()
 
     def post_command(self, code: int, device: int = -1, arg: float = 0.0,
-                     timeout: float = COMMAND_TIMEOUT_S) -> None:
-        """Posts a command and waits for the process to acknowledge it. The
+                     timeout: float = COMMAND_TIMEOUT_S) -> int:
+        """Posts a command and waits for the process to acknowledge it; returns
+        the command's sequence number (a snapshot's file is named by it). The
         process applies it at its next allocator call, so an idle process times out."""
         if not self._writable:
             raise NpuallocError("region opened read-only")
@@ -221,6 +222,7 @@ class Region:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         if status != constants.NPUALLOC_CMD_OK:
             raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status, f'status {status}')}")
+        return int(target)
 
 
 @dataclass(frozen=True)

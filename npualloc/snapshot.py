@@ -1,0 +1,144 @@
+"""Memory snapshots and allocation history in torch.cuda.memory's formats.
+
+`memory_snapshot()` is torch.cuda.memory._snapshot(): {"segments", "device_traces",
+"allocator_settings"} with torch's fields, so torch's `_memory_viz` and the
+memory_viz web page read it (and `dump_snapshot`'s file) unchanged. The library
+builds it as pickle bytes (core/snapshot_pickle.c), which hold no globals;
+they are loaded here with an unpickler that refuses every class, so a file
+from elsewhere cannot run code through this module.
+
+With pid=... the snapshot comes from another process: a command through its
+region makes it write <region>.snapshot.<seq> at its next allocator call,
+which is read and removed here.
+
+No stacks are recorded (every "frames" is []): history comes from C, where
+the Python frames of the allocating call are out of reach without a cost on
+every allocation.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import pickle
+import stat
+from pathlib import Path
+from typing import Any
+
+from ._ffi import constants, ffi
+from .errors import CorruptRegionError, NpuallocError
+from .memory import _in_process, _library, set_config
+from .region import COMMAND_TIMEOUT_S, Region, region_path
+
+Snapshot = dict[str, Any]
+
+# torch's _record_memory_history defaults to an unbounded trace; a ring in C
+# needs a size: 32 bytes per entry, so this is 3.2 MB per device.
+DEFAULT_MAX_ENTRIES = 100_000
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Snapshots are dicts, lists, tuples, ints, floats, strings and booleans only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"a memory snapshot holds no objects, but this one names {module}.{name}")
+
+
+def loads(data: bytes) -> Snapshot:
+    """A snapshot from pickle bytes (gzip-compressed or not), refusing anything
+    that is not plain data."""
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    try:
+        snapshot = _PlainDataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError) as e:
+        raise NpuallocError(f"not a memory snapshot pickle ({e})") from None
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments", []), list):
+        raise NpuallocError("not a memory snapshot (expected torch's _snapshot() dict)")
+    return snapshot
+
+
+def load(path: str | Path) -> Snapshot:
+    """A snapshot file: ours, torch's _dump_snapshot, or either gzip-compressed."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise NpuallocError(f"{path}: {e.strerror or e}") from None
+    try:
+        return loads(data)
+    except NpuallocError as e:
+        raise NpuallocError(f"{path}: {e}") from None
+
+
+def _in_process_bytes() -> bytes:
+    lib = _library()
+    size = ffi.new("size_t *")
+    buffer = lib.npualloc_snapshot(size)
+    if buffer == ffi.NULL:
+        raise NpuallocError("no host memory for the snapshot")
+    try:
+        return bytes(ffi.buffer(buffer, size[0]))
+    finally:
+        lib.npualloc_free_snapshot(buffer)
+
+
+def _read_snapshot_file(path: Path) -> bytes:
+    """Reads and removes the file the process wrote for us; O_NOFOLLOW and an
+    owner check, since the directory may be shared (/dev/shm)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise CorruptRegionError(f"the process acknowledged the snapshot but {path} cannot be opened: "
+                                 f"{e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise CorruptRegionError(f"{path} is not a snapshot file of ours")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)
+    return data
+
+
+def snapshot_bytes(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> bytes:
+    """The snapshot as the pickle bytes the library wrote (what `_dump_snapshot`
+    would write). Another process builds it at its next allocator call."""
+    if _in_process(pid):
+        return _in_process_bytes()
+    assert pid is not None
+    with Region(pid, writable=True) as region:
+        seq = region.post_command(constants.NPUALLOC_CMD_SNAPSHOT, timeout=timeout)
+    return _read_snapshot_file(Path(f"{region_path(pid)}.snapshot.{seq}"))
+
+
+def memory_snapshot(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> Snapshot:
+    """torch.cuda.memory._snapshot(): every segment and block, and the recorded
+    history of each device (empty unless record_history is on)."""
+    return loads(snapshot_bytes(pid, timeout))
+
+
+def dump_snapshot(filename: str | Path = "dump_snapshot.pickle", pid: int | None = None,
+                  timeout: float = COMMAND_TIMEOUT_S) -> None:
+    """torch.cuda.memory._dump_snapshot(): the snapshot pickled to filename."""
+    Path(filename).write_bytes(snapshot_bytes(pid, timeout))
+
+
+def record_memory_history(enabled: str | None = "all", context: str | None = "all", stacks: str = "all",
+                          max_entries: int = DEFAULT_MAX_ENTRIES, pid: int | None = None,
+                          timeout: float = COMMAND_TIMEOUT_S) -> None:
+    """torch.cuda.memory._record_memory_history(): enabled=None stops recording,
+    anything else keeps the last max_entries events per device (the trace
+    restarts either way). context and stacks are accepted for torch's
+    signature; no stacks are recorded."""
+    del context, stacks
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+        raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")
+    entries = 0 if enabled is None else max_entries
+    if _in_process(pid):
+        set_config(f"record_history:{entries}")
+        return
+    assert pid is not None
+    with Region(pid, writable=True) as region:
+        region.post_command(constants.NPUALLOC_CMD_RECORD_HISTORY, arg=float(entries), timeout=timeout)

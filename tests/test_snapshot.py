@@ -1,0 +1,279 @@
+"""Memory snapshots and history of a preloaded pyACL process on the simulator:
+in-process and from another shell, blocks against what the process allocated,
+torch's own memory_viz reading them, the PNG plot, the OOM snapshot, history
+switched on from outside, and a replay of a snapshot taken here."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import stat
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BUILD, sim_env
+from region_helpers import Workload, assert_one_line_error, cli_env, run_cli, wait_for_pending_command
+
+import npualloc
+from npualloc.plot import timeline
+from npualloc.snapshot import loads
+
+MiB = 1 << 20
+# (request, block size): aclrtMalloc pads to 32 and adds 32, then torch rounds to
+# 512; the last one's 26 MiB segment is not split (the rest would be under 1 MiB).
+REQUESTS = [(3 * MiB, 3 * MiB + 512), (512, 1024), (1000, 1536), (25 * MiB + 7, 26 * MiB)]
+
+
+def _blocks(snapshot: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {b["address"]: b for seg in snapshot["segments"] for b in seg["blocks"]}
+
+
+def _check_against_allocations(snapshot: dict[str, Any], live: dict[int, int], freed: dict[int, int]) -> None:
+    blocks = _blocks(snapshot)
+    sizes = dict((request, size) for request, size in REQUESTS)
+    for address, request in live.items():
+        block = blocks[address]
+        assert block["state"] == "active_allocated"
+        assert block["requested_size"] == request and block["size"] == sizes[request]
+    for address in freed:
+        assert blocks[address]["state"] in ("active_pending_free", "inactive")
+    for seg in snapshot["segments"]:
+        assert seg["device"] == 0 and seg["stream"] == 0 and seg["is_expandable"] is False
+        assert seg["segment_pool_id"] == (0, 0) and seg["frames"] == []
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+        assert seg["segment_type"] == ("small" if seg["total_size"] == 2 * MiB else "large")
+        assert seg["allocated_size"] == sum(b["size"] for b in seg["blocks"] if b["state"] == "active_allocated")
+        offset = seg["address"]
+        for b in seg["blocks"]:  # contiguous, in address order
+            assert b["address"] == offset and b["frames"] == []
+            offset += b["size"]
+
+
+def _allocate(w: Workload) -> tuple[dict[int, int], dict[int, int]]:
+    """Allocates REQUESTS in order and frees the third: (live, freed), address -> request."""
+    live = {w.call(f"malloc({request})"): request for request, _ in REQUESTS}
+    freed_address = w.call("live[-2]")
+    w.call("acl.rt.free(live.pop(-2))")
+    freed = {freed_address: live.pop(freed_address)}
+    return live, freed
+
+
+def _in_order(live: dict[int, int], freed: dict[int, int]) -> list[tuple[int, int]]:
+    """(address, request) of REQUESTS in allocation order."""
+    by_request = {request: address for address, request in {**live, **freed}.items()}
+    return [(by_request[request], request) for request, _ in REQUESTS]
+
+
+def test_in_process_snapshot_matches_the_allocations(tmp_path: Path) -> None:
+    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF="record_history:1000") as w:
+        live, freed = _allocate(w)
+        snapshot = w.call("npualloc.memory_snapshot()")  # JSON turns the (0, 0) tuples into lists
+    for seg in snapshot["segments"]:
+        seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
+    _check_against_allocations(snapshot, live, freed)
+    assert len(snapshot["segments"]) == 3  # 20 MiB and 2 MiB for the first three, 26 MiB for the last
+    assert snapshot["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == "record_history:1000"
+    assert snapshot["allocator_settings"]["max_split_size"] == -1
+
+    [trace] = snapshot["device_traces"]
+    assert [(e["addr"], e["size"]) for e in trace if e["action"] == "alloc"] == _in_order(live, freed)
+    assert [e["action"] for e in trace].count("segment_alloc") == 3
+    [request] = [e for e in trace if e["action"] == "free_requested"]
+    assert (request["addr"], request["size"]) == next(iter(freed.items()))
+    times = [e["time_us"] for e in trace]
+    assert times == sorted(times) and all(e["stream"] == 0 and e["frames"] == [] for e in trace)
+
+
+def test_history_is_off_by_default_and_switches_on_in_process(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        assert w.call("npualloc.memory_snapshot()")["device_traces"] == [[]]
+        w.call("npualloc.record_memory_history(max_entries=3)")
+        for _ in range(5):
+            w.call("malloc(4096)")
+        trace = w.call("npualloc.memory_snapshot()")["device_traces"][0]
+        assert [e["action"] for e in trace] == ["alloc"] * 3  # the newest three
+        w.call("npualloc._record_memory_history(enabled=None)")
+        w.call("malloc(4096)")
+        assert w.call("npualloc.memory_snapshot()")["device_traces"] == [[]]
+
+
+def _cli_with_trigger(w: Workload, tmp_path: Path, args: list[str], trigger: str) -> subprocess.CompletedProcess:
+    cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pending_command(tmp_path / f"npualloc.{w.pid}")
+    w.call(trigger)
+    out, err = cli.communicate(timeout=30)
+    return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def remote_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, int], dict[int, int]]:
+    """A snapshot taken from another shell with `npualloc snapshot`, history
+    switched on from outside too, and what the process had allocated."""
+    tmp_path = tmp_path_factory.mktemp("remote")
+    output = tmp_path / "snap.pickle"
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        done = _cli_with_trigger(w, tmp_path, ["record-history", str(w.pid), "500"], "free()")
+        assert done.returncode == 0 and "recording the last 500 events" in done.stdout, done.stderr
+        live, freed = _allocate(w)
+        # The command is applied at the start of the trigger's malloc: the snapshot comes before it.
+        done = _cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(output)], "malloc(512)")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == f"process {w.pid}: snapshot written to {output} (3 segments, 9 trace events)\n"
+        assert not list(tmp_path.glob("npualloc.*.snapshot.*"))  # the hand-over file was removed
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+            assert "record_history:500" in npualloc.get_config(pid=w.pid)
+    return output, live, freed
+
+
+def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) -> None:
+    output, live, freed = remote_snapshot
+    with open(output, "rb") as f:
+        snapshot = pickle.load(f)
+    _check_against_allocations(snapshot, live, freed)
+    [trace] = snapshot["device_traces"]
+    # Recording began at the free of the 4096 B block (whose call applied the
+    # command); the free of the 1000 B block is still pending at snapshot time.
+    assert [e["action"] for e in trace] == ["free_requested", "free_completed", "segment_alloc", "alloc", "alloc",
+                                            "alloc", "segment_alloc", "alloc", "free_requested"]
+    assert [(e["addr"], e["size"]) for e in trace if e["action"] == "alloc"] == _in_order(live, freed)
+    [(freed_address, freed_request)] = freed.items()
+    assert trace[-1] == {"action": "free_requested", "addr": freed_address, "size": freed_request, "stream": 0,
+                         "time_us": trace[-1]["time_us"], "frames": []}
+    assert _blocks(snapshot)[freed_address]["state"] == "active_pending_free"
+
+
+def test_torch_memory_viz_reads_our_snapshots(remote_snapshot) -> None:
+    pytest.importorskip("torch")
+    from torch.cuda import _memory_viz
+
+    output, live, _ = remote_snapshot
+    with open(output, "rb") as f:
+        snapshot = pickle.load(f)
+
+    summary = _memory_viz.segsum(snapshot)  # asserts its own accounting of every segment
+    assert "segments: 3" in summary
+    total_requested = sum(live.values())
+    assert f"total_allocated: {_memory_viz.Bytes(total_requested)}" in summary
+
+    lines = _memory_viz.segments(snapshot, format_flamegraph=lambda text: text).splitlines()
+    for address, request in live.items():
+        segment = next(s for s in snapshot["segments"] if s["address"] <= address < s["address"] + s["total_size"])
+        assert f"stream_0;seg_{segment['address']};active_allocated;<non-python> {request}" in lines
+    by_state = _memory_viz.memory(snapshot, format_flamegraph=lambda text: text)
+    assert "stream_0;inactive;<non-python>" in by_state
+
+    text = _memory_viz.trace(snapshot)
+    assert "Device 0 ----" in text and "9 entries" in text
+    assert text.count("= cudaMalloc(") == 2 and text.count("del ") == 2
+
+    html = _memory_viz.trace_plot(snapshot)
+    assert "Active Memory Timeline" in html and "snapshot.pickle" in html
+    assert "Allocator State History" in _memory_viz.segment_plot(snapshot)
+    flame = _memory_viz.compare(snapshot["segments"], [], format_flamegraph=lambda text: text)
+    blocks = [line for line in flame.splitlines() if line.startswith("only_before;stream_0;seg_")
+              and ";<non-python> " in line]  # one per block, besides the <gaps> of rounding and free space
+    assert len(blocks) == sum(len(s["blocks"]) for s in snapshot["segments"])
+
+
+def test_plot_writes_a_png(remote_snapshot, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    output, _, _ = remote_snapshot
+    png = tmp_path / "snap.png"
+    done = run_cli(["plot", str(output), "-o", str(png)], tmp_path)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width == 1200 and 600 <= height <= 2000
+    assert 20_000 < len(data) < 2_000_000
+
+
+def test_timeline_levels_come_from_the_end_state(remote_snapshot) -> None:
+    output, live, _ = remote_snapshot
+    snapshot = npualloc.snapshot.load(output)
+    line = timeline(snapshot, 0)
+    assert line.timed and line.times[0] == 0.0 and line.times == sorted(line.times)
+    assert line.allocated[-1] == sum(live.values())
+    assert line.reserved[-1] == sum(s["total_size"] for s in snapshot["segments"])
+    # Before recording began the process already held a 2 MiB segment and, at
+    # the first event (the free of 4096 B), nothing allocated.
+    assert line.reserved[0] == 2 * MiB and line.allocated[0] == 0
+
+
+def test_replay_accepts_our_snapshots(remote_snapshot) -> None:
+    output, live, freed = remote_snapshot
+    proc = subprocess.run([sys.executable, "-m", "npualloc", "replay", str(output), "--build", str(BUILD), "--json",
+                           "--no-search", "--conf", "max_split_size_mb:20"], env=sim_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["allocs"] == len(live) + len(freed)
+    # The 4096 B block was allocated before recording began: its free (requested
+    # and completed) cannot be replayed and is skipped.
+    assert report["frees"] == 1 and report["skipped_frees"] == 2 and report["fits"] is True
+
+
+def test_oom_writes_a_snapshot_before_returning(tmp_path: Path) -> None:
+    path = tmp_path / "oom.pickle"
+    with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"record_history:100,oom_snapshot:{path}") as w:
+        w.call(f"malloc({30 * MiB})")
+        assert w.call(f"acl.rt.malloc({40 * MiB}, 0)[1]") == 207001
+        assert path.exists()  # before the program saw the error
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        stderr = w.stderr()
+    assert f"npualloc: out of memory: snapshot written to {path}" in stderr
+    snapshot = npualloc.snapshot.load(path)
+    [segment] = snapshot["segments"]
+    assert segment["total_size"] == 30 * MiB + 2 * MiB and segment["allocated_size"] == 30 * MiB + 512
+    trace = snapshot["device_traces"][0]
+    assert [e["action"] for e in trace] == ["segment_alloc", "alloc", "oom"]
+    oom = trace[-1]
+    assert oom["size"] == 40 * MiB + 512 and oom["device_free"] == oom["addr"] < 64 * MiB - 30 * MiB
+
+
+def test_oom_snapshot_path_that_cannot_be_written_warns_once(tmp_path: Path) -> None:
+    path = tmp_path / "missing-dir" / "oom.pickle"
+    with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
+        for _ in range(3):
+            assert w.call(f"acl.rt.malloc({100 * MiB}, 0)[1]") == 207001
+        stderr = w.stderr()
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {path}: No such file or directory") == 1
+
+
+def test_snapshot_before_the_first_allocation_is_empty(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        snapshot = w.call("npualloc.memory_snapshot()")
+    assert snapshot["segments"] == [] and snapshot["device_traces"] == [[]]
+
+
+def test_cli_errors_are_one_line(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert_one_line_error(run_cli(["snapshot", str(dead.pid), "-o", str(tmp_path / "x")], tmp_path), 3,
+                          "no such process")
+    assert_one_line_error(run_cli(["snapshot", str(os.getpid()), "-o", str(tmp_path / "x")], tmp_path), 4,
+                          "not running under npualloc")
+    with Workload(tmp_path) as w:
+        w.call("malloc(512)")
+        assert_one_line_error(run_cli(["snapshot", str(w.pid), "-o", str(tmp_path / "x"), "--timeout", "0.2"],
+                                      tmp_path), 8, "did not acknowledge")
+        assert_one_line_error(run_cli(["record-history", str(w.pid), "-1"], tmp_path), 2, "entries must be >= 0")
+    assert not (tmp_path / "x").exists()
+    bogus = tmp_path / "bogus.pickle"
+    bogus.write_bytes(pickle.dumps({"segments": [], "x": os.system}))
+    assert_one_line_error(run_cli(["plot", str(bogus), "-o", str(tmp_path / "p.png")], tmp_path), 1,
+                          "holds no objects, but this one names")
+
+
+def test_loads_refuses_objects() -> None:
+    with pytest.raises(npualloc.NpuallocError, match="holds no objects"):
+        loads(pickle.dumps({"segments": [], "f": Path("/")}))
+    assert loads(pickle.dumps({"segments": [], "device_traces": []}))["segments"] == []

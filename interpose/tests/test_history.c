@@ -1,6 +1,7 @@
 /* History recording: off by default, torch's actions and sizes in order, the
  * ring keeps the newest N and wraps, run-time restarts, OOM events carry the
  * device's free bytes, and the snapshot pickle is framed as pickle protocol 2. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -179,6 +180,52 @@ static void test_snapshot_pickle_framing(void) {
     fixture_destroy(&fx);
 }
 
+/* Recording, snapshots and run-time switches from several threads at once
+ * (run under ThreadSanitizer by make ctest-tsan). */
+typedef struct churn_arg {
+    fixture *fx;
+    int device;
+} churn_arg;
+
+static void *churn(void *arg) {
+    churn_arg *c = arg;
+    void *held[8] = {0};
+    for (int i = 0; i < 4000; i++) {
+        int slot = i % 8;
+        if (held[slot]) CHECK_EQ(npa_free(c->fx->a, held[slot], c->device, NULL), NPA_FREE_OK);
+        held[slot] = NULL;
+        CHECK_EQ(npa_malloc(c->fx->a, c->device, (size_t)(512 + (i * 7919) % (3 * MiB)), NPA_ENTRY_EXACT,
+                            &held[slot]), NPA_OK);
+    }
+    for (int slot = 0; slot < 8; slot++)
+        if (held[slot]) npa_free(c->fx->a, held[slot], c->device, NULL);
+    return NULL;
+}
+
+static void count_events(const npa_trace_view *e, void *arg) {
+    (void)e;
+    (*(size_t *)arg)++;
+}
+
+static void test_concurrent_recording_and_snapshots(void) {
+    npa_config c = history_config(64);
+    fixture fx;
+    fixture_init(&fx, GiB, &c);
+    churn_arg args[2] = {{&fx, 0}, {&fx, 1}};
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++) pthread_create(&threads[i], NULL, churn, &args[i]);
+    for (int i = 0; i < 200; i++) {
+        size_t size = 0;
+        free(npa_snapshot_pickle(fx.a, &c, &size));
+        size_t events = 0;
+        npa_visit_trace(fx.a, -1, count_events, &events);
+        CHECK(events <= 2 * 64);
+        if (i % 50 == 0) CHECK_EQ(npa_set_record_history(fx.a, (size_t)(i % 100 ? 16 : 64)), 0);
+    }
+    for (int i = 0; i < 2; i++) pthread_join(threads[i], NULL);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_off_by_default);
     RUN(test_actions_and_sizes_in_order);
@@ -187,5 +234,6 @@ int main(void) {
     RUN(test_run_time_switch_restarts_the_ring);
     RUN(test_oom_event_holds_free_bytes);
     RUN(test_snapshot_pickle_framing);
+    RUN(test_concurrent_recording_and_snapshots);
     return check_report();
 }

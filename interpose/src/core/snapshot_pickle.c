@@ -19,7 +19,7 @@ typedef struct pickle_buffer {
 } pickle_buffer;
 
 static void put(pickle_buffer *b, const void *bytes, size_t n) {
-    if (b->failed) return;
+    if (b->failed || n == 0) return; /* n == 0 may come with bytes == NULL */
     if (n > b->cap - b->len) {
         size_t cap = b->cap ? b->cap : 4096;
         while (n > cap - b->len) cap *= 2;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "hook.h"
+#include "region/region.h"
 
 /* Written under a temporary name and renamed into place, so a reader sees a
  * whole file or none; O_EXCL|O_NOFOLLOW so a planted file or link is never
@@ -20,12 +21,7 @@ static int write_whole(const char *path, const void *data, size_t size)
     char tmp[4096];
     if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= sizeof(tmp))
         return ENAMETOOLONG;
-    int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
-    int fd = open(tmp, flags, 0600);
-    if (fd < 0 && errno == EEXIST) { /* left by an earlier process with our pid */
-        unlink(tmp);
-        fd = open(tmp, flags, 0600);
-    }
+    int fd = npa_create_private_file(tmp, O_WRONLY);
     if (fd < 0)
         return errno;
     int err = 0;

@@ -147,12 +147,7 @@ static npualloc_region *map_new_region(void)
         warn_once("NPUALLOC_SHM_DIR is too long", NULL, 0);
         return NULL;
     }
-    int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
-    int fd = open(tmp, flags, 0600);
-    if (fd < 0 && errno == EEXIST) { /* left by an earlier process with our pid */
-        unlink(tmp);
-        fd = open(tmp, flags, 0600);
-    }
+    int fd = npa_create_private_file(tmp, O_RDWR);
     if (fd < 0) {
         warn_once("cannot create", tmp, errno);
         return NULL;

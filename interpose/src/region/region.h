@@ -16,6 +16,12 @@ void npa_region_set_config(const char *canonical);
 /* Called at every allocator entry: one relaxed load when no command is
  * pending; otherwise applies it to the allocator and acknowledges it. */
 void npa_region_poll(npa_allocator *allocator);
+/* Opens a new file of ours at path for writing (access: O_WRONLY or
+ * O_RDWR): mode 0600, never through a planted file or link (O_EXCL |
+ * O_NOFOLLOW); a leftover of an earlier process with our pid is replaced.
+ * Returns the fd, or -1 with errno set. For the temporary name of a file that
+ * is filled and then renamed into place, so readers see all of it or none. */
+int npa_create_private_file(const char *path, int access);
 /* At exit: unlink the file. */
 void npa_region_remove(void);
 /* In a forked child: forget the parent's region without touching its file. */

@@ -22,6 +22,10 @@ from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionErr
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
 
 REGION_NAME = re.compile(r"npualloc\.(\d+)")
+# What else a process leaves beside its region: snapshot files posted for a
+# requester that gave up waiting, and temporaries of a process that died while
+# writing (the region's own, and a snapshot's).
+LEFTOVER_NAME = re.compile(r"\.npualloc\.(\d+)\.tmp|npualloc\.(\d+)\.snapshot\.\d+(?:\.tmp\.\d+)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died mid-update.
 SEQLOCK_TIMEOUT_S = 1.0
@@ -243,6 +247,7 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
     for name in names:
         match = REGION_NAME.fullmatch(name)
         if match is None:
+            _remove_leftover_of_dead(name)
             continue
         entry = RegionEntry(int(match.group(1)), region_dir() / name)
         try:
@@ -257,6 +262,19 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
             yield entry, e
             continue
         yield entry, region
+
+
+def _remove_leftover_of_dead(name: str) -> None:
+    match = LEFTOVER_NAME.fullmatch(name)
+    if match is None:
+        return
+    pid = int(match.group(1) or match.group(2))
+    if process_start_time(pid) is None:
+        path = region_dir() / name
+        try:
+            _remove_stale(path, path.lstat().st_ino)
+        except OSError:
+            pass  # gone already
 
 
 def _remove_stale(path: Path, inode: int) -> None:

@@ -81,6 +81,20 @@ def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> Non
     assert run_cli(["ls"], tmp_path).stdout == "no process is running under npualloc\n"
 
 
+def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftovers = [tmp_path / f"npualloc.{dead.pid}.snapshot.3", tmp_path / f".npualloc.{dead.pid}.tmp",
+                 tmp_path / f"npualloc.{dead.pid}.snapshot.4.tmp.{dead.pid}"]
+    kept = [tmp_path / f"npualloc.{os.getpid()}.snapshot.1",  # a live process's: a requester may be reading it
+            tmp_path / "unrelated.file"]
+    for path in leftovers + kept:
+        path.write_bytes(b"x")
+    assert run_cli(["ls"], tmp_path).returncode == 0
+    assert [p for p in leftovers if p.exists()] == []
+    assert all(p.exists() for p in kept)
+
+
 def test_ls_cleans_the_region_of_a_forked_child_that_skipped_atexit(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")

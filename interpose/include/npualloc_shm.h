@@ -9,7 +9,9 @@
  * (npualloc_device_stats.seq: odd while a writer is inside); copy, re-read seq,
  * retry when it changed or was odd.
  *
- * Bump NPUALLOC_SHM_VERSION on any change below. */
+ * Bump NPUALLOC_SHM_VERSION on any change of layout or meaning of a field
+ * below. A new command code needs no bump: a process that predates it
+ * answers NPUALLOC_CMD_EUNKNOWN. */
 #ifndef NPUALLOC_SHM_H
 #define NPUALLOC_SHM_H
 

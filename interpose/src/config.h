@@ -4,6 +4,7 @@
 #ifndef NPUALLOC_CONFIG_H
 #define NPUALLOC_CONFIG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 /* torch: 16 power-of-two intervals starting at 1 MiB. */
@@ -24,6 +25,7 @@ typedef struct npa_config {
     npa_reuse_policy reuse_policy;
     size_t record_history;          /* ring-buffer entries, 0: off */
     char oom_snapshot[256];         /* path written on OOM, "" : none */
+    bool expandable_segments;       /* never with max_split_size or a GC threshold (torch_npu's rule) */
 } npa_config;
 
 /* Called once per problem with a one-line message naming the key and why. */

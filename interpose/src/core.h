@@ -40,6 +40,18 @@ typedef struct npa_backend {
     /* Where the stats of a device live (the shared-memory region), optional:
      * NULL or a NULL result makes the core keep them in its own memory. */
     npualloc_device_stats *(*stats_storage)(void *ctx, int device);
+
+    /* Virtual memory, for expandable_segments:True; optional, all four or
+     * none (NULL: plain segments only). va_reserve reserves size bytes of
+     * device address space (no memory behind it); page_map backs [addr, addr
+     * + size) of a reservation with new physical memory (207001 when the
+     * device is full) and names it by *handle; page_unmap undoes one
+     * page_map (unmap, then free the physical memory); va_release gives back
+     * a reservation with nothing mapped. */
+    npa_error (*va_reserve)(void *ctx, int device, size_t size, void **base);
+    npa_error (*page_map)(void *ctx, int device, void *addr, size_t size, void **handle);
+    npa_error (*page_unmap)(void *ctx, int device, void *addr, void *handle);
+    npa_error (*va_release)(void *ctx, int device, void *base);
 } npa_backend;
 
 /* How a caller reached the allocator: each entry point has its own size contract. */
@@ -79,6 +91,7 @@ typedef struct npa_segment_view {
     size_t active_size;
     size_t requested_size;
     int is_small; /* segment_type "small" else "large" */
+    int is_expandable; /* one mapped run of an expandable segment (torch reports each run) */
     size_t block_count;
     const npa_block_view *blocks;
 } npa_segment_view;
@@ -93,12 +106,15 @@ typedef enum npa_trace_action {
     NPA_TRACE_SEGMENT_ALLOC = 3,
     NPA_TRACE_SEGMENT_FREE = 4,
     NPA_TRACE_OOM = 5,
+    NPA_TRACE_SEGMENT_MAP = 6,   /* pages mapped into an expandable segment */
+    NPA_TRACE_SEGMENT_UNMAP = 7, /* pages unmapped from one */
 } npa_trace_action;
 
 /* One event of a device's trace, valid only inside the visitor call. For
  * NPA_TRACE_OOM addr holds the device's free bytes (torch's device_free).
  * Sizes are torch's: the caller's request for alloc/free events, the rounded
- * request for an OOM, the whole segment for segment events. */
+ * request for an OOM, the whole segment for segment events, the pages'
+ * range for map/unmap events. */
 typedef struct npa_trace_view {
     int device;
     npa_trace_action action;
@@ -124,7 +140,9 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
  * (may be NULL) receives the block's device on NPA_FREE_OK. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out);
 
-/* Give every cached unsplit segment back to the device (device < 0: all). */
+/* Give every cached unsplit segment back to the device (device < 0: all),
+ * and unmap every whole free page of expandable segments (after
+ * synchronizing the device, since unmapping does not wait for queued work). */
 void npa_empty_cache(npa_allocator *a, int device);
 /* For aclrtResetDevice/aclFinalize: wait for pending frees, then empty the cache. */
 void npa_release_device(npa_allocator *a, int device);

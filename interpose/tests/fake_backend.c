@@ -3,6 +3,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef struct fake_fence {
     unsigned long long epoch;
@@ -23,10 +24,35 @@ void fake_init(fake_backend *f, size_t capacity, bool host_memory) {
 }
 
 void fake_destroy(fake_backend *f) {
-    if (f->host_memory)
+    if (f->host_memory) {
         for (size_t i = 0; i < f->segment_count; i++) free(f->segments[i].ptr);
+        for (size_t i = 0; i < sizeof f->reservations / sizeof *f->reservations; i++)
+            if (f->reservations[i].ptr) munmap(f->reservations[i].ptr, f->reservations[i].size);
+    }
     free(f->segments);
+    free(f->pages);
     pthread_mutex_destroy(&f->lock);
+}
+
+/* Room for one more entry in a list of segments or pages. */
+static bool reserve_entry(fake_segment **items, size_t count, size_t *capacity) {
+    if (count < *capacity) return true;
+    size_t cap = *capacity ? *capacity * 2 : 64;
+    fake_segment *grown = realloc(*items, cap * sizeof *grown);
+    if (!grown) return false;
+    *items = grown;
+    *capacity = cap;
+    return true;
+}
+
+/* Lock held. The device memory a raw malloc or a page map may take: an
+ * injected failure or a full device says no. */
+static bool capacity_allows(fake_backend *f, int device, size_t size) {
+    if (f->fail_next_mallocs > 0) {
+        f->fail_next_mallocs--;
+        return false;
+    }
+    return size <= f->capacity - f->used[device];
 }
 
 static npa_error fake_malloc(void *ctx, int device, size_t size, void **ptr) {
@@ -34,21 +60,8 @@ static npa_error fake_malloc(void *ctx, int device, size_t size, void **ptr) {
     npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
     f->raw_malloc_calls++;
-    if (f->fail_next_mallocs > 0) {
-        f->fail_next_mallocs--;
+    if (!capacity_allows(f, device, size) || !reserve_entry(&f->segments, f->segment_count, &f->segment_capacity))
         err = NPA_ERR_OOM;
-    } else if (size > f->capacity - f->used[device]) {
-        err = NPA_ERR_OOM;
-    } else if (f->segment_count == f->segment_capacity) {
-        size_t cap = f->segment_capacity ? f->segment_capacity * 2 : 64;
-        fake_segment *grown = realloc(f->segments, cap * sizeof *grown);
-        if (grown) {
-            f->segments = grown;
-            f->segment_capacity = cap;
-        } else {
-            err = NPA_ERR_OOM;
-        }
-    }
     void *p = NULL;
     if (err == NPA_OK) {
         if (f->host_memory) {
@@ -141,6 +154,84 @@ static void fake_fence_release(void *ctx, void *fence) {
     free(fence);
 }
 
+static npa_error fake_va_reserve(void *ctx, int device, size_t size, void **base) {
+    fake_backend *f = ctx;
+    npa_error err = NPA_ERR_OOM;
+    pthread_mutex_lock(&f->lock);
+    f->va_reserves++;
+    for (size_t i = 0; i < sizeof f->reservations / sizeof *f->reservations; i++) {
+        fake_segment *r = &f->reservations[i];
+        if (r->ptr) continue;
+        void *p = (void *)(uintptr_t)f->next_addr;
+        if (f->host_memory) p = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        else f->next_addr += (size + FAKE_ALIGN - 1) / FAKE_ALIGN * FAKE_ALIGN + FAKE_ALIGN;
+        if (p != MAP_FAILED) {
+            *r = (fake_segment){p, size, device};
+            *base = p;
+            err = NPA_OK;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+static npa_error fake_va_release(void *ctx, int device, void *base) {
+    fake_backend *f = ctx;
+    npa_error err = NPA_ERR_FREE;
+    pthread_mutex_lock(&f->lock);
+    f->va_releases++;
+    for (size_t i = 0; i < sizeof f->reservations / sizeof *f->reservations; i++) {
+        fake_segment *r = &f->reservations[i];
+        if (r->ptr != base || r->device != device) continue;
+        if (f->host_memory) munmap(r->ptr, r->size);
+        *r = (fake_segment){0};
+        err = NPA_OK;
+        break;
+    }
+    if (err != NPA_OK) f->bad_frees++;
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+static npa_error fake_page_map(void *ctx, int device, void *addr, size_t size, void **handle) {
+    fake_backend *f = ctx;
+    npa_error err = NPA_OK;
+    pthread_mutex_lock(&f->lock);
+    f->page_maps++;
+    if (!capacity_allows(f, device, size) || !reserve_entry(&f->pages, f->page_count, &f->page_capacity) ||
+        (f->host_memory &&
+         mmap(addr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)) {
+        err = NPA_ERR_OOM;
+    } else {
+        f->pages[f->page_count++] = (fake_segment){addr, size, device};
+        f->used[device] += size;
+        *handle = addr;
+    }
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+static npa_error fake_page_unmap(void *ctx, int device, void *addr, void *handle) {
+    fake_backend *f = ctx;
+    npa_error err = NPA_ERR_FREE;
+    pthread_mutex_lock(&f->lock);
+    f->page_unmaps++;
+    for (size_t i = 0; i < f->page_count && handle == addr; i++) {
+        fake_segment *page = &f->pages[i];
+        if (page->ptr != addr || page->device != device) continue;
+        if (f->host_memory)
+            mmap(addr, page->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+        f->used[device] -= page->size;
+        *page = f->pages[--f->page_count];
+        err = NPA_OK;
+        break;
+    }
+    if (err != NPA_OK) f->bad_frees++;
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
 static npualloc_device_stats *fake_stats_storage(void *ctx, int device) {
     fake_backend *f = ctx;
     return f->stats[device];
@@ -155,6 +246,12 @@ npa_backend fake_iface(fake_backend *f) {
         .mem_get_info = fake_mem_get_info,
         .stats_storage = fake_stats_storage,
     };
+    if (f->vmm) {
+        b.va_reserve = fake_va_reserve;
+        b.va_release = fake_va_release;
+        b.page_map = fake_page_map;
+        b.page_unmap = fake_page_unmap;
+    }
     if (f->fences) {
         b.fence_record = fake_fence_record;
         b.fence_done = fake_fence_done;

@@ -30,6 +30,16 @@ typedef struct fake_backend {
 
     long raw_malloc_calls, raw_malloc_failures, raw_free_calls, sync_calls, bad_frees;
 
+    /* Virtual memory (expandable segments), offered when vmm is set: a
+     * reservation is PROT_NONE host address space (with host_memory) or a
+     * fake range, a page is memory mapped at its address and charged to the
+     * capacity. fail_next_mallocs and the capacity apply to page maps too. */
+    bool vmm;
+    long va_reserves, va_releases, page_maps, page_unmaps;
+    fake_segment *pages;       /* live page_map calls; a handle is its address */
+    size_t page_count, page_capacity;
+    fake_segment reservations[2 * NPUALLOC_MAX_DEVICES];
+
     /* Fences: fence_record hands out epochs; a fence is done once
      * completed_epoch reaches it, or after auto_complete_polls queries. */
     bool fences;

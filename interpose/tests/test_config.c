@@ -1,5 +1,5 @@
 /* The config parser: every key's valid and invalid values, the syntax
- * variants, ignored torch keys, one warning per problem naming the key,
+ * variants, ignored torch keys, expandable_segments and its clashes, one warning per problem naming the key,
  * canonical formatting that parses back, and a fuzz run over random and
  * mutated strings (meant for ASan: any out-of-bounds read fails it). */
 #include <stdint.h>
@@ -126,12 +126,11 @@ static void test_ignored_torch_keys(void) {
     npa_config c, d;
     warnings w;
     npa_config_defaults(&d);
-    CHECK_EQ(parse("expandable_segments:False,release_lock_on_cudamalloc:false,backend:native,"
-                   "base_addr_aligned_kb:16",
+    CHECK_EQ(parse("release_lock_on_cudamalloc:false,backend:native,base_addr_aligned_kb:16",
                    &c, &w),
              0);
     CHECK_EQ(w.count, 0); /* asking for the default is silent */
-    const char *non_default[] = {"expandable_segments:True", "release_lock_on_cudamalloc:True",
+    const char *non_default[] = {"release_lock_on_cudamalloc:True",
                                  "backend:cudaMallocAsync", "base_addr_aligned_kb:0", "page_size:1g",
                                  "segment_size_mb:32"};
     for (size_t i = 0; i < sizeof non_default / sizeof *non_default; i++) {
@@ -139,6 +138,36 @@ static void test_ignored_torch_keys(void) {
         CHECK_EQ(w.count, 1);
         CHECK(strstr(w.last, "ignored") != NULL);
         CHECK(memcmp(&c, &d, sizeof c) == 0);
+    }
+}
+
+static void test_expandable_segments(void) {
+    npa_config c;
+    warnings w;
+    const char *on[] = {"expandable_segments:True", "expandable_segments:true", "expandable_segments=1",
+                        "expandable_segments:False,expandable_segments:True"};
+    for (size_t i = 0; i < sizeof on / sizeof *on; i++) {
+        CHECK_EQ(parse(on[i], &c, &w), 0);
+        CHECK_EQ(w.count, 0);
+        CHECK(c.expandable_segments);
+    }
+    CHECK_EQ(parse("expandable_segments:False", &c, &w), 0);
+    CHECK(!c.expandable_segments);
+    CHECK_EQ(parse("expandable_segments:0", &c, &w), 0);
+    CHECK(!c.expandable_segments);
+    CHECK_EQ(parse("expandable_segments:yes", &c, &w), 1);
+    CHECK(!c.expandable_segments);
+    CHECK(strstr(w.last, "True or False") != NULL);
+    /* torch_npu's rule: not beside max_split_size_mb or a GC threshold, in
+     * either order; one warning, expandable stays off, the other key holds. */
+    const char *clash[] = {"expandable_segments:True,max_split_size_mb:64",
+                           "garbage_collection_threshold:0.5,expandable_segments:True"};
+    for (size_t i = 0; i < sizeof clash / sizeof *clash; i++) {
+        CHECK_EQ(parse(clash[i], &c, &w), 1);
+        CHECK_EQ(w.count, 1);
+        CHECK(strstr(w.last, "expandable_segments") != NULL);
+        CHECK(!c.expandable_segments);
+        CHECK(c.max_split_size == 64 * MiB || c.garbage_collection_threshold == 0.5);
     }
 }
 
@@ -155,6 +184,7 @@ static void test_format_round_trip(void) {
         "roundup_power2_divisions:[256:1,512:2,1024:4,>:8],reuse_policy:safe,record_history:5",
         "roundup_power2_divisions:8,max_non_split_rounding_mb:0,oom_snapshot:/tmp/x.pickle",
         "roundup_power2_divisions:[1:0,2:4]",
+        "expandable_segments:True,per_process_memory_fraction:0.5",
     };
     for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
         CHECK_EQ(parse(inputs[i], &c, &w), 0);
@@ -248,6 +278,7 @@ int main(void) {
     RUN(test_invalid_values_warn_once_and_keep_default);
     RUN(test_problems_counted_and_good_keys_applied);
     RUN(test_ignored_torch_keys);
+    RUN(test_expandable_segments);
     RUN(test_format_round_trip);
     RUN(test_fuzz);
     return check_report();

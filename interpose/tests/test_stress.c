@@ -1,5 +1,6 @@
 /* Stress: several threads on two devices allocate random sizes (1 B to
- * 64 MiB) from a fake device backed by real host memory, fill each block with
+ * 64 MiB) from a fake device backed by real host memory (plain segments,
+ * then expandable segments over host mappings), fill each block with
  * its own pattern, check it before freeing, and register every live block so
  * an overlap between two live blocks is caught the moment it is handed out.
  * Frees go through fences that complete a little later, and one thread also
@@ -18,6 +19,7 @@
 #define DEVICES 2
 #define SLOTS 16
 #define DEFAULT_OPS 1200
+
 
 typedef struct live_block {
     unsigned char *p;
@@ -153,15 +155,19 @@ static void *worker(void *opaque) {
     return NULL;
 }
 
-static void test_threads_random_sizes(void) {
+static void run_stress(bool expandable, size_t capacity) {
     const char *env = getenv("NPUALLOC_STRESS_OPS");
     ops_per_thread = env ? atoi(env) : DEFAULT_OPS;
     fake_backend fake;
-    fake_init(&fake, 320 * MiB, true);
+    fake_init(&fake, capacity, true);
     fake.fences = true;
     fake.auto_complete_polls = 2; /* a fence completes at its second query */
+    fake.vmm = expandable;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = expandable;
     npa_backend backend = fake_iface(&fake);
-    allocator = npa_create(&backend, NULL);
+    allocator = npa_create(&backend, &config);
     CHECK(allocator != NULL);
 
     pthread_t threads[THREADS];
@@ -200,13 +206,22 @@ static void test_threads_random_sizes(void) {
     }
     CHECK_EQ(fake.bad_frees, 0);
     CHECK_EQ(fake_live_fences(&fake), 0);
-    printf("stress: %d threads, %ld allocations, %ld OOMs, %ld fences\n", THREADS, total.allocs, total.ooms,
-           fake.fence_records);
+    CHECK_EQ(fake.page_count, 0);
+    CHECK_EQ(fake.va_reserves, fake.va_releases);
+    CHECK(!expandable || fake.page_maps > 0);
+    printf("stress%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped\n",
+           expandable ? " (expandable segments)" : "", THREADS, total.allocs, total.ooms, fake.fence_records,
+           fake.page_maps);
     npa_destroy(allocator);
     fake_destroy(&fake);
 }
 
+static void test_threads_random_sizes(void) { run_stress(false, 320 * MiB); }
+/* Tighter, so OOM retries unmap pages while other threads map them. */
+static void test_threads_random_sizes_expandable(void) { run_stress(true, 160 * MiB); }
+
 int main(void) {
     RUN(test_threads_random_sizes);
+    RUN(test_threads_random_sizes_expandable);
     return check_report();
 }

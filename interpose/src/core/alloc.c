@@ -16,13 +16,24 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     a->backend = *backend;
     if (config) a->config = *config;
     else npa_config_defaults(&a->config);
+    a->expandable = a->config.expandable_segments && backend->va_reserve && backend->page_map &&
+                    backend->page_unmap && backend->va_release;
     pthread_mutex_init(&a->init_lock, NULL);
     return a;
 }
 
+/* Before cached memory goes back: unmapping pages does not wait for queued
+ * work (torch_npu synchronizes before aclrtUnmapMem for the same reason),
+ * so a device with free pages to unmap is synchronized first; plain
+ * segments need only a poll. */
+static void settle_before_release(npa_allocator *a, npa_device *d) {
+    if (npa_expandable_unmappable(d)) npa_synchronize_and_drain(a, d);
+    else npa_pending_poll(a, d);
+}
+
 static void device_destroy(npa_allocator *a, npa_device *d) {
     pthread_mutex_lock(&d->lock);
-    npa_pending_poll(a, d);
+    settle_before_release(a, d);
     /* Batches still waiting belong to work that may yet run: their blocks
      * (and segments) stay with the device; only the fences go. */
     for (npa_fence_batch *b = d->batches, *next; b; b = next) {
@@ -35,6 +46,9 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         free(b);
     }
     npa_release_cached_segments(a, d);
+    /* Ranges that keep live blocks stay with the program, like plain segments. */
+    if (d->small.expandable) npa_expandable_forget(d->small.expandable);
+    if (d->large.expandable) npa_expandable_forget(d->large.expandable);
     pthread_mutex_unlock(&d->lock);
     npa_block_map_destroy(&d->live);
     npa_slab_destroy(&d->slab);
@@ -113,6 +127,11 @@ static npa_block *get_free_block(const npa_config *c, npa_pool *pool, size_t siz
     pool->search_count++;
     npa_block *b = npa_pool_lower_bound(pool, size);
     if (!b) return NULL;
+    /* torch: an expandable block ranks by how far it can grow, so the block
+     * before unmapped space is kept for a request that needs to grow it. */
+    for (npa_block *next; b->in_expandable && (next = npa_pool_next(pool, b)) &&
+                          npa_expandable_reach(next) < npa_expandable_reach(b);)
+        b = next;
     if (size < c->max_split_size && b->size >= c->max_split_size) return NULL;
     if (size >= c->max_split_size && b->size - size >= c->max_non_split_rounding) return NULL; /* no overflow */
     npa_pool_remove(pool, b);
@@ -121,23 +140,26 @@ static npa_block *get_free_block(const npa_config *c, npa_pool *pool, size_t siz
 
 static bool should_split(const npa_config *c, const npa_block *b, size_t size) {
     size_t remaining = b->size - size;
-    if (b->is_small) return remaining >= NPA_MIN_BLOCK_SIZE;
+    if (b->is_small || b->in_expandable) return remaining >= NPA_MIN_BLOCK_SIZE;
     return size < c->max_split_size && remaining > NPA_SMALL_SIZE;
 }
 
 /* torch's alloc_found_block: b is out of its pool; split off the tail if the
- * rules allow, then account the allocation. */
+ * rules allow, then account the allocation. inactive_split leaves expandable
+ * segments out, as torch: their free pages can always be given back. */
 static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size, size_t requested,
                               bool cache_hit) {
     npualloc_device_stats *s = d->stats;
     bool already_split = npa_block_is_split(b);
     npa_block *rest = should_split(&a->config, b, size) ? npa_slab_get(&d->slab) : NULL;
+    bool counts_split = !b->in_expandable;
 
     npa_stats_begin(d);
     if (rest) {
         rest->addr = b->addr + size;
         rest->size = b->size - size;
         rest->is_small = b->is_small;
+        rest->in_expandable = b->in_expandable;
         rest->phase = NPA_PHASE_FREE;
         rest->prev = b;
         rest->next = b->next;
@@ -145,14 +167,14 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
         b->next = rest;
         b->size = size;
         npa_pool_insert(b->is_small ? &d->small : &d->large, rest);
-        if (already_split) {
+        if (counts_split && already_split) {
             /* An inactive split block shrinks by the part handed out. */
             npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)size);
-        } else {
+        } else if (counts_split) {
             npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, (int64_t)rest->size);
             npa_pool_stat_increase(s->inactive_split, b->is_small, 1);
         }
-    } else if (already_split) {
+    } else if (counts_split && already_split) {
         npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)b->size);
         npa_pool_stat_decrease(s->inactive_split, b->is_small, 1);
     }
@@ -222,10 +244,7 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
         npa_pool_remove(pool, prev);
         inactive_blocks -= 1;
         inactive_bytes -= (int64_t)prev->size;
-        prev->size += b->size;
-        prev->next = b->next;
-        if (b->next) b->next->prev = prev;
-        npa_slab_put(&d->slab, b);
+        npa_block_absorb(d, prev, b);
         b = prev;
     }
     npa_block *next = b->next;
@@ -233,10 +252,7 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
         npa_pool_remove(pool, next);
         inactive_blocks -= 1;
         inactive_bytes -= (int64_t)next->size;
-        b->size += next->size;
-        b->next = next->next;
-        if (next->next) next->next->prev = b;
-        npa_slab_put(&d->slab, next);
+        npa_block_absorb(d, b, next);
     }
     b->phase = NPA_PHASE_FREE;
     b->requested = 0;
@@ -245,6 +261,7 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
         inactive_blocks += 1;
         inactive_bytes += (int64_t)b->size;
     }
+    if (b->in_expandable) inactive_blocks = inactive_bytes = 0; /* left out, as in alloc_found_block */
 
     npa_stats_begin(d);
     if (inactive_blocks > 0) npa_pool_stat_increase(s->inactive_split, b->is_small, inactive_blocks);
@@ -255,6 +272,13 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->active_bytes, b->is_small, (int64_t)original_size);
     npa_pool_stat_decrease(s->requested_bytes, b->is_small, (int64_t)requested);
     npa_stats_end(d);
+}
+
+void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper) {
+    lower->size += upper->size;
+    lower->next = upper->next;
+    if (upper->next) upper->next->prev = lower;
+    npa_slab_put(&d->slab, upper);
 }
 
 /* torch's free: the allocation ends now; the block becomes reusable now, or
@@ -337,7 +361,7 @@ static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *
 }
 
 static void empty_cache_locked(npa_allocator *a, npa_device *d) {
-    npa_pending_poll(a, d);
+    settle_before_release(a, d);
     npa_release_cached_segments(a, d);
 }
 

@@ -199,6 +199,14 @@ static bool set_oom_snapshot(npa_config *c, span v, char *why) {
     return true;
 }
 
+/* torch takes True or False; true and 1 (false and 0) are tolerated. */
+static bool set_expandable_segments(npa_config *c, span v, char *why) {
+    if (span_is_nocase(v, "true") || span_is(v, "1")) c->expandable_segments = true;
+    else if (span_is_nocase(v, "false") || span_is(v, "0")) c->expandable_segments = false;
+    else return snprintf(why, WHY_LEN, "must be True or False"), false;
+    return true;
+}
+
 /* Each setter returns false with the reason in why (WHY_LEN bytes). */
 typedef struct known_key {
     const char *name;
@@ -214,6 +222,7 @@ static const known_key known_keys[] = {
     {"reuse_policy", set_reuse_policy},
     {"record_history", set_record_history},
     {"oom_snapshot", set_oom_snapshot},
+    {"expandable_segments", set_expandable_segments},
 };
 
 /* torch / torch_npu keys npualloc accepts without implementing; a value that
@@ -224,7 +233,6 @@ typedef struct ignored_key {
 } ignored_key;
 
 static const ignored_key ignored_keys[] = {
-    {"expandable_segments", "false|0"},
     {"release_lock_on_cudamalloc", "false|0"},
     {"backend", "native"},
     {"base_addr_aligned_kb", "16"},
@@ -312,6 +320,16 @@ int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn wa
         if (*p == ',') p++;
         if (entry.n) problems += apply_entry(config, entry, warn, arg);
     }
+    /* torch_npu refuses expandable segments beside either key: blocks of an
+     * expandable segment are split freely and given back page by page, which
+     * neither key's rules can describe. */
+    if (config->expandable_segments &&
+        (config->max_split_size != SIZE_MAX || config->garbage_collection_threshold > 0.0)) {
+        warnf(warn, arg, "expandable_segments:True cannot be combined with max_split_size_mb or "
+                         "garbage_collection_threshold (torch_npu's rule); expandable segments stay off");
+        config->expandable_segments = false;
+        problems++;
+    }
     return problems;
 }
 
@@ -387,6 +405,10 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     }
     if (c->record_history != d.record_history) {
         out_printf(&o, "%srecord_history:%zu", sep, c->record_history);
+        sep = ",";
+    }
+    if (c->expandable_segments) {
+        out_printf(&o, "%sexpandable_segments:True", sep);
         sep = ",";
     }
     if (c->oom_snapshot[0]) out_printf(&o, "%soom_snapshot:%.*s", sep, (int)sizeof c->oom_snapshot, c->oom_snapshot);

@@ -7,8 +7,10 @@
 
 static uint64_t age_of(const npa_device *d, const npa_block *b) { return d->large.search_count - b->age_base; }
 
+/* Expandable segments are left to the OOM path and empty_cache, which unmap
+ * their free pages after a synchronize (GC never synchronizes). */
 static bool collectable(const npa_block *b) {
-    return !b->is_small && b->phase == NPA_PHASE_FREE && !npa_block_is_split(b);
+    return !b->is_small && b->phase == NPA_PHASE_FREE && !npa_block_is_split(b) && !b->in_expandable;
 }
 
 void npa_gc(npa_allocator *a, npa_device *d) {

@@ -29,11 +29,14 @@
 
 /* Where a block is in its life. A pending block was freed by the program but
  * may still be used by queued stream work: it is neither reusable nor
- * mergeable until its fence completes (torch's event-deferred free). */
+ * mergeable until its fence completes (torch's event-deferred free). An
+ * unmapped block is address space of an expandable segment with no memory
+ * behind it: in no pool, merged only with unmapped neighbours. */
 typedef enum npa_block_phase {
     NPA_PHASE_FREE = 0,
     NPA_PHASE_ALLOCATED = 1,
     NPA_PHASE_PENDING = 2,
+    NPA_PHASE_UNMAPPED = 3,
 } npa_block_phase;
 
 typedef struct npa_block npa_block;
@@ -48,23 +51,30 @@ struct npa_block {
     uint32_t priority;       /* treap heap key, derived from addr */
     uint8_t phase;           /* npa_block_phase */
     bool is_small;           /* small pool (2 MiB segments) */
+    bool in_expandable;      /* part of an expandable segment */
 };
 
 static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NULL || b->next != NULL; }
 
 /* An ordered set of free blocks keyed (size, addr): an intrusive treap whose
  * priorities hash the address, so no node is allocated and no RNG is shared. */
+typedef struct npa_expandable npa_expandable;
+
 typedef struct npa_pool {
     npa_block *root;
     npa_block *largest;      /* the maximum, kept for largest_free_block */
     uint64_t search_count;   /* best-fit searches so far: the GC clock */
     bool is_small;
+    bool vmm_refused;        /* the device refused a reservation: plain segments from then on */
+    npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */
 } npa_pool;
 
 void npa_pool_insert(npa_pool *pool, npa_block *b);
 void npa_pool_remove(npa_pool *pool, npa_block *b);
 /* The smallest block of at least size bytes (lowest address among equals). */
 npa_block *npa_pool_lower_bound(const npa_pool *pool, size_t size);
+/* The block after b in (size, addr) order, or NULL. */
+npa_block *npa_pool_next(const npa_pool *pool, const npa_block *b);
 
 /* Live (allocated) blocks by start address: chained hash over block->link. */
 typedef struct npa_block_map {
@@ -95,9 +105,21 @@ void npa_slab_destroy(npa_slab *slab);
  * block), so `first` stays valid for the segment's life. */
 typedef struct npa_segment {
     uintptr_t base;
-    size_t size;
+    size_t size;             /* an expandable segment: its whole reserved range */
     npa_block *first;
+    npa_expandable *expandable; /* NULL for a plain segment */
 } npa_segment;
+
+/* An expandable segment (expandable_segments:True): one reserved range of
+ * address space per pool, with pages of physical memory mapped into it as
+ * the pool grows and unmapped when they are free and memory is short. Its
+ * blocks tile the range; unmapped stretches are NPA_PHASE_UNMAPPED blocks. */
+struct npa_expandable {
+    uintptr_t base;
+    size_t page_size;        /* 2 MiB small pool, 20 MiB large pool (torch's segment sizes) */
+    size_t page_count;       /* the range is page_size * page_count bytes */
+    void **pages;            /* the backend's handle per page, NULL while unmapped */
+};
 
 typedef struct npa_segment_table {
     npa_segment *items;
@@ -150,6 +172,7 @@ typedef struct npa_device {
 
 struct npa_allocator {
     npa_backend backend;
+    bool expandable;         /* config asks for expandable segments and the backend has VMM */
     npa_config config;       /* garbage_collection_threshold: read/written atomically */
     pthread_mutex_t init_lock;
     npa_device *devices[NPUALLOC_MAX_DEVICES];
@@ -159,6 +182,9 @@ struct npa_allocator {
 npa_device *npa_device_get(npa_allocator *a, int device, bool create);
 /* Completes a free: merges with free neighbours, returns it to its pool. */
 void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b);
+/* Joins upper into lower, its address neighbour: the lower struct survives,
+ * so a segment's first block keeps its struct. Neither is in a pool. */
+void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper);
 double npa_gc_threshold(const npa_allocator *a);
 
 /* sizes.c */
@@ -166,7 +192,9 @@ size_t npa_segment_size(size_t rounded);
 
 /* segment.c: raw device memory in and out; call with no stats section open,
  * the backend may take long. */
-bool npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_block *first);
+/* The new entry (valid until the table changes again), or NULL. */
+npa_segment *npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_block *first);
+void npa_segments_remove(npa_segment_table *t, size_t index);
 /* Index of the segment containing addr, or -1. */
 ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr);
 /* A new segment as one FREE block outside any pool, or NULL. *cap_hit tells
@@ -175,8 +203,28 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool 
 /* Gives a cached whole-segment block back to the device; false (nothing
  * done) when b is not a whole free segment. */
 bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b);
-/* torch's release_blocks over both pools: every cached unsplit segment. */
+/* torch's release_blocks over both pools: every cached unsplit segment, and
+ * every whole free page of the expandable segments (the caller has
+ * synchronized the device when npa_expandable_unmappable said so). */
 void npa_release_cached_segments(npa_allocator *a, npa_device *d);
+
+/* expandable.c: torch's expandable segments over the backend's VMM calls. */
+/* torch's try_allocate_expandable_block: a FREE block of at least size bytes
+ * outside any pool, mapping pages at the lowest address where free and
+ * unmapped space together fit it; NULL when the cap (*cap_hit), the device
+ * or the address space refuses. A reservation the device refuses sets
+ * pool->vmm_refused. */
+npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, bool *cap_hit);
+/* What best fit ranks an expandable block by: its size plus the unmapped
+ * space right after it (torch's expandable_size). */
+size_t npa_expandable_reach(const npa_block *b);
+/* Whether some free block of the device holds a whole mapped page. */
+bool npa_expandable_unmappable(const npa_device *d);
+/* torch's unmap_block over every free block of the segment at index, then
+ * release_expandable_segment when nothing is mapped any more. */
+void npa_expandable_release_free(npa_allocator *a, npa_device *d, size_t index);
+/* At destroy: the bookkeeping of a segment that keeps live blocks. */
+void npa_expandable_forget(npa_expandable *es);
 
 /* pending.c */
 void npa_pending_poll(npa_allocator *a, npa_device *d);

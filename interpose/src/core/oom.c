@@ -1,5 +1,6 @@
 /* The malloc path after a best-fit miss, step for step as torch:
- * (3) GC if a threshold is set, (4) a new segment, (5) on failure free cached
+ * (3) GC if a threshold is set, (4) a new segment or more pages for the
+ * pool's expandable segment, (5) on failure free cached
  * oversize blocks and retry, (6) on failure synchronize, drain every pending
  * free, free every cached unsplit segment and retry; (7) report the OOM. */
 #include <stdio.h>
@@ -24,19 +25,28 @@ static bool release_oversize_blocks(npa_allocator *a, npa_device *d, npa_pool *p
     return released >= key;
 }
 
+/* Step 4: the pool's expandable segment grows by just what the request
+ * needs (torch maps rounded bytes there, not a segment size), else a new
+ * plain segment; a device that refuses address space gets plain ones. */
+static npa_block *new_memory(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
+    if (a->expandable && !pool->vmm_refused) {
+        npa_block *b = npa_expandable_alloc(a, d, pool, rounded, cap_hit);
+        if (b || !pool->vmm_refused) return b;
+    }
+    return npa_segment_alloc(a, d, npa_segment_size(rounded), pool->is_small, cap_hit);
+}
+
 npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
     if (npa_gc_threshold(a) > 0.0) npa_gc(a, d);
-    size_t size = npa_segment_size(rounded);
-    npa_block *b = npa_segment_alloc(a, d, size, pool->is_small, cap_hit);
+    npa_block *b = new_memory(a, d, pool, rounded, cap_hit);
     if (b) return b;
-    if (release_oversize_blocks(a, d, pool, rounded) && (b = npa_segment_alloc(a, d, size, pool->is_small, cap_hit)))
-        return b;
+    if (release_oversize_blocks(a, d, pool, rounded) && (b = new_memory(a, d, pool, rounded, cap_hit))) return b;
     npa_synchronize_and_drain(a, d);
     npa_release_cached_segments(a, d);
     npa_stats_begin(d);
     d->stats->num_alloc_retries++;
     npa_stats_end(d);
-    return npa_segment_alloc(a, d, size, pool->is_small, cap_hit);
+    return new_memory(a, d, pool, rounded, cap_hit);
 }
 
 /* The config key that would most likely have avoided this OOM. */

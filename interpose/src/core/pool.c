@@ -87,3 +87,16 @@ npa_block *npa_pool_lower_bound(const npa_pool *pool, size_t size) {
     }
     return best;
 }
+
+npa_block *npa_pool_next(const npa_pool *pool, const npa_block *b) {
+    npa_block *best = NULL;
+    for (npa_block *t = pool->root; t;) {
+        if (block_less(b, t)) {
+            best = t;
+            t = t->left;
+        } else {
+            t = t->right;
+        }
+    }
+    return best;
+}

@@ -17,11 +17,11 @@ static size_t upper_index(const npa_segment_table *t, uintptr_t addr) {
     return lo;
 }
 
-bool npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_block *first) {
+npa_segment *npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_block *first) {
     if (t->count == t->capacity) {
         size_t capacity = t->capacity ? t->capacity * 2 : 16;
         npa_segment *items = realloc(t->items, capacity * sizeof *items);
-        if (!items) return false;
+        if (!items) return NULL;
         t->items = items;
         t->capacity = capacity;
     }
@@ -29,7 +29,12 @@ bool npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size, npa_blo
     memmove(&t->items[i + 1], &t->items[i], (t->count - i) * sizeof *t->items);
     t->items[i] = (npa_segment){.base = base, .size = size, .first = first};
     t->count++;
-    return true;
+    return &t->items[i];
+}
+
+void npa_segments_remove(npa_segment_table *t, size_t index) {
+    memmove(&t->items[index], &t->items[index + 1], (t->count - index - 1) * sizeof *t->items);
+    t->count--;
 }
 
 ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr) {
@@ -73,16 +78,15 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool 
 }
 
 bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
-    if (b->phase != NPA_PHASE_FREE || npa_block_is_split(b)) return false;
+    /* An expandable segment's pages go by npa_expandable_release_free. */
+    if (b->phase != NPA_PHASE_FREE || npa_block_is_split(b) || b->in_expandable) return false;
     ptrdiff_t index = npa_segments_find(&d->segments, b->addr);
     if (index < 0) return false;
 
     npa_pool_remove(b->is_small ? &d->small : &d->large, b);
     npa_history_note(d, NPA_TRACE_SEGMENT_FREE, b->addr, b->size);
     a->backend.raw_free(a->backend.ctx, d->id, (void *)b->addr);
-    npa_segment_table *t = &d->segments;
-    memmove(&t->items[index], &t->items[index + 1], (t->count - (size_t)index - 1) * sizeof *t->items);
-    t->count--;
+    npa_segments_remove(&d->segments, (size_t)index);
 
     npualloc_device_stats *s = d->stats;
     npa_stats_begin(d);
@@ -97,5 +101,8 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
 
 void npa_release_cached_segments(npa_allocator *a, npa_device *d) {
     /* Backwards, so removing entry i leaves the unvisited ones in place. */
-    for (size_t i = d->segments.count; i-- > 0;) npa_segment_release(a, d, d->segments.items[i].first);
+    for (size_t i = d->segments.count; i-- > 0;) {
+        if (d->segments.items[i].expandable) npa_expandable_release_free(a, d, i);
+        else npa_segment_release(a, d, d->segments.items[i].first);
+    }
 }

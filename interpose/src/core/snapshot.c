@@ -12,32 +12,44 @@ static npa_block_state view_state(const npa_block *b) {
     }
 }
 
+/* One view of the blocks from head up to the end of its segment or the
+ * next unmapped stretch: a plain segment is one such run, an expandable one
+ * a run per mapped stretch (torch reports each as a segment). */
+static bool visit_run(npa_device *d, const npa_block *head, npa_segment_visitor visitor, void *arg,
+                      npa_block_view **scratch, size_t *capacity) {
+    size_t count = 0;
+    for (const npa_block *b = head; b && b->phase != NPA_PHASE_UNMAPPED; b = b->next) count++;
+    if (count > *capacity) {
+        npa_block_view *grown = realloc(*scratch, count * sizeof *grown);
+        if (!grown) return false;
+        *scratch = grown;
+        *capacity = count;
+    }
+    npa_segment_view view = {.device = d->id, .address = head->addr, .is_small = head->is_small,
+                             .is_expandable = head->in_expandable, .block_count = count, .blocks = *scratch};
+    size_t k = 0;
+    for (const npa_block *b = head; k < count; b = b->next, k++) {
+        npa_block_state state = view_state(b);
+        (*scratch)[k] = (npa_block_view){.address = b->addr, .size = b->size,
+                                         .requested_size = b->requested, .state = state};
+        view.total_size += b->size;
+        if (state == NPA_BLOCK_ACTIVE_ALLOCATED) view.allocated_size += b->size;
+        if (state != NPA_BLOCK_INACTIVE) {
+            view.active_size += b->size;
+            view.requested_size += b->requested;
+        }
+    }
+    visitor(&view, arg);
+    return true;
+}
+
 bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void *arg, npa_block_view **scratch,
                                size_t *capacity) {
     for (size_t i = 0; i < d->segments.count; i++) {
-        const npa_segment *seg = &d->segments.items[i];
-        size_t count = 0;
-        for (const npa_block *b = seg->first; b; b = b->next) count++;
-        if (count > *capacity) {
-            npa_block_view *grown = realloc(*scratch, count * sizeof *grown);
-            if (!grown) return false;
-            *scratch = grown;
-            *capacity = count;
+        for (const npa_block *b = d->segments.items[i].first; b; b = b->next) {
+            bool starts_run = b->phase != NPA_PHASE_UNMAPPED && (!b->prev || b->prev->phase == NPA_PHASE_UNMAPPED);
+            if (starts_run && !visit_run(d, b, visitor, arg, scratch, capacity)) return false;
         }
-        npa_segment_view view = {.device = d->id, .address = seg->base, .total_size = seg->size,
-                                 .is_small = seg->first->is_small, .block_count = count, .blocks = *scratch};
-        size_t k = 0;
-        for (const npa_block *b = seg->first; b; b = b->next, k++) {
-            npa_block_state state = view_state(b);
-            (*scratch)[k] = (npa_block_view){.address = b->addr, .size = b->size,
-                                             .requested_size = b->requested, .state = state};
-            if (state == NPA_BLOCK_ACTIVE_ALLOCATED) view.allocated_size += b->size;
-            if (state != NPA_BLOCK_INACTIVE) {
-                view.active_size += b->size;
-                view.requested_size += b->requested;
-            }
-        }
-        visitor(&view, arg);
     }
     return true;
 }

@@ -115,6 +115,8 @@ static const char *const trace_actions[] = {
     [NPA_TRACE_SEGMENT_ALLOC] = "segment_alloc",
     [NPA_TRACE_SEGMENT_FREE] = "segment_free",
     [NPA_TRACE_OOM] = "oom",
+    [NPA_TRACE_SEGMENT_MAP] = "segment_map",
+    [NPA_TRACE_SEGMENT_UNMAP] = "segment_unmap",
 };
 
 /* torch's segment dict; npualloc has no per-allocation stream (0) and no
@@ -131,7 +133,7 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
     str_value(b, "stream"), int_value(b, 0);
     str_value(b, "segment_type"), str_value(b, seg->is_small ? "small" : "large");
     str_value(b, "segment_pool_id"), int_value(b, 0), int_value(b, 0), op(b, OP_TUPLE2);
-    str_value(b, "is_expandable"), bool_value(b, false);
+    str_value(b, "is_expandable"), bool_value(b, seg->is_expandable);
     str_value(b, "frames"), empty_list(b);
     str_value(b, "blocks");
     open_list(b);
@@ -169,7 +171,7 @@ static void allocator_settings(pickle_buffer *b, const npa_config *config, doubl
     str_value(b, "PYTORCH_CUDA_ALLOC_CONF"), str_value(b, text);
     str_value(b, "max_split_size"), int_value(b, config->max_split_size == SIZE_MAX ? -1 : (int64_t)config->max_split_size);
     str_value(b, "garbage_collection_threshold"), float_value(b, gc_threshold);
-    str_value(b, "expandable_segments"), bool_value(b, false);
+    str_value(b, "expandable_segments"), bool_value(b, config->expandable_segments);
     str_value(b, "release_lock_on_cudamalloc"), bool_value(b, false);
     /* torch's form: the interval's lower bound in MB (powers of two from 1) -> divisions. */
     str_value(b, "roundup_power2_divisions");

@@ -1,0 +1,278 @@
+/* Expandable segments (expandable_segments:True), torch's answer to
+ * fragmentation. Instead of segments sized for the request that created
+ * them, a pool owns one reserved range of address space and maps pages of
+ * physical memory at the end of what it uses, so the free block at the end
+ * grows into a bigger one rather than a new segment beside it. Free pages
+ * are unmapped when memory is short or the cache is emptied (the caller
+ * synchronizes first: unmapping does not wait for queued work).
+ *
+ * torch keeps one expandable segment per stream and pool; npualloc has no
+ * per-allocation stream, so it keeps one per pool of each device. Stats
+ * follow torch: reserved_bytes moves with mapped bytes, and the segment and
+ * inactive_split stats leave expandable segments out; num_device_alloc and
+ * num_device_free count pages (one physical allocation each) where torch
+ * counts map and unmap calls, so that they match the runtime's count of
+ * physical allocations and balance once everything is unmapped. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+static npa_pool *pool_of(npa_device *d, const npa_block *b) { return b->is_small ? &d->small : &d->large; }
+
+static npa_block *first_block(const npa_device *d, const npa_expandable *es) {
+    return d->segments.items[npa_segments_find(&d->segments, es->base)].first;
+}
+
+/* A reservation of 1 1/8 of the memory the device allows, as torch_npu:
+ * pages unmapped in the middle (after an OOM) can leave holes too small for
+ * a request, which then needs room past them. NULL with vmm_refused set when
+ * the device refuses; NULL alone when host memory ran out. */
+static npa_expandable *reserve(npa_allocator *a, npa_device *d, npa_pool *pool) {
+    size_t page_size = pool->is_small ? NPA_SMALL_BUFFER : NPA_LARGE_BUFFER;
+    size_t allowed = d->allowed_bytes;
+    if (allowed == 0) { /* the device's size is unknown: nothing to size the range by */
+        pool->vmm_refused = true;
+        return NULL;
+    }
+    size_t wanted = allowed + allowed / 8;
+    size_t page_count = wanted / page_size + (wanted % page_size != 0);
+    npa_expandable *es = calloc(1, sizeof *es);
+    void **pages = calloc(page_count, sizeof *pages);
+    npa_block *whole = npa_slab_get(&d->slab);
+    void *base = NULL;
+    if (!es || !pages || !whole) goto fail;
+    if (a->backend.va_reserve(a->backend.ctx, d->id, page_count * page_size, &base) != NPA_OK || !base) {
+        pool->vmm_refused = true;
+        goto fail;
+    }
+    whole->addr = (uintptr_t)base;
+    whole->size = page_count * page_size;
+    whole->is_small = pool->is_small;
+    whole->in_expandable = true;
+    whole->phase = NPA_PHASE_UNMAPPED;
+    npa_segment *seg = npa_segments_add(&d->segments, whole->addr, whole->size, whole);
+    if (!seg) {
+        a->backend.va_release(a->backend.ctx, d->id, base);
+        goto fail;
+    }
+    seg->expandable = es;
+    *es = (npa_expandable){.base = whole->addr, .page_size = page_size, .page_count = page_count, .pages = pages};
+    pool->expandable = es;
+    return es;
+fail:
+    free(es);
+    free(pages);
+    if (whole) npa_slab_put(&d->slab, whole);
+    return NULL;
+}
+
+static bool allocatable(const npa_block *b) {
+    return b && (b->phase == NPA_PHASE_FREE || b->phase == NPA_PHASE_UNMAPPED);
+}
+
+static bool has_room(const npa_block *b, size_t size) {
+    size_t bytes = 0;
+    for (; bytes < size && allocatable(b); b = b->next) bytes += b->size;
+    return bytes >= size;
+}
+
+/* torch's find_expandable_block: the lowest unmapped stretch (with the free
+ * block before it) where free and unmapped space together fit size; the
+ * lowest address keeps the segment one block as it refills. */
+static npa_block *find_candidate(npa_block *first, size_t size) {
+    for (npa_block *u = first; u; u = u->next) {
+        if (u->phase != NPA_PHASE_UNMAPPED) continue;
+        npa_block *c = allocatable(u->prev) ? u->prev : u;
+        if (has_room(c, size)) return c;
+    }
+    return NULL;
+}
+
+/* Maps pages [begin, end): all or none. */
+static bool map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_t begin, size_t end) {
+    for (size_t i = begin; i < end; i++) {
+        void *addr = (void *)(es->base + i * es->page_size);
+        if (a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size, &es->pages[i]) == NPA_OK) continue;
+        es->pages[i] = NULL;
+        while (i-- > begin) {
+            a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->pages[i]);
+            es->pages[i] = NULL;
+        }
+        return false;
+    }
+    return true;
+}
+
+/* torch's map_block: maps the pages covering the first size bytes of the
+ * unmapped block u, merges them with free neighbours and puts the result in
+ * the pool; NULL when the cap or the device refused. */
+static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es, npa_block *u, size_t size,
+                            bool *cap_hit) {
+    size_t pages = (size + es->page_size - 1) / es->page_size;
+    size_t bytes = pages * es->page_size; /* u spans whole pages, so bytes <= u->size */
+    size_t reserved = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current;
+    if (d->limit_bytes && (bytes > d->limit_bytes || reserved > d->limit_bytes - bytes)) {
+        *cap_hit = true;
+        return NULL;
+    }
+    npa_block *rest = bytes < u->size ? npa_slab_get(&d->slab) : NULL;
+    if (bytes < u->size && !rest) return NULL;
+    size_t begin = (u->addr - es->base) / es->page_size;
+    if (!map_pages(a, d, es, begin, begin + pages)) {
+        if (rest) npa_slab_put(&d->slab, rest);
+        return NULL;
+    }
+    uintptr_t addr = u->addr;
+    if (rest) {
+        *rest = (npa_block){.addr = u->addr + bytes, .size = u->size - bytes, .prev = u, .next = u->next,
+                            .phase = NPA_PHASE_UNMAPPED, .is_small = u->is_small, .in_expandable = true};
+        if (u->next) u->next->prev = rest;
+        u->next = rest;
+        u->size = bytes;
+    }
+    u->phase = NPA_PHASE_FREE;
+    npa_pool *pool = pool_of(d, u);
+    npa_block *b = u;
+    if (b->prev && b->prev->phase == NPA_PHASE_FREE) {
+        b = b->prev;
+        npa_pool_remove(pool, b);
+        npa_block_absorb(d, b, u);
+    }
+    if (b->next && b->next->phase == NPA_PHASE_FREE) {
+        npa_pool_remove(pool, b->next);
+        npa_block_absorb(d, b, b->next);
+    }
+    npualloc_device_stats *s = d->stats;
+    npa_stats_begin(d);
+    npa_pool_insert(pool, b);
+    npa_pool_stat_increase(s->reserved_bytes, b->is_small, (int64_t)bytes);
+    s->num_device_alloc += (int64_t)pages;
+    npa_stats_end(d);
+    npa_history_note(d, NPA_TRACE_SEGMENT_MAP, addr, bytes);
+    return b;
+}
+
+npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, bool *cap_hit) {
+    *cap_hit = false;
+    npa_expandable *es = pool->expandable ? pool->expandable : reserve(a, d, pool);
+    if (!es) return NULL;
+    npa_block *c = find_candidate(first_block(d, es), size);
+    if (!c) return NULL; /* the range has no room left: the OOM path unmaps free pages */
+    /* c is unmapped [-> ...], or free -> unmapped [-> ...]: map until c fits. */
+    if (c->phase == NPA_PHASE_UNMAPPED && !(c = map_block(a, d, es, c, c->size < size ? c->size : size, cap_hit)))
+        return NULL;
+    while (c->size < size) {
+        npa_block *next = c->next;
+        size_t missing = size - c->size;
+        if (!(c = map_block(a, d, es, next, next->size < missing ? next->size : missing, cap_hit))) return NULL;
+    }
+    npa_stats_begin(d);
+    npa_pool_remove(pool, c);
+    npa_stats_end(d);
+    return c;
+}
+
+size_t npa_expandable_reach(const npa_block *b) {
+    return b->size + (b->next && b->next->phase == NPA_PHASE_UNMAPPED ? b->next->size : 0);
+}
+
+/* The whole pages inside a free block, [*begin, *end) as page indices. */
+static bool whole_pages(const npa_expandable *es, const npa_block *b, size_t *begin, size_t *end) {
+    *begin = (b->addr - es->base + es->page_size - 1) / es->page_size;
+    *end = (b->addr + b->size - es->base) / es->page_size;
+    return *begin < *end;
+}
+
+bool npa_expandable_unmappable(const npa_device *d) {
+    const npa_expandable *all[] = {d->small.expandable, d->large.expandable};
+    for (size_t i = 0; i < 2; i++) {
+        if (!all[i]) continue;
+        size_t begin, end;
+        for (const npa_block *b = first_block(d, all[i]); b; b = b->next)
+            if (b->phase == NPA_PHASE_FREE && whole_pages(all[i], b, &begin, &end)) return true;
+    }
+    return false;
+}
+
+static npa_block *linked_after(npa_block *b, npa_block *n, uintptr_t addr, size_t size, npa_block_phase phase) {
+    *n = (npa_block){.addr = addr, .size = size, .prev = b, .next = b->next, .phase = (uint8_t)phase,
+                     .is_small = b->is_small, .in_expandable = true};
+    if (b->next) b->next->prev = n;
+    b->next = n;
+    return n;
+}
+
+/* torch's unmap_block: unmaps the whole pages inside the free block b; what
+ * is left of b on either side stays free. Returns the block now holding b's
+ * last byte, so the caller can walk on from it. */
+static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *es, npa_block *b) {
+    size_t begin, end;
+    if (!whole_pages(es, b, &begin, &end)) return b;
+    uintptr_t start = es->base + begin * es->page_size, stop = es->base + end * es->page_size;
+    uintptr_t b_end = b->addr + b->size;
+    bool keep_before = start > b->addr, keep_after = stop < b_end;
+    npa_block *hole = keep_before ? npa_slab_get(&d->slab) : b;
+    npa_block *after = keep_after ? npa_slab_get(&d->slab) : NULL;
+    if (!hole || (keep_after && !after)) { /* no host memory for the pieces: leave it mapped */
+        if (keep_before && hole) npa_slab_put(&d->slab, hole);
+        if (after) npa_slab_put(&d->slab, after);
+        return b;
+    }
+    npa_pool *pool = pool_of(d, b);
+    npualloc_device_stats *s = d->stats;
+    npa_stats_begin(d);
+    npa_pool_remove(pool, b);
+    npa_stats_end(d);
+    for (size_t i = begin; i < end; i++) {
+        a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->pages[i]);
+        es->pages[i] = NULL;
+    }
+    npa_stats_begin(d);
+    if (keep_after) npa_pool_insert(pool, linked_after(b, after, stop, b_end - stop, NPA_PHASE_FREE));
+    if (keep_before) {
+        linked_after(b, hole, start, stop - start, NPA_PHASE_UNMAPPED);
+        b->size = start - b->addr;
+        npa_pool_insert(pool, b);
+    } else {
+        b->size = stop - start;
+        b->phase = NPA_PHASE_UNMAPPED;
+    }
+    if (hole->prev && hole->prev->phase == NPA_PHASE_UNMAPPED) {
+        npa_block *lower = hole->prev;
+        npa_block_absorb(d, lower, hole);
+        hole = lower;
+    }
+    if (hole->next && hole->next->phase == NPA_PHASE_UNMAPPED) npa_block_absorb(d, hole, hole->next);
+    npa_pool_stat_decrease(s->reserved_bytes, hole->is_small, (int64_t)(stop - start));
+    s->num_device_free += (int64_t)(end - begin);
+    npa_stats_end(d);
+    npa_history_note(d, NPA_TRACE_SEGMENT_UNMAP, start, stop - start);
+    return keep_after ? after : hole;
+}
+
+static void release_range(npa_allocator *a, npa_device *d, size_t index) {
+    npa_segment *seg = &d->segments.items[index];
+    npa_expandable *es = seg->expandable;
+    npa_block *whole = seg->first;
+    pool_of(d, whole)->expandable = NULL;
+    a->backend.va_release(a->backend.ctx, d->id, (void *)es->base);
+    npa_segments_remove(&d->segments, index);
+    npa_slab_put(&d->slab, whole);
+    npa_expandable_forget(es);
+}
+
+void npa_expandable_release_free(npa_allocator *a, npa_device *d, size_t index) {
+    npa_expandable *es = d->segments.items[index].expandable;
+    npa_block *first = d->segments.items[index].first;
+    for (npa_block *b = first; b; b = b->next)
+        if (b->phase == NPA_PHASE_FREE) b = unmap_block(a, d, es, b);
+    /* torch's release_expandable_segment: nothing mapped, the range goes too
+     * (torch keeps a range that was never mapped; npualloc gives it back as
+     * well, so an emptied cache holds no address space either). */
+    if (first->phase == NPA_PHASE_UNMAPPED && !first->next) release_range(a, d, index);
+}
+
+void npa_expandable_forget(npa_expandable *es) {
+    free(es->pages);
+    free(es);
+}

@@ -1,0 +1,320 @@
+/* Expandable segments over the fake device's virtual memory: growth by
+ * pages at the end of a pool's one reserved range, merging with the free
+ * block there, reuse, best fit that spares the growable block, unmapping of
+ * free pages by empty_cache and by the OOM retry (each after one counted
+ * synchronize), torch's stats, frees inside the reserved range, snapshot
+ * views and trace events, and plain segments when the backend has no VMM.
+ *
+ * Device of 100 MiB: a range is 1 1/8 of it in whole pages, so the large
+ * pool reserves ceil(112.5 / 20) = 6 pages of 20 MiB, the small pool
+ * ceil(112.5 / 2) = 57 pages of 2 MiB. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+#define LARGE_RANGE (6 * 20 * MiB)
+#define SMALL_RANGE (57 * 2 * MiB)
+
+static void expandable_init(fixture *fx, size_t capacity, bool host_memory) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = true;
+    fake_init(&fx->fake, capacity, host_memory);
+    fx->fake.vmm = true;
+    fixture_start(fx, &config);
+}
+
+static void free_ok(fixture *fx, void *p) { CHECK_EQ(npa_free(fx->a, p, 0, NULL), NPA_FREE_OK); }
+
+/* The views of one visit, blocks of the first one kept. */
+typedef struct view_log {
+    size_t segments;
+    npa_segment_view first;
+    npa_block_view blocks[8];
+} view_log;
+
+static void log_view(const npa_segment_view *v, void *arg) {
+    view_log *log = arg;
+    if (log->segments++ == 0) {
+        log->first = *v;
+        size_t n = v->block_count < 8 ? v->block_count : 8;
+        memcpy(log->blocks, v->blocks, n * sizeof *v->blocks);
+    }
+}
+
+static view_log views_of(fixture *fx) {
+    view_log log;
+    memset(&log, 0, sizeof log);
+    npa_visit_segments(fx->a, 0, log_view, &log);
+    return log;
+}
+
+static void test_growth_by_pages_merges_with_tail(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, true);
+    /* 5 MiB maps one 20 MiB page at the start of the large range. */
+    char *a = alloc_exact(&fx, 0, 5 * MiB);
+    CHECK_EQ(fx.fake.va_reserves, 1);
+    CHECK_EQ(fx.fake.page_maps, 1);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_LARGE].current, 20 * MiB);
+    CHECK_EQ(s.num_device_alloc, 1);
+    CHECK_EQ(s.num_cache_misses, 1);
+
+    /* 30 MiB: the 15 MiB free tail plus one more page, so it starts right
+     * after a instead of in a segment of its own. */
+    char *b = alloc_exact(&fx, 0, 30 * MiB);
+    CHECK(b == a + 5 * MiB);
+    CHECK_EQ(fx.fake.page_maps, 2);
+    memset(a, 0xa5, 5 * MiB);
+    memset(b, 0x5a, 30 * MiB); /* crosses the page boundary at 20 MiB */
+    CHECK(a[5 * MiB - 1] == (char)0xa5 && b[0] == 0x5a && b[30 * MiB - 1] == 0x5a);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 40 * MiB);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 35 * MiB);
+    CHECK_EQ(s.num_device_alloc, 2);
+    /* torch counts no segment and no inactive split for expandable segments. */
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 40 * MiB);
+
+    /* Reuse: a's block comes back without a map. */
+    free_ok(&fx, a);
+    char *again = alloc_exact(&fx, 0, 5 * MiB);
+    CHECK(again == a);
+    CHECK_EQ(fx.fake.page_maps, 2);
+    CHECK_EQ(stats_of(&fx, 0).num_cache_hits, 1);
+
+    /* The snapshot shows the mapped part only, as one expandable segment. */
+    view_log log = views_of(&fx);
+    CHECK_EQ(log.segments, 1);
+    CHECK_EQ(log.first.is_expandable, 1);
+    CHECK_EQ(log.first.is_small, 0);
+    CHECK_EQ(log.first.address, (uintptr_t)a);
+    CHECK_EQ(log.first.total_size, 40 * MiB);
+    CHECK_EQ(log.first.allocated_size, 35 * MiB);
+    CHECK_EQ(log.first.block_count, 3);
+    CHECK_EQ(log.blocks[2].size, 5 * MiB);
+    CHECK_EQ(log.blocks[2].state, NPA_BLOCK_INACTIVE);
+
+    free_ok(&fx, again);
+    free_ok(&fx, b);
+    npa_empty_cache(fx.a, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_small_pool_pages(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, false);
+    char *p = alloc_exact(&fx, 0, 1000);
+    char *q = alloc_exact(&fx, 0, 1 * MiB);
+    CHECK(q == p + 1024); /* small blocks split at any 512-byte multiple */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_SMALL].current, 2 * MiB);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_LARGE].current, 0);
+    /* 1 MiB more needs the next page; the free 1023 KiB tail joins it. */
+    char *r = alloc_exact(&fx, 0, 1 * MiB);
+    CHECK(r == q + MiB);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_SMALL].current, 4 * MiB);
+    free_ok(&fx, p);
+    free_ok(&fx, q);
+    free_ok(&fx, r);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
+/* torch's best fit ranks the block before unmapped space by how far it can
+ * grow, so an equally fitting block elsewhere is taken first. */
+static void test_best_fit_spares_growable_block(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, false);
+    char *a = alloc_exact(&fx, 0, 4 * MiB);
+    char *b = alloc_exact(&fx, 0, 8 * MiB);
+    char *c = alloc_exact(&fx, 0, 2 * MiB);
+    CHECK(b == a + 4 * MiB && c == b + 8 * MiB); /* the free tail is 14..20 MiB */
+    free_ok(&fx, b);
+    char *d = alloc_exact(&fx, 0, 5 * MiB); /* 6 MiB tail and 8 MiB hole both fit */
+    CHECK(d == b);
+    free_ok(&fx, a);
+    free_ok(&fx, c);
+    free_ok(&fx, d);
+    fixture_destroy(&fx);
+}
+
+static void test_empty_cache_unmaps_free_pages(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, true);
+    char *a = alloc_exact(&fx, 0, 5 * MiB);
+    char *b = alloc_exact(&fx, 0, 30 * MiB);
+    /* Nothing to unmap: no synchronize. */
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(fx.fake.page_unmaps, 0);
+
+    /* b's 30 MiB and the 5 MiB tail merge into 5..40 MiB: only the page at
+     * 20..40 is whole, the first page keeps a. */
+    free_ok(&fx, b);
+    npa_empty_cache(fx.a, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(s.num_sync_all_streams, 1);
+    CHECK_EQ(fx.fake.page_unmaps, 1);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 20 * MiB);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].peak, 40 * MiB);
+    CHECK_EQ(s.num_device_free, 1);
+    CHECK_EQ(fake_used(&fx.fake, 0), 20 * MiB);
+    CHECK(a[0] == 0 && a[5 * MiB - 1] == 0); /* a's page stayed mapped */
+    view_log log = views_of(&fx);
+    CHECK_EQ(log.segments, 1);
+    CHECK_EQ(log.first.total_size, 20 * MiB);
+    CHECK_EQ(log.first.block_count, 2);
+    CHECK_EQ(log.blocks[1].size, 15 * MiB);
+
+    /* Growing again fills from the free block: 35 MiB lands where b was. */
+    char *c = alloc_exact(&fx, 0, 35 * MiB);
+    CHECK(c == b);
+    CHECK_EQ(stats_of(&fx, 0).num_device_alloc, 3);
+    free_ok(&fx, c);
+
+    /* All free: every page goes and so does the range. */
+    free_ok(&fx, a);
+    npa_empty_cache(fx.a, 0);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.num_device_alloc, 3);
+    CHECK_EQ(s.num_device_free, 3);
+    CHECK_EQ(s.num_sync_all_streams, 2);
+    CHECK_EQ(fx.fake.va_releases, 1);
+    CHECK_EQ(fx.fake.page_count, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    CHECK_EQ(views_of(&fx).segments, 0);
+    /* The next allocation reserves a new range. */
+    free_ok(&fx, alloc_exact(&fx, 0, 5 * MiB));
+    CHECK_EQ(fx.fake.va_reserves, 2);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
+/* The small pool's free pages are what the large pool needs: the OOM retry
+ * synchronizes, unmaps them and maps again. */
+static void test_oom_retry_unmaps_free_pages(void) {
+    fixture fx;
+    expandable_init(&fx, 60 * MiB, false);
+    void *small[20];
+    for (int i = 0; i < 20; i++) small[i] = alloc_exact(&fx, 0, 1 * MiB); /* two per 2 MiB page */
+    for (int i = 0; i < 20; i++) free_ok(&fx, small[i]);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_SMALL].current, 20 * MiB);
+
+    /* 50 MiB needs three 20 MiB pages; the third does not fit beside the
+     * small pool's 20 MiB, so the first two are undone, then the retry. */
+    void *big = alloc_exact(&fx, 0, 50 * MiB);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.num_sync_all_streams, 1);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_SMALL].current, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_LARGE].current, 60 * MiB);
+    CHECK_EQ(fx.fake.page_maps, 10 + 3 + 3);
+    CHECK_EQ(fx.fake.page_unmaps, 2 + 10);
+    CHECK_EQ(s.num_device_alloc, 10 + 3); /* pages undone within a failed map are not counted */
+    CHECK_EQ(s.num_device_free, 10);
+    /* The small range, all unmapped, and the large one, left empty by the
+     * failed map, went back; the retry reserved the large one again. */
+    CHECK_EQ(fx.fake.va_releases, 2);
+    CHECK_EQ(fx.fake.va_reserves, 3);
+    free_ok(&fx, big);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    fixture_destroy(&fx);
+}
+
+static void test_frees_inside_the_range(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, false);
+    char *a = alloc_exact(&fx, 0, 5 * MiB);
+    CHECK_EQ(npa_free(fx.a, a + 512, 0, NULL), NPA_FREE_INVALID);          /* interior */
+    CHECK_EQ(npa_free(fx.a, a + 6 * MiB, 0, NULL), NPA_FREE_INVALID);      /* free, mapped */
+    CHECK_EQ(npa_free(fx.a, a + 50 * MiB, 0, NULL), NPA_FREE_INVALID);     /* reserved, unmapped */
+    CHECK_EQ(npa_free(fx.a, a + LARGE_RANGE - 1, 0, NULL), NPA_FREE_INVALID);
+    CHECK_EQ(npa_free(fx.a, a + LARGE_RANGE, 0, NULL), NPA_FREE_NOT_OURS); /* past the range */
+    free_ok(&fx, a);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_INVALID); /* double free */
+    CHECK_EQ(stats_of(&fx, 0).num_invalid_frees, 5);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_NOT_OURS); /* the range is gone */
+    fixture_destroy(&fx);
+}
+
+typedef struct trace_log {
+    size_t count;
+    npa_trace_view entries[16];
+} trace_log;
+
+static void log_trace(const npa_trace_view *e, void *arg) {
+    trace_log *log = arg;
+    if (log->count < 16) log->entries[log->count] = *e;
+    log->count++;
+}
+
+static void test_trace_records_map_and_unmap(void) {
+    fixture fx;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = true;
+    config.record_history = 16;
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, &config);
+    char *a = alloc_exact(&fx, 0, 25 * MiB);
+    free_ok(&fx, a);
+    npa_empty_cache(fx.a, 0);
+    trace_log log = {0};
+    npa_visit_trace(fx.a, 0, log_trace, &log);
+    /* map, alloc, free_requested, free_completed, unmap: no segment_alloc/free */
+    CHECK_EQ(log.count, 5);
+    CHECK_EQ(log.entries[0].action, NPA_TRACE_SEGMENT_MAP);
+    CHECK_EQ(log.entries[0].addr, (uintptr_t)a);
+    CHECK_EQ(log.entries[0].size, 40 * MiB);
+    CHECK_EQ(log.entries[1].action, NPA_TRACE_ALLOC);
+    CHECK_EQ(log.entries[4].action, NPA_TRACE_SEGMENT_UNMAP);
+    CHECK_EQ(log.entries[4].addr, (uintptr_t)a);
+    CHECK_EQ(log.entries[4].size, 40 * MiB);
+    fixture_destroy(&fx);
+}
+
+/* No VMM in the backend: expandable_segments asks in vain, plain segments. */
+static void test_without_vmm_plain_segments(void) {
+    fixture fx;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = true;
+    fixture_init(&fx, 100 * MiB, &config);
+    void *a = alloc_exact(&fx, 0, 5 * MiB);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    CHECK_EQ(fx.fake.va_reserves, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 20 * MiB);
+    CHECK_EQ(views_of(&fx).first.is_expandable, 0);
+    free_ok(&fx, a);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_growth_by_pages_merges_with_tail);
+    RUN(test_small_pool_pages);
+    RUN(test_best_fit_spares_growable_block);
+    RUN(test_empty_cache_unmaps_free_pages);
+    RUN(test_oom_retry_unmaps_free_pages);
+    RUN(test_frees_inside_the_range);
+    RUN(test_trace_records_map_and_unmap);
+    RUN(test_without_vmm_plain_segments);
+    return check_report();
+}

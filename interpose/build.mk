@@ -61,10 +61,13 @@ $(NPA_EXPORTS_STRESS): interpose/tests/preload/exports_stress.c $(SIM_LIB64)/lib
 	$(CC) $(NPA_CFLAGS) -o $@ $< -L$(SIM_LIB64) -lascendcl -Wl,-rpath,$(abspath $(SIM_LIB64)) -ldl $(LDFLAGS_BASE)
 
 NPA_SAN_RUNTIME = $(if $(SANLIB),$(shell $(CC) -print-file-name=$(SANLIB)))
+# Twice: plain segments, then expandable ones (the hook layer's VMM calls).
 exports-stress: $(NPA_LIB) $(NPA_EXPORTS_STRESS)
-	@echo "== $(NPA_EXPORTS_STRESS)"
-	LD_PRELOAD="$(NPA_SAN_RUNTIME) $(abspath $(NPA_LIB))" NPUSIM_MALLOC_US=0 NPUSIM_FREE_US=0 \
-	    $(NPA_EXPORTS_STRESS) $(STRESS_OPS)
+	@set -e; for conf in "" expandable_segments:True; do \
+	    echo "== $(NPA_EXPORTS_STRESS) $$conf"; \
+	    PYTORCH_NPU_ALLOC_CONF="$$conf" LD_PRELOAD="$(NPA_SAN_RUNTIME) $(abspath $(NPA_LIB))" \
+	        NPUSIM_MALLOC_US=0 NPUSIM_FREE_US=0 $(NPA_EXPORTS_STRESS) $(STRESS_OPS); \
+	done
 
 ctest: ctest-core exports-stress
 

@@ -57,6 +57,13 @@ typedef enum npa_fn {
     NPA_FN_aclrtRecordEvent,
     NPA_FN_aclrtQueryEventStatus,
     NPA_FN_aclrtDestroyEvent,
+    /* The virtual memory API, for expandable segments (optional). */
+    NPA_FN_aclrtReserveMemAddress,
+    NPA_FN_aclrtReleaseMemAddress,
+    NPA_FN_aclrtMallocPhysical,
+    NPA_FN_aclrtFreePhysical,
+    NPA_FN_aclrtMapMem,
+    NPA_FN_aclrtUnmapMem,
     NPA_FN_COUNT
 } npa_fn;
 
@@ -70,6 +77,8 @@ static inline void *npa_real(npa_fn fn)
     return NPA_LIKELY(p != NULL) ? p : npa_real_slow(fn);
 }
 #define NPA_REAL(name) ((__typeof__(&name))npa_real(NPA_FN_##name))
+/* The same for a function an older runtime may lack: NULL without a warning. */
+void *npa_real_optional(npa_fn fn);
 /* The error a call returns when the runtime cannot be found. */
 int npa_no_runtime_error(npa_fn fn);
 

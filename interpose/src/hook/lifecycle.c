@@ -163,6 +163,77 @@ static npualloc_device_stats *be_stats_storage(void *ctx, int device)
     return npa_region_device_stats(device);
 }
 
+/* Virtual memory, for expandable segments: torch_npu's calls. A page is one
+ * physical allocation of HBM huge pages mapped at its address, so any page
+ * can be unmapped alone. */
+static npa_error be_va_reserve(void *ctx, int device, size_t size, void **base)
+{
+    (void)ctx;
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = NPA_REAL(aclrtReserveMemAddress)(base, size, 0, NULL, 0);
+    npa_device_leave(&sw);
+    if (err != ACL_SUCCESS)
+        npa_warn_once("aclrtReserveMemAddress failed on device %d (error %d): it uses plain segments instead of "
+                      "expandable ones",
+                      device, err);
+    return err;
+}
+
+static npa_error be_page_map(void *ctx, int device, void *addr, size_t size, void **handle)
+{
+    (void)ctx;
+    aclrtPhysicalMemProp prop = {
+        .handleType = ACL_MEM_HANDLE_TYPE_NONE,
+        .allocationType = ACL_MEM_ALLOCATION_TYPE_PINNED,
+        .memAttr = ACL_HBM_MEM_HUGE,
+        .location = {.id = (uint32_t)device, .type = ACL_MEM_LOCATION_TYPE_DEVICE},
+    };
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    aclrtDrvMemHandle physical = NULL;
+    err = NPA_REAL(aclrtMallocPhysical)(&physical, size, &prop, 0);
+    if (err == ACL_SUCCESS) {
+        err = NPA_REAL(aclrtMapMem)(addr, size, 0, physical, 0);
+        if (err == ACL_SUCCESS)
+            *handle = physical;
+        else
+            NPA_REAL(aclrtFreePhysical)(physical);
+    }
+    npa_device_leave(&sw);
+    return err;
+}
+
+static npa_error be_page_unmap(void *ctx, int device, void *addr, void *handle)
+{
+    (void)ctx;
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = NPA_REAL(aclrtUnmapMem)(addr);
+    if (err == ACL_SUCCESS) /* a still-mapped handle cannot be freed */
+        err = NPA_REAL(aclrtFreePhysical)(handle);
+    npa_device_leave(&sw);
+    return err;
+}
+
+static npa_error be_va_release(void *ctx, int device, void *base)
+{
+    (void)ctx;
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = NPA_REAL(aclrtReleaseMemAddress)(base);
+    npa_device_leave(&sw);
+    return err;
+}
+
 static const npa_backend backend = {
     .ctx = NULL,
     .raw_malloc = be_raw_malloc,
@@ -177,6 +248,31 @@ static const npa_backend backend = {
 
 /* ---- init ----------------------------------------------------------------- */
 
+/* The backend for the config: with the virtual memory calls when expandable
+ * segments are asked for and the runtime has them all. */
+static npa_backend backend_for(const npa_config *c)
+{
+    npa_backend b = backend;
+    if (!c->expandable_segments)
+        return b;
+    static const npa_fn vmm[] = {NPA_FN_aclrtReserveMemAddress, NPA_FN_aclrtReleaseMemAddress,
+                                 NPA_FN_aclrtMallocPhysical,    NPA_FN_aclrtFreePhysical,
+                                 NPA_FN_aclrtMapMem,            NPA_FN_aclrtUnmapMem};
+    for (size_t i = 0; i < sizeof(vmm) / sizeof(vmm[0]); i++) {
+        if (npa_real_optional(vmm[i]) == NULL) {
+            npa_warn_once("expandable_segments:True needs the runtime's virtual memory API "
+                          "(aclrtReserveMemAddress, aclrtMallocPhysical, aclrtMapMem, ...), which it lacks; "
+                          "plain segments are used");
+            return b;
+        }
+    }
+    b.va_reserve = be_va_reserve;
+    b.page_map = be_page_map;
+    b.page_unmap = be_page_unmap;
+    b.va_release = be_va_release;
+    return b;
+}
+
 npa_allocator *npa_hook_init(void)
 {
     if (npa_hook_disabled())
@@ -186,7 +282,8 @@ npa_allocator *npa_hook_init(void)
     if (a == NULL && state == ST_UNINIT) {
         const npa_config *c = npa_hook_config();
         npa_region_get(); /* before the core asks where its stats live */
-        a = npa_create(&backend, c);
+        npa_backend b = backend_for(c);
+        a = npa_create(&b, c);
         if (a != NULL) {
             char canonical[NPUALLOC_CONFIG_LEN];
             npa_config_format(c, canonical, sizeof(canonical));

@@ -37,6 +37,8 @@ static const struct {
     ACL(aclrtCreateStream), ACL(aclrtDestroyStream), NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
     NNOP(aclDestroyAclOpExecutor), ACL(aclrtGetDevice), ACL(aclrtSynchronizeDevice), ACL(aclrtGetMemInfo),
     ACL(aclrtCreateEvent), ACL(aclrtRecordEvent), ACL(aclrtQueryEventStatus), ACL(aclrtDestroyEvent),
+    ACL(aclrtReserveMemAddress), ACL(aclrtReleaseMemAddress), ACL(aclrtMallocPhysical), ACL(aclrtFreePhysical),
+    ACL(aclrtMapMem), ACL(aclrtUnmapMem),
 #undef ACL
 #undef NNOP
 };
@@ -182,6 +184,24 @@ static void *resolve(npa_fn fn)
     return NULL;
 }
 
+/* Caches what resolve found (the first finder wins). */
+static void *remember(npa_fn fn, void *p)
+{
+    void *expected = NULL;
+    if (!atomic_compare_exchange_strong_explicit(&npa_real_fns[fn], &expected, p, memory_order_acq_rel,
+                                                 memory_order_acquire))
+        p = expected; /* another thread (or a handle lookup) got there first */
+    return p;
+}
+
+void *npa_real_optional(npa_fn fn)
+{
+    void *p = atomic_load_explicit(&npa_real_fns[fn], memory_order_acquire);
+    if (p == NULL && (p = resolve(fn)) != NULL)
+        p = remember(fn, p);
+    return p;
+}
+
 void *npa_real_slow(npa_fn fn)
 {
     void *p = resolve(fn);
@@ -197,11 +217,7 @@ void *npa_real_slow(npa_fn fn)
                           npa_no_runtime_error(fn));
         return NULL;
     }
-    void *expected = NULL;
-    if (!atomic_compare_exchange_strong_explicit(&npa_real_fns[fn], &expected, p, memory_order_acq_rel,
-                                                 memory_order_acquire))
-        p = expected; /* another thread (or a handle lookup) got there first */
-    return p;
+    return remember(fn, p);
 }
 
 int npa_no_runtime_error(npa_fn fn)

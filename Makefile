@@ -25,7 +25,7 @@ include tools/replay/build.mk
 # The test environment: pytest and the runtime deps, in a venv of our own so
 # nothing has to be installed by hand on a fresh machine.
 VENV_STAMP := $(VENV)/.npualloc-deps
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml tests/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
 	touch $@

@@ -89,8 +89,13 @@ def test_demo_table_and_bench_trace_row_render():
     tiny = str(ROOT / "tools" / "traces" / "tiny.pickle.gz")
     npa = bench.replay_trace(BUILD, tiny, latency=True)
     raw = bench.replay_trace(BUILD, tiny, raw=True, latency=True)
+    expandable = bench.replay_trace(BUILD, tiny, latency=True, conf=bench.EXPANDABLE)
     row = {"trace": "tiny", "events": npa["replay"]["events"], "iterations": npa["iterations"], "raw": raw["replay"],
-           "npualloc": npa["replay"], "reserved_over_requested": npa["reserved_over_requested"],
+           "npualloc": npa["replay"], "expandable": expandable["replay"],
+           "reserved_over_requested": npa["reserved_over_requested"],
+           "expandable_reserved_over_requested": expandable["reserved_over_requested"],
            "replay_events_per_second": 1e6}
     assert raw["replay"]["raw_mallocs"] == npa["allocs"] and npa["replay"]["raw_mallocs"] < raw["replay"]["raw_mallocs"]
-    assert bench.traces_markdown([row])[-1].startswith("| tiny | ")
+    rendered = bench.traces_markdown([row])[-1]
+    assert rendered.startswith("| tiny | ")
+    assert f"{npa['reserved_over_requested']:.3f} / {expandable['reserved_over_requested']:.3f}" in rendered

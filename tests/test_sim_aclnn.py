@@ -7,23 +7,9 @@ import signal
 import textwrap
 
 from conftest import run_python, sim_env
+from sim_programs import DEVICE_BUFFERS
 
-PRELUDE = """\
-import time
-import acl, aclsim
-def ok(ret):
-    assert ret == 0, ret
-D2H = 2
-ok(acl.init()); ok(acl.rt.set_device(0))
-ops = aclsim.Ops()
-def dev(size, value=0):
-    p, ret = acl.rt.malloc(size, 0); ok(ret)
-    ok(acl.rt.memset(p, size, value, size))
-    return p
-def read(p, size):
-    out = bytearray(size)
-    ok(acl.rt.memcpy(acl.util.bytes_to_ptr(out), size, p, size, D2H))
-    return bytes(out)
+PRELUDE = "import time\n" + DEVICE_BUFFERS + """\
 WS = ops.WORKSPACE_BYTES
 """
 

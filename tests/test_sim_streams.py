@@ -6,23 +6,9 @@ from __future__ import annotations
 import textwrap
 
 from conftest import run_python, sim_env
+from sim_programs import DEVICE_BUFFERS
 
-PRELUDE = """\
-import time
-import acl, aclsim
-def ok(ret):
-    assert ret == 0, ret
-D2H, H2D, D2D = 2, 1, 3
-ok(acl.init()); ok(acl.rt.set_device(0))
-ops = aclsim.Ops()
-def dev(size, value=0):
-    p, ret = acl.rt.malloc(size, 0); ok(ret)
-    ok(acl.rt.memset(p, size, value, size))
-    return p
-def read(p, size):
-    out = bytearray(size)
-    ok(acl.rt.memcpy(acl.util.bytes_to_ptr(out), size, p, size, D2H))
-    return bytes(out)
+PRELUDE = "import time\n" + DEVICE_BUFFERS + """\
 def fill(dst, size, value, stream=0, ws=None):
     ws = ws or dev(ops.WORKSPACE_BYTES)
     n, ex, st = ops.fill_get_workspace_size(dst, size, value); ok(st)

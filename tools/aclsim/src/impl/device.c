@@ -149,9 +149,9 @@ SIM_EXPORT aclError simrt_GetDeviceCount(uint32_t *count)
     return ACL_SUCCESS;
 }
 
-SIM_EXPORT aclError simrt_SynchronizeDevice(void)
+aclError sim_synchronize_current_device(enum sim_api api)
 {
-    sim_count(SIM_API_aclrtSynchronizeDevice);
+    sim_count(api);
     int32_t id;
     aclError ret = sim_current_device(&id);
     if (ret != ACL_SUCCESS)
@@ -160,4 +160,9 @@ SIM_EXPORT aclError simrt_SynchronizeDevice(void)
     sim_device_wait_idle(sim_device(id));
     pthread_mutex_unlock(&sim_lock);
     return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_SynchronizeDevice(void)
+{
+    return sim_synchronize_current_device(SIM_API_aclrtSynchronizeDevice);
 }

@@ -173,18 +173,29 @@ SIM_EXPORT aclError simrt_QueryEvent(aclrtEvent event, aclrtEventStatus *status)
     return ret;
 }
 
-SIM_EXPORT aclError simrt_SynchronizeEvent(aclrtEvent event)
+/* Counts api and, after aclInit, takes the lock with a live event in *ev;
+ * on an error the lock is not held. */
+static aclError lock_live_event(enum sim_api api, aclrtEvent event, struct sim_event **ev)
 {
-    sim_count(SIM_API_aclrtSynchronizeEvent);
+    sim_count(api);
     aclError ret = sim_require_init();
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
-    struct sim_event *ev = event;
-    if (!is_live(ev)) {
+    *ev = event;
+    if (!is_live(*ev)) {
         pthread_mutex_unlock(&sim_lock);
         return ACL_ERROR_RT_PARAM_INVALID;
     }
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_SynchronizeEvent(aclrtEvent event)
+{
+    struct sim_event *ev;
+    aclError ret = lock_live_event(SIM_API_aclrtSynchronizeEvent, event, &ev);
+    if (ret != ACL_SUCCESS)
+        return ret;
     uint64_t target = ev->record_seq;
     ev->refs++; /* stays readable if destroyed by another thread meanwhile */
     while (ev->done_seq < target)
@@ -197,16 +208,10 @@ SIM_EXPORT aclError simrt_SynchronizeEvent(aclrtEvent event)
 /* A destroyed event with records still queued is released once they ran. */
 SIM_EXPORT aclError simrt_DestroyEvent(aclrtEvent event)
 {
-    sim_count(SIM_API_aclrtDestroyEvent);
-    aclError ret = sim_require_init();
+    struct sim_event *ev;
+    aclError ret = lock_live_event(SIM_API_aclrtDestroyEvent, event, &ev);
     if (ret != ACL_SUCCESS)
         return ret;
-    pthread_mutex_lock(&sim_lock);
-    struct sim_event *ev = event;
-    if (!is_live(ev)) {
-        pthread_mutex_unlock(&sim_lock);
-        return ACL_ERROR_RT_PARAM_INVALID;
-    }
     ev->magic = EVENT_DEAD;
     if (ev->refs == 0)
         recycle(ev);

@@ -157,6 +157,8 @@ void sim_stream_wait_idle(struct sim_stream *s);          /* lock held */
 /* Drains, stops and frees a stream. Lock held; released while joining. */
 void sim_stream_destroy(struct sim_stream *s);
 void sim_device_wait_idle(struct sim_device *d);          /* lock held */
+/* Counts api, then waits for every stream of the calling thread's device. */
+aclError sim_synchronize_current_device(enum sim_api api);
 
 /* ---- events (event.c), lock held ---- */
 void sim_event_task_done(struct sim_event *ev, uint64_t seq);

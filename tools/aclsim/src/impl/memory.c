@@ -116,15 +116,8 @@ SIM_EXPORT aclError simrt_Free(void *devPtr)
 
 SIM_EXPORT aclError simrt_FreeWithDevSync(void *devPtr)
 {
-    sim_count(SIM_API_aclrtFreeWithDevSync);
-    int32_t id;
-    aclError ret = sim_current_device(&id);
-    if (ret != ACL_SUCCESS)
-        return ret;
-    pthread_mutex_lock(&sim_lock);
-    sim_device_wait_idle(sim_device(id));
-    pthread_mutex_unlock(&sim_lock);
-    return device_free(devPtr);
+    aclError ret = sim_synchronize_current_device(SIM_API_aclrtFreeWithDevSync);
+    return ret != ACL_SUCCESS ? ret : device_free(devPtr);
 }
 
 /* The sim has one memory pool per device. HBM and DDR attributes (plain, huge

@@ -82,3 +82,30 @@ def test_preloaded_aclrtmalloc_wins_over_pyacl(tmp_path):
         assert ctypes.c_int.in_dll(probe, "probe_mallocs").value == 1   # the interposer saw it
         assert aclsim.call_count("aclrtMalloc") == 1                    # and forwarded once, no recursion
     """, env)
+
+
+def test_numpy_helpers_share_memory_and_round_trip_through_the_device():
+    pytest.importorskip("numpy")
+    run_python("""
+        import acl, numpy as np
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        host_in = np.arange(12, dtype=np.float32).reshape(3, 4)
+        dev, ret = acl.rt.malloc(host_in.nbytes, 0); assert ret == 0
+        assert acl.rt.memcpy(dev, host_in.nbytes, acl.util.numpy_to_ptr(host_in), host_in.nbytes, 1) == 0
+        out = bytearray(host_in.nbytes)
+        out_ptr = acl.util.bytes_to_ptr(out)
+        assert acl.rt.memcpy(out_ptr, host_in.nbytes, dev, host_in.nbytes, 2) == 0
+        view = acl.util.ptr_to_numpy(out_ptr, (3, 4), 11)     # 11: NPY_FLOAT32
+        assert view.dtype == np.float32 and view.shape == (3, 4)
+        assert (view == host_in).all()
+        view[0, 0] = 42.0                                      # a view, not a copy: the buffer changes
+        assert np.frombuffer(bytes(out), dtype=np.float32)[0] == 42.0
+        for bad in ((0, (1,), 11), (out_ptr, (1,), 99)):
+            try:
+                acl.util.ptr_to_numpy(*bad)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError(f"accepted {bad}")
+        assert acl.rt.free(dev) == 0
+    """, sim_env())

@@ -16,9 +16,9 @@ import acl
 from aclsim import aclsim
 assert acl.init() == 0 and acl.rt.set_device(0) == 0
 ops = aclsim.Ops()
-two_streams = sys.argv[1] == "two"
-sa, ret = acl.rt.create_stream() if two_streams else (0, 0)
-sb, ret = acl.rt.create_stream() if two_streams else (0, 0)
+mode = sys.argv[1]  # "two": streams A and B; "one": the default stream; "late": B made after the free
+sa, ret = acl.rt.create_stream() if mode == "two" else (0, 0)
+sb, ret = acl.rt.create_stream() if mode == "two" else (0, 0)
 N = 1 << 16
 src, _ = acl.rt.malloc(N, 0)
 dst, _ = acl.rt.malloc(N, 0)
@@ -31,6 +31,9 @@ aclsim.set_op_duration_us(0)
 fill_ws, _ = acl.rt.malloc(ws_size, 0)
 assert ops.copy(ws, ws_size, copy_ex, sa) == 0
 assert acl.rt.free(src) == 0  # the copy has not read it yet
+if mode == "late":
+    other, _ = acl.rt.malloc(4 << 20, 0)  # the program goes on allocating (another pool) before it makes a stream
+    sb, ret = acl.rt.create_stream(); assert ret == 0
 src2, _ = acl.rt.malloc(N, 0)  # same size, for stream B
 ws2_size, fill_ex, st = ops.fill_get_workspace_size(src2, N, ord("B")); assert st == 0
 assert ops.fill(fill_ws, ws2_size, fill_ex, sb) == 0
@@ -66,3 +69,10 @@ def test_auto_is_eager_on_the_default_stream_alone():
 
 def test_safe_fences_on_the_default_stream_too():
     assert hazard("safe", "one") == {"reused": False, "corrupted": False}
+
+
+def test_auto_stays_safe_when_the_first_stream_comes_after_an_eager_free():
+    """With the default stream alone a free is reusable at once; the first
+    stream created must not let that block reach work on the new stream while
+    default-stream work queued before the free still reads it."""
+    assert hazard("auto", "late") == {"reused": True, "corrupted": False}

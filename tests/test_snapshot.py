@@ -125,7 +125,7 @@ def remote_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
         # The command is applied at the start of the trigger's malloc: the snapshot comes before it.
         done = _cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(output)], "malloc(512)")
         assert done.returncode == 0, done.stderr
-        assert done.stdout == f"process {w.pid}: snapshot written to {output} (3 segments, 9 trace events)\n"
+        assert done.stdout == f"process {w.pid}: snapshot written to {output} (3 segments, 10 trace events)\n"
         assert not list(tmp_path.glob("npualloc.*.snapshot.*"))  # the hand-over file was removed
         with pytest.MonkeyPatch.context() as env:
             env.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
@@ -140,14 +140,16 @@ def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) ->
     _check_against_allocations(snapshot, live, freed)
     [trace] = snapshot["device_traces"]
     # Recording began at the free of the 4096 B block (whose call applied the
-    # command); the free of the 1000 B block is still pending at snapshot time.
+    # command). The process has no stream of its own, so (reuse_policy auto)
+    # each free completes at once.
     assert [e["action"] for e in trace] == ["free_requested", "free_completed", "segment_alloc", "alloc", "alloc",
-                                            "alloc", "segment_alloc", "alloc", "free_requested"]
+                                            "alloc", "segment_alloc", "alloc", "free_requested", "free_completed"]
     assert [(e["addr"], e["size"]) for e in trace if e["action"] == "alloc"] == _in_order(live, freed)
     [(freed_address, freed_request)] = freed.items()
-    assert trace[-1] == {"action": "free_requested", "addr": freed_address, "size": freed_request, "stream": 0,
-                         "time_us": trace[-1]["time_us"], "frames": []}
-    assert _blocks(snapshot)[freed_address]["state"] == "active_pending_free"
+    assert trace[-2] == {"action": "free_requested", "addr": freed_address, "size": freed_request, "stream": 0,
+                         "time_us": trace[-2]["time_us"], "frames": []}
+    assert (trace[-1]["action"], trace[-1]["addr"]) == ("free_completed", freed_address)
+    assert _blocks(snapshot)[freed_address]["state"] == "inactive"
 
 
 def test_torch_memory_viz_reads_our_snapshots(remote_snapshot) -> None:
@@ -171,7 +173,7 @@ def test_torch_memory_viz_reads_our_snapshots(remote_snapshot) -> None:
     assert "stream_0;inactive;<non-python>" in by_state
 
     text = _memory_viz.trace(snapshot)
-    assert "Device 0 ----" in text and "9 entries" in text
+    assert "Device 0 ----" in text and "10 entries" in text
     assert text.count("= cudaMalloc(") == 2 and text.count("del ") == 2
 
     html = _memory_viz.trace_plot(snapshot)

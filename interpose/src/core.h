@@ -34,6 +34,9 @@ typedef struct npa_backend {
      * fence_record marks "everything queued so far on every live stream of the
      * device"; it returns NULL when no fence is needed right now (eager). */
     void *(*fence_record)(void *ctx, int device);
+    /* Optional: 0 when a free made now needs no fence (eager right now), so
+     * the block is reusable at once instead of waiting for the next poll. */
+    int (*fence_needed)(void *ctx, int device);
     int (*fence_done)(void *ctx, void *fence); /* 1 complete, 0 not yet; never blocks */
     void (*fence_release)(void *ctx, void *fence);
 

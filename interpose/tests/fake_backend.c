@@ -119,6 +119,15 @@ static npa_error fake_mem_get_info(void *ctx, int device, size_t *free_bytes, si
     return NPA_OK;
 }
 
+static int fake_fence_needed(void *ctx, int device) {
+    (void)device;
+    fake_backend *f = ctx;
+    pthread_mutex_lock(&f->lock);
+    int needed = !f->eager;
+    pthread_mutex_unlock(&f->lock);
+    return needed;
+}
+
 static void *fake_fence_record(void *ctx, int device) {
     (void)device;
     fake_backend *f = ctx;
@@ -254,6 +263,7 @@ npa_backend fake_iface(fake_backend *f) {
     }
     if (f->fences) {
         b.fence_record = fake_fence_record;
+        if (f->answers_fence_needed) b.fence_needed = fake_fence_needed;
         b.fence_done = fake_fence_done;
         b.fence_release = fake_fence_release;
     }

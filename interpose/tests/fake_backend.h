@@ -44,6 +44,7 @@ typedef struct fake_backend {
      * completed_epoch reaches it, or after auto_complete_polls queries. */
     bool fences;
     bool eager;                /* fence_record returns NULL (nothing queued) */
+    bool answers_fence_needed; /* offers fence_needed: !eager, asked at free time */
     unsigned long long recorded_epoch, completed_epoch;
     int auto_complete_polls;   /* 0: only explicit completion */
     long fence_records, fence_releases;

@@ -79,6 +79,31 @@ static void test_eager_fence_frees_at_next_poll(void) {
     fixture_destroy(&fx);
 }
 
+/* A backend that says at free time that no fence is needed (eager right
+ * now) gets the block back into its pool at once: no pending batch, no poll. */
+static void test_free_skips_the_batch_when_no_fence_is_needed(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.answers_fence_needed = true;
+    fx.fake.eager = true;
+    fixture_start(&fx, NULL);
+    void *p = alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0); /* freed now, not at the next poll */
+    CHECK_EQ(shape_of(&fx, 0).pending_blocks, 0);
+    CHECK(alloc_exact(&fx, 0, 1024) == p);
+
+    fx.fake.eager = false; /* a stream appeared: frees wait for their fence again */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    CHECK(alloc_exact(&fx, 0, 1024) != p);
+    CHECK_EQ(fx.fake.fence_records, 1);
+    fixture_destroy(&fx);
+}
+
 static void test_release_device_drains(void) {
     fixture fx;
     fixture_with_fences(&fx, GiB);
@@ -117,6 +142,7 @@ int main(void) {
     RUN(test_one_fence_per_batch);
     RUN(test_batches_complete_independently);
     RUN(test_eager_fence_frees_at_next_poll);
+    RUN(test_free_skips_the_batch_when_no_fence_is_needed);
     RUN(test_release_device_drains);
     RUN(test_oom_path_drains_pending);
     return check_report();

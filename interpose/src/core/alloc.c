@@ -290,7 +290,8 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (a->backend.fence_record) {
+    if (a->backend.fence_record &&
+        (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         b->phase = NPA_PHASE_PENDING;
         b->link = d->open_batch;
         d->open_batch = b;

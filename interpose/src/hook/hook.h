@@ -125,6 +125,7 @@ int npa_streams_live(void);                 /* created and not yet destroyed */
  * whatever the reuse policy (the executors need one always); NULL only when
  * the fence could not be recorded, after synchronizing the device instead. */
 void *npa_fence_record_always(int device);
+int npa_fence_needed(void *ctx, int device);    /* backend: honours reuse_policy */
 void *npa_fence_record(void *ctx, int device); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);

@@ -240,6 +240,7 @@ static const npa_backend backend = {
     .raw_free = be_raw_free,
     .synchronize = be_synchronize,
     .mem_get_info = be_mem_get_info,
+    .fence_needed = npa_fence_needed,
     .fence_record = npa_fence_record,
     .fence_done = npa_fence_done,
     .fence_release = npa_fence_release,

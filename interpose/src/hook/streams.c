@@ -44,9 +44,25 @@ static int push(void ***v, size_t *n, size_t *cap, void *item)
     return 0;
 }
 
+/* Under reuse_policy:auto a free made while no stream exists is reusable at
+ * once: the default stream runs in order. The first stream ends that, and
+ * work queued on the default stream before it may still read such a block
+ * when the new stream is handed it. One synchronize of every device in use
+ * closes the gap, once per switch from no stream to some. */
+static void settle_before_first_stream(void)
+{
+    if (npa_hook_config()->reuse_policy != NPA_REUSE_AUTO)
+        return;
+    unsigned seen = npa_devices_seen();
+    for (int device = 0; seen != 0; device++, seen >>= 1)
+        if (seen & 1u)
+            npa_hook_synchronize(device);
+}
+
 void npa_streams_add(int device, aclrtStream stream)
 {
-    atomic_fetch_add_explicit(&live_streams, 1, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_acq_rel) == 0)
+        settle_before_first_stream();
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return; /* counted for the auto policy; fences there fall back to a sync */
     dev_streams *d = &devs[device];
@@ -98,21 +114,10 @@ static void give_event(dev_streams *d, aclrtEvent ev)
     }
 }
 
-static void synchronize(int device)
-{
-    npa_devswitch sw;
-    if (npa_device_enter(device, &sw) != ACL_SUCCESS)
-        return;
-    __typeof__(&aclrtSynchronizeDevice) sync = NPA_REAL(aclrtSynchronizeDevice);
-    if (sync)
-        sync();
-    npa_device_leave(&sw);
-}
-
 void *npa_fence_record_always(int device)
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES) {
-        synchronize(device);
+        npa_hook_synchronize(device);
         return NULL;
     }
     __typeof__(&aclrtRecordEvent) record = NPA_REAL(aclrtRecordEvent);
@@ -157,22 +162,26 @@ void *npa_fence_record_always(int device)
     return f;
 }
 
-void *npa_fence_record(void *ctx, int device)
+int npa_fence_needed(void *ctx, int device)
 {
     (void)ctx;
+    (void)device;
     switch (npa_hook_config()->reuse_policy) {
     case NPA_REUSE_EAGER:
-        return NULL;
+        return 0;
     case NPA_REUSE_AUTO:
         /* Only the default stream exists: work on it runs in order, so a block
          * freed now is safe for whatever is queued after. */
-        if (npa_streams_live() == 0)
-            return NULL;
-        break;
+        return npa_streams_live() > 0;
     case NPA_REUSE_SAFE:
         break;
     }
-    return npa_fence_record_always(device);
+    return 1;
+}
+
+void *npa_fence_record(void *ctx, int device)
+{
+    return npa_fence_needed(ctx, device) ? npa_fence_record_always(device) : NULL;
 }
 
 int npa_fence_done(void *ctx, void *fence)

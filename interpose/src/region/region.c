@@ -35,7 +35,7 @@ enum region_state {
     REGION_FORKED,      /* forked child: the parent's region is forgotten, create ours at the next call */
 };
 
-static npualloc_region *_Atomic g_region;
+npualloc_region *_Atomic npa_region_current;
 static _Atomic int g_state = REGION_UNTRIED;
 /* Serialises creation, removal and config updates; never taken on the hot path. */
 static pthread_mutex_t g_create_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -187,7 +187,7 @@ static void forget_in_child(void)
 
 npualloc_region *npa_region_get(void)
 {
-    npualloc_region *r = atomic_load_explicit(&g_region, memory_order_acquire);
+    npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_acquire);
     if (r)
         return r;
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
@@ -195,7 +195,7 @@ npualloc_region *npa_region_get(void)
         return NULL;
 
     pthread_mutex_lock(&g_create_lock);
-    r = atomic_load_explicit(&g_region, memory_order_relaxed);
+    r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (!r && (state == REGION_UNTRIED || state == REGION_FORKED)) {
         r = stats_disabled() ? NULL : map_new_region();
@@ -209,7 +209,7 @@ npualloc_region *npa_region_get(void)
                 pthread_atfork(NULL, NULL, forget_in_child);
             }
             atomic_store_explicit(&g_state, REGION_LIVE, memory_order_relaxed);
-            atomic_store_explicit(&g_region, r, memory_order_release);
+            atomic_store_explicit(&npa_region_current, r, memory_order_release);
         } else {
             atomic_store_explicit(&g_state, REGION_OFF, memory_order_relaxed);
         }
@@ -240,7 +240,7 @@ void npa_region_set_config(const char *canonical)
         return;
     pthread_mutex_lock(&g_create_lock);
     copy_text(g_config, sizeof g_config, canonical);
-    npualloc_region *r = atomic_load_explicit(&g_region, memory_order_relaxed);
+    npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (r)
         copy_text(r->header.config, sizeof r->header.config, g_config);
     pthread_mutex_unlock(&g_create_lock);
@@ -316,14 +316,12 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t seq,
     return NPUALLOC_CMD_OK;
 }
 
-void npa_region_poll(npa_allocator *allocator)
+void npa_region_poll_slow(npa_allocator *allocator)
 {
     npualloc_region *r = npa_region_get();
-    if (!r || !allocator)
+    if (!r || !allocator || !npa_region_command_pending(r))
         return;
     npualloc_command *cmd = &r->command;
-    if (__atomic_load_n(&cmd->request_seq, __ATOMIC_RELAXED) == __atomic_load_n(&cmd->ack_seq, __ATOMIC_RELAXED))
-        return;
     if (pthread_mutex_trylock(&g_command_lock) != 0)
         return; /* another thread is applying it */
     uint64_t requested = __atomic_load_n(&cmd->request_seq, __ATOMIC_ACQUIRE);
@@ -358,7 +356,7 @@ void npa_region_forget_after_fork(void)
     /* A parent thread may have held these at fork time; it does not exist here. */
     pthread_mutex_init(&g_create_lock, NULL);
     pthread_mutex_init(&g_command_lock, NULL);
-    npualloc_region *r = atomic_load_explicit(&g_region, memory_order_relaxed);
+    npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (!r || g_owner_pid == getpid())
         return; /* nothing inherited, or already forgotten */
     /* Replace the shared mapping with private zero pages instead of
@@ -366,7 +364,7 @@ void npa_region_forget_after_fork(void)
      * stray pointer into it must not fault. The child's new allocator gets a
      * region of its own at its first call. */
     mmap(r, sizeof *r, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-    atomic_store_explicit(&g_region, NULL, memory_order_relaxed);
+    atomic_store_explicit(&npa_region_current, NULL, memory_order_relaxed);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     atomic_store_explicit(&g_state, state == REGION_LIVE ? REGION_FORKED : REGION_OFF, memory_order_relaxed);
 }

@@ -4,6 +4,8 @@
 #ifndef NPUALLOC_REGION_H
 #define NPUALLOC_REGION_H
 
+#include <stdatomic.h>
+
 #include "core.h"
 
 /* Creates the region on first use (idempotent, thread-safe). NULL when
@@ -13,9 +15,28 @@ npualloc_region *npa_region_get(void);
 npualloc_device_stats *npa_region_device_stats(int device);
 /* Records the config in force (canonical text) in the header. */
 void npa_region_set_config(const char *canonical);
-/* Called at every allocator entry: one relaxed load when no command is
- * pending; otherwise applies it to the allocator and acknowledges it. */
-void npa_region_poll(npa_allocator *allocator);
+/* The region once created; NULL before, after a fork, or when there is none. */
+extern npualloc_region *_Atomic npa_region_current;
+
+static inline int npa_region_command_pending(npualloc_region *r)
+{
+    return __atomic_load_n(&r->command.request_seq, __ATOMIC_RELAXED) !=
+           __atomic_load_n(&r->command.ack_seq, __ATOMIC_RELAXED);
+}
+
+/* Creates the region if it is due, applies a pending command. */
+void npa_region_poll_slow(npa_allocator *allocator);
+
+/* Called at every allocator entry, so it is inline: once the region exists
+ * and no command waits, it costs three loads and no call. Otherwise it
+ * creates the region, or applies the command and acknowledges it. */
+static inline void npa_region_poll(npa_allocator *allocator)
+{
+    npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_acquire);
+    if (__builtin_expect(r != NULL && !npa_region_command_pending(r), 1))
+        return;
+    npa_region_poll_slow(allocator);
+}
 /* Opens a new file of ours at path for writing (access: O_WRONLY or
  * O_RDWR): mode 0600, never through a planted file or link (O_EXCL |
  * O_NOFOLLOW); a leftover of an earlier process with our pid is replaced.

@@ -22,12 +22,18 @@ include interpose/build.mk
 include tools/replay/build.mk
 -include tools/bench.mk
 
-# The test environment: pytest and the runtime deps, in a venv of our own so
-# nothing has to be installed by hand on a fresh machine.
+# A venv of our own, so nothing has to be installed by hand on a fresh
+# machine: the package's own dependencies for the demo, everything the tests
+# and the bench use (pytest, matplotlib, torch's memory_viz) on top of them.
+PIP := $(VENV)/bin/python -m pip install -q --disable-pip-version-check
+VENV_RUNTIME := $(VENV)/.npualloc-runtime
 VENV_STAMP := $(VENV)/.npualloc-deps
-$(VENV_STAMP): pyproject.toml tests/requirements.txt
+$(VENV_RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+	$(PIP) "cffi>=1.15" "psutil>=5.9"   # pyproject.toml's dependencies
+	touch $@
+$(VENV_STAMP): $(VENV_RUNTIME) tests/requirements.txt
+	$(PIP) -r tests/requirements.txt
 	touch $@
 venv: $(VENV_STAMP)
 
@@ -40,7 +46,7 @@ test:
 	$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan
 	$(MAKE) --no-print-directory pytest
 
-demo: all $(VENV_STAMP)
+demo: all $(VENV_RUNTIME)
 	$(VENV)/bin/python tools/demo.py
 
 clean:

@@ -209,7 +209,7 @@ static void run_stress(bool expandable, size_t capacity) {
     CHECK_EQ(fake.page_count, 0);
     CHECK_EQ(fake.va_reserves, fake.va_releases);
     CHECK(!expandable || fake.page_maps > 0);
-    printf("stress%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped\n",
+    fprintf(stderr, "stress%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped\n",
            expandable ? " (expandable segments)" : "", THREADS, total.allocs, total.ooms, fake.fence_records,
            fake.page_maps);
     npa_destroy(allocator);

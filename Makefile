@@ -13,7 +13,7 @@ CFLAGS_BASE := $(OPT) -g -std=gnu11 -Wall -Wextra -Werror=implicit-function-decl
                -fPIC -pthread -Iinclude -Iinterpose/include
 LDFLAGS_BASE := -pthread
 
-.PHONY: all lib sim ctest pytest test demo bench venv clean
+.PHONY: all lib sim ctest pytest test demo bench venv clean package
 all: lib sim
 
 # aclsim first: the interposer's tests run on the simulator and name its paths.
@@ -46,8 +46,16 @@ test:
 	$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan
 	$(MAKE) --no-print-directory pytest
 
+# What `pip install .` ships (setup.py runs this): the preload library and
+# headers, the trace replayer, and the simulated runtime the replayer drives,
+# so `python -m npualloc replay` works on a machine with no checkout and no NPU.
+PACKAGE_SIM := npualloc/sim/lib64
+package: lib replay $(SIM_IMPL) $(SIM_FRONTS)
+	@mkdir -p $(PACKAGE_SIM)
+	cp $(SIM_IMPL) $(SIM_FRONTS) $(PACKAGE_SIM)/
+
 demo: all $(VENV_RUNTIME)
 	$(VENV)/bin/python tools/demo.py
 
 clean:
-	rm -rf $(BUILD) npualloc/lib
+	rm -rf $(BUILD) npualloc/lib npualloc/include npualloc/sim

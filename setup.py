@@ -2,9 +2,11 @@
 
 `pip install .` runs this on the installing machine: the library must be
 compiled there (it is a C shared library preloaded into other programs), so the
-only build requirement beyond Python is a C compiler. `make lib` leaves the
-library in npualloc/lib/ and the region header in npualloc/include/, the same
-places a source checkout uses, and package-data ships them.
+only build requirement beyond Python is a C compiler. `make package` leaves
+the library and the trace replayer in npualloc/lib/, the headers in
+npualloc/include/ and the simulated runtime (for `npualloc replay`) in
+npualloc/sim/, the same places a source checkout uses, and package-data ships
+them.
 """
 import os
 import subprocess
@@ -17,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 class BuildWithLibrary(build_py):
     def run(self):
-        subprocess.check_call(["make", "-C", HERE, "lib"])
+        subprocess.check_call(["make", "-C", HERE, "package"])
         super().run()
 
 

@@ -186,14 +186,18 @@ class Toolchain:
 def find_toolchain(build: str | None, runtime: str | None) -> Toolchain:
     """--build DIR takes all three from a build tree; otherwise the package's
     own files (npualloc/lib/) and the simulator named by --runtime,
-    $ASCEND_HOME_PATH, or a checkout's build/aclsim."""
+    $ASCEND_HOME_PATH, a checkout's build/aclsim, or the one shipped in the
+    package (npualloc/sim/)."""
     if build:
         root = Path(build)
         replayer, library = root / "tools" / "npualloc-replay", root / "lib" / "libnpualloc.so"
         runtime_dirs = [runtime or root / "aclsim"]
     else:
         replayer, library = PACKAGE_DIR / "lib" / "npualloc-replay", PACKAGE_DIR / "lib" / "libnpualloc.so"
-        runtime_dirs = [runtime] if runtime else [os.environ.get("ASCEND_HOME_PATH"), CHECKOUT_BUILD / "aclsim"]
+        # A checkout's build tree before the package's copy, which is only as
+        # fresh as the last `make package`.
+        runtime_dirs = [runtime] if runtime else [os.environ.get("ASCEND_HOME_PATH"), CHECKOUT_BUILD / "aclsim",
+                                                  PACKAGE_DIR / "sim"]
     for path in (replayer, library):
         if not path.is_file():
             raise ReplayError(f"{path} is missing: build it with `make all`")

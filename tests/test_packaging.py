@@ -1,5 +1,8 @@
 """`pip install .` builds libnpualloc.so on the installing machine and ships
-it, with the headers cffi reads, inside the package."""
+it, with the headers cffi reads, the trace replayer and the simulated runtime
+it drives, inside the package."""
+import json
+import os
 import subprocess
 import sys
 
@@ -21,3 +24,11 @@ def test_pip_install_ships_a_working_library(tmp_path):
     assert exports == "True True"
     assert (target / "npualloc" / "include" / "npualloc_shm.h").exists()
     assert (target / "npualloc" / "include" / "npualloc.h").exists()
+
+    # replay needs no checkout: the replayer and the simulator come with the package.
+    env = {"PYTHONPATH": str(target), "PATH": os.environ["PATH"]}
+    replay = subprocess.run([sys.executable, "-m", "npualloc", "replay", str(ROOT / "tools" / "traces" / "tiny.pickle.gz"),
+                             "--json", "--no-search"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert replay.returncode == 0, replay.stderr
+    result = json.loads(replay.stdout)
+    assert result["fits"] and result["replay"]["events"] == 12 and result["replay"]["raw_mallocs"] == 3

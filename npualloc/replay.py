@@ -360,7 +360,7 @@ def render(report: dict[str, Any]) -> str:
         f"peak reserved      {size_or_na(r['peak_reserved_bytes'])}"
         + (f"  (reserved/requested {report['reserved_over_requested']:.3f})"
            if report["reserved_over_requested"] is not None else ""),
-        f"fragmentation      " + (f"{r['fragmentation']:.3f} (end of trace: 1 - largest free block / cached free)"
+        "fragmentation      " + (f"{r['fragmentation']:.3f} (end of trace: 1 - largest free block / cached free)"
                                   if r["fragmentation"] is not None else "n/a"),
     ]
     if r["raw_mallocs"] is not None:

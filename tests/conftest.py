@@ -8,6 +8,7 @@ place before the program starts, exactly as a user runs it.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,18 @@ def _builds_exist():
     missing = [p for p in (SIM_LIB / "libascendcl.so", NPUALLOC_LIB) if not p.exists()]
     if missing:
         pytest.exit(f"build first (make all): missing {', '.join(map(str, missing))}", returncode=2)
+
+
+def compile_c(tmp_path_factory: pytest.TempPathFactory, name: str, source: str) -> Path:
+    """Builds a small C test program (linked with -ldl) in a fresh temp dir;
+    skips the test when there is no C compiler."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    directory = tmp_path_factory.mktemp(name)
+    (directory / "prog.c").write_text(source)
+    subprocess.run([cc, "-O1", "-o", str(directory / "prog"), str(directory / "prog.c"), "-ldl"], check=True)
+    return directory / "prog"
 
 
 def real_npu_env() -> dict[str, str] | None:

@@ -187,3 +187,14 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, exit_code: int, fra
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("npualloc: "), proc.stderr
     assert fragment in lines[0], proc.stderr
+
+
+def cli_with_trigger(w: Workload, shm_dir: Path, args: list[str], trigger: str) -> subprocess.CompletedProcess:
+    """Runs a CLI command that posts to w's region, then makes w call trigger
+    (its next allocator call applies the command), and returns the CLI's result."""
+    cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(shm_dir),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_pending_command(shm_dir / f"npualloc.{w.pid}")
+    w.call(trigger)
+    out, err = cli.communicate(timeout=30)
+    return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)

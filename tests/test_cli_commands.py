@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from region_helpers import Workload, cli_env, region_bytes, run_cli, wait_for_pending_command, write_region
+from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, run_cli, write_region
 
 import pytest
 
@@ -105,14 +105,6 @@ def test_ls_cleans_the_region_of_a_forked_child_that_skipped_atexit(tmp_path: Pa
         assert not (tmp_path / f"npualloc.{child}").exists()
 
 
-def _run_cli_with_trigger(w: Workload, tmp_path: Path, args: list[str], trigger: str) -> subprocess.CompletedProcess:
-    cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(tmp_path),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_pending_command(tmp_path / f"npualloc.{w.pid}")
-    w.call(trigger)
-    out, err = cli.communicate(timeout=30)
-    return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
-
 
 def test_empty_cache_reset_peak_and_gc_threshold(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
@@ -121,16 +113,16 @@ def test_empty_cache_reset_peak_and_gc_threshold(tmp_path: Path) -> None:
         w.call(f"acl.rt.free({w.call('live')[0]})")
         assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 20 * MiB
 
-        done = _run_cli_with_trigger(w, tmp_path, ["empty-cache", str(w.pid), "--device", "0"], "free()")
+        done = cli_with_trigger(w, tmp_path, ["empty-cache", str(w.pid), "--device", "0"], "free()")
         assert done.returncode == 0 and "cache emptied" in done.stdout, done.stderr
         assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 0
 
         assert npualloc.max_memory_allocated(pid=w.pid) >= 3 * MiB
-        done = _run_cli_with_trigger(w, tmp_path, ["reset-peak", str(w.pid)], "malloc(4096)")
+        done = cli_with_trigger(w, tmp_path, ["reset-peak", str(w.pid)], "malloc(4096)")
         assert done.returncode == 0, done.stderr
         assert npualloc.max_memory_allocated(pid=w.pid) == npualloc.memory_allocated(pid=w.pid) < MiB
 
-        done = _run_cli_with_trigger(w, tmp_path, ["set-gc-threshold", str(w.pid), "0.25"], "malloc(4096)")
+        done = cli_with_trigger(w, tmp_path, ["set-gc-threshold", str(w.pid), "0.25"], "malloc(4096)")
         assert done.returncode == 0, done.stderr
         assert "garbage_collection_threshold:0.25" in w.call("npualloc.get_config()")
 

@@ -6,13 +6,11 @@ the runtime's error and one stderr line."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 
 import pytest
 
-from conftest import NPUALLOC_LIB, SIM_LIB, preload_env, run_python, sim_env
+from conftest import NPUALLOC_LIB, SIM_LIB, compile_c, preload_env, run_python, sim_env
 
 # What a ctypes user (MindTorch v2) does, without pyACL unless asked: the
 # runtime library is opened by path, so it is in no global scope.
@@ -129,13 +127,7 @@ int main(int argc, char **argv)
 
 @pytest.fixture(scope="module")
 def c_program(tmp_path_factory):
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    d = tmp_path_factory.mktemp("dlopen")
-    (d / "prog.c").write_text(C_PROGRAM)
-    subprocess.run([cc, "-O1", "-o", str(d / "prog"), str(d / "prog.c"), "-ldl"], check=True)
-    return d / "prog"
+    return compile_c(tmp_path_factory, "dlopen", C_PROGRAM)
 
 
 def run_c(prog, env, *args):

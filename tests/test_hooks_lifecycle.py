@@ -6,13 +6,11 @@ the child an empty cache of its own and leaves the parent alone."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 
 import pytest
 
-from conftest import SIM_LIB, preload_env, run_python, sim_env
+from conftest import SIM_LIB, compile_c, preload_env, run_python, sim_env
 
 # A C program, so that its report runs at exit after npualloc's own exit
 # handler (registered later, at the first allocation, so it runs earlier).
@@ -86,13 +84,7 @@ int main(int argc, char **argv)
 
 @pytest.fixture(scope="module")
 def c_program(tmp_path_factory):
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    d = tmp_path_factory.mktemp("lifecycle")
-    (d / "prog.c").write_text(C_PROGRAM)
-    subprocess.run([cc, "-O1", "-o", str(d / "prog"), str(d / "prog.c"), "-ldl"], check=True)
-    return d / "prog"
+    return compile_c(tmp_path_factory, "lifecycle", C_PROGRAM)
 
 
 def run_c(prog, env, mode):

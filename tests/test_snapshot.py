@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import BUILD, sim_env
-from region_helpers import Workload, assert_one_line_error, cli_env, run_cli, wait_for_pending_command
+from region_helpers import Workload, assert_one_line_error, cli_with_trigger, run_cli
 
 import npualloc
 from npualloc.plot import timeline
@@ -102,14 +102,6 @@ def test_history_is_off_by_default_and_switches_on_in_process(tmp_path: Path) ->
         assert w.call("npualloc.memory_snapshot()")["device_traces"] == [[]]
 
 
-def _cli_with_trigger(w: Workload, tmp_path: Path, args: list[str], trigger: str) -> subprocess.CompletedProcess:
-    cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(tmp_path),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_pending_command(tmp_path / f"npualloc.{w.pid}")
-    w.call(trigger)
-    out, err = cli.communicate(timeout=30)
-    return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
-
 
 @pytest.fixture(scope="module")
 def remote_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, int], dict[int, int]]:
@@ -119,11 +111,11 @@ def remote_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
     output = tmp_path / "snap.pickle"
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")
-        done = _cli_with_trigger(w, tmp_path, ["record-history", str(w.pid), "500"], "free()")
+        done = cli_with_trigger(w, tmp_path, ["record-history", str(w.pid), "500"], "free()")
         assert done.returncode == 0 and "recording the last 500 events" in done.stdout, done.stderr
         live, freed = _allocate(w)
         # The command is applied at the start of the trigger's malloc: the snapshot comes before it.
-        done = _cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(output)], "malloc(512)")
+        done = cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(output)], "malloc(512)")
         assert done.returncode == 0, done.stderr
         assert done.stdout == f"process {w.pid}: snapshot written to {output} (3 segments, 10 trace events)\n"
         assert not list(tmp_path.glob("npualloc.*.snapshot.*"))  # the hand-over file was removed

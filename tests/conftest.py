@@ -66,6 +66,15 @@ def _builds_exist():
         pytest.exit(f"build first (make all): missing {', '.join(map(str, missing))}", returncode=2)
 
 
+@pytest.fixture
+def sleeper():
+    """The pid of a live process that is not running under npualloc."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
 def compile_c(tmp_path_factory: pytest.TempPathFactory, name: str, source: str) -> Path:
     """Builds a small C test program (linked with -ldl) in a fresh temp dir;
     skips the test when there is no C compiler."""

@@ -12,13 +12,6 @@ from region_helpers import Workload, assert_one_line_error, region_bytes, run_cl
 from npualloc._ffi import REGION_SIZE, constants
 
 
-@pytest.fixture
-def sleeper():
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
-
 
 def test_usage_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli([], tmp_path), 2, "required")

@@ -23,14 +23,6 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def sleeper():
-    """A live process that is not running under npualloc."""
-    proc = subprocess.Popen(["sleep", "60"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
-
 
 def test_well_formed_region_is_read(shm: Path, sleeper: int) -> None:
     region = ffi.new("npualloc_region *")

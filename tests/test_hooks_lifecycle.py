@@ -204,17 +204,11 @@ for i in range(20):
     os.close(w)
     children.append((pid, r))
     time.sleep(0.01)
-results, hung = [], 0
+results, statuses = [], []
 for pid, r in children:
-    deadline = time.time() + 10
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.time() > deadline:
-            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
-            break
-        time.sleep(0.01)
+    # A child that hangs (a lock inherited held) hangs this wait: the test's
+    # subprocess timeout reports it, whatever the machine's speed.
+    statuses.append(os.waitpid(pid, 0)[1])
     data = os.read(r, 4096)
     os.close(r)
     if data:
@@ -223,7 +217,7 @@ stop.set()
 for t in threads:
     t.join()
 after = npualloc.memory_stats(0)
-print(json.dumps({"hung": hung, "errors": errors, "results": results, "rounds_at_fork": rounds_at_fork,
+print(json.dumps({"statuses": statuses, "errors": errors, "results": results, "rounds_at_fork": rounds_at_fork,
                   "parent_segment_frees": after["num_device_free"],
                   "parent_segments": after["segment.all.current"], "parent_reserved": after["reserved_bytes.all.current"],
                   "parent_raw_blocks": aclsim.live_allocations(0)}))
@@ -233,7 +227,7 @@ print(json.dumps({"hung": hung, "errors": errors, "results": results, "rounds_at
 def test_fork_while_threads_allocate(tmp_path):
     proc = run_python(FORK, preload_env(NPUALLOC_SHM_DIR=str(tmp_path)), timeout=120)
     out = json.loads(proc.stdout)
-    assert out["hung"] == 0 and out["errors"] == []
+    assert out["statuses"] == [0] * 20 and out["errors"] == []
     assert len(out["results"]) == 20
     for child in out["results"]:
         assert child["reserved_at_fork"] == 0  # an empty cache of its own

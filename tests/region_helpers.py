@@ -29,6 +29,8 @@ WORKLOAD = textwrap.dedent("""
     assert acl.rt.set_device(0) == 0
     live = []
     churners = []
+    churn_errors = []
+    churn_counts = []
     stop = threading.Event()
 
     def malloc(size):
@@ -41,29 +43,45 @@ WORKLOAD = textwrap.dedent("""
         return acl.rt.free(live.pop())
 
     def _churn(seed):
-        assert acl.rt.set_device(0) == 0
-        rng = random.Random(seed)
-        mine = []
-        while not stop.is_set():
-            if mine and (len(mine) > 16 or rng.random() < 0.5):
-                assert acl.rt.free(mine.pop(rng.randrange(len(mine)))) == 0
-            else:
-                ptr, ret = acl.rt.malloc(rng.choice([512, 4096, 300000, 1 << 20, 3 << 20, 12 << 20]), 0)
-                assert ret == 0, ret
-                mine.append(ptr)
-        for ptr in mine:
-            assert acl.rt.free(ptr) == 0
+        # A failure here must fail the test: it is kept for stop_churn.
+        try:
+            assert acl.rt.set_device(0) == 0
+            rng = random.Random(seed)
+            mine = []
+            while not stop.is_set():
+                if mine and (len(mine) > 16 or rng.random() < 0.5):
+                    assert acl.rt.free(mine.pop(rng.randrange(len(mine)))) == 0
+                else:
+                    ptr, ret = acl.rt.malloc(rng.choice([512, 4096, 300000, 1 << 20, 3 << 20, 12 << 20]), 0)
+                    assert ret == 0, ret
+                    mine.append(ptr)
+                churn_counts[seed] += 1
+            for ptr in mine:
+                assert acl.rt.free(ptr) == 0
+        except BaseException:
+            churn_errors.append(traceback.format_exc())
+            stop.set()
 
     def start_churn(threads):
         stop.clear()
+        churn_errors.clear()
+        churn_counts[:] = [0] * threads
         churners[:] = [threading.Thread(target=_churn, args=(i,)) for i in range(threads)]
         for t in churners:
             t.start()
+
+    def churn_progress():
+        # Calls made by the churn threads so far; raises once one has failed.
+        if churn_errors:
+            raise AssertionError("a churn thread failed: " + churn_errors[0])
+        return sum(churn_counts)
 
     def stop_churn():
         stop.set()
         for t in churners:
             t.join()
+        if churn_errors:
+            raise AssertionError("a churn thread failed: " + churn_errors[0])
 
     def fork_child_allocates(size):
         # The child allocates and reports whether it got a region of its own,

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, run_cli, write_region
@@ -46,15 +45,34 @@ def test_stats_table_and_json_match_the_process(tmp_path: Path) -> None:
 
 
 def test_stats_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
+    """Frames are counted as they arrive (never a wait of some seconds), and a
+    change made in the process shows in a later frame."""
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")
-        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.1"],
+        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.05"],
                                    env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
+        assert watcher.stdout is not None
+
+        def frames_until(text: str, count: int) -> int:
+            """Reads frames until `count` of them have contained `text`; the frames read."""
+            frames, seen, frame = 0, 0, ""
+            for line in watcher.stdout:
+                if line.startswith(f"npualloc · pid {w.pid} ") and frame:
+                    frames += 1
+                    seen += text in frame
+                    frame = ""
+                    if seen >= count:
+                        return frames
+                frame += line
+            raise AssertionError(f"the watch ended after {frames} frames: {watcher.stderr.read()}")
+
+        small = human_bytes(npualloc.memory_reserved(pid=w.pid))
+        frames_until(f"{small} ", 3)
+        w.call(f"malloc({3 * MiB})")  # a 20 MiB segment more: a later frame must show it
+        frames_until(f"{human_bytes(npualloc.memory_reserved(pid=w.pid))} ", 1)
         watcher.send_signal(signal.SIGINT)
-        out, err = watcher.communicate(timeout=10)
+        _, err = watcher.communicate(timeout=30)
         assert watcher.returncode == 0 and "Traceback" not in err, err
-        assert out.count(f"pid {w.pid}") >= 3
 
 
 def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> None:

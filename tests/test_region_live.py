@@ -30,14 +30,16 @@ def test_created_at_first_allocation_private_and_removed_at_exit(shm: Path) -> N
     with Workload(shm) as w:
         path = shm / f"npualloc.{w.pid}"
         assert not path.exists()  # aclInit and aclrtSetDevice allocate nothing
+        before_ns = time.time_ns()
         w.call("malloc(4096)")
+        after_ns = time.time_ns()
         info = path.stat()
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
         with Region(w.pid) as region:
             header = region.header()
             assert header.pid == w.pid and header.uid == os.geteuid()
             assert header.start_time == process_start_time(w.pid)
-            assert abs(header.created_unix_ns / 1e9 - time.time()) < 60
+            assert before_ns <= header.created_unix_ns <= after_ns  # stamped at that first allocation
             assert "import acl" in header.cmdline and "\n" not in header.cmdline
             assert header.device_count == 1 and region.devices_in_use() == [0]
         assert w.close() == 0
@@ -205,21 +207,25 @@ def _assert_consistent(s: dict) -> None:
 
 
 def test_reader_hammering_a_process_allocating_in_4_threads(shm: Path) -> None:
+    """Every read is consistent while 4 threads allocate; the reader goes on
+    until it has seen the stats change 50 times and the threads have made
+    2000 calls, however slowly the machine runs them."""
     with Workload(shm) as w:
         w.call("malloc(4096)")
         w.call("start_churn(4)")
-        reads, changes, last = 0, 0, None
+        reads, changes, last, progress = 0, 0, None, 0
         try:
             with Region(w.pid) as region:
-                deadline = time.monotonic() + 3.0
-                while time.monotonic() < deadline:
+                while changes < 50 or progress < 2000:
                     stats = npualloc.memory.stats_to_dict(region.read_device_stats(0))
                     _assert_consistent(stats)
                     changes += stats != last
                     last = stats
                     reads += 1
+                    if reads % 100 == 0:
+                        progress = w.call("churn_progress()")  # raises once a churn thread failed
         finally:
             w.call("stop_churn()")
-        assert reads > 200 and changes > 20, (reads, changes)
+        assert changes >= 50 and progress >= 2000, (reads, changes, progress)
         _assert_consistent(npualloc.memory_stats(pid=w.pid))
         assert npualloc.memory_stats(pid=w.pid) == w.call("npualloc.memory_stats()")

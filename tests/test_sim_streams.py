@@ -8,11 +8,22 @@ import textwrap
 from conftest import run_python, sim_env
 from sim_programs import DEVICE_BUFFERS
 
-PRELUDE = "import time\n" + DEVICE_BUFFERS + """\
+PRELUDE = DEVICE_BUFFERS + """\
 def fill(dst, size, value, stream=0, ws=None):
     ws = ws or dev(ops.WORKSPACE_BYTES)
     n, ex, st = ops.fill_get_workspace_size(dst, size, value); ok(st)
     ok(ops.fill(ws, n, ex, stream))
+NOT_READY, COMPLETE = (0, 0), (1, 0)        # query_event_status results
+def while_queued(attempt):
+    # attempt(duration_us) queues an op of that duration, observes, and
+    # returns whether an event recorded after the op was still NOT_READY once
+    # it had observed: only then were its observations made while the op was
+    # queued. A machine too slow for that costs a retry with a longer op,
+    # never a failure: the test asserts on events, not on time.
+    for retry in range(8):
+        if attempt(50_000 << retry):
+            return
+    raise AssertionError("the queued op always ended before it was observed")
 """
 
 
@@ -24,15 +35,22 @@ def test_fill_then_copy_run_in_order_and_asynchronously():
     sim("""
         a, b = dev(4096), dev(4096)
         stream, ret = acl.rt.create_stream(); ok(ret)
-        aclsim.set_op_duration_us(100_000)
-        t0 = time.perf_counter()
-        fill(a, 4096, 0x5A, stream)
-        ok(acl.rt.memcpy_async(b, 4096, a, 4096, D2D, stream))
-        assert time.perf_counter() - t0 < 0.05                  # enqueueing does not wait
-        assert read(b, 4096) == bytes(4096)                     # nothing has run yet
-        ok(acl.rt.synchronize_stream(stream))
-        assert time.perf_counter() - t0 >= 0.1
-        assert read(b, 4096) == b"\\x5a" * 4096                  # the copy waited for the fill
+        after_fill, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            ok(acl.rt.memset(b, 4096, 0, 4096))
+            aclsim.set_op_duration_us(duration_us)
+            fill(a, 4096, 0x5A, stream)
+            ok(acl.rt.record_event(after_fill, stream))
+            ok(acl.rt.memcpy_async(b, 4096, a, 4096, D2D, stream))
+            early = read(b, 4096)
+            queued = acl.rt.query_event_status(after_fill) == NOT_READY   # enqueueing did not wait for the fill
+            ok(acl.rt.synchronize_stream(stream))
+            assert acl.rt.query_event_status(after_fill) == COMPLETE     # the synchronize waited for it
+            assert read(b, 4096) == b"\\x5a" * 4096                      # the copy waited for the fill
+            if queued:
+                assert early == bytes(4096)                              # nothing had run when b was read
+            return queued
+        while_queued(attempt)
         ok(acl.rt.destroy_stream(stream))
     """)
 
@@ -40,16 +58,22 @@ def test_fill_then_copy_run_in_order_and_asynchronously():
 def test_event_status_polarity():
     sim("""
         ev, ret = acl.rt.create_event(); ok(ret)
-        assert acl.rt.query_event_status(ev) == (1, 0)          # never recorded: COMPLETE (=1)
+        assert acl.rt.query_event_status(ev) == COMPLETE        # never recorded: COMPLETE (=1)
         assert acl.rt.query_event(ev) == (0, 0)                 # old enum: COMPLETE is 0
-        aclsim.set_op_duration_us(100_000)
-        fill(dev(64), 64, 1)
-        ok(acl.rt.record_event(ev, 0))
-        assert acl.rt.query_event_status(ev) == (0, 0)          # NOT_READY (=0)
-        assert acl.rt.query_event(ev) == (1, 0)                 # old enum: NOT_READY is 1
-        ok(acl.rt.synchronize_event(ev))
-        assert acl.rt.query_event_status(ev) == (1, 0)
-        assert acl.rt.query_event(ev) == (0, 0)
+        def attempt(duration_us):
+            aclsim.set_op_duration_us(duration_us)
+            fill(dev(64), 64, 1)
+            ok(acl.rt.record_event(ev, 0))
+            status, old_enum = acl.rt.query_event_status(ev), acl.rt.query_event(ev)
+            queued = acl.rt.query_event_status(ev) == NOT_READY  # so both queries above saw it not ready
+            if queued:
+                assert status == NOT_READY                       # NOT_READY (=0)
+                assert old_enum == (1, 0)                        # old enum: NOT_READY is 1
+            ok(acl.rt.synchronize_event(ev))
+            assert acl.rt.query_event_status(ev) == COMPLETE
+            assert acl.rt.query_event(ev) == (0, 0)
+            return queued
+        while_queued(attempt)
         ok(acl.rt.destroy_event(ev))
         assert acl.rt.query_event_status(ev)[1] == 107000       # destroyed handle
     """)
@@ -88,15 +112,24 @@ def test_synchronize_device_and_free_with_dev_sync_wait_for_all_streams():
 
 def test_async_copy_checks_memory_when_it_executes():
     proc = sim("""
-        a, b = dev(512, 0x11), dev(512)
-        aclsim.set_op_duration_us(80_000)
-        fill(dev(64), 64, 0)                                     # keeps the stream busy
-        ok(acl.rt.memcpy_async(b, 512, a, 512, D2D, 0))         # a is live when queued...
-        ok(acl.rt.free(a))                                      # ...and freed before the copy runs
-        assert aclsim.invalid_accesses() == 0
-        ok(acl.rt.synchronize_stream(0))
-        assert aclsim.invalid_accesses() == 1
-        assert read(b, 512) == b"\\xdb" * 512                    # the copy read poisoned memory
+        busy, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            a, b = dev(512, 0x11), dev(512)
+            aclsim.set_op_duration_us(duration_us)
+            before = aclsim.invalid_accesses()
+            fill(dev(64), 64, 0)                                 # keeps the stream busy
+            ok(acl.rt.record_event(busy, 0))
+            ok(acl.rt.memcpy_async(b, 512, a, 512, D2D, 0))     # a is live when queued...
+            ok(acl.rt.free(a))                                  # ...and freed before the copy runs
+            early = aclsim.invalid_accesses() - before
+            queued = acl.rt.query_event_status(busy) == NOT_READY
+            if queued:
+                assert early == 0                                # not checked at enqueue time
+            ok(acl.rt.synchronize_stream(0))
+            assert aclsim.invalid_accesses() - before == 1      # but when it ran
+            assert read(b, 512) == b"\\xdb" * 512                # the copy read poisoned memory
+            return queued
+        while_queued(attempt)
     """)
     assert "aclsim: invalid device access by aclrtMemcpyAsync" in proc.stderr
 

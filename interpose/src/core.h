@@ -25,20 +25,28 @@ typedef struct npa_backend {
     /* Raw device memory. raw_malloc returns 207001 when the device is full. */
     npa_error (*raw_malloc)(void *ctx, int device, size_t size, void **ptr);
     npa_error (*raw_free)(void *ctx, int device, void *ptr);
-    /* Wait until all work queued on every stream of the device has finished. */
+    /* Wait until all work queued on every stream of the device has finished.
+     * An error means it may not have: nothing freed meanwhile is reused. */
     npa_error (*synchronize)(void *ctx, int device);
     /* Device free/total bytes, for the fraction cap and the OOM message. */
     npa_error (*mem_get_info)(void *ctx, int device, size_t *free_bytes, size_t *total_bytes);
 
     /* Stream-safe reuse, optional (NULL: every free is reusable at once).
-     * fence_record marks "everything queued so far on every live stream of the
-     * device"; it returns NULL when no fence is needed right now (eager). */
-    void *(*fence_record)(void *ctx, int device);
+     * fence_record puts into *fence a mark of "everything queued so far on
+     * every live stream of the device". NPA_OK with *fence NULL: no fence is
+     * needed (eager right now, or the device was synchronized instead). An
+     * error: neither a fence nor a synchronize could be had, so the frees it
+     * was asked for stay pending (retried at the next poll). */
+    npa_error (*fence_record)(void *ctx, int device, void **fence);
     /* Optional: 0 when a free made now needs no fence (eager right now), so
      * the block is reusable at once instead of waiting for the next poll. */
     int (*fence_needed)(void *ctx, int device);
     int (*fence_done)(void *ctx, void *fence); /* 1 complete, 0 not yet; never blocks */
     void (*fence_release)(void *ctx, void *fence);
+
+    /* Optional: tells the user of a setting the core refused (message
+     * without prefix or newline); the hook prints it once on stderr. */
+    void (*warn)(void *ctx, const char *message);
 
     /* Where the stats of a device live (the shared-memory region), optional:
      * NULL or a NULL result makes the core keep them in its own memory. */
@@ -143,12 +151,14 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
  * (may be NULL) receives the block's device on NPA_FREE_OK. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out);
 
-/* Give every cached unsplit segment back to the device (device < 0: all),
- * and unmap every whole free page of expandable segments (after
- * synchronizing the device, since unmapping does not wait for queued work). */
-void npa_empty_cache(npa_allocator *a, int device);
-/* For aclrtResetDevice/aclFinalize: wait for pending frees, then empty the cache. */
-void npa_release_device(npa_allocator *a, int device);
+/* torch_npu's emptyCache, on one device (device < 0: all): synchronize the
+ * device, hand back every pending free (so every block the program has freed
+ * is released by this call), then give every cached unsplit segment and
+ * every whole free page of expandable segments back to the device. Also
+ * what aclrtResetDevice/aclFinalize get before the runtime tears down. A
+ * device that cannot be synchronized keeps its pending frees and its cache
+ * (nothing proves their work is done): the first such error is returned. */
+npa_error npa_empty_cache(npa_allocator *a, int device);
 /* Drain pending frees whose fences completed (non-blocking). */
 void npa_process_pending(npa_allocator *a, int device);
 

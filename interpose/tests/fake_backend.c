@@ -1,6 +1,7 @@
 /* The fake device behind the core's unit tests (see fake_backend.h). */
 #include "fake_backend.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -103,11 +104,25 @@ static npa_error fake_free(void *ctx, int device, void *ptr) {
 static npa_error fake_synchronize(void *ctx, int device) {
     (void)device;
     fake_backend *f = ctx;
+    npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
     f->sync_calls++;
-    f->completed_epoch = f->recorded_epoch;
+    if (f->fail_next_syncs > 0) {
+        f->fail_next_syncs--;
+        err = 107002; /* ACL_ERROR_RT_CONTEXT_NULL: the device could not be entered */
+    } else {
+        f->completed_epoch = f->recorded_epoch;
+    }
     pthread_mutex_unlock(&f->lock);
-    return NPA_OK;
+    return err;
+}
+
+static void fake_warn(void *ctx, const char *message) {
+    fake_backend *f = ctx;
+    pthread_mutex_lock(&f->lock);
+    f->warnings++;
+    snprintf(f->last_warning, sizeof f->last_warning, "%s", message);
+    pthread_mutex_unlock(&f->lock);
 }
 
 static npa_error fake_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
@@ -128,12 +143,16 @@ static int fake_fence_needed(void *ctx, int device) {
     return needed;
 }
 
-static void *fake_fence_record(void *ctx, int device) {
+static npa_error fake_fence_record(void *ctx, int device, void **out) {
     (void)device;
     fake_backend *f = ctx;
     fake_fence *fence = NULL;
+    npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
-    if (!f->eager) {
+    if (f->fail_next_fences > 0) {
+        f->fail_next_fences--;
+        err = 107002;
+    } else if (!f->eager) {
         fence = calloc(1, sizeof *fence);
         if (fence) {
             fence->epoch = ++f->recorded_epoch;
@@ -141,7 +160,8 @@ static void *fake_fence_record(void *ctx, int device) {
         }
     }
     pthread_mutex_unlock(&f->lock);
-    return fence;
+    *out = fence;
+    return err;
 }
 
 static int fake_fence_done(void *ctx, void *opaque) {
@@ -253,6 +273,7 @@ npa_backend fake_iface(fake_backend *f) {
         .raw_free = fake_free,
         .synchronize = fake_synchronize,
         .mem_get_info = fake_mem_get_info,
+        .warn = fake_warn,
         .stats_storage = fake_stats_storage,
     };
     if (f->vmm) {

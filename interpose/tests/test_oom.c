@@ -171,6 +171,41 @@ static void test_fraction_cap(void) {
     fixture_destroy(&fx);
 }
 
+/* issue 11 item 7: a fraction whose cap is below the smallest segment
+ * (1e-12 of 64 GiB rounds to 0 bytes, 1e-9 to 68) is refused with a
+ * warning, as a bad value is: the default (no cap) is kept, never a cap of
+ * "0 = none" picked silently. The smallest cap that can hold a segment is
+ * kept. */
+static void test_fraction_below_smallest_segment_is_refused(void) {
+    const double refused[] = {1e-12, 1e-9, 1.9 / 65536.0}; /* 0 B, 68 B, 1.9 MiB of 64 GiB */
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        npa_config c;
+        npa_config_defaults(&c);
+        c.per_process_memory_fraction = refused[i];
+        fixture fx;
+        fixture_init(&fx, 64 * GiB, &c);
+        alloc_exact(&fx, 0, 100 * MiB);
+        npualloc_device_stats s = stats_of(&fx, 0);
+        CHECK_EQ(s.reserved_limit_bytes, 0);
+        CHECK_EQ(fx.fake.warnings, 1);
+        CHECK(strstr(fx.fake.last_warning, "per_process_memory_fraction") != NULL);
+        CHECK(strstr(fx.fake.last_warning, "refused") != NULL);
+        fixture_destroy(&fx);
+    }
+    npa_config c;
+    npa_config_defaults(&c);
+    c.per_process_memory_fraction = 2.0 / 65536.0; /* exactly 2 MiB of 64 GiB */
+    fixture fx;
+    fixture_init(&fx, 64 * GiB, &c);
+    void *p = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, 1 * MiB, NPA_ENTRY_EXACT, &p), NPA_OK); /* one small segment fits */
+    CHECK_EQ(stats_of(&fx, 0).reserved_limit_bytes, 2 * MiB);
+    CHECK_EQ(fx.fake.warnings, 0);
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 3 * MiB, line, sizeof line), NPA_ERR_OOM);
+    fixture_destroy(&fx);
+}
+
 /* Four cached large segments with ages A 7, B 4, C 2, E 1 pool searches at
  * the moment the next miss runs GC; returns their addresses in that order. */
 static void build_aged_cache(fixture *fx, void *out[4]) {
@@ -297,6 +332,7 @@ int main(void) {
     RUN(test_oversize_release_step);
     RUN(test_failure_injection_retries_once);
     RUN(test_fraction_cap);
+    RUN(test_fraction_below_smallest_segment_is_refused);
     RUN(test_gc_frees_oldest_first_and_stops);
     RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);

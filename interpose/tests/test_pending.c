@@ -104,22 +104,99 @@ static void test_free_skips_the_batch_when_no_fence_is_needed(void) {
     fixture_destroy(&fx);
 }
 
-static void test_release_device_drains(void) {
+/* issue 11 item 5: the program frees everything, then empties the cache.
+ * As torch_npu's emptyCache, the call synchronizes and hands back every
+ * pending free first, so after it nothing is active, pending or reserved. */
+static void test_empty_cache_releases_every_freed_block(void) {
     fixture fx;
     fixture_with_fences(&fx, GiB);
-    void *p = alloc_exact(&fx, 0, 12 * MiB);
-    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
-    npa_empty_cache(fx.a, 0); /* not synchronizing: the pending block stays */
-    CHECK_EQ(fx.fake.raw_free_calls, 0);
-    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
-    npa_release_device(fx.a, 0);
+    void *big = alloc_exact(&fx, 0, 12 * MiB);
+    void *small = alloc_exact(&fx, 0, 4 * KiB);
+    CHECK_EQ(npa_free(fx.a, big, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* one batch behind a fence that has not completed */
+    CHECK_EQ(npa_free(fx.a, small, 0, NULL), NPA_FREE_OK); /* and one still open */
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2);
+
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
     npualloc_device_stats s = stats_of(&fx, 0);
     CHECK_EQ(fx.fake.sync_calls, 1);
     CHECK_EQ(s.num_sync_all_streams, 1);
     CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(fake_used(&fx.fake, 0), 0);
     CHECK_EQ(fake_live_fences(&fx.fake), 0);
+    CHECK_EQ(shape_of(&fx, 0).segments, 0);
+
+    /* Nothing cached, nothing pending: nothing to wait for. */
+    CHECK_EQ(npa_empty_cache(fx.a, -1), NPA_OK);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    fixture_destroy(&fx);
+}
+
+/* issue 11 item 6: a fence that can be neither recorded nor replaced by a
+ * synchronize (the device cannot be entered) completes nothing. */
+static void test_failed_fence_keeps_blocks_pending(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *p = alloc_exact(&fx, 0, 1024);
+    alloc_exact(&fx, 0, 1024); /* keeps the segment split, so p's address is telling */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    fx.fake.fail_next_fences = 2;
+    void *q = alloc_exact(&fx, 0, 1024); /* its poll's fence fails */
+    CHECK(q != p);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    CHECK_EQ(shape_of(&fx, 0).pending_blocks, 1);
+    npa_process_pending(fx.a, 0); /* fails again: still pending */
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    CHECK_EQ(fx.fake.fence_records, 0);
+
+    /* The device is back: the next poll fences the batch, and it completes. */
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.fence_records, 1);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    CHECK(alloc_exact(&fx, 0, 1024) == p);
+    fixture_destroy(&fx);
+}
+
+/* issue 11 item 6: a synchronize that fails proves nothing, on every path
+ * that synchronizes: empty_cache, the OOM retry, destroy. */
+static void test_failed_synchronize_keeps_blocks_pending(void) {
+    fixture fx;
+    fixture_with_fences(&fx, 20 * MiB);
+    void *p = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* fenced, not complete */
+
+    fx.fake.fail_next_syncs = 1;
+    CHECK(npa_empty_cache(fx.a, 0) != NPA_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 1);
+    CHECK_EQ(s.num_sync_all_streams, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 12 * MiB);
+    CHECK_EQ(fx.fake.raw_free_calls, 0);
+
+    /* The OOM path: its synchronize fails too, so the pending 12 MiB is
+     * neither reused nor given back, and the request fails. */
+    fx.fake.fail_next_syncs = 1;
+    void *q = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, 14 * MiB, NPA_ENTRY_EXACT, &q), NPA_ERR_OOM);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 1);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(fx.fake.raw_free_calls, 0);
+
+    /* Once the device synchronizes, empty_cache releases it all. */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
     fixture_destroy(&fx);
 }
 
@@ -143,7 +220,9 @@ int main(void) {
     RUN(test_batches_complete_independently);
     RUN(test_eager_fence_frees_at_next_poll);
     RUN(test_free_skips_the_batch_when_no_fence_is_needed);
-    RUN(test_release_device_drains);
+    RUN(test_empty_cache_releases_every_freed_block);
+    RUN(test_failed_fence_keeps_blocks_pending);
+    RUN(test_failed_synchronize_keeps_blocks_pending);
     RUN(test_oom_path_drains_pending);
     return check_report();
 }

@@ -141,11 +141,34 @@ static void test_hook_counters(void) {
     fixture_destroy(&fx);
 }
 
+/* issue 11 item 8: the device's free memory in the stats follows segments
+ * as they are reserved and given back (it was sampled only once). */
+static void test_device_free_bytes_follow_segments(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 100 * MiB);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.device_total_bytes, GiB);
+    CHECK_EQ(s.device_free_bytes, GiB - 100 * MiB);
+    void *q = alloc_exact(&fx, 0, 200 * MiB);
+    CHECK_EQ(stats_of(&fx, 0).device_free_bytes, GiB - 300 * MiB);
+    void *hit = NULL;
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_malloc(fx.a, 0, 200 * MiB, NPA_ENTRY_EXACT, &hit), NPA_OK); /* a hit: no segment moved */
+    CHECK_EQ(stats_of(&fx, 0).device_free_bytes, GiB - 300 * MiB);
+    CHECK_EQ(npa_free(fx.a, hit, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(stats_of(&fx, 0).device_free_bytes, GiB);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_update_rules_per_pool);
     RUN(test_inactive_split_rules);
     RUN(test_storage_and_seqlock);
     RUN(test_unused_device_reads_as_zero);
     RUN(test_hook_counters);
+    RUN(test_device_free_bytes_follow_segments);
     return check_report();
 }

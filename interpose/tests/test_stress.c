@@ -190,7 +190,7 @@ static void run_stress(bool expandable, size_t capacity) {
     CHECK_EQ(total.bad_frees, 0);
     CHECK(total.allocs > (long)ops_per_thread); /* most mallocs succeeded */
 
-    npa_release_device(allocator, -1);
+    npa_empty_cache(allocator, -1);
     for (int d = 0; d < DEVICES; d++) {
         npualloc_device_stats s;
         npa_get_stats(allocator, d, &s);

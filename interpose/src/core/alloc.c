@@ -1,6 +1,7 @@
 /* The allocator's entry points: lifetime, per-device state, malloc (best fit
  * and split) and free (merge), the cache-emptying calls. The retry path lives
  * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -22,20 +23,37 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     return a;
 }
 
-/* Before cached memory goes back: unmapping pages does not wait for queued
- * work (torch_npu synchronizes before aclrtUnmapMem for the same reason),
- * so a device with free pages to unmap is synchronized first; plain
- * segments need only a poll. */
-static void settle_before_release(npa_allocator *a, npa_device *d) {
-    if (npa_expandable_unmappable(d)) npa_synchronize_and_drain(a, d);
-    else npa_pending_poll(a, d);
+/* torch_npu's emptyCache: synchronize (which also completes every
+ * outstanding fence), hand back every pending free, then give back every
+ * cached segment. aclrtFree frees at once and unmapping does not wait for
+ * queued work either, so without the synchronize a cached block could go
+ * back while a kernel still uses it; and without the drain the last frees
+ * would stay behind until some later call. A device that cannot be
+ * synchronized keeps its pending frees and its cache: nothing proves their
+ * work is done. Returns the synchronize's error. */
+static bool must_wait_before_release(const npa_device *d) {
+    if (npa_pending_any(d) || npa_expandable_unmappable(d)) return true;
+    for (size_t i = 0; i < d->segments.count; i++) {
+        const npa_segment *seg = &d->segments.items[i];
+        if (!seg->expandable && seg->first->phase == NPA_PHASE_FREE && !npa_block_is_split(seg->first))
+            return true;
+    }
+    return false; /* nothing would go back but ranges with nothing mapped */
+}
+
+static npa_error release_locked(npa_allocator *a, npa_device *d) {
+    if (must_wait_before_release(d) && !npa_synchronize_and_drain(a, d)) return NPA_ERR_FREE;
+    npa_release_cached_segments(a, d);
+    npa_stats_sample_device_memory(a, d, NULL, NULL);
+    return NPA_OK;
 }
 
 static void device_destroy(npa_allocator *a, npa_device *d) {
     pthread_mutex_lock(&d->lock);
-    settle_before_release(a, d);
-    /* Batches still waiting belong to work that may yet run: their blocks
-     * (and segments) stay with the device; only the fences go. */
+    release_locked(a, d);
+    /* Batches still waiting (the device could not be synchronized) belong to
+     * work that may yet run: their blocks and segments stay with the device;
+     * only the fences go. */
     for (npa_fence_batch *b = d->batches, *next; b; b = next) {
         next = b->next;
         if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, b->fence);
@@ -45,7 +63,6 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         next = b->next;
         free(b);
     }
-    npa_release_cached_segments(a, d);
     /* Ranges that keep live blocks stay with the program, like plain segments. */
     if (d->small.expandable) npa_expandable_forget(d->small.expandable);
     if (d->large.expandable) npa_expandable_forget(d->large.expandable);
@@ -66,6 +83,28 @@ void npa_destroy(npa_allocator *a) {
     free(a);
 }
 
+/* per_process_memory_fraction in bytes of this device, 0: no cap. Every
+ * allocation takes a segment (or an expandable page) of at least
+ * NPA_SMALL_BUFFER, so a cap below that would refuse everything, and one
+ * that rounds to 0 would read as "no cap": a smaller fraction must never
+ * mean more memory, so such a fraction is refused as a bad value is, with a
+ * warning, and the default (no cap) is kept. */
+static size_t fraction_cap(npa_allocator *a, int id, size_t total_bytes) {
+    double fraction = a->config.per_process_memory_fraction;
+    if (!(fraction < 1.0) || total_bytes == 0) return 0;
+    size_t cap = (size_t)(fraction * (double)total_bytes);
+    if (cap >= NPA_SMALL_BUFFER) return cap;
+    if (a->backend.warn) {
+        char message[256];
+        snprintf(message, sizeof message,
+                 "per_process_memory_fraction:%g caps device %d at %zu bytes, below the smallest segment (%zu "
+                 "bytes), so nothing could be allocated; refused (default kept: no cap)",
+                 fraction, id, cap, NPA_SMALL_BUFFER);
+        a->backend.warn(a->backend.ctx, message);
+    }
+    return 0;
+}
+
 static npa_device *device_create(npa_allocator *a, int id) {
     npa_device *d = calloc(1, sizeof *d);
     if (!d) return NULL;
@@ -82,8 +121,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     size_t free_bytes = 0, total_bytes = 0;
     if (a->backend.mem_get_info(a->backend.ctx, id, &free_bytes, &total_bytes) != NPA_OK) free_bytes = total_bytes = 0;
     d->total_bytes = total_bytes;
-    double fraction = a->config.per_process_memory_fraction;
-    if (fraction < 1.0 && total_bytes) d->limit_bytes = (size_t)(fraction * (double)total_bytes);
+    d->limit_bytes = fraction_cap(a, id, total_bytes);
     d->allowed_bytes = d->limit_bytes ? d->limit_bytes : total_bytes;
 
     d->stats = a->backend.stats_storage ? a->backend.stats_storage(a->backend.ctx, id) : NULL;
@@ -361,16 +399,18 @@ static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *
     }
 }
 
-static void empty_cache_locked(npa_allocator *a, npa_device *d) {
-    settle_before_release(a, d);
-    npa_release_cached_segments(a, d);
+npa_error npa_empty_cache(npa_allocator *a, int device) {
+    npa_error first = NPA_OK;
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+        if (device >= 0 && i != device) continue;
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        pthread_mutex_lock(&d->lock);
+        npa_error err = release_locked(a, d);
+        pthread_mutex_unlock(&d->lock);
+        if (first == NPA_OK) first = err;
+    }
+    return first;
 }
 
-static void release_device_locked(npa_allocator *a, npa_device *d) {
-    npa_synchronize_and_drain(a, d);
-    npa_release_cached_segments(a, d);
-}
-
-void npa_empty_cache(npa_allocator *a, int device) { for_devices(a, device, empty_cache_locked); }
-void npa_release_device(npa_allocator *a, int device) { for_devices(a, device, release_device_locked); }
 void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_poll); }

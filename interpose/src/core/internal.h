@@ -4,7 +4,10 @@
  * Locking: every structure reached through an npa_device is guarded by that
  * device's mutex; the allocator-wide fields are immutable after npa_create
  * except the GC threshold (atomic) and the device table (published once per
- * device with release/acquire). */
+ * device with release/acquire). Order: the allocator's init_lock before a
+ * device's lock (record_history takes each under it); one device lock at a
+ * time, never two; the backend is called with the device lock held and must
+ * never call back into the core. The hook's full order is in hook/hook.h. */
 #ifndef NPUALLOC_CORE_INTERNAL_H
 #define NPUALLOC_CORE_INTERNAL_H
 
@@ -230,8 +233,11 @@ void npa_expandable_forget(npa_expandable *es);
 void npa_pending_poll(npa_allocator *a, npa_device *d);
 /* After a synchronize: every pending free is safe. */
 void npa_pending_drain_all(npa_allocator *a, npa_device *d);
-/* Synchronizes the device and drains every pending free (num_sync_all_streams++). */
-void npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
+/* Synchronizes the device and drains every pending free (num_sync_all_streams++);
+ * false, with nothing drained, when the device could not be synchronized. */
+bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
+/* Whether frees wait for a fence: open or fenced batches exist. */
+static inline bool npa_pending_any(const npa_device *d) { return d->open_batch != NULL || d->batches != NULL; }
 
 /* gc.c */
 void npa_gc(npa_allocator *a, npa_device *d);
@@ -291,6 +297,12 @@ static inline void npa_pool_stat_decrease(npualloc_stat st[NPUALLOC_POOL_COUNT],
 }
 
 void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes);
+/* Asks the runtime for the device's free and total bytes and publishes them
+ * (device_free_bytes, device_total_bytes); the outputs (may be NULL) get 0
+ * when it cannot say, and the stats keep the last figure. Called where
+ * device memory changed hands: a cache miss that grew the pool, empty_cache,
+ * an OOM; never on the hit path. */
+npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t *free_bytes, size_t *total_bytes);
 
 /* snapshot.c: one device's segments, with its lock held. The views' blocks
  * live in *scratch (grown as needed, the caller frees it); false when it

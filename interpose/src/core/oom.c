@@ -36,17 +36,30 @@ static npa_block *new_memory(npa_allocator *a, npa_device *d, npa_pool *pool, si
     return npa_segment_alloc(a, d, npa_segment_size(rounded), pool->is_small, cap_hit);
 }
 
-npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
+static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
     if (npa_gc_threshold(a) > 0.0) npa_gc(a, d);
     npa_block *b = new_memory(a, d, pool, rounded, cap_hit);
     if (b) return b;
     if (release_oversize_blocks(a, d, pool, rounded) && (b = new_memory(a, d, pool, rounded, cap_hit))) return b;
-    npa_synchronize_and_drain(a, d);
-    npa_release_cached_segments(a, d);
+    /* A device that cannot be synchronized keeps its pending frees (their
+     * work may still run) and its cache: the retry then gets what it gets. */
+    if (npa_synchronize_and_drain(a, d)) npa_release_cached_segments(a, d);
     npa_stats_begin(d);
     d->stats->num_alloc_retries++;
     npa_stats_end(d);
     return new_memory(a, d, pool, rounded, cap_hit);
+}
+
+npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
+    npa_block *b = grow_steps(a, d, pool, rounded, cap_hit);
+    /* The device's free memory changed hands here (segments in, maybe some
+     * out): re-read it so `npualloc stats` shows the live figure. Asking the
+     * runtime, rather than adding up our own deltas, also counts other
+     * processes and the runtime's own padding; it costs one query on a path
+     * that has just made a raw allocation (tens of microseconds), and
+     * nothing on a cache hit. An OOM samples in npa_oom_report instead. */
+    if (b) npa_stats_sample_device_memory(a, d, NULL, NULL);
+    return b;
 }
 
 /* The config key that would most likely have avoided this OOM. */
@@ -60,9 +73,8 @@ static const char *oom_hint(bool cap_hit, size_t rounded, size_t allocated, size
 void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t rounded, bool cap_hit, char *msg,
                     size_t msg_len) {
     npualloc_device_stats *s = d->stats;
-    size_t free_bytes = 0, total_bytes = 0;
-    if (a->backend.mem_get_info(a->backend.ctx, d->id, &free_bytes, &total_bytes) != NPA_OK)
-        free_bytes = total_bytes = 0;
+    size_t free_bytes, total_bytes;
+    npa_stats_sample_device_memory(a, d, &free_bytes, &total_bytes);
     size_t allocated = (size_t)s->allocated_bytes[NPUALLOC_POOL_ALL].current;
     size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
 
@@ -70,8 +82,6 @@ void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t ro
     npa_history_note(d, NPA_TRACE_OOM, (uintptr_t)free_bytes, rounded == SIZE_MAX ? requested : rounded);
     npa_stats_begin(d);
     s->num_ooms++;
-    s->device_free_bytes = (int64_t)free_bytes;
-    s->device_total_bytes = (int64_t)total_bytes;
     npa_stats_end(d);
 
     char cap[64] = "";

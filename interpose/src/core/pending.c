@@ -21,10 +21,14 @@ static void release_fence(npa_allocator *a, void *fence) {
     if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, fence);
 }
 
-/* Puts the open batch behind a fence; with no fence needed (eager) or no
- * memory for the batch record, its blocks are handled at once or next time. */
+/* Puts the open batch behind a fence; with no fence needed (eager, or the
+ * backend synchronized instead) its blocks are handled at once. When the
+ * backend could neither fence nor synchronize (the device cannot be entered)
+ * or there is no memory for the batch record, the blocks stay pending in the
+ * open batch: a stream may still use them, and the next poll tries again. */
 static void close_open_batch(npa_allocator *a, npa_device *d) {
-    void *fence = a->backend.fence_record(a->backend.ctx, d->id);
+    void *fence = NULL;
+    if (a->backend.fence_record(a->backend.ctx, d->id, &fence) != NPA_OK) return;
     if (!fence) {
         npa_block *blocks = d->open_batch;
         d->open_batch = NULL;
@@ -76,10 +80,13 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     complete_blocks(a, d, blocks);
 }
 
-void npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {
-    a->backend.synchronize(a->backend.ctx, d->id);
+bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {
+    /* A synchronize that failed proves nothing about queued work: the
+     * pending blocks stay pending until a fence or a later synchronize says. */
+    if (a->backend.synchronize(a->backend.ctx, d->id) != NPA_OK) return false;
     npa_stats_begin(d);
     d->stats->num_sync_all_streams++;
     npa_stats_end(d);
     npa_pending_drain_all(a, d);
+    return true;
 }

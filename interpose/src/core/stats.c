@@ -26,6 +26,21 @@ void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes) {
     npa_stats_end(d);
 }
 
+npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t *free_bytes, size_t *total_bytes) {
+    size_t free_now = 0, total_now = 0;
+    npa_error err = a->backend.mem_get_info(a->backend.ctx, d->id, &free_now, &total_now);
+    if (err != NPA_OK) free_now = total_now = 0; /* the stats keep the last figure the runtime gave */
+    else {
+        npa_stats_begin(d);
+        d->stats->device_free_bytes = (int64_t)free_now;
+        d->stats->device_total_bytes = (int64_t)total_now;
+        npa_stats_end(d);
+    }
+    if (free_bytes) *free_bytes = free_now;
+    if (total_bytes) *total_bytes = total_now;
+    return err;
+}
+
 void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
     if (!out) return;
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;

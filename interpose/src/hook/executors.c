@@ -26,6 +26,7 @@ typedef struct deferred {
 static deferred *pending;
 static size_t npending, cap_pending;
 
+/* Second in the lock order (hook.h): after init_lock, before device locks. */
 static pthread_mutex_t exec_lock = PTHREAD_MUTEX_INITIALIZER;
 atomic_int npa_exec_deferred;
 
@@ -170,7 +171,14 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         count(device, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED);
         return ACLNN_SUCCESS;
     }
-    void *fence = device >= 0 ? npa_fence_record_always(device) : NULL;
+    void *fence = NULL;
+    if (device >= 0 && npa_fence_record_always(device, &fence) != ACL_SUCCESS) {
+        /* Neither a fence nor a synchronize: a kernel in flight may still
+         * use the executor, and destroying it could crash the host. Keeping
+         * it costs only host memory. */
+        npa_warn_once("cannot fence or synchronize device %d: an aclnn executor is kept, not destroyed", device);
+        return ACLNN_SUCCESS;
+    }
     if (fence == NULL) {
         /* No device on this thread (nothing of its own queued), or the fence
          * synchronized the device instead: nothing left to wait for. */

@@ -9,7 +9,38 @@
  *   exports.c   the aclrt* / acl* entry points the program calls
  *   api.c       npualloc.h, the in-process C API
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
- *   warn.c      once-only stderr warnings */
+ *   warn.c      once-only stderr warnings
+ *
+ * Lock order of libnpualloc.so, outermost first. A thread holding one of
+ * these takes only locks further down the list; none is held across a call
+ * back into the program. Checked against every lock site (issue 11 item 16).
+ *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
+ *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
+ *      polls fences, synchronizes, and counts into a device's stats (5).
+ *   3. command lock (region.c g_command_lock): one thread applies another
+ *      process's command; under it empty_cache, resets and snapshots take
+ *      the device locks one at a time (5), and the config text (8).
+ *      Never nested with 1 or 2.
+ *   4. the allocator's device-table lock (core internal.h init_lock):
+ *      device creation asks the runtime for memory info and may create the
+ *      region (8); record_history takes each device lock (5) under it.
+ *   5. a device lock (core internal.h npa_device.lock): one device at a
+ *      time, never two. Under it the core calls the backend: raw
+ *      malloc/free, synchronize, mem info, VMM calls (the runtime), and
+ *      fences, which take
+ *   6. that device's stream lock (streams.c dev_streams.lock), held across
+ *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
+ *      synchronize. Only fork_prepare holds several, in ascending order.
+ *   7. open_lock (realacl.c): the first lookup of a runtime function.
+ *   8. leaves, which take nothing: the region's create lock (region.c
+ *      g_create_lock) and warn.c's seen_lock.
+ * The runtime's own locks come after all of ours: it is called with 5 and 6
+ * held and never calls back into the allocator.
+ * fork_prepare takes 1, 2, every 6 (ascending), 7 and seen_lock, in that
+ * order, so no thread is inside those sections when the address space is
+ * copied; it leaves out 3, 4, 5 and g_create_lock, which the child never
+ * takes from the parent's state (it builds a new allocator, and region.c
+ * re-initialises its locks in the child). */
 #ifndef NPUALLOC_HOOK_H
 #define NPUALLOC_HOOK_H
 
@@ -122,11 +153,14 @@ void npa_streams_add(int device, aclrtStream stream);
 int npa_streams_remove(aclrtStream stream); /* 1 when it was tracked */
 int npa_streams_live(void);                 /* created and not yet destroyed */
 /* A fence over every live stream of the device and its default stream,
- * whatever the reuse policy (the executors need one always); NULL only when
- * the fence could not be recorded, after synchronizing the device instead. */
-void *npa_fence_record_always(int device);
-int npa_fence_needed(void *ctx, int device);    /* backend: honours reuse_policy */
-void *npa_fence_record(void *ctx, int device); /* backend: honours reuse_policy */
+ * whatever the reuse policy (the executors need one always), into *fence.
+ * ACL_SUCCESS with *fence NULL only when the fence could not be recorded and
+ * the device was synchronized instead. An error (the device cannot be
+ * entered, or the synchronize failed) leaves *fence NULL and proves
+ * nothing: the caller must go on treating the work as queued. */
+aclError npa_fence_record_always(int device, void **fence);
+int npa_fence_needed(void *ctx, int device);                  /* backend: honours reuse_policy */
+npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);
 void npa_streams_destroy_events(int device); /* device < 0: all; before reset/finalize */

@@ -18,6 +18,7 @@ static _Atomic(npa_allocator *) any_allocator;
 
 enum { ST_UNINIT, ST_ACTIVE, ST_FINALIZED };
 static int state; /* under init_lock */
+/* First in the lock order (hook.h): taken with no other lock of ours held. */
 static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* ---- environment ---------------------------------------------------------- */
@@ -157,6 +158,12 @@ static npa_error be_mem_get_info(void *ctx, int device, size_t *free_bytes, size
     return err;
 }
 
+static void be_warn(void *ctx, const char *message)
+{
+    (void)ctx;
+    npa_warn_once("%s", message);
+}
+
 static npualloc_device_stats *be_stats_storage(void *ctx, int device)
 {
     (void)ctx;
@@ -244,6 +251,7 @@ static const npa_backend backend = {
     .fence_record = npa_fence_record,
     .fence_done = npa_fence_done,
     .fence_release = npa_fence_release,
+    .warn = be_warn,
     .stats_storage = be_stats_storage,
 };
 
@@ -315,7 +323,7 @@ void npa_hook_before_reset(int device)
     npa_exec_drain(1);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a != NULL)
-        npa_release_device(a, device);
+        npa_empty_cache(a, device);
     npa_streams_destroy_events(device);
 }
 
@@ -326,7 +334,7 @@ static void release_everything(npa_allocator *a)
         unsigned seen = npa_devices_seen();
         for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
             if (seen & (1u << d))
-                npa_release_device(a, d);
+                npa_empty_cache(a, d);
     }
     npa_streams_destroy_events(-1);
 }
@@ -375,9 +383,9 @@ static void at_exit(void)
 static void fork_prepare(void)
 {
     /* No thread may be inside one of our critical sections when the address
-     * space is copied, or the child would inherit a lock nobody releases. The
-     * core's own locks need no such care: the child never touches the parent's
-     * allocator again. */
+     * space is copied, or the child would inherit a lock nobody releases.
+     * Taken in the lock order of hook.h. The core's own locks need no such
+     * care: the child never touches the parent's allocator again. */
     pthread_mutex_lock(&init_lock);
     npa_exec_lock_for_fork();
     npa_streams_lock_for_fork();

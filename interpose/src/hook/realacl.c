@@ -94,6 +94,7 @@ void npa_real_offer(int index, void *fn)
 
 /* Handles of the libraries found by steps 2-4, kept open for good: a handle
  * holds a reference, so the functions we cached cannot be unloaded under us. */
+/* After the stream locks in the lock order (hook.h); nothing of ours is taken under it. */
 static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
 #define MAX_HANDLES 8
 static struct {

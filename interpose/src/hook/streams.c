@@ -16,7 +16,9 @@ typedef struct npa_fence {
 } npa_fence;
 
 /* Per device: its live streams and a pool of idle events (creating an event
- * per free would cost a runtime call each time). */
+ * per free would cost a runtime call each time). The lock comes after the
+ * core's device lock and before open_lock (hook.h); it is never held across
+ * a synchronize. */
 typedef struct dev_streams {
     pthread_mutex_t lock;
     aclrtStream *streams;
@@ -54,9 +56,13 @@ static void settle_before_first_stream(void)
     if (npa_hook_config()->reuse_policy != NPA_REUSE_AUTO)
         return;
     unsigned seen = npa_devices_seen();
-    for (int device = 0; seen != 0; device++, seen >>= 1)
-        if (seen & 1u)
-            npa_hook_synchronize(device);
+    for (int device = 0; seen != 0; device++, seen >>= 1) {
+        aclError err = (seen & 1u) ? npa_hook_synchronize(device) : ACL_SUCCESS;
+        if (err != ACL_SUCCESS)
+            npa_warn_once("cannot synchronize device %d before its first stream (error %d): blocks freed "
+                          "before it may be handed to the new stream while the default stream still uses them",
+                          device, err);
+    }
 }
 
 void npa_streams_add(int device, aclrtStream stream)
@@ -114,17 +120,21 @@ static void give_event(dev_streams *d, aclrtEvent ev)
     }
 }
 
-void *npa_fence_record_always(int device)
+aclError npa_fence_record_always(int device, void **fence)
 {
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) {
-        npa_hook_synchronize(device);
-        return NULL;
-    }
+    *fence = NULL;
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+        return npa_hook_synchronize(device);
     __typeof__(&aclrtRecordEvent) record = NPA_REAL(aclrtRecordEvent);
+    if (record == NULL)
+        return npa_hook_synchronize(device);
     npa_devswitch sw;
-    /* Events and the default stream belong to the current device. */
-    if (record == NULL || npa_device_enter(device, &sw) != ACL_SUCCESS)
-        return NULL;
+    /* Events and the default stream belong to the current device. A device
+     * we cannot enter can be neither fenced nor synchronized: say so, and
+     * the caller keeps waiting (hook.h). */
+    aclError err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
     dev_streams *d = &devs[device];
     int complete = 1;
     pthread_mutex_lock(&d->lock);
@@ -149,17 +159,20 @@ void *npa_fence_record_always(int device)
     pthread_mutex_unlock(&d->lock);
     if (!complete) {
         /* Cannot see when that stream's work ends: wait for all of it now,
-         * which is what the fence would have waited for. */
+         * which is what the fence would have waited for. The device lock is
+         * not held across it: a synchronize may take long. */
         __typeof__(&aclrtSynchronizeDevice) sync = NPA_REAL(aclrtSynchronizeDevice);
-        if (sync)
-            sync();
+        err = sync != NULL ? sync() : npa_no_runtime_error(NPA_FN_aclrtSynchronizeDevice);
     }
     npa_device_leave(&sw);
-    if (f != NULL && f->count == 0) {
-        free(f);
+    if (f != NULL && (err != ACL_SUCCESS || f->count == 0)) {
+        /* Failed: part of the work is not covered, so the fence proves
+         * nothing. No event: the synchronize covered everything. */
+        npa_fence_release(NULL, f);
         f = NULL;
     }
-    return f;
+    *fence = f;
+    return err;
 }
 
 int npa_fence_needed(void *ctx, int device)
@@ -179,9 +192,10 @@ int npa_fence_needed(void *ctx, int device)
     return 1;
 }
 
-void *npa_fence_record(void *ctx, int device)
+npa_error npa_fence_record(void *ctx, int device, void **fence)
 {
-    return npa_fence_needed(ctx, device) ? npa_fence_record_always(device) : NULL;
+    *fence = NULL;
+    return npa_fence_needed(ctx, device) ? npa_fence_record_always(device, fence) : NPA_OK;
 }
 
 int npa_fence_done(void *ctx, void *fence)

@@ -37,9 +37,11 @@ enum region_state {
 
 npualloc_region *_Atomic npa_region_current;
 static _Atomic int g_state = REGION_UNTRIED;
-/* Serialises creation, removal and config updates; never taken on the hot path. */
+/* Serialises creation, removal and config updates; never taken on the hot
+ * path. A leaf of the lock order (hook/hook.h): nothing is taken under it. */
 static pthread_mutex_t g_create_lock = PTHREAD_MUTEX_INITIALIZER;
-/* One poller applies a command; the others go on with their allocation. */
+/* One poller applies a command; the others go on with their allocation.
+ * Taken with no lock of ours held; under it, device locks (hook/hook.h). */
 static pthread_mutex_t g_command_lock = PTHREAD_MUTEX_INITIALIZER;
 static pid_t g_owner_pid;
 static char g_path[4096];
@@ -303,17 +305,22 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t seq,
         return NPUALLOC_CMD_EINVAL;
     /* Only devices that allocated through npualloc have anything to act on;
      * touching the others could make the core set up state for them. */
+    int32_t status = NPUALLOC_CMD_OK;
     for (int d = device < 0 ? 0 : device; d < (device < 0 ? NPUALLOC_MAX_DEVICES : device + 1); d++) {
         if (!device_in_use(r, d))
             continue;
-        if (code == NPUALLOC_CMD_EMPTY_CACHE)
-            npa_empty_cache(a, d);
-        else if (code == NPUALLOC_CMD_RESET_PEAK)
+        if (code == NPUALLOC_CMD_EMPTY_CACHE) {
+            /* A device that could not be synchronized kept its cache: the
+             * requester must not be told it was emptied. */
+            if (npa_empty_cache(a, d) != NPA_OK)
+                status = NPUALLOC_CMD_EFAILED;
+        } else if (code == NPUALLOC_CMD_RESET_PEAK) {
             npa_reset_peak_stats(a, d);
-        else
+        } else {
             npa_reset_accumulated_stats(a, d);
+        }
     }
-    return NPUALLOC_CMD_OK;
+    return status;
 }
 
 void npa_region_poll_slow(npa_allocator *allocator)

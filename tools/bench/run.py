@@ -45,6 +45,7 @@ HOTPATH_ROUNDS = 5            # every hot-path case once per round; ratios are t
 REPLAY_RATE_REPEATS = 3
 PYACL_STEPS = 120
 TRAINING_TRACES = ("gpt2_train", "resnet_train")
+FULL_SHARE = 0.85            # CPU share per thread for a thread-scaling figure to measure the allocator
 CEILING = 1.10                # the goal for peak reserved / peak requested
 EXPANDABLE = "expandable_segments:True"   # torch's answer to fragmentation; off by default, as in torch
 CANDIDATE_CONFS = ("", EXPANDABLE, "max_split_size_mb:64", "max_split_size_mb:128", "max_split_size_mb:512",
@@ -311,12 +312,13 @@ def hot_path_goals(h: dict[str, Any]) -> list[tuple[str, bool, str]]:
          ratios["eager1/glibc1"]["median"] <= 1.3, f"ratio {fmt_spread(ratios['eager1/glibc1'])}"),
         ("the core alone is not slower than the whole exported path (same sizes, same rounds)",
          ratios["core1/eager1"]["median"] <= 1.0, f"core / exported {fmt_spread(ratios['core1/eager1'])}"),
-        ("2 threads on one device keep at least half the single-thread rate per thread",
-         row["eager2"]["loss_vs_1_thread"]["median"] <= 0.5,
+        ("2 threads on one device keep at least half the single-thread rate per thread, each near 100% CPU share",
+         row["eager2"]["loss_vs_1_thread"]["median"] <= 0.5 and row["eager2"]["cpu_share"]["median"] >= FULL_SHARE,
          f"loss {fmt_spread(row['eager2']['loss_vs_1_thread'], '.0%')} at CPU share "
          f"{fmt_spread(row['eager2']['cpu_share'], '.0%')} per thread (glibc loses "
          f"{fmt_spread(row['glibc2']['loss_vs_1_thread'], '.0%')}); the machine has {os.cpu_count()} cores: "
-         "a share near 50% means another load took a core and the threads took turns"),
+         f"a share under {FULL_SHARE:.0%} means another load took a core and the threads took turns, which "
+         "measures the machine, not the lock: not counted as met"),
         ("4 threads on one device degrade no worse than glibc in the same run",
          row["eager4"]["loss_vs_1_thread"]["median"] <= row["glibc4"]["loss_vs_1_thread"]["median"],
          f"npualloc loses {fmt_spread(row['eager4']['loss_vs_1_thread'], '.0%')}, glibc "

@@ -23,9 +23,24 @@ SIM_PY = BUILD / "aclsim" / "python"
 NPUALLOC_LIB = BUILD / "lib" / "libnpualloc.so"
 
 
+# The simulated devices' capacity is shared by the processes of one
+# NPUSIM_SHARED_DIR, as a real NPU's memory is by the processes of a node.
+# Each test gets a directory of its own (set by _own_device_capacity), so its
+# processes share devices with one another and never with another test's.
+_device_dir: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _own_device_capacity(tmp_path_factory: pytest.TempPathFactory):
+    _device_dir.append(str(tmp_path_factory.mktemp("devices")))
+    yield
+    _device_dir.pop()
+
+
 def sim_env(**extra: str) -> dict[str, str]:
     """Environment of a process on the simulator, latency model off (tests
-    assert on behaviour, not on time), npualloc not loaded."""
+    assert on behaviour, not on time), npualloc not loaded, its devices shared
+    with the other processes of the same test."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUSIM_", "NPUALLOC_", "LD_PRELOAD"))}
     for key in ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
                 "PYTORCH_NO_CUDA_MEMORY_CACHING"):
@@ -36,6 +51,8 @@ def sim_env(**extra: str) -> dict[str, str]:
     env["NPUSIM_MALLOC_US"] = "0"
     env["NPUSIM_FREE_US"] = "0"
     env["PYTHONUNBUFFERED"] = "1"
+    if _device_dir:
+        env["NPUSIM_SHARED_DIR"] = _device_dir[-1]
     env.update(extra)
     return env
 

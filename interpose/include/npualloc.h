@@ -39,6 +39,21 @@ int npualloc_current_device(void);
  * NULL when host memory ran out. */
 void *npualloc_snapshot(size_t *size);
 void npualloc_free_snapshot(void *snapshot);
+/* The memory saver (npualloc.memory_saver, torch_memory_saver's API). From
+ * now on the calling thread's allocations are pausable and carry tag (NULL:
+ * ordinary again); with enable_cpu_backup a pause copies them to host memory
+ * and resume brings the contents back. 0, or -1 when the tag is 64 bytes or
+ * longer or 64 tags exist already. */
+int npualloc_saver_region(const char *tag, int enable_cpu_backup);
+/* Pause: synchronize, back up, then unmap and free the physical memory of
+ * the tag's allocations (NULL: every tag), keeping their addresses. Resume:
+ * map new physical memory at the same addresses and restore the backups. 0,
+ * or an aclError with the reason, a sentence, in why (why_len bytes). */
+int npualloc_saver_pause(const char *tag, char *why, size_t why_len);
+int npualloc_saver_resume(const char *tag, char *why, size_t why_len);
+/* Bytes of the tag's pausable allocations (NULL: every tag): all of them,
+ * the paused ones, and the host backups held. */
+int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup);
 /* cffi:end */
 
 #ifdef __cplusplus

@@ -5,7 +5,8 @@
  *
  * The hit path of aclrtMalloc/aclrtFree is: one acquire load (the allocator),
  * one thread-local load (the device), two relaxed loads (region command,
- * deferred executors), then the core. */
+ * deferred executors), one thread-local load (the memory saver's region),
+ * then the core. */
 #include "hook.h"
 #include "region/region.h"
 
@@ -29,6 +30,11 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
             npa_exec_poll();
+            if (NPA_UNLIKELY(npa_saver_region >= 0)) { /* inside npualloc.memory_saver.region() */
+                int err = npa_saver_malloc(device, size, devPtr);
+                if (err >= 0)
+                    return err;
+            }
             npa_error err = npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))
                 npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */
@@ -88,6 +94,9 @@ static aclError free_through_cache(npa_allocator *a, void *devPtr, int device, n
         case NPA_FREE_NOT_OURS:
             break;
         }
+        aclError err;
+        if (npa_saver_free(devPtr, &err))
+            return err;
     }
     npa_free_fn real = (npa_free_fn)npa_real(fn);
     return real ? real(devPtr) : npa_no_runtime_error(fn);

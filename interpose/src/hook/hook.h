@@ -9,6 +9,7 @@
  *   exports.c   the aclrt* / acl* entry points the program calls
  *   api.c       npualloc.h, the in-process C API
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
+ *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
  *   warn.c      once-only stderr warnings
  *
  * Lock order of libnpualloc.so, outermost first. A thread holding one of
@@ -32,6 +33,9 @@
  *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
  *      synchronize. Only fork_prepare holds several, in ascending order.
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
+ *   7b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
+ *      or free of one and by pause/resume, with none of 1-7 held; under it
+ *      only the runtime (VMM calls, copies, synchronize) and warn (8).
  *   8. leaves, which take nothing: the region's create lock (region.c
  *      g_create_lock) and warn.c's seen_lock.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
@@ -95,6 +99,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtFreePhysical,
     NPA_FN_aclrtMapMem,
     NPA_FN_aclrtUnmapMem,
+    NPA_FN_aclrtMemcpy, /* the memory saver's host backups */
     NPA_FN_COUNT
 } npa_fn;
 
@@ -212,6 +217,18 @@ void npa_hook_after_init(void);
 void npa_hook_register_handlers(void);
 void npa_realacl_lock_for_fork(void);
 void npa_realacl_unlock_after_fork(void);
+
+/* ---- saver.c -------------------------------------------------------------- */
+
+/* The memory saver region of this thread: -1 outside one (the allocation
+ * path tests only this), else the tag's index * 2 + enable_cpu_backup. */
+extern NPA_TLS int npa_saver_region;
+/* An allocation inside a region: its own VMM range on the device, tagged.
+ * -1 when this runtime has no virtual memory API (the caller serves it as
+ * an ordinary allocation), else an aclError. */
+int npa_saver_malloc(int device, size_t size, void **ptr);
+/* A free of a pausable allocation: 1 (freed, *err its result), 0 not one. */
+int npa_saver_free(void *ptr, aclError *err);
 
 /* ---- snapshot.c ----------------------------------------------------------- */
 

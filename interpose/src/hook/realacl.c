@@ -38,7 +38,7 @@ static const struct {
     NNOP(aclDestroyAclOpExecutor), ACL(aclrtGetDevice), ACL(aclrtSynchronizeDevice), ACL(aclrtGetMemInfo),
     ACL(aclrtCreateEvent), ACL(aclrtRecordEvent), ACL(aclrtQueryEventStatus), ACL(aclrtDestroyEvent),
     ACL(aclrtReserveMemAddress), ACL(aclrtReleaseMemAddress), ACL(aclrtMallocPhysical), ACL(aclrtFreePhysical),
-    ACL(aclrtMapMem), ACL(aclrtUnmapMem),
+    ACL(aclrtMapMem), ACL(aclrtUnmapMem), ACL(aclrtMemcpy),
 #undef ACL
 #undef NNOP
 };

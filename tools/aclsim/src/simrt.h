@@ -86,7 +86,8 @@ typedef struct simrt_op_kind {
     void (*finish)(const void *params);
 } simrt_op_kind;
 
-#define SIMRT_OP_PARAMS_MAX 64
+/* Room for an aclnn op's copied descriptors (src/aclnn/engine.h). */
+#define SIMRT_OP_PARAMS_MAX 1024
 
 /* Phase 1: a new executor for `kind` holding a copy of params, the current op
  * duration and the workspace it will need. */
@@ -101,6 +102,16 @@ SIMRT_EXPORT aclnnStatus simrt_LaunchExecutor(const char *api, void *workspace, 
  * the memory is not even mapped). `what` names the access in reports. */
 SIMRT_EXPORT void simrt_DeviceFill(void *dst, int value, size_t bytes, const char *what);
 SIMRT_EXPORT void simrt_DeviceCopy(void *dst, const void *src, size_t bytes, const char *what);
+
+/* Checks every range (invalid touches counted and reported), then, if all are
+ * at least mapped, runs compute(ctx) while still holding the runtime's lock
+ * so no free can interleave. Returns whether compute ran. */
+typedef struct simrt_range {
+    const void *ptr;
+    size_t bytes;
+} simrt_range;
+SIMRT_EXPORT int simrt_DeviceAccess(const simrt_range *ranges, size_t count, const char *what,
+                                    void (*compute)(void *ctx), void *ctx);
 
 #ifdef __cplusplus
 }

@@ -53,6 +53,8 @@ static void read_config(void)
     config.fail_seed = env_u64("NPUSIM_FAIL_SEED", 1);
     config.op_us = env_u64("NPUSIM_OP_US", DEFAULT_OP_US);
     config.poison_bytes = (size_t)env_u64("NPUSIM_POISON_BYTES", DEFAULT_POISON_BYTES);
+    const char *shared = getenv("NPUSIM_SHARED_DIR");
+    config.shared_dir = shared != NULL && *shared != '\0' ? shared : NULL;
 }
 
 const struct sim_config *sim_config(void)

@@ -24,6 +24,7 @@ struct sim_config {
     uint64_t fail_seed;
     uint64_t op_us;         /* default duration of a simulated aclnn op */
     size_t poison_bytes;    /* how much of a freed block gets poisoned */
+    const char *shared_dir; /* NPUSIM_SHARED_DIR: capacity shared with other processes; NULL: private */
 };
 const struct sim_config *sim_config(void);
 
@@ -77,6 +78,14 @@ void *sim_arena_alloc(struct sim_arena *a, uint64_t len, uint64_t align, uint64_
 long sim_arena_find(const struct sim_arena *a, const void *p);
 /* Frees the live segment at idx (poisons its head, gives its pages back). */
 void sim_arena_release(struct sim_arena *a, long idx);
+
+/* ---- capacity (capacity.c), lock held: a device's HBM, shared with the
+ * other processes of NPUSIM_SHARED_DIR. charge: 1 when bytes fit (and are
+ * added to the device's used_bytes), 0 when the device is full. used: the
+ * bytes in use by every live process, this one included. */
+int sim_capacity_charge(int32_t id, uint64_t bytes);
+void sim_capacity_release(int32_t id, uint64_t bytes);
+uint64_t sim_capacity_used(int32_t id);
 
 /* ---- devices (device.c) ---- */
 struct sim_stream;

@@ -30,10 +30,12 @@ static aclError device_malloc(enum sim_api api, void **devPtr, size_t size, int 
     struct sim_device *d = sim_device(id);
     pthread_mutex_lock(&sim_lock);
     void *p = NULL;
-    if (!sim_inject_alloc_failure() && d->used_bytes + accounted <= cfg->hbm_bytes)
+    if (!sim_inject_alloc_failure() && sim_capacity_charge(id, accounted)) {
         p = sim_arena_alloc(&d->arena, align_up(accounted, BLOCK_ALIGN), align, size, accounted);
+        if (p == NULL)
+            sim_capacity_release(id, accounted);
+    }
     if (p != NULL) {
-        d->used_bytes += accounted;
         d->alloc_bytes += accounted;
         d->live_allocs++;
     }
@@ -101,7 +103,7 @@ static aclError device_free(void *devPtr)
     }
     uint64_t accounted = d->arena.segs[idx].accounted;
     sim_arena_release(&d->arena, idx);
-    d->used_bytes -= accounted;
+    sim_capacity_release((int32_t)(d - sim_device(0)), accounted);
     d->alloc_bytes -= accounted;
     d->live_allocs--;
     pthread_mutex_unlock(&sim_lock);
@@ -138,10 +140,9 @@ SIM_EXPORT aclError simrt_GetMemInfo(aclrtMemAttr attr, size_t *free, size_t *to
         *free = *total = 0;
         return ACL_SUCCESS;
     }
-    struct sim_device *d = sim_device(id);
     pthread_mutex_lock(&sim_lock);
     *total = sim_config()->hbm_bytes;
-    *free = sim_config()->hbm_bytes - d->used_bytes;
+    *free = sim_config()->hbm_bytes - sim_capacity_used(id);
     pthread_mutex_unlock(&sim_lock);
     return ACL_SUCCESS;
 }

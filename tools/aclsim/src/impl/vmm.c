@@ -157,9 +157,10 @@ SIM_EXPORT aclError simrt_MallocPhysical(aclrtDrvMemHandle *handle, size_t size,
     if (h == NULL)
         return ACL_ERROR_BAD_ALLOC;
     pthread_mutex_lock(&sim_lock);
-    int fail = sim_inject_alloc_failure() || d->used_bytes + size > cfg->hbm_bytes;
+    int32_t device = (int32_t)prop->location.id;
+    int fail = sim_inject_alloc_failure() || !sim_capacity_charge(device, size);
     if (!fail)
-        d->used_bytes += size, d->physical_bytes += size;
+        d->physical_bytes += size;
     pthread_mutex_unlock(&sim_lock);
     if (fail) {
         free(h);
@@ -171,7 +172,8 @@ SIM_EXPORT aclError simrt_MallocPhysical(aclrtDrvMemHandle *handle, size_t size,
             close(h->fd);
         free(h);
         pthread_mutex_lock(&sim_lock);
-        d->used_bytes -= size, d->physical_bytes -= size;
+        sim_capacity_release(device, size);
+        d->physical_bytes -= size;
         pthread_mutex_unlock(&sim_lock);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
@@ -204,7 +206,7 @@ SIM_EXPORT aclError simrt_FreePhysical(aclrtDrvMemHandle handle)
         link = &(*link)->next;
     *link = h->next;
     struct sim_device *d = sim_device(h->device);
-    d->used_bytes -= h->size;
+    sim_capacity_release(h->device, h->size);
     d->physical_bytes -= h->size;
     pthread_mutex_unlock(&sim_lock);
     close(h->fd);

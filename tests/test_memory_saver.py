@@ -1,0 +1,206 @@
+"""npualloc.memory_saver, torch_memory_saver's examples on the simulator
+through pyACL: contents survive pause/resume with a CPU backup, tags pause
+selectively, released memory is free for another process, and nothing is
+lost when host memory, device memory or another process gets in the way.
+Every scenario also asserts the simulator saw no access to paused memory."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT, preload_env, run_python, sim_env
+
+PRELUDE = """\
+import os, resource
+import acl, aclsim
+from npualloc import memory_saver as ms
+from npualloc.errors import NpuallocError
+MiB = 1 << 20
+def ok(ret):
+    assert ret == 0, ret
+ok(acl.init()); ok(acl.rt.set_device(0))
+def free_bytes():
+    return acl.rt.get_mem_info(1)[0]
+def malloc(size):
+    ptr, ret = acl.rt.malloc(size, 0); ok(ret)
+    return ptr
+def fill(ptr, size):
+    data = os.urandom(size)
+    ok(acl.rt.memcpy(ptr, size, acl.util.bytes_to_ptr(data), size, 1))
+    return data
+def read(ptr, size):
+    return acl.util.ptr_to_bytes(ptr, size)
+"""
+
+
+def saver(code: str, **env: str) -> subprocess.CompletedProcess:
+    return run_python(PRELUDE + textwrap.dedent(code) + "\nassert aclsim.invalid_accesses() == 0\n",
+                      preload_env(**env))
+
+
+def test_values_survive_pause_and_resume_with_backup():
+    saver("""
+        plain = malloc(MiB); kept = fill(plain, MiB)
+        with ms.region("weights", enable_cpu_backup=True):
+            w = malloc(3 * MiB)           # two 2 MiB pages
+        data = fill(w, 3 * MiB)
+        before = free_bytes()
+        ms.pause()
+        assert free_bytes() - before == 4 * MiB  # whole pages back to the device
+        assert ms.bytes_of() == {"allocated": 4 * MiB, "paused": 4 * MiB, "backup": 4 * MiB}
+        ms.resume()
+        assert free_bytes() == before
+        assert read(w, 3 * MiB) == data and read(plain, MiB) == kept  # same address, same bytes
+        assert ms.bytes_of("weights") == {"allocated": 4 * MiB, "paused": 0, "backup": 0}
+        ok(acl.rt.free(w)); ok(acl.rt.free(plain))
+        assert aclsim.physical_bytes_outstanding(0) == 0
+    """)
+
+
+def test_tags_pause_selectively_and_disable_makes_ordinary_allocations():
+    saver("""
+        with ms.region("kv_cache"):
+            kv = malloc(2 * MiB)
+            with ms.disable():
+                ordinary = malloc(2 * MiB)
+        with ms.region("weights", enable_cpu_backup=True):
+            w = malloc(2 * MiB)
+        data = fill(w, 2 * MiB)
+        assert ms.bytes_of() == {"allocated": 4 * MiB, "paused": 0, "backup": 0}
+        before = free_bytes()
+        ms.pause("kv_cache")
+        assert free_bytes() - before == 2 * MiB
+        assert ms.bytes_of("kv_cache")["paused"] == 2 * MiB and ms.bytes_of("weights")["paused"] == 0
+        assert read(w, 2 * MiB) == data               # the other tag is untouched and usable
+        ms.pause("weights")
+        assert free_bytes() - before == 4 * MiB
+        ms.resume("kv_cache")
+        assert ms.bytes_of() == {"allocated": 4 * MiB, "paused": 2 * MiB, "backup": 2 * MiB}
+        ms.resume()
+        assert read(w, 2 * MiB) == data
+        ok(acl.rt.memset(kv, 2 * MiB, 0, 2 * MiB))    # without backup: usable, contents undefined
+        ok(acl.rt.free(ordinary))
+    """)
+
+
+def test_a_paused_block_freed_is_simply_freed():
+    saver("""
+        with ms.region(enable_cpu_backup=True):
+            a = malloc(MiB)
+        ms.pause()
+        ok(acl.rt.free(a))
+        assert ms.bytes_of() == {"allocated": 0, "paused": 0, "backup": 0}
+        ms.resume()                                   # nothing left to resume
+        assert aclsim.physical_bytes_outstanding(0) == 0
+    """)
+
+
+def test_no_host_memory_for_the_backup_fails_the_pause_before_anything_is_unmapped():
+    saver("""
+        with ms.region(enable_cpu_backup=True):
+            a, b = malloc(32 * MiB), malloc(32 * MiB)
+        data = fill(a, 32 * MiB) + fill(b, 32 * MiB)
+        before = free_bytes()
+        # Room for one backup, not two: the first is taken, the second fails.
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + 48 * MiB, hard))
+        try:
+            ms.pause()
+        except NpuallocError as e:
+            assert "no host memory" in str(e) and "nothing was paused" in str(e), e
+        else:
+            raise AssertionError("the pause did not fail")
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        assert ms.bytes_of() == {"allocated": 64 * MiB, "paused": 0, "backup": 0}
+        assert free_bytes() == before and read(a, 32 * MiB) + read(b, 32 * MiB) == data
+        ms.pause(); ms.resume()                        # and it works once memory is there
+        assert read(a, 32 * MiB) + read(b, 32 * MiB) == data
+    """)
+
+
+def test_a_resume_without_device_memory_keeps_the_backup_and_can_be_retried():
+    saver("""
+        with ms.region(enable_cpu_backup=True):
+            a = malloc(4 * MiB)
+        data = fill(a, 4 * MiB)
+        ms.pause()
+        aclsim.fail_next_mallocs(1)                    # the device refuses the physical memory
+        try:
+            ms.resume()
+        except NpuallocError as e:
+            assert "keeps its backup" in str(e), e
+        else:
+            raise AssertionError("the resume did not fail")
+        assert ms.bytes_of() == {"allocated": 4 * MiB, "paused": 4 * MiB, "backup": 4 * MiB}
+        ms.resume()
+        assert read(a, 4 * MiB) == data
+    """)
+
+
+OWNER = PRELUDE + """\
+import sys
+with ms.region("engine", enable_cpu_backup=True):
+    weights = malloc(40 * MiB)
+data = fill(weights, 40 * MiB)
+ms.pause("engine")
+print("paused", flush=True)
+sys.stdin.readline()                               # the other process holds the memory now
+try:
+    ms.resume("engine")
+except NpuallocError as e:
+    print("refused:", e, flush=True)
+sys.stdin.readline()                               # the other process is gone
+ms.resume("engine")
+assert read(weights, 40 * MiB) == data
+assert aclsim.invalid_accesses() == 0
+print("resumed", flush=True)
+if sys.stdin.readline() == "pause-and-die\\n":
+    ms.pause("engine")
+    print("paused again", flush=True)
+    sys.stdin.readline()
+"""
+TAKER = PRELUDE + """\
+import sys
+p, ret = acl.rt.malloc(40 * MiB, 0)
+print(ret, flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env=preload_env(NPUSIM_HBM_MB="64"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_another_process_uses_the_paused_memory_and_the_owner_resumes_after_it():
+    owner = _start(OWNER)
+    takers = []
+    try:
+        assert owner.stdout.readline() == "paused\n"
+        takers.append(_start(TAKER))
+        assert takers[0].stdout.readline() == "0\n"    # 40 MiB of a 64 MiB device: only free because paused
+        owner.stdin.write("\n"); owner.stdin.flush()
+        line = owner.stdout.readline()
+        assert line.startswith("refused:") and "another process may hold it" in line, line
+        takers[0].stdin.close(); assert takers[0].wait() == 0
+        owner.stdin.write("\n"); owner.stdin.flush()
+        assert owner.stdout.readline() == "resumed\n"
+        owner.stdin.write("pause-and-die\n"); owner.stdin.flush()
+        assert owner.stdout.readline() == "paused again\n"
+        owner.kill(); owner.wait()                     # killed while paused: its backup and records go with it
+        takers.append(_start(TAKER.replace("40 * MiB", "60 * MiB")))
+        assert takers[1].stdout.readline() == "0\n"
+        takers[1].stdin.close(); assert takers[1].wait() == 0
+    finally:
+        for proc in (owner, *takers):
+            if proc.poll() is None:
+                proc.kill(); proc.wait()
+
+
+def test_the_readme_colocation_demo_runs():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "demo" / "colocate.py")], capture_output=True,
+                          text=True, timeout=120, env=sim_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "engine paused: 2048 MiB free" in proc.stdout and "weights intact" in proc.stdout, proc.stdout

@@ -51,6 +51,32 @@ def test_hotpath_glibc_baseline_runs_without_npualloc():
     assert "cache_hits_while_timed" not in r
 
 
+def test_hotpath_core_alone_walks_the_same_sizes_without_acl():
+    r = bench.run_hotpath(BUILD, "core", threads=2, batches=10, pairs=100)
+    assert r["allocator"] == "core" and not r["npualloc_loaded"] and not r["failed"]
+    timed_pairs = 2 * 10 * 100
+    assert r["cache_hits_while_timed"] + r["cache_misses_while_timed"] == timed_pairs
+    assert r["cache_misses_while_timed"] < timed_pairs // 100
+    assert r["raw_mallocs_while_timed"] == 0          # the simulator is not involved
+
+
+def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
+    monkeypatch.setattr(bench, "HOTPATH_ROUNDS", 2)
+    monkeypatch.setattr(bench, "HOTPATH_BATCHES", 5)
+    monkeypatch.setattr(bench, "HOTPATH_PAIRS", 32)
+    h = bench.hot_path(BUILD)
+    assert h["rounds"] == 2 and {r["key"] for r in h["rows"]} == {key for key, *_ in bench.HOTPATH_CASES}
+    for value in h["ratios"].values():
+        assert 0 < value["min"] <= value["median"] <= value["max"]
+    single = next(r for r in h["rows"] if r["key"] == "eager1")
+    assert single["loss_vs_1_thread"] == {"median": 0.0, "min": 0.0, "max": 0.0}
+    goals = bench.hot_path_goals(h)
+    assert any("1.3x of glibc" in text for text, _met, _detail in goals)
+    assert all(isinstance(met, bool) and detail for _text, met, detail in goals)
+    text = "\n".join(bench.hot_path_markdown(h))
+    assert "exported pair / glibc" in text and "core alone / exported pair" in text
+
+
 def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
                           capture_output=True, text=True)

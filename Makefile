@@ -20,7 +20,6 @@ all: lib sim
 include tools/aclsim/build.mk
 include interpose/build.mk
 include tools/replay/build.mk
--include tools/bench.mk
 
 # A venv of our own, so nothing has to be installed by hand on a fresh
 # machine: the package's own dependencies for the demo, everything the tests
@@ -36,6 +35,10 @@ $(VENV_STAMP): $(VENV_RUNTIME) tests/requirements.txt
 	$(PIP) -r tests/requirements.txt
 	touch $@
 venv: $(VENV_STAMP)
+
+# After the venv's variables: a rule's prerequisites are expanded where it is
+# read, so a fragment naming $(VENV_STAMP) before this point would get nothing.
+include tools/bench.mk
 
 pytest: all $(VENV_STAMP)
 	$(VENV)/bin/python -m pytest -q tests $(PYTEST_ARGS)

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import psutil
 
-from . import memory, plot, replay, snapshot
+from . import memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
@@ -160,8 +160,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        _Parser(prog="npualloc").error("run: no command given (npualloc run [--conf STR] -- CMD ...)")
-    env = dict(os.environ)
+        _Parser(prog="npualloc").error("run: no command given (npualloc run [--sim] [--conf STR] -- CMD ...)")
+    env = simulator.simulated_env(simulator.find_home(), os.environ) if args.sim else dict(os.environ)
     library = memory.library_path()
     preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()
     env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
@@ -259,6 +259,9 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a command (and its children) with npualloc preloaded, same pid: "
                          "no change to the program")
     run.add_argument("--conf", help="allocator config, e.g. max_split_size_mb:128,garbage_collection_threshold:0.8")
+    run.add_argument("--sim", action="store_true",
+                     help="no NPU needed: run on the simulated CANN runtime shipped with npualloc, its pyACL-compatible "
+                     "`acl` module importable (this command and its children only)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(run=cmd_run)
 

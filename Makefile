@@ -20,7 +20,6 @@ all: lib sim
 include tools/aclsim/build.mk
 include interpose/build.mk
 include tools/replay/build.mk
--include tools/bench.mk
 
 # A venv of our own, so nothing has to be installed by hand on a fresh
 # machine: the package's own dependencies for the demo, everything the tests
@@ -37,6 +36,10 @@ $(VENV_STAMP): $(VENV_RUNTIME) tests/requirements.txt
 	touch $@
 venv: $(VENV_STAMP)
 
+# After the venv's variables: a rule's prerequisites are expanded where it is
+# read, so a fragment naming $(VENV_STAMP) before this point would get nothing.
+include tools/bench.mk
+
 pytest: all $(VENV_STAMP)
 	$(VENV)/bin/python -m pytest -q tests $(PYTEST_ARGS)
 
@@ -49,10 +52,14 @@ test:
 # What `pip install .` ships (setup.py runs this): the preload library and
 # headers, the trace replayer, and the simulated runtime the replayer drives,
 # so `python -m npualloc replay` works on a machine with no checkout and no NPU.
-PACKAGE_SIM := npualloc/sim/lib64
-package: lib replay $(SIM_IMPL) $(SIM_FRONTS)
-	@mkdir -p $(PACKAGE_SIM)
-	cp $(SIM_IMPL) $(SIM_FRONTS) $(PACKAGE_SIM)/
+# The `acl` module goes to sim/python/, on no sys.path until `npualloc run
+# --sim` puts it on PYTHONPATH (npualloc/simulator.py): never where it could
+# shadow a real pyACL.
+PACKAGE_SIM := npualloc/sim
+package: lib replay $(SIM_IMPL) $(SIM_FRONTS) $(SIM_PYACL)
+	@mkdir -p $(PACKAGE_SIM)/lib64 $(PACKAGE_SIM)/python
+	cp $(SIM_IMPL) $(SIM_FRONTS) $(PACKAGE_SIM)/lib64/
+	cp $(SIM_PYACL) $(PACKAGE_SIM)/python/
 
 demo: all $(VENV_RUNTIME)
 	$(VENV)/bin/python tools/demo.py

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import psutil
 
-from . import memory, plot, replay, snapshot
+from . import memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
@@ -171,14 +171,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        _Parser(prog="npualloc").error("run: no command given (npualloc run [--conf STR] -- CMD ...)")
-    env = dict(os.environ)
+        _Parser(prog="npualloc").error("run: no command given (npualloc run [--sim] [--conf STR] -- CMD ...)")
+    env = simulator.simulated_env(simulator.find_home(), os.environ) if args.sim else dict(os.environ)
     library = memory.library_path()
     preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()
     env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
     if args.conf is not None:
         key = next((k for k in CONF_KEYS if k in env), CONF_KEYS[0])
         env[key] = args.conf
+        env["NPUALLOC_CONF_FROM_RUN"] = "1"  # the library's config warnings then name --conf
     try:
         os.execvpe(command[0], command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:
@@ -263,8 +264,9 @@ def cmd_record_history(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="npualloc", description="Live stats of processes running under npualloc "
-                     f"(regions in {region_path(0).parent}).",
+    parser = _Parser(prog="npualloc", description="npualloc, a drop-in caching allocator for Ascend NPUs: run "
+                     "programs under it unmodified, watch and command them from another shell (regions in "
+                     f"{region_path(0).parent}), take and plot memory snapshots, replay workloads.",
                      epilog=__doc__.split("\n\n")[1] if __doc__ else None)
     sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
 
@@ -283,11 +285,17 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(run=cmd_stats)
 
     ls = sub.add_parser("ls", help="every process running under npualloc (cleans stale regions)")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true",
+                    help="machine-readable output: one object per process and device (pid, device, allocated, "
+                    "reserved, command)")
     ls.set_defaults(run=cmd_ls)
 
-    run = sub.add_parser("run", help="run a command with npualloc preloaded")
+    run = sub.add_parser("run", help="run a command (and its children) with npualloc preloaded, same pid: "
+                         "no change to the program")
     run.add_argument("--conf", help="allocator config, e.g. max_split_size_mb:128,garbage_collection_threshold:0.8")
+    run.add_argument("--sim", action="store_true",
+                     help="no NPU needed: run on the simulated CANN runtime shipped with npualloc, its pyACL-compatible "
+                     "`acl` module importable (this command and its children only)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     run.set_defaults(run=cmd_run)
 
@@ -307,12 +315,15 @@ def _parser() -> argparse.ArgumentParser:
     history = with_pid("record-history", "record the last N allocator events per device (0: off)", device=False)
     history.add_argument("entries", type=int)
     history.set_defaults(run=cmd_record_history)
-    plotter = sub.add_parser("plot", help="memory over time and the segment map of a snapshot, as a PNG")
+    plotter = sub.add_parser("plot", help="memory over time and the segment map of a snapshot (ours, an OOM "
+                             "snapshot or torch's), as a PNG")
     plotter.add_argument("snapshot", help="a snapshot pickle (ours or torch's, .gz too)")
     plotter.add_argument("-o", "--output", required=True, help="the .png file to write")
     plotter.set_defaults(run=plot.cmd_plot)
 
-    replayer = sub.add_parser("replay", help="replay a torch memory snapshot through npualloc on the simulator")
+    replayer = sub.add_parser("replay", help="replay a recorded workload (a torch or npualloc snapshot) through "
+                              "npualloc on the simulated runtime, no NPU needed: peak memory, fragmentation, raw "
+                              "device calls, the smallest HBM it fits in, configs compared")
     replay.add_arguments(replayer)
     replayer.set_defaults(run=replay.run)
     return parser

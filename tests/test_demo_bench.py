@@ -51,6 +51,32 @@ def test_hotpath_glibc_baseline_runs_without_npualloc():
     assert "cache_hits_while_timed" not in r
 
 
+def test_hotpath_core_alone_walks_the_same_sizes_without_acl():
+    r = bench.run_hotpath(BUILD, "core", threads=2, batches=10, pairs=100)
+    assert r["allocator"] == "core" and not r["npualloc_loaded"] and not r["failed"]
+    timed_pairs = 2 * 10 * 100
+    assert r["cache_hits_while_timed"] + r["cache_misses_while_timed"] == timed_pairs
+    assert r["cache_misses_while_timed"] < timed_pairs // 100
+    assert r["raw_mallocs_while_timed"] == 0          # the simulator is not involved
+
+
+def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
+    monkeypatch.setattr(bench, "HOTPATH_ROUNDS", 2)
+    monkeypatch.setattr(bench, "HOTPATH_BATCHES", 5)
+    monkeypatch.setattr(bench, "HOTPATH_PAIRS", 32)
+    h = bench.hot_path(BUILD)
+    assert h["rounds"] == 2 and {r["key"] for r in h["rows"]} == {key for key, *_ in bench.HOTPATH_CASES}
+    for value in h["ratios"].values():
+        assert 0 < value["min"] <= value["median"] <= value["max"]
+    single = next(r for r in h["rows"] if r["key"] == "eager1")
+    assert single["loss_vs_1_thread"] == {"median": 0.0, "min": 0.0, "max": 0.0}
+    goals = bench.hot_path_goals(h)
+    assert any("1.3x of glibc" in text for text, _met, _detail in goals)
+    assert all(isinstance(met, bool) and detail for _text, met, detail in goals)
+    text = "\n".join(bench.hot_path_markdown(h))
+    assert "exported pair / glibc" in text and "core alone / exported pair" in text
+
+
 def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
                           capture_output=True, text=True)
@@ -69,6 +95,9 @@ def test_demo_program_raw_and_under_npualloc_with_live_stats():
     npa = launch.run_train_step(True, steps=4, layers=2, build=BUILD, while_paused=stats)
     (pid, code, text), = seen
     assert code == 0 and f"pid {pid}" in text and "reserved" in text and "cache hit rate" in text
+    # one definition: the runtime's count since start at the pause is what stats shows
+    device_calls = next(line for line in text.splitlines() if "device calls" in line).split()
+    assert int(device_calls[2]) == npa["raw_mallocs_since_start_mid"] > 0
     for r in (raw, npa):
         assert r["invalid_accesses"] == 0 and r["workspace_clobbers"] == 0
         assert r["steps"] == 4 and r["step_ms_median"] > 0 and r["peak_device_bytes"] > 0
@@ -82,7 +111,8 @@ def test_demo_table_and_bench_trace_row_render():
     import demo
 
     result = {"steps": 2, "step_ms_median": 2.0, "step_ms_first": 3.0, "steps_seconds": 0.01, "raw_mallocs": 5,
-              "raw_frees": 5, "raw_calls_after_first_step": 4, "peak_device_bytes": 1 << 20,
+              "raw_frees": 5, "raw_calls_after_first_step": 4, "raw_mallocs_since_start_mid": 7,
+              "peak_device_bytes": 1 << 20,
               "invalid_accesses": 0, "workspace_clobbers": 0}
     table = demo.comparison_table(result, dict(result, step_ms_median=1.0))
     assert len({len(line) for line in table}) == 1 and "2.0x faster" in "".join(table)

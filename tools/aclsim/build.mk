@@ -4,7 +4,9 @@
 #   lib64/libascendcl.so  thin aclrt*/acl* forwarders to simrt_* ...
 #   lib64/libacl_rt.so    ... the same source compiled a second time (CANN 8 exports both)
 #   lib64/libnnopbase.so  aclnnInit/Finalize and the aclOpExecutor lifecycle
-#   lib64/libopapi.so     the simulated two-phase aclnn ops
+#   lib64/libopapi.so     the simulated two-phase aclnn ops (src/opapi raw-pointer ops, src/aclnn real ones)
+#   aarch64-linux/lib64/  where MindTorch looks: libnnopbase.so, libopapi.so and the legacy op
+#                         libraries libaclnn_ops_infer.so, libaclnn_math.so (see the aclnn section)
 #   python/acl<EXT_SUFFIX> the pyACL-compatible `acl` module, linked against libascendcl.so
 # The front libraries find libaclsim.so through an $ORIGIN rpath.
 
@@ -56,9 +58,30 @@ $(SIM_LIB64)/libacl_rt.so: $(SIM_OBJ)/forward/acl_rt/acl_forward.o $(SIM_IMPL)
 $(SIM_LIB64)/libnnopbase.so: $(SIM_OBJ)/src/nnopbase/nnopbase.o $(SIM_IMPL)
 	$(CC) $(SIM_SHARED) -Wl,-soname,libnnopbase.so -o $@ $< -L$(SIM_LIB64) -laclsim -Wl,-rpath,'$$ORIGIN'
 
-$(SIM_LIB64)/libopapi.so: $(SIM_OBJ)/src/opapi/sim_ops.o $(SIM_IMPL)
-	$(CC) $(SIM_SHARED) -Wl,-soname,libopapi.so -Wl,-z,nodelete -o $@ $< -L$(SIM_LIB64) -laclsim \
-	    -Wl,-rpath,'$$ORIGIN'
+# ---- aclnn ops and descriptors (libnnopbase.so, libopapi.so, the legacy op libraries) ----
+SIM_ACLNN_OBJS := $(SIM_OBJ)/src/opapi/sim_ops.o $(SIM_OBJ)/src/aclnn/engine.o $(SIM_OBJ)/src/aclnn/ops.o
+SIM_ARCH_LIB64 := $(SIM_DIR)/aarch64-linux/lib64
+# CANN 8 keeps its aclnn operators in libopapi.so; libaclnn_ops_infer.so and
+# libaclnn_math.so remain as names programs load (MindTorch requires them).
+# Here they define nothing and depend on libopapi.so, so a symbol looked up
+# through them resolves to libopapi.so's.
+SIM_ACLNN_LEGACY := $(SIM_LIB64)/libaclnn_ops_infer.so $(SIM_LIB64)/libaclnn_math.so
+SIM_ARCH_LIBS := $(addprefix $(SIM_ARCH_LIB64)/,libnnopbase.so libopapi.so libaclnn_ops_infer.so libaclnn_math.so)
+
+$(SIM_LIB64)/libopapi.so: $(SIM_ACLNN_OBJS) $(SIM_IMPL)
+	$(CC) $(SIM_SHARED) -Wl,-soname,libopapi.so -Wl,-z,nodelete -o $@ $(SIM_ACLNN_OBJS) -L$(SIM_LIB64) -laclsim \
+	    -lm -Wl,-rpath,'$$ORIGIN'
+
+$(SIM_ACLNN_LEGACY): $(SIM_LIB64)/libopapi.so
+	$(CC) $(SIM_SHARED) -Wl,-soname,$(notdir $@) -o $@ -x c /dev/null -x none -L$(SIM_LIB64) \
+	    -Wl,--no-as-needed -lopapi -Wl,-rpath,'$$ORIGIN'
+
+# aarch64-linux/lib64 holds links to lib64's files, as on a CANN install.
+$(SIM_ARCH_LIB64)/%.so: $(SIM_LIB64)/%.so
+	@mkdir -p $(dir $@)
+	ln -sf ../../lib64/$(notdir $<) $@
+
+sim: $(SIM_ACLNN_LEGACY) $(SIM_ARCH_LIBS)
 
 # Linked against the simulated libascendcl.so (not libaclsim.so) so that, as
 # with the real pyACL, its aclrt* calls are resolved by the dynamic linker.
@@ -69,4 +92,4 @@ $(SIM_PYACL): $(SIM_PYACL_OBJS) $(SIM_LIB64)/libascendcl.so
 	    -Wl,-rpath,'$$ORIGIN/../lib64'
 
 -include $(SIM_IMPL_OBJS:.o=.d) $(SIM_PYACL_OBJS:.o=.d) $(SIM_OBJ)/forward/ascendcl/acl_forward.d \
-         $(SIM_OBJ)/forward/acl_rt/acl_forward.d $(SIM_OBJ)/src/nnopbase/nnopbase.d $(SIM_OBJ)/src/opapi/sim_ops.d
+         $(SIM_OBJ)/forward/acl_rt/acl_forward.d $(SIM_OBJ)/src/nnopbase/nnopbase.d $(SIM_ACLNN_OBJS:.o=.d)

@@ -1,9 +1,12 @@
 /* The hot path as a program sees it: ns per aclrtMalloc + aclrtFree pair
  * through the exported symbols, bound by the dynamic linker (run it with
  * LD_PRELOAD=libnpualloc.so to measure npualloc; without, every call would be
- * a raw runtime call), or glibc malloc/free on the same size sequence.
+ * a raw runtime call); the allocator core alone (npa_malloc + npa_free linked
+ * in, over a no-op backend: what the hook layer adds is the difference); or
+ * glibc malloc/free. All three walk the same size sequence in the same
+ * pattern, so their figures compare.
  *
- *     npualloc-bench-hotpath [--allocator acl|glibc] [--threads N] [--batches B]
+ *     npualloc-bench-hotpath [--allocator acl|core|glibc] [--threads N] [--batches B]
  *                            [--pairs P] [--group G] SIZES_FILE
  *
  * Each thread walks the size list from its own offset, so threads ask for
@@ -27,12 +30,13 @@
 
 #include "acl/acl.h"
 #include "aclsim.h"
+#include "core.h"
 #include "npualloc.h"
 
 #define MAX_THREADS 64
 #define MAX_GROUP 256
 
-typedef enum allocator_kind { ALLOCATOR_ACL, ALLOCATOR_GLIBC } allocator_kind;
+typedef enum allocator_kind { ALLOCATOR_ACL, ALLOCATOR_CORE, ALLOCATOR_GLIBC } allocator_kind;
 
 typedef struct options {
     allocator_kind allocator;
@@ -59,6 +63,28 @@ typedef struct worker {
 
 static options opts = {ALLOCATOR_ACL, 1, 1000, 1000, 1, NULL};
 static sizes seq;
+static npa_allocator *core;   /* ALLOCATOR_CORE */
+
+/* The core's backend: device memory is a bump of fake addresses (never
+ * touched), frees and synchronizes do nothing, no fences (eager reuse). */
+static uintptr_t next_fake_addr = (uintptr_t)1 << 44;
+static pthread_mutex_t fake_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static npa_error fake_malloc(void *ctx, int device, size_t size, void **ptr) {
+    (void)ctx, (void)device;
+    pthread_mutex_lock(&fake_lock);
+    *ptr = (void *)next_fake_addr;
+    next_fake_addr += (size + ((size_t)2 << 20)) & ~(((size_t)2 << 20) - 1);
+    pthread_mutex_unlock(&fake_lock);
+    return NPA_OK;
+}
+static npa_error fake_free(void *ctx, int device, void *ptr) { return (void)ctx, (void)device, (void)ptr, NPA_OK; }
+static npa_error fake_sync(void *ctx, int device) { return (void)ctx, (void)device, NPA_OK; }
+static npa_error fake_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
+    (void)ctx, (void)device;
+    *free_bytes = *total_bytes = (size_t)1 << 46;
+    return NPA_OK;
+}
 static pthread_barrier_t warmed_up, counted, timing_done;
 
 static double clock_s(clockid_t clock) {
@@ -71,20 +97,30 @@ static double clock_s(clockid_t clock) {
 static inline void keep(void *p) { __asm__ volatile("" : : "r"(p) : "memory"); }
 
 static int alloc_block(void **p, size_t size) {
-    if (opts.allocator == ALLOCATOR_GLIBC) {
+    switch (opts.allocator) {
+    case ALLOCATOR_GLIBC:
         *p = malloc(size);
         keep(*p);
         return *p ? 0 : ENOMEM;
+    case ALLOCATOR_CORE:
+        return npa_malloc(core, 0, size, NPA_ENTRY_MALLOC, p);
+    case ALLOCATOR_ACL:
+    default:
+        return aclrtMalloc(p, size, ACL_MEM_MALLOC_HUGE_FIRST);
     }
-    return aclrtMalloc(p, size, ACL_MEM_MALLOC_HUGE_FIRST);
 }
 
 static int free_block(void *p) {
-    if (opts.allocator == ALLOCATOR_GLIBC) {
+    switch (opts.allocator) {
+    case ALLOCATOR_GLIBC:
         free(p);
         return 0;
+    case ALLOCATOR_CORE:
+        return npa_free(core, p, 0, NULL) == NPA_FREE_OK ? 0 : EINVAL;
+    case ALLOCATOR_ACL:
+    default:
+        return aclrtFree(p);
     }
-    return aclrtFree(p);
 }
 
 /* `steps` steps of the group pattern from position *next in the sequence. */
@@ -159,7 +195,7 @@ static int load_sizes(const char *path) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|glibc] [--threads N] [--batches B] "
+    fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|core|glibc] [--threads N] [--batches B] "
                     "[--pairs P] [--group G] SIZES_FILE\n");
     return 2;
 }
@@ -169,6 +205,7 @@ static int parse_options(int argc, char **argv) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--allocator") && value) {
             if (!strcmp(value, "acl")) opts.allocator = ALLOCATOR_ACL;
+            else if (!strcmp(value, "core")) opts.allocator = ALLOCATOR_CORE;
             else if (!strcmp(value, "glibc")) opts.allocator = ALLOCATOR_GLIBC;
             else return -1;
         } else if (!strcmp(argv[i], "--threads") && value) {
@@ -199,8 +236,10 @@ static uint64_t raw_mallocs(void) {
     return opts.allocator == ALLOCATOR_ACL ? aclsim_call_count("aclrtMalloc") : 0;
 }
 
-/* npualloc's cache counters when it is preloaded (looked up, not linked). */
+/* npualloc's cache counters: the linked core's, or the preloaded library's
+ * (looked up, not linked). */
 static int npualloc_stats(npualloc_device_stats *out) {
+    if (opts.allocator == ALLOCATOR_CORE) return npa_get_stats(core, 0, out), 1;
     int (*get_stats)(int, npualloc_device_stats *) = (int (*)(int, npualloc_device_stats *))dlsym(
         RTLD_DEFAULT, "npualloc_get_stats");
     return get_stats && get_stats(0, out) == 0;
@@ -212,6 +251,11 @@ int main(int argc, char **argv) {
     if (opts.allocator == ALLOCATOR_ACL) {
         aclError err = aclInit(NULL);
         if (err) return fprintf(stderr, "hotpath: aclInit: %d\n", err), 1;
+    } else if (opts.allocator == ALLOCATOR_CORE) {
+        npa_backend backend = {.raw_malloc = fake_malloc, .raw_free = fake_free, .synchronize = fake_sync,
+                               .mem_get_info = fake_info};
+        core = npa_create(&backend, NULL);
+        if (!core) return fprintf(stderr, "hotpath: npa_create failed\n"), 1;
     }
     worker workers[MAX_THREADS] = {0};
     pthread_barrier_init(&warmed_up, NULL, (unsigned)opts.threads + 1);
@@ -239,7 +283,7 @@ int main(int argc, char **argv) {
     int failed = 0;
     printf("{\"allocator\": \"%s\", \"threads\": %d, \"batches\": %d, \"pairs_per_batch\": %d, \"group\": %d, "
            "\"sizes\": %zu, \"npualloc_loaded\": %s, \"per_thread\": [",
-           opts.allocator == ALLOCATOR_ACL ? "acl" : "glibc", opts.threads, opts.batches, opts.pairs, opts.group,
+           opts.allocator == ALLOCATOR_ACL ? "acl" : opts.allocator == ALLOCATOR_CORE ? "core" : "glibc", opts.threads, opts.batches, opts.pairs, opts.group,
            seq.count, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false");
     for (int t = 0; t < opts.threads; t++) {
         worker *w = &workers[t];

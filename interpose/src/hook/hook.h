@@ -32,10 +32,11 @@
  *   6. that device's stream lock (streams.c dev_streams.lock), held across
  *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
  *      synchronize. Only fork_prepare holds several, in ascending order.
+ *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
+ *      or free of one and by pause/resume, with none of 1-6 held; under it
+ *      the runtime (VMM calls, copies, synchronize), a first lookup of a
+ *      runtime function (7) and warn (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
- *   7b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
- *      or free of one and by pause/resume, with none of 1-7 held; under it
- *      only the runtime (VMM calls, copies, synchronize) and warn (8).
  *   8. leaves, which take nothing: the region's create lock (region.c
  *      g_create_lock) and warn.c's seen_lock.
  * The runtime's own locks come after all of ours: it is called with 5 and 6

@@ -60,7 +60,9 @@ static void load_config(void)
     for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
         const char *text = getenv(vars[i]);
         if (text != NULL) {
-            config_var = vars[i];
+            /* `npualloc run --conf` sets the variable and says so: warnings
+             * name what the user typed. */
+            config_var = env_true("NPUALLOC_CONF_FROM_RUN") ? "npualloc run --conf" : vars[i];
             npa_config_parse(&config, text, config_warn, NULL);
             break;
         }

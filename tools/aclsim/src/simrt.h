@@ -46,9 +46,20 @@ SIMRT_EXPORT aclError simrt_GetMemInfo(aclrtMemAttr attr, size_t *free, size_t *
 SIMRT_EXPORT aclError simrt_CreateStream(aclrtStream *stream);
 SIMRT_EXPORT aclError simrt_DestroyStream(aclrtStream stream);
 SIMRT_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream);
+SIMRT_EXPORT aclError simrt_CreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag);
+
+SIMRT_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId);
+SIMRT_EXPORT aclError simrt_DestroyContext(aclrtContext context);
+SIMRT_EXPORT aclError simrt_SetCurrentContext(aclrtContext context);
+SIMRT_EXPORT aclError simrt_MallocHost(void **hostPtr, size_t size);
+SIMRT_EXPORT aclError simrt_FreeHost(void *hostPtr);
+SIMRT_EXPORT const char *simrt_GetSocName(void);
+SIMRT_EXPORT aclError simrt_opSetModelDir(const char *modelDir);
 
 SIMRT_EXPORT aclError simrt_CreateEvent(aclrtEvent *event);
 SIMRT_EXPORT aclError simrt_CreateEventWithFlag(aclrtEvent *event, uint32_t flag);
+SIMRT_EXPORT aclError simrt_CreateEventExWithFlag(aclrtEvent *event, uint32_t flag);
+SIMRT_EXPORT aclError simrt_EventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 SIMRT_EXPORT aclError simrt_RecordEvent(aclrtEvent event, aclrtStream stream);
 SIMRT_EXPORT aclError simrt_QueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
 SIMRT_EXPORT aclError simrt_QueryEvent(aclrtEvent event, aclrtEventStatus *status);
@@ -86,7 +97,8 @@ typedef struct simrt_op_kind {
     void (*finish)(const void *params);
 } simrt_op_kind;
 
-#define SIMRT_OP_PARAMS_MAX 64
+/* Room for an aclnn op's copied descriptors (src/aclnn/engine.h). */
+#define SIMRT_OP_PARAMS_MAX 1024
 
 /* Phase 1: a new executor for `kind` holding a copy of params, the current op
  * duration and the workspace it will need. */
@@ -101,6 +113,16 @@ SIMRT_EXPORT aclnnStatus simrt_LaunchExecutor(const char *api, void *workspace, 
  * the memory is not even mapped). `what` names the access in reports. */
 SIMRT_EXPORT void simrt_DeviceFill(void *dst, int value, size_t bytes, const char *what);
 SIMRT_EXPORT void simrt_DeviceCopy(void *dst, const void *src, size_t bytes, const char *what);
+
+/* Checks every range (invalid touches counted and reported), then, if all are
+ * at least mapped, runs compute(ctx) while still holding the runtime's lock
+ * so no free can interleave. Returns whether compute ran. */
+typedef struct simrt_range {
+    const void *ptr;
+    size_t bytes;
+} simrt_range;
+SIMRT_EXPORT int simrt_DeviceAccess(const simrt_range *ranges, size_t count, const char *what,
+                                    void (*compute)(void *ctx), void *ctx);
 
 #ifdef __cplusplus
 }

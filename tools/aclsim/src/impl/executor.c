@@ -252,6 +252,20 @@ SIM_EXPORT void simrt_DeviceCopy(void *dst, const void *src, size_t bytes, const
     sim_do_copy(&(struct sim_copy){.dst = dst, .src = src, .n = bytes, .dst_dev = 1, .src_dev = 1, .api = what});
 }
 
+SIM_EXPORT int simrt_DeviceAccess(const simrt_range *ranges, size_t count, const char *what,
+                                  void (*compute)(void *ctx), void *ctx)
+{
+    pthread_mutex_lock(&sim_lock);
+    int ok = 1;
+    for (size_t i = 0; i < count; i++)
+        if (!sim_check_range(ranges[i].ptr, ranges[i].bytes, what))
+            ok = 0;
+    if (ok)
+        compute(ctx);
+    pthread_mutex_unlock(&sim_lock);
+    return ok;
+}
+
 SIM_EXPORT uint64_t aclsim_executors_live(void)
 {
     pthread_mutex_lock(&sim_lock);

@@ -1,0 +1,322 @@
+"""The simulator's real aclnn operators (libopapi.so over libnnopbase.so's
+descriptors), called through ctypes with CANN's signatures and checked against
+numpy: values, broadcasting, strided views, dtypes, workspaces, descriptor
+lifetime, executor lifetime and device-memory checking."""
+from __future__ import annotations
+
+import signal
+import textwrap
+
+import pytest
+
+from conftest import run_python, sim_env
+from sim_programs import DEVICE_BUFFERS
+
+PRELUDE = DEVICE_BUFFERS + """\
+import ctypes
+import numpy as np
+from ctypes import c_void_p as P, c_bool, c_int32, c_int8, c_int64, c_uint64
+nn = ctypes.CDLL("libnnopbase.so")
+opapi = ctypes.CDLL("libopapi.so")
+nn.aclCreateTensor.restype = P
+nn.aclCreateTensor.argtypes = [ctypes.POINTER(c_int64), c_uint64, c_int32, ctypes.POINTER(c_int64), c_int64,
+                               c_int32, ctypes.POINTER(c_int64), c_uint64, P]
+nn.aclCreateScalar.restype = P
+nn.aclCreateScalar.argtypes = [P, c_int32]
+nn.aclCreateIntArray.restype = P
+nn.aclCreateIntArray.argtypes = [ctypes.POINTER(c_int64), c_uint64]
+for name in ("aclDestroyTensor", "aclDestroyScalar", "aclDestroyIntArray", "aclDestroyAclOpExecutor"):
+    getattr(nn, name).argtypes = [P]
+ACL = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2, np.dtype(np.int32): 3,
+       np.dtype(np.uint8): 4, np.dtype(np.int64): 9, np.dtype(np.float64): 11, np.dtype(np.bool_): 12}
+def i64s(values):
+    return (c_int64 * max(len(values), 1))(*values)
+class T:
+    "A device tensor: a view (shape, element strides, offset) of a device buffer, and its descriptor."
+    def __init__(self, ptr, shape, strides, dtype, offset=0):
+        self.ptr, self.shape, self.strides, self.dtype, self.offset = ptr, tuple(shape), tuple(strides), np.dtype(dtype), offset
+        self.desc = nn.aclCreateTensor(i64s(shape), len(shape), ACL[self.dtype], i64s(strides), offset, 2,
+                                       i64s(shape), len(shape), ptr)
+        assert self.desc
+    def numpy(self):
+        ok(acl.rt.synchronize_stream(0))
+        span = 1 + self.offset + sum((d - 1) * s for d, s in zip(self.shape, self.strides) if d > 0)
+        raw = np.frombuffer(read(self.ptr, span * self.dtype.itemsize), dtype=self.dtype)
+        return np.lib.stride_tricks.as_strided(raw[self.offset:], self.shape,
+                                               [s * self.dtype.itemsize for s in self.strides]).copy()
+def dev_array(a):
+    a = np.ascontiguousarray(a)
+    p = dev(max(a.nbytes, 1))
+    if a.nbytes:
+        ok(acl.rt.memcpy(p, a.nbytes, a.ctypes.data, a.nbytes, H2D))
+    return p
+def tensor(a):
+    a = np.ascontiguousarray(a)
+    return T(dev_array(a), a.shape, [s // a.itemsize for s in a.strides], a.dtype)
+def empty(shape, dtype):
+    n = int(np.prod(shape, dtype=np.int64))
+    strides = [int(np.prod(shape[k + 1:], dtype=np.int64)) for k in range(len(shape))]
+    return T(dev(max(n * np.dtype(dtype).itemsize, 1)), shape, strides, dtype)
+def scalar(value, dtype=np.float32):
+    buf = np.array([value], dtype=dtype)
+    return nn.aclCreateScalar(buf.ctypes.data, ACL[np.dtype(dtype)])
+def int_array(values):
+    return nn.aclCreateIntArray(i64s(values), len(values))
+def arg(a):
+    return a.desc if isinstance(a, T) else a
+def call(name, *args, destroy=(), stream=0):
+    "Both phases of aclnn<name>; destroys `destroy` descriptors between them. Returns the workspace size."
+    ws, ex = c_uint64(), P()
+    st = getattr(opapi, "aclnn" + name + "GetWorkspaceSize")(*[P(arg(a)) if isinstance(a, (T, int)) else a for a in args],
+                                                            ctypes.byref(ws), ctypes.byref(ex))
+    assert st == 0, (name, st)
+    for d in destroy:
+        ok(nn.aclDestroyTensor(d.desc))
+    wsp = dev(ws.value) if ws.value else 0
+    assert getattr(opapi, "aclnn" + name)(P(wsp), c_uint64(ws.value), ex, P(stream)) == 0
+    return ws.value
+def phase1_status(name, *args):
+    ws, ex = c_uint64(), P()
+    return getattr(opapi, "aclnn" + name + "GetWorkspaceSize")(*[P(arg(a)) if isinstance(a, (T, int)) else a for a in args],
+                                                              ctypes.byref(ws), ctypes.byref(ex))
+rng = np.random.default_rng(7)
+def close(got, want, dtype):
+    tol = 2e-3 if np.dtype(dtype) == np.float16 else 1e-5
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
+"""
+
+
+def sim(code: str, check: bool = True, **env: str):
+    return run_python(PRELUDE + textwrap.dedent(code), sim_env(**env), check=check)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_binary_ops_broadcast_against_numpy(dtype):
+    sim(f"""
+        dt = np.{dtype}
+        a = rng.standard_normal((3, 1, 5)).astype(dt)
+        b = (rng.random((4, 1)) + 0.5).astype(dt)
+        A, B = tensor(a), tensor(b)
+        cases = {{
+            "Mul": (lambda x, y: x * y, ()), "Div": (lambda x, y: x / y, ()),
+            "Maximum": (np.maximum, ()), "Minimum": (np.minimum, ()),
+            "Add": (lambda x, y: x + 2 * y, (scalar(2.0),)), "Sub": (lambda x, y: x - 2 * y, (scalar(2.0),)),
+        }}
+        for name, (fn, extra) in cases.items():
+            out = empty((3, 4, 5), dt)
+            assert call(name, A, B, *extra, out) == 0           # elementwise: no workspace
+            close(out.numpy(), fn(a.astype(np.float64), b.astype(np.float64)), dt)
+        for name, fn in {{"Eq": np.equal, "Ne": np.not_equal, "Gt": np.greater, "Ge": np.greater_equal,
+                          "Lt": np.less, "Le": np.less_equal}}.items():
+            out = empty((3, 4, 5), np.bool_)
+            call(name + "Tensor", A, tensor(a[:, :, :1]), out)
+            assert (out.numpy() == fn(a, a[:, :, :1])).all(), name
+            out = empty((3, 1, 5), np.bool_)
+            call(name + "Scalar", A, scalar(0.25), out)
+            assert (out.numpy() == fn(a, dt(0.25))).all(), name
+        out = empty((3, 1, 5), dt)
+        call("PowTensorScalar", tensor(np.abs(a)), scalar(3.0), out)
+        close(out.numpy(), np.abs(a).astype(np.float64) ** 3, dt)
+        out = empty((3, 1, 5), dt)
+        call("Adds", A, scalar(1.5), scalar(2.0), out)
+        close(out.numpy(), a.astype(np.float64) + 3.0, dt)
+    """)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_unary_ops_on_a_strided_view(dtype):
+    sim(f"""
+        dt = np.{dtype}
+        base = (rng.random((4, 6)) * 3 - 1.5).astype(dt)
+        base[0, 0] = 0
+        # the transpose of columns 1..4: a non-contiguous view with an offset
+        view = base[:, 1:5].T
+        src = T(dev_array(base), view.shape, (1, 6), dt, offset=1)
+        pos = np.abs(view.astype(np.float64)) + 0.1
+        P_ = T(dev_array(np.abs(base) + dt(0.1)), view.shape, (1, 6), dt, offset=1)
+        x = view.astype(np.float64)
+        sig = 1 / (1 + np.exp(-x))
+        cases = {{"Neg": (src, -x), "Abs": (src, np.abs(x)), "Sign": (src, np.sign(x)),
+                  "Relu": (src, np.maximum(x, 0)), "Exp": (src, np.exp(x)), "Tanh": (src, np.tanh(x)),
+                  "Sigmoid": (src, sig), "Silu": (src, x * sig), "Floor": (src, np.floor(x)),
+                  "Log": (P_, np.log(np.abs(base[:, 1:5].T).astype(np.float64) + 0.1)),
+                  "Sqrt": (P_, np.sqrt(np.abs(view).astype(np.float64) + 0.1)),
+                  "Rsqrt": (P_, 1 / np.sqrt(np.abs(view).astype(np.float64) + 0.1))}}
+        for name, (inp, want) in cases.items():
+            out = empty(view.shape, dt)
+            call(name, inp, out)
+            close(out.numpy(), want, dt)
+        assert aclsim.invalid_accesses() == 0
+    """)
+
+
+def test_integer_and_bool_dtypes():
+    sim("""
+        a = np.array([[-3, 0, 7], [2, -8, 5]], dtype=np.int32)
+        b = np.array([2, -3, 4], dtype=np.int32)
+        out = empty((2, 3), np.int32)
+        call("Add", tensor(a), tensor(b), scalar(1, np.int32), out)
+        assert (out.numpy() == a + b).all()
+        out = empty((2, 3), np.int64)
+        call("Cast", tensor(a), c_int32(9), out)
+        assert (out.numpy() == a.astype(np.int64)).all()
+        out = empty((2, 3), np.bool_)
+        call("Cast", tensor(a), c_int32(12), out)
+        assert (out.numpy() == (a != 0)).all()
+        f = np.array([1.7, -1.7, 300.0], dtype=np.float32)
+        out = empty((3,), np.int8)
+        call("Cast", tensor(f), c_int32(2), out)
+        assert out.numpy().tolist() == [1, -1, 127]           # truncates, saturates
+        cond = np.array([True, False, True])
+        out = empty((2, 3), np.int32)
+        call("SWhere", tensor(cond), tensor(a), tensor(b), out)
+        assert (out.numpy() == np.where(cond, a, b)).all()
+        out = empty((2, 3), np.bool_)
+        call("LogicalAnd", tensor(a > 0), tensor(b > 0), out)
+        assert (out.numpy() == ((a > 0) & (b > 0))).all()
+    """)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_reductions(dtype):
+    sim(f"""
+        dt = np.{dtype}
+        a = rng.standard_normal((2, 3, 4)).astype(dt)
+        A = tensor(a)
+        x = a.astype(np.float64)
+        acl_dt = c_int32(ACL[np.dtype(dt)])
+        for name, fn in (("ReduceSum", np.sum), ("Mean", np.mean)):
+            out = empty((2, 4), dt)
+            ws = call(name, A, int_array([1]), c_bool(False), acl_dt, out)
+            assert ws > 0, ws                                  # reductions ask for a workspace
+            close(out.numpy(), fn(x, axis=1), dt)
+            out = empty((1, 3, 1), dt)
+            call(name, A, int_array([0, -1]), c_bool(True), acl_dt, out)
+            close(out.numpy(), fn(x, axis=(0, 2), keepdims=True), dt)
+            out = empty((), dt)
+            call(name, A, int_array([]), c_bool(False), acl_dt, out)  # no dims: all of them
+            close(out.numpy(), fn(x), dt)
+        # a transposed input
+        t = T(A.ptr, (4, 3, 2), (1, 4, 12), dt)
+        out = empty((4,), dt)
+        call("ReduceSum", t, int_array([1, 2]), c_bool(False), acl_dt, out)
+        close(out.numpy(), x.transpose(2, 1, 0).sum(axis=(1, 2)), dt)
+        assert phase1_status("ReduceSum", A, int_array([1]), c_bool(False), acl_dt, empty((2, 3), dt)) == 161002
+        assert phase1_status("ReduceSum", A, int_array([3]), c_bool(False), acl_dt, empty((2, 3), dt)) == 161002
+    """)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_matmul_family(dtype):
+    sim(f"""
+        dt = np.{dtype}
+        a = rng.standard_normal((2, 3, 4)).astype(dt)
+        b = rng.standard_normal((4, 5)).astype(dt)
+        x, y = a.astype(np.float64), b.astype(np.float64)
+        out = empty((2, 3, 5), dt)
+        assert call("Matmul", tensor(a), tensor(b), out, c_int8(0)) > 0
+        close(out.numpy(), x @ y, dt)
+        # a weight used transposed, as Linear does: a (5, 4) buffer read as (4, 5)
+        w = np.ascontiguousarray(b.T)
+        wt = T(dev_array(w), (4, 5), (1, 4), dt)
+        out = empty((3, 5), dt)
+        call("Mm", tensor(a[0]), wt, out, c_int8(0))
+        close(out.numpy(), x[0] @ y, dt)
+        out = empty((2, 3, 5), dt)
+        call("BatchMatMul", tensor(a), tensor(np.stack([b, 2 * b])), out, c_int8(0))
+        close(out.numpy(), x @ np.stack([y, 2 * y]), dt)
+        bias = rng.standard_normal((5,)).astype(dt)
+        out = empty((3, 5), dt)
+        call("Addmm", tensor(bias), tensor(a[0]), tensor(b), scalar(0.5), scalar(2.0), out, c_int8(0))
+        close(out.numpy(), 0.5 * bias.astype(np.float64) + 2 * (x[0] @ y), dt)
+        assert phase1_status("Matmul", tensor(a), tensor(b[:3]), out, c_int8(0)) == 161002
+    """)
+
+
+def test_copy_and_fills_touch_only_the_view():
+    sim("""
+        base = np.arange(24, dtype=np.float32).reshape(4, 6)
+        B = tensor(base)
+        col = T(B.ptr, (4,), (6,), np.float32, offset=2)      # column 2
+        call("InplaceFillScalar", col, scalar(-1.0))
+        want = base.copy(); want[:, 2] = -1
+        assert (B.numpy() == want).all()
+        call("InplaceZero", T(B.ptr, (2, 2), (6, 1), np.float32, offset=7))
+        want[1:3, 1:3] = 0
+        assert (B.numpy() == want).all()
+        call("InplaceOne", T(B.ptr, (6,), (1,), np.float32, offset=18))
+        want[3] = 1
+        assert (B.numpy() == want).all()
+        # copy with broadcast and a dtype conversion into a strided destination
+        src = np.array([1.5, 2.5, 3.5, 4.5], dtype=np.float16)
+        call("InplaceCopy", T(B.ptr, (2, 4), (12, 1), np.float32, offset=1), tensor(src))
+        want[0, 1:5] = src; want[2, 1:5] = src
+        assert (B.numpy() == want).all()
+        out = empty((4, 6), np.float32)
+        call("InplaceCopy", out, B)
+        assert (out.numpy() == want).all()
+        assert aclsim.invalid_accesses() == 0
+    """)
+
+
+def test_descriptors_destroyed_after_phase1_and_executor_double_destroy_aborts():
+    proc = sim("""
+        aclsim.set_op_duration_us(20000)                      # the op runs well after its descriptors die
+        a = np.ones((8, 8), np.float32)
+        A, B, out = tensor(a), tensor(2 * a), empty((8, 8), np.float32)
+        ws, ex = c_uint64(), P()
+        alpha = scalar(1.0)
+        assert opapi.aclnnAddGetWorkspaceSize(P(A.desc), P(B.desc), P(alpha), P(out.desc),
+                                              ctypes.byref(ws), ctypes.byref(ex)) == 0
+        for d in (A.desc, B.desc, out.desc):
+            ok(nn.aclDestroyTensor(d))
+        ok(nn.aclDestroyScalar(alpha))
+        # fresh descriptors reuse the freed heap memory: the executor must not look at it
+        C = tensor(np.full((8, 8), 100, np.float32))
+        assert opapi.aclnnAdd(P(0), c_uint64(0), ex, P(0)) == 0
+        ok(acl.rt.synchronize_stream(0))
+        assert (np.frombuffer(read(out.ptr, 256), np.float32) == 3).all()
+        assert aclsim.executors_live() == 0                  # phase 2 destroyed it
+        print("computed", flush=True)
+        nn.aclDestroyAclOpExecutor(ex)                        # MindTorch's deferred destroy: the double free
+        print("survived", flush=True)
+    """, check=False)
+    assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr)
+    assert "computed" in proc.stdout and "survived" not in proc.stdout
+    assert "aclsim: double free of aclOpExecutor" in proc.stderr
+
+
+def test_reduction_workspace_is_required_and_checked():
+    sim("""
+        A, out = tensor(np.ones((4, 4), np.float32)), empty((4,), np.float32)
+        ws, ex = c_uint64(), P()
+        assert opapi.aclnnReduceSumGetWorkspaceSize(P(A.desc), P(int_array([0])), c_bool(False), c_int32(0),
+                                                    P(out.desc), ctypes.byref(ws), ctypes.byref(ex)) == 0
+        assert ws.value > 0
+        assert opapi.aclnnReduceSum(P(0), c_uint64(0), ex, P(0)) == 161002   # no workspace: refused
+        assert opapi.aclnnReduceSum(P(dev(ws.value)), ws, ex, P(0)) == 0     # not consumed by the failure
+        assert (out.numpy() == 4).all()
+    """)
+
+
+def test_input_freed_before_the_op_runs_is_detected():
+    sim("""
+        aclsim.set_op_duration_us(50000)
+        A, out = tensor(np.ones(64, np.float32)), empty((64,), np.float32)
+        call("Neg", A, out)
+        ok(acl.rt.free(A.ptr))                               # freed while the op is still queued
+        ok(acl.rt.synchronize_stream(0))
+        assert aclsim.invalid_accesses() >= 1
+    """)
+
+
+def test_bad_arguments_and_absent_ops():
+    sim("""
+        A = tensor(np.ones((2, 3), np.float32))
+        assert phase1_status("Mul", A, tensor(np.ones((4,), np.float32)), empty((2, 3), np.float32)) == 161002
+        assert phase1_status("Mul", A, 0, empty((2, 3), np.float32)) == 161001
+        assert phase1_status("Cast", A, c_int32(1), empty((2, 3), np.float32)) == 161002  # dtype vs out
+        assert not hasattr(opapi, "aclnnSoftmaxGetWorkspaceSize")   # not simulated: absent, not a stub
+        for lib in ("libaclnn_ops_infer.so", "libaclnn_math.so"):
+            assert hasattr(ctypes.CDLL(lib), "aclnnAddGetWorkspaceSize")   # resolves to libopapi.so's
+    """)

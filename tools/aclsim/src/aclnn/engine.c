@@ -1,0 +1,353 @@
+/* Building (phase 1) and running (on the stream worker) the sim's aclnn ops;
+ * see engine.h. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+#include "engine.h"
+
+/* A live descriptor of the expected kind, or NULL: a destroyed or foreign
+ * descriptor passed to an op is a use after free on CANN, so abort. */
+static const void *live(const void *desc, uint32_t magic, const char *api)
+{
+    if (desc != NULL && *(const uint32_t *)desc != magic) {
+        fprintf(stderr, "aclsim: %s: %p is not a live descriptor of the expected kind\n", api, desc);
+        abort();
+    }
+    return desc;
+}
+
+static void fail(sim_op *op, aclnnStatus status)
+{
+    if (op->error == ACLNN_SUCCESS)
+        op->error = status;
+}
+
+void sim_op_begin(sim_op *op, const sim_op_def *def)
+{
+    memset(op, 0, sizeof *op);
+    op->def = def;
+}
+
+void sim_op_input(sim_op *op, const aclTensor *t)
+{
+    if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in[op->nin++] = t->view;
+}
+
+void sim_op_input_scalar(sim_op *op, const aclScalar *s)
+{
+    if (live(s, SIM_SCALAR_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_const[op->nin] = 1;
+    op->in_value[op->nin] = s->value;
+    op->in[op->nin++] = (sim_view){.dtype = s->dtype};
+}
+
+void sim_op_param(sim_op *op, int i, double value) { op->p[i] = value; }
+
+void sim_op_param_scalar(sim_op *op, int i, const aclScalar *s)
+{
+    if (live(s, SIM_SCALAR_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    op->p[i] = s->value;
+}
+
+void sim_op_output(sim_op *op, const aclTensor *t)
+{
+    if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    op->out = t->view;
+}
+
+void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim)
+{
+    uint32_t ndim = op->nin > 0 ? op->in[0].ndim : 0;
+    op->p[0] = keepdim;
+    if (live(dims, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL || dims->size == 0) {
+        op->reduce_mask = (1u << ndim) - 1;
+        return;
+    }
+    for (uint64_t i = 0; i < dims->size; i++) {
+        int64_t d = dims->values[i] < 0 ? dims->values[i] + ndim : dims->values[i];
+        if (d < 0 || d >= (int64_t)ndim)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        op->reduce_mask |= 1u << d;
+    }
+}
+
+static int64_t numel(const sim_view *v)
+{
+    int64_t n = 1;
+    for (uint32_t k = 0; k < v->ndim; k++)
+        n *= v->dims[k];
+    return n;
+}
+
+/* Strides (elements) that walk `in` along out's dims: right-aligned
+ * broadcasting, a size-1 or missing dim repeats (stride 0). 0 if `in` does
+ * not broadcast to `out`'s first `ndim` dims. */
+static int broadcast_strides(const sim_view *in, const sim_view *out, uint32_t ndim, int64_t *eff)
+{
+    if (in->ndim > ndim)
+        return 0;
+    uint32_t lead = ndim - in->ndim;
+    for (uint32_t k = 0; k < ndim; k++) {
+        eff[k] = 0;
+        if (k < lead)
+            continue;
+        int64_t d = in->dims[k - lead];
+        if (d != 1 && d != out->dims[k])
+            return 0;
+        if (d != 1)
+            eff[k] = in->strides[k - lead];
+    }
+    return 1;
+}
+
+static aclnnStatus check_elementwise(const sim_op *op)
+{
+    int64_t eff[SIM_MAX_DIMS];
+    for (uint32_t i = 0; i < op->nin; i++)
+        if (!op->in_const[i] && !broadcast_strides(&op->in[i], &op->out, op->out.ndim, eff))
+            return ACLNN_ERR_PARAM_INVALID;
+    return ACLNN_SUCCESS;
+}
+
+static aclnnStatus check_reduce(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    int keepdim = op->p[0] != 0;
+    uint32_t o = 0;
+    for (uint32_t k = 0; k < in->ndim; k++) {
+        int reduced = (op->reduce_mask >> k) & 1;
+        if (reduced && !keepdim)
+            continue;
+        if (o >= out->ndim || out->dims[o] != (reduced ? 1 : in->dims[k]))
+            return ACLNN_ERR_PARAM_INVALID;
+        o++;
+    }
+    /* torch's sum over every dim of a tensor gives a 0-d or a [1] tensor. */
+    return o == out->ndim || (o == 0 && numel(out) == 1) ? ACLNN_SUCCESS : ACLNN_ERR_PARAM_INVALID;
+}
+
+static aclnnStatus check_matmul(const sim_op *op)
+{
+    const sim_view *a = &op->in[0], *b = &op->in[1], *out = &op->out;
+    if (a->ndim < 2 || b->ndim < 2 || out->ndim < 2)
+        return ACLNN_ERR_PARAM_INVALID;
+    uint32_t batch = out->ndim - 2;
+    int64_t eff[SIM_MAX_DIMS];
+    if (a->dims[a->ndim - 1] != b->dims[b->ndim - 2] || a->dims[a->ndim - 2] != out->dims[batch] ||
+        b->dims[b->ndim - 1] != out->dims[batch + 1])
+        return ACLNN_ERR_PARAM_INVALID;
+    sim_view a_batch = *a, b_batch = *b;
+    a_batch.ndim -= 2, b_batch.ndim -= 2;
+    if (!broadcast_strides(&a_batch, out, batch, eff) || !broadcast_strides(&b_batch, out, batch, eff))
+        return ACLNN_ERR_PARAM_INVALID;
+    if (op->nin == 3 && !broadcast_strides(&op->in[2], out, out->ndim, eff))
+        return ACLNN_ERR_PARAM_INVALID;
+    return ACLNN_SUCCESS;
+}
+
+aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor)
+{
+    if (workspaceSize == NULL || executor == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    if (op->error != ACLNN_SUCCESS)
+        return op->error;
+    if (op->out.ndim > SIM_MAX_DIMS || sim_dtype_size(op->out.dtype) == 0)
+        return ACLNN_ERR_PARAM_INVALID;
+    aclnnStatus st;
+    uint64_t ws = 0;
+    switch (op->def->shape) {
+    case SIM_ELEMENTWISE: st = check_elementwise(op); break;
+    case SIM_REDUCE:
+        st = op->nin == 1 ? check_reduce(op) : ACLNN_ERR_PARAM_INVALID;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
+    case SIM_MATMUL:
+        st = op->nin >= 2 ? check_matmul(op) : ACLNN_ERR_PARAM_INVALID;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
+    default: st = ACLNN_ERR_PARAM_INVALID;
+    }
+    if (st != ACLNN_SUCCESS)
+        return st;
+    *workspaceSize = ws;
+    return simrt_CreateExecutor(&op->def->kind, op, sizeof *op, ws, executor);
+}
+
+/* ---- execution (stream worker, runtime lock held inside compute) ---- */
+
+static char *element(const sim_view *v, int64_t index)
+{
+    return v->data + (v->offset + index) * (int64_t)sim_dtype_size(v->dtype);
+}
+
+/* The bytes a view can touch: from its lowest to its highest element. */
+static simrt_range extent(const sim_view *v)
+{
+    if (numel(v) == 0)
+        return (simrt_range){v->data, 0};
+    int64_t lo = 0, hi = 0;
+    for (uint32_t k = 0; k < v->ndim; k++) {
+        int64_t span = v->strides[k] * (v->dims[k] - 1);
+        if (span < 0)
+            lo += span;
+        else
+            hi += span;
+    }
+    char *first = element(v, lo);
+    return (simrt_range){first, (size_t)(element(v, hi) - first) + sim_dtype_size(v->dtype)};
+}
+
+/* Walks every index of `dims` (ndim of them) in row-major order, keeping n
+ * running offsets, offs[i] = sum(index[k] * strides[i][k]). */
+typedef struct walker {
+    uint32_t ndim, n;
+    const int64_t *dims;
+    int64_t (*strides)[SIM_MAX_DIMS];
+    int64_t index[SIM_MAX_DIMS];
+    int64_t offs[SIM_OP_MAX_INPUTS + 2];
+} walker;
+
+static void walk_start(walker *w, uint32_t ndim, const int64_t *dims, uint32_t n, int64_t (*strides)[SIM_MAX_DIMS])
+{
+    *w = (walker){.ndim = ndim, .n = n, .dims = dims, .strides = strides};
+}
+
+static void walk_next(walker *w)
+{
+    for (int k = (int)w->ndim - 1; k >= 0; k--) {
+        if (++w->index[k] < w->dims[k]) {
+            for (uint32_t i = 0; i < w->n; i++)
+                w->offs[i] += w->strides[i][k];
+            return;
+        }
+        for (uint32_t i = 0; i < w->n; i++)
+            w->offs[i] -= w->strides[i][k] * (w->dims[k] - 1);
+        w->index[k] = 0;
+    }
+}
+
+static void run_elementwise(const sim_op *op)
+{
+    int64_t strides[SIM_OP_MAX_INPUTS + 1][SIM_MAX_DIMS];
+    uint32_t n = op->nin;
+    for (uint32_t i = 0; i < n; i++)
+        if (!op->in_const[i])
+            broadcast_strides(&op->in[i], &op->out, op->out.ndim, strides[i]);
+    memcpy(strides[n], op->out.strides, sizeof strides[n]);
+    walker w;
+    walk_start(&w, op->out.ndim, op->out.dims, n + 1, strides);
+    double x[SIM_OP_MAX_INPUTS];
+    /* Inputs are all read before the output is written, so in-place ops
+     * (out aliasing an input element for element) are safe. */
+    for (int64_t e = numel(&op->out); e > 0; e--, walk_next(&w)) {
+        for (uint32_t i = 0; i < n; i++)
+            x[i] = op->in_const[i] ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]));
+        sim_store(op->out.dtype, element(&op->out, w.offs[n]), op->def->fn(x, op->p));
+    }
+}
+
+static int64_t contiguous_strides(const sim_view *v, int64_t *strides)
+{
+    int64_t n = 1;
+    for (int k = (int)v->ndim - 1; k >= 0; k--) {
+        strides[k] = n;
+        n *= v->dims[k];
+    }
+    return n;
+}
+
+static void run_reduce(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    int keepdim = op->p[0] != 0;
+    int64_t out_lin[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    int64_t out_count = contiguous_strides(out, out_lin);
+    /* strides[0]: through the input; strides[1]: to the output's accumulator. */
+    uint32_t o = 0;
+    int64_t reduced = 1;
+    for (uint32_t k = 0; k < in->ndim; k++) {
+        strides[0][k] = in->strides[k];
+        int r = (op->reduce_mask >> k) & 1;
+        strides[1][k] = r ? 0 : out_lin[o];
+        if (r)
+            reduced *= in->dims[k];
+        if (!r || keepdim)
+            o++;
+    }
+    double *acc = calloc((size_t)out_count, sizeof *acc);
+    if (acc == NULL)
+        return;
+    walker w;
+    walk_start(&w, in->ndim, in->dims, 2, strides);
+    for (int64_t e = numel(in); e > 0; e--, walk_next(&w))
+        acc[w.offs[1]] += sim_load(in->dtype, element(in, w.offs[0]));
+    walk_start(&w, out->ndim, out->dims, 1, (int64_t(*)[SIM_MAX_DIMS])out->strides);
+    for (int64_t e = 0; e < out_count; e++, walk_next(&w))
+        sim_store(out->dtype, element(out, w.offs[0]), op->def->mean ? acc[e] / (double)reduced : acc[e]);
+    free(acc);
+}
+
+/* out[..., i, j] = p[1] * in2[..., i, j] + p[0] * sum_k in0[..., i, k] * in1[..., k, j]
+ * (p[0] = alpha, p[1] = beta; plain matmul has no in2). */
+static void run_matmul(const sim_op *op)
+{
+    const sim_view *a = &op->in[0], *b = &op->in[1], *out = &op->out;
+    uint32_t nd = out->ndim, batch = nd - 2;
+    int64_t strides[4][SIM_MAX_DIMS];
+    sim_view a_batch = *a, b_batch = *b;
+    a_batch.ndim -= 2, b_batch.ndim -= 2;
+    broadcast_strides(&a_batch, out, batch, strides[0]);
+    broadcast_strides(&b_batch, out, batch, strides[1]);
+    strides[0][batch] = a->strides[a->ndim - 2], strides[0][batch + 1] = 0;
+    strides[1][batch] = 0, strides[1][batch + 1] = b->strides[b->ndim - 1];
+    memcpy(strides[2], out->strides, sizeof strides[2]);
+    int bias = op->nin == 3;
+    if (bias)
+        broadcast_strides(&op->in[2], out, nd, strides[3]);
+    int64_t K = a->dims[a->ndim - 1], ak = a->strides[a->ndim - 1], bk = b->strides[b->ndim - 2];
+    walker w;
+    walk_start(&w, nd, out->dims, bias ? 4 : 3, strides);
+    for (int64_t e = numel(out); e > 0; e--, walk_next(&w)) {
+        double sum = 0;
+        for (int64_t k = 0; k < K; k++)
+            sum += sim_load(a->dtype, element(a, w.offs[0] + k * ak)) *
+                   sim_load(b->dtype, element(b, w.offs[1] + k * bk));
+        double v = op->p[0] * sum;
+        if (bias)
+            v += op->p[1] * sim_load(op->in[2].dtype, element(&op->in[2], w.offs[3]));
+        sim_store(out->dtype, element(out, w.offs[2]), v);
+    }
+}
+
+static void compute(void *ctx)
+{
+    const sim_op *op = ctx;
+    switch (op->def->shape) {
+    case SIM_ELEMENTWISE: run_elementwise(op); break;
+    case SIM_REDUCE: run_reduce(op); break;
+    case SIM_MATMUL: run_matmul(op); break;
+    }
+}
+
+void sim_op_finish(const void *params)
+{
+    const sim_op *op = params;
+    simrt_range ranges[SIM_OP_MAX_INPUTS + 1];
+    size_t n = 0;
+    for (uint32_t i = 0; i < op->nin; i++)
+        if (!op->in_const[i])
+            ranges[n++] = extent(&op->in[i]);
+    ranges[n++] = extent(&op->out);
+    simrt_DeviceAccess(ranges, n, op->def->kind.name, compute, (void *)op);
+}

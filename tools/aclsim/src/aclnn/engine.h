@@ -1,0 +1,63 @@
+/* The sim's aclnn operator engine. Phase 1 of every op builds a sim_op: the
+ * views of its tensors and its scalar arguments COPIED out of the caller's
+ * descriptors (so they may be destroyed right after phase 1), checked for
+ * dtype and shape; the executor keeps that copy. When the op's duration has
+ * elapsed on the stream worker, the engine checks every device range the op
+ * touches and computes in double, converting per element on load and store.
+ *
+ * Three op shapes cover the simulated set:
+ *   elementwise  out = fn(in0, in1, in2; params) with broadcasting; an input
+ *                may be a constant (an aclScalar)
+ *   reduce       sum (or mean) of in0 over a set of dims into out
+ *   matmul       out = beta * in2 + alpha * (in0 @ in1), batched, broadcast batch
+ */
+#ifndef ACLSIM_ACLNN_ENGINE_H
+#define ACLSIM_ACLNN_ENGINE_H
+
+#include "../simrt.h"
+#include "desc.h"
+
+#define SIM_OP_MAX_INPUTS 3
+#define SIM_OP_MAX_PARAMS 3
+/* Workspace the sim asks for where real CANN asks for one (reductions, matmul). */
+#define SIM_OP_SCRATCH_WORKSPACE 1024u
+
+enum sim_op_shape { SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL };
+
+/* x: the inputs of one element, p: the op's parameters (alpha, threshold...). */
+typedef double (*sim_elem_fn)(const double *x, const double *p);
+
+typedef struct sim_op_def {
+    simrt_op_kind kind; /* first: the executor hands finish() the sim_op, whose first field points here */
+    enum sim_op_shape shape;
+    sim_elem_fn fn;     /* elementwise only */
+    int mean;           /* reduce: divide by the number of reduced elements */
+} sim_op_def;
+
+typedef struct sim_op {
+    const sim_op_def *def;
+    aclnnStatus error; /* first problem found while building; reported by sim_op_create */
+    uint32_t nin;
+    uint32_t reduce_mask;
+    uint8_t in_const[SIM_OP_MAX_INPUTS];
+    double in_value[SIM_OP_MAX_INPUTS];
+    double p[SIM_OP_MAX_PARAMS];
+    sim_view in[SIM_OP_MAX_INPUTS];
+    sim_view out;
+} sim_op;
+
+void sim_op_begin(sim_op *op, const sim_op_def *def);
+void sim_op_input(sim_op *op, const aclTensor *t);
+void sim_op_input_scalar(sim_op *op, const aclScalar *s);
+void sim_op_param(sim_op *op, int i, double value);
+void sim_op_param_scalar(sim_op *op, int i, const aclScalar *s);
+void sim_op_output(sim_op *op, const aclTensor *t);
+/* Reduce only: which dims of in0 are reduced (none given = all) and whether
+ * out keeps them as size-1 dims. */
+void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim);
+/* Validates shapes, then creates the executor (phase 1's result). */
+aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor);
+
+void sim_op_finish(const void *params);
+
+#endif

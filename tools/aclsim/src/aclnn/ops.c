@@ -1,0 +1,351 @@
+/* The aclnn operators of the sim's libopapi.so, real signatures, real
+ * arithmetic (engine.h). Each op is one table line: its arity and the element
+ * function. An op not listed here is absent from the library, so a caller that
+ * looks symbols up (MindTorch binds them by name) sees it is missing. */
+#include <math.h>
+
+#include "engine.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define WS_ARGS uint64_t *workspaceSize, aclOpExecutor **executor
+
+/* Phase 2 of every op: queue the executor (engine.h runs it). */
+#define PHASE2(Name)                                                                                    \
+    EXPORT aclnnStatus aclnn##Name(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor,    \
+                                   aclrtStream stream)                                                  \
+    {                                                                                                   \
+        return simrt_LaunchExecutor("aclnn" #Name, workspace, workspaceSize, executor, stream);         \
+    }
+
+#define DEF(Name, shape, fn, mean) \
+    static const sim_op_def def_##Name = {{"aclnn" #Name, sim_op_finish}, shape, fn, mean};
+
+#define ELEM_FN(Name, expr) \
+    static double fn_##Name(const double *x, const double *p) { (void)x, (void)p; return (expr); }
+
+/* ---- phase 1 shapes, one per argument list ---- */
+
+/* (self, out) */
+#define UNARY(Name, expr)                                                                   \
+    ELEM_FN(Name, expr) DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                            \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, aclTensor *out, WS_ARGS) \
+    {                                                                                       \
+        sim_op op;                                                                          \
+        sim_op_begin(&op, &def_##Name);                                                     \
+        sim_op_input(&op, self);                                                            \
+        sim_op_output(&op, out);                                                            \
+        return sim_op_create(&op, workspaceSize, executor);                                 \
+    }                                                                                       \
+    PHASE2(Name)
+
+/* (self, other, out); Scalar: other is an aclScalar */
+#define BINARY_AS(Name, OtherType, add_other, expr)                                   \
+    ELEM_FN(Name, expr) DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                            \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const OtherType *other, \
+                                                     aclTensor *out, WS_ARGS)               \
+    {                                                                                       \
+        sim_op op;                                                                          \
+        sim_op_begin(&op, &def_##Name);                                                     \
+        sim_op_input(&op, self);                                                            \
+        add_other(&op, other);                                                              \
+        sim_op_output(&op, out);                                                            \
+        return sim_op_create(&op, workspaceSize, executor);                                 \
+    }                                                                                       \
+    PHASE2(Name)
+#define BINARY(Name, expr) BINARY_AS(Name, aclTensor, sim_op_input, expr)
+#define BINARY_SCALAR(Name, expr) BINARY_AS(Name, aclScalar, sim_op_input_scalar, expr)
+/* torch's comparison and logical ops exist as XxxTensor and XxxScalar */
+#define COMPARE(Name, expr) BINARY(Name##Tensor, expr) BINARY_SCALAR(Name##Scalar, expr)
+
+/* (self, other, alpha, out): out = self op alpha * other */
+#define BINARY_ALPHA(Name, OtherType, add_other, expr)                                      \
+    ELEM_FN(Name, expr) DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                            \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const OtherType *other, \
+                                                     const aclScalar *alpha, aclTensor *out, WS_ARGS) \
+    {                                                                                       \
+        sim_op op;                                                                          \
+        sim_op_begin(&op, &def_##Name);                                                     \
+        sim_op_input(&op, self);                                                            \
+        add_other(&op, other);                                                              \
+        sim_op_param_scalar(&op, 0, alpha);                                                 \
+        sim_op_output(&op, out);                                                            \
+        return sim_op_create(&op, workspaceSize, executor);                                 \
+    }                                                                                       \
+    PHASE2(Name)
+
+/* (self, p0, out) and (self, p0, p1, out): parameters given as aclScalars */
+#define UNARY_P1(Name, expr)                                                                \
+    ELEM_FN(Name, expr) DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                            \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclScalar *p0, \
+                                                     aclTensor *out, WS_ARGS)               \
+    {                                                                                       \
+        sim_op op;                                                                          \
+        sim_op_begin(&op, &def_##Name);                                                     \
+        sim_op_input(&op, self);                                                            \
+        sim_op_param_scalar(&op, 0, p0);                                                    \
+        sim_op_output(&op, out);                                                            \
+        return sim_op_create(&op, workspaceSize, executor);                                 \
+    }                                                                                       \
+    PHASE2(Name)
+#define UNARY_P2(Name, expr)                                                                \
+    ELEM_FN(Name, expr) DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                            \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclScalar *p0, \
+                                                     const aclScalar *p1, aclTensor *out, WS_ARGS) \
+    {                                                                                       \
+        sim_op op;                                                                          \
+        sim_op_begin(&op, &def_##Name);                                                     \
+        sim_op_input(&op, self);                                                            \
+        sim_op_param_scalar(&op, 0, p0);                                                    \
+        sim_op_param_scalar(&op, 1, p1);                                                    \
+        sim_op_output(&op, out);                                                            \
+        return sim_op_create(&op, workspaceSize, executor);                                 \
+    }                                                                                       \
+    PHASE2(Name)
+
+static double sign(double v) { return v > 0 ? 1 : v < 0 ? -1 : v; }
+static double nan_max(double a, double b) { return isnan(a) || isnan(b) ? NAN : fmax(a, b); }
+static double nan_min(double a, double b) { return isnan(a) || isnan(b) ? NAN : fmin(a, b); }
+static double sigmoid(double v) { return 1.0 / (1.0 + exp(-v)); }
+static double py_mod(double a, double b) { double r = fmod(a, b); return r != 0 && (r < 0) != (b < 0) ? r + b : r; }
+
+/* ---- elementwise ops ---- */
+UNARY(Neg, -x[0])
+UNARY(Abs, fabs(x[0]))
+UNARY(Sign, sign(x[0]))
+UNARY(Relu, x[0] > 0 ? x[0] : isnan(x[0]) ? x[0] : 0)
+UNARY(Exp, exp(x[0]))
+UNARY(Exp2, exp2(x[0]))
+UNARY(Expm1, expm1(x[0]))
+UNARY(Log, log(x[0]))
+UNARY(Log2, log2(x[0]))
+UNARY(Log10, log10(x[0]))
+UNARY(Log1p, log1p(x[0]))
+UNARY(Sqrt, sqrt(x[0]))
+UNARY(Rsqrt, 1.0 / sqrt(x[0]))
+UNARY(Reciprocal, 1.0 / x[0])
+UNARY(Square, x[0] * x[0])
+UNARY(Sin, sin(x[0]))
+UNARY(Cos, cos(x[0]))
+UNARY(Tan, tan(x[0]))
+UNARY(Asin, asin(x[0]))
+UNARY(Acos, acos(x[0]))
+UNARY(Atan, atan(x[0]))
+UNARY(Sinh, sinh(x[0]))
+UNARY(Cosh, cosh(x[0]))
+UNARY(Tanh, tanh(x[0]))
+UNARY(Erf, erf(x[0]))
+UNARY(Sigmoid, sigmoid(x[0]))
+UNARY(Silu, x[0] * sigmoid(x[0]))
+UNARY(Gelu, 0.5 * x[0] * (1.0 + erf(x[0] / sqrt(2.0))))
+UNARY(Floor, floor(x[0]))
+UNARY(Ceil, ceil(x[0]))
+UNARY(Round, nearbyint(x[0]))
+UNARY(Trunc, trunc(x[0]))
+UNARY(LogicalNot, x[0] == 0)
+UNARY(IsFinite, isfinite(x[0]) != 0)
+UNARY(IsInf, isinf(x[0]) != 0)
+
+BINARY_ALPHA(Add, aclTensor, sim_op_input, x[0] + p[0] * x[1])
+BINARY_ALPHA(Sub, aclTensor, sim_op_input, x[0] - p[0] * x[1])
+BINARY_ALPHA(Adds, aclScalar, sim_op_input_scalar, x[0] + p[0] * x[1])
+BINARY(Mul, x[0] * x[1])
+BINARY_SCALAR(Muls, x[0] * x[1])
+BINARY(Div, x[0] / x[1])
+BINARY_SCALAR(Divs, x[0] / x[1])
+BINARY(FloorDivide, floor(x[0] / x[1]))
+BINARY(FmodTensor, fmod(x[0], x[1]))
+BINARY(RemainderTensorTensor, py_mod(x[0], x[1]))
+BINARY(Atan2, atan2(x[0], x[1]))
+BINARY(PowTensorTensor, pow(x[0], x[1]))
+BINARY_SCALAR(PowTensorScalar, pow(x[0], x[1]))
+BINARY(Maximum, nan_max(x[0], x[1]))
+BINARY(Minimum, nan_min(x[0], x[1]))
+BINARY_SCALAR(ClampMin, nan_max(x[0], x[1]))
+BINARY_SCALAR(ClampMax, nan_min(x[0], x[1]))
+BINARY(ClampMinTensor, nan_max(x[0], x[1]))
+BINARY(ClampMaxTensor, nan_min(x[0], x[1]))
+BINARY(LogicalAnd, x[0] != 0 && x[1] != 0)
+BINARY(LogicalOr, x[0] != 0 || x[1] != 0)
+COMPARE(Eq, x[0] == x[1])
+COMPARE(Ne, x[0] != x[1])
+COMPARE(Gt, x[0] > x[1])
+COMPARE(Ge, x[0] >= x[1])
+COMPARE(Lt, x[0] < x[1])
+COMPARE(Le, x[0] <= x[1])
+
+UNARY_P1(LeakyRelu, x[0] > 0 ? x[0] : x[0] * p[0])
+UNARY_P2(Hardtanh, nan_min(nan_max(x[0], p[0]), p[1]))
+UNARY_P2(Softplus, x[0] * p[0] > p[1] ? x[0] : log1p(exp(x[0] * p[0])) / p[0])
+
+/* (gradOutput, self, threshold, out): relu's backward is threshold 0 */
+ELEM_FN(ThresholdBackward, x[1] > p[0] ? x[0] : 0)
+DEF(ThresholdBackward, SIM_ELEMENTWISE, fn_ThresholdBackward, 0)
+EXPORT aclnnStatus aclnnThresholdBackwardGetWorkspaceSize(const aclTensor *gradOutput, const aclTensor *self,
+                                                          const aclScalar *threshold, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_ThresholdBackward);
+    sim_op_input(&op, gradOutput);
+    sim_op_input(&op, self);
+    sim_op_param_scalar(&op, 0, threshold);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(ThresholdBackward)
+
+ELEM_FN(SWhere, x[0] != 0 ? x[1] : x[2])
+DEF(SWhere, SIM_ELEMENTWISE, fn_SWhere, 0)
+EXPORT aclnnStatus aclnnSWhereGetWorkspaceSize(const aclTensor *condition, const aclTensor *self,
+                                               const aclTensor *other, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_SWhere);
+    sim_op_input(&op, condition);
+    sim_op_input(&op, self);
+    sim_op_input(&op, other);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(SWhere)
+
+/* Copies convert on store: Cast and InplaceCopy are the identity. */
+ELEM_FN(Identity, x[0])
+DEF(Cast, SIM_ELEMENTWISE, fn_Identity, 0)
+EXPORT aclnnStatus aclnnCastGetWorkspaceSize(const aclTensor *self, aclDataType dtype, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Cast);
+    sim_op_input(&op, self);
+    sim_op_output(&op, out);
+    if (op.error == ACLNN_SUCCESS && op.out.dtype != (int32_t)dtype)
+        return ACLNN_ERR_PARAM_INVALID;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Cast)
+
+/* (selfRef, src): src broadcast into selfRef, converted to its dtype */
+DEF(InplaceCopy, SIM_ELEMENTWISE, fn_Identity, 0)
+EXPORT aclnnStatus aclnnInplaceCopyGetWorkspaceSize(aclTensor *selfRef, const aclTensor *src, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_InplaceCopy);
+    sim_op_input(&op, src);
+    sim_op_output(&op, selfRef);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(InplaceCopy)
+
+/* In-place fills: selfRef = p[0] */
+ELEM_FN(Fill, p[0])
+DEF(InplaceFillScalar, SIM_ELEMENTWISE, fn_Fill, 0)
+DEF(InplaceZero, SIM_ELEMENTWISE, fn_Fill, 0)
+DEF(InplaceOne, SIM_ELEMENTWISE, fn_Fill, 0)
+
+static aclnnStatus fill(const sim_op_def *def, aclTensor *selfRef, const aclScalar *value, double constant,
+                        WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    if (value != NULL)
+        sim_op_param_scalar(&op, 0, value);
+    else
+        sim_op_param(&op, 0, constant);
+    sim_op_output(&op, selfRef);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+EXPORT aclnnStatus aclnnInplaceFillScalarGetWorkspaceSize(aclTensor *selfRef, const aclScalar *value, WS_ARGS)
+{
+    if (value == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    return fill(&def_InplaceFillScalar, selfRef, value, 0, workspaceSize, executor);
+}
+PHASE2(InplaceFillScalar)
+EXPORT aclnnStatus aclnnInplaceZeroGetWorkspaceSize(aclTensor *selfRef, WS_ARGS)
+{
+    return fill(&def_InplaceZero, selfRef, NULL, 0, workspaceSize, executor);
+}
+PHASE2(InplaceZero)
+EXPORT aclnnStatus aclnnInplaceOneGetWorkspaceSize(aclTensor *selfRef, WS_ARGS)
+{
+    return fill(&def_InplaceOne, selfRef, NULL, 1, workspaceSize, executor);
+}
+PHASE2(InplaceOne)
+
+/* In-place arithmetic: selfRef = selfRef op other */
+#define INPLACE_OF(Name, Base, OtherType, add_other)                                                 \
+    DEF(Name, SIM_ELEMENTWISE, fn_##Base, 0)                                                         \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(aclTensor *selfRef, const OtherType *other,     \
+                                                     const aclScalar *alpha, WS_ARGS)                \
+    {                                                                                                \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_input(&op, selfRef);                                                                  \
+        add_other(&op, other);                                                                       \
+        sim_op_param_scalar(&op, 0, alpha);                                                          \
+        sim_op_output(&op, selfRef);                                                                 \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+INPLACE_OF(InplaceAdd, Add, aclTensor, sim_op_input)
+INPLACE_OF(InplaceSub, Sub, aclTensor, sim_op_input)
+INPLACE_OF(InplaceAdds, Adds, aclScalar, sim_op_input_scalar)
+
+/* ---- reductions: (self, dims, keepDim, dtype, out) ---- */
+#define REDUCE(Name, mean)                                                                           \
+    DEF(Name, SIM_REDUCE, NULL, mean)                                                                \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclIntArray *dims, \
+                                                     bool keepDim, aclDataType dtype, aclTensor *out, \
+                                                     WS_ARGS)                                        \
+    {                                                                                                \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_input(&op, self);                                                                     \
+        sim_op_reduce_dims(&op, dims, keepDim);                                                      \
+        sim_op_output(&op, out);                                                                     \
+        if (op.error == ACLNN_SUCCESS && op.out.dtype != (int32_t)dtype)                             \
+            return ACLNN_ERR_PARAM_INVALID;                                                          \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+REDUCE(ReduceSum, 0)
+REDUCE(Mean, 1)
+
+/* ---- matrix products: (self, mat2, out, cubeMathType) ---- */
+#define MATMUL(Name)                                                                                 \
+    DEF(Name, SIM_MATMUL, NULL, 0)                                                                   \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclTensor *mat2,   \
+                                                     aclTensor *out, int8_t cubeMathType, WS_ARGS)   \
+    {                                                                                                \
+        (void)cubeMathType;                                                                          \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_input(&op, self);                                                                     \
+        sim_op_input(&op, mat2);                                                                     \
+        sim_op_param(&op, 0, 1.0);                                                                   \
+        sim_op_output(&op, out);                                                                     \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+MATMUL(Matmul)
+MATMUL(Mm)
+MATMUL(BatchMatMul)
+
+/* (self, mat1, mat2, beta, alpha, out, cubeMathType): out = beta * self + alpha * mat1 @ mat2 */
+DEF(Addmm, SIM_MATMUL, NULL, 0)
+EXPORT aclnnStatus aclnnAddmmGetWorkspaceSize(const aclTensor *self, const aclTensor *mat1, const aclTensor *mat2,
+                                              const aclScalar *beta, const aclScalar *alpha, aclTensor *out,
+                                              int8_t cubeMathType, WS_ARGS)
+{
+    (void)cubeMathType;
+    sim_op op;
+    sim_op_begin(&op, &def_Addmm);
+    sim_op_input(&op, mat1);
+    sim_op_input(&op, mat2);
+    sim_op_input(&op, self);
+    sim_op_param_scalar(&op, 0, alpha);
+    sim_op_param_scalar(&op, 1, beta);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Addmm)

@@ -69,54 +69,76 @@ static npa_error walk_blocks(npa_allocator *a, npa_paused *p, walk_op op, char *
     return NPA_OK;
 }
 
-/* Maps back every page that was mapped at the pause and is not now; on a
- * failure unmaps what this call mapped (all or none). */
-static npa_error map_back(npa_allocator *a, npa_paused *p, char *why, size_t len) {
-    size_t index = 0;
-    npa_error err = NPA_OK;
-    for (int i = 0; i < NPUALLOC_MAX_DEVICES && err == NPA_OK; i++) {
-        npa_device *d = a->devices[i];
-        npa_expandable *es[2];
-        for (int k = 0; d && k < 2 && err == NPA_OK; k++) {
-            if (!expandables(d, es)[k]) continue;
-            for (size_t page = 0; page < es[k]->page_count && err == NPA_OK; page++, index++) {
-                if (!p->was_mapped[index] || es[k]->pages[page]) continue;
-                void *addr = (void *)(es[k]->base + page * es[k]->page_size);
-                err = a->backend.page_map(a->backend.ctx, d->id, addr, es[k]->page_size, &es[k]->pages[page]);
-                if (err != NPA_OK) {
-                    es[k]->pages[page] = NULL;
-                    snprintf(why, len, "device %d has no room for its %zu-byte page at %p (error %d: another "
-                             "process may hold the memory); the backup is kept, resume again once memory is free",
-                             d->id, es[k]->page_size, addr, err);
-                }
-            }
-        }
-    }
-    return err;
-}
+/* Every page of every expandable segment, in one fixed order (index counts them). */
+typedef struct page_ref {
+    npa_device *d;
+    npa_expandable *es;
+    size_t page, index;
+} page_ref;
+typedef npa_error (*page_fn)(npa_allocator *a, npa_paused *p, const page_ref *at, char *why, size_t len);
 
-/* Unmaps every mapped page (the pause) or, undoing a failed map_back, only
- * those that were paused. */
-static npa_error unmap_all(npa_allocator *a, char *why, size_t len) {
-    size_t index = 0;
+static npa_error each_page(npa_allocator *a, npa_paused *p, page_fn fn, char *why, size_t len) {
+    page_ref at = {0};
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_device *d = a->devices[i];
         npa_expandable *es[2];
-        for (int k = 0; d && k < 2; k++) {
-            if (!expandables(d, es)[k]) continue;
-            for (size_t page = 0; page < es[k]->page_count; page++, index++) {
-                if (!es[k]->pages[page]) continue;
-                void *addr = (void *)(es[k]->base + page * es[k]->page_size);
-                npa_error err = a->backend.page_unmap(a->backend.ctx, d->id, addr, es[k]->pages[page]);
-                if (err != NPA_OK) {
-                    snprintf(why, len, "unmapping %p on device %d failed (error %d)", addr, d->id, err);
-                    return err;
-                }
-                es[k]->pages[page] = NULL;
+        if (!(at.d = a->devices[i])) continue;
+        for (int k = 0; k < 2; k++) {
+            if (!(at.es = expandables(at.d, es)[k])) continue;
+            for (at.page = 0; at.page < at.es->page_count; at.page++, at.index++) {
+                npa_error err = fn(a, p, &at, why, len);
+                if (err != NPA_OK) return err;
             }
         }
     }
     return NPA_OK;
+}
+
+static void *page_addr(const page_ref *at) { return (void *)(at->es->base + at->page * at->es->page_size); }
+
+static npa_error note_mapped(npa_allocator *a, npa_paused *p, const page_ref *at, char *why, size_t len) {
+    (void)a, (void)why, (void)len;
+    p->was_mapped[at->index] = at->es->pages[at->page] != NULL;
+    p->unmapped_bytes += at->es->pages[at->page] ? at->es->page_size : 0;
+    return NPA_OK;
+}
+
+/* Maps back a page that was mapped at the pause and is not now. */
+static npa_error map_page(npa_allocator *a, npa_paused *p, const page_ref *at, char *why, size_t len) {
+    void **handle = &at->es->pages[at->page];
+    if (!p->was_mapped[at->index] || *handle) return NPA_OK;
+    npa_error err = a->backend.page_map(a->backend.ctx, at->d->id, page_addr(at), at->es->page_size, handle);
+    if (err != NPA_OK) {
+        *handle = NULL;
+        snprintf(why, len, "device %d has no room for its %zu-byte page at %p (error %d: another process may hold "
+                 "the memory); the backup is kept, resume again once memory is free",
+                 at->d->id, at->es->page_size, page_addr(at), err);
+    }
+    return err;
+}
+
+/* Unmaps a mapped page: every one at the pause, and at a failed resume the
+ * ones it mapped (at the pause all were unmapped, so those are the mapped ones). */
+static npa_error unmap_page(npa_allocator *a, npa_paused *p, const page_ref *at, char *why, size_t len) {
+    (void)p;
+    void **handle = &at->es->pages[at->page];
+    if (!*handle) return NPA_OK;
+    npa_error err = a->backend.page_unmap(a->backend.ctx, at->d->id, page_addr(at), *handle);
+    if (err != NPA_OK) {
+        snprintf(why, len, "unmapping %p on device %d failed (error %d)", page_addr(at), at->d->id, err);
+        return err;
+    }
+    *handle = NULL;
+    return NPA_OK;
+}
+
+/* All or none: a failure unmaps what this call mapped. */
+static npa_error map_back(npa_allocator *a, npa_paused *p, char *why, size_t len) {
+    npa_error err = each_page(a, p, map_page, why, len);
+    if (err != NPA_OK) {
+        char ignored[8];
+        each_page(a, p, unmap_page, ignored, sizeof ignored);
+    }
+    return err;
 }
 
 static void unlock_all(npa_allocator *a) {
@@ -178,19 +200,8 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
         return refuse(a, p, NPA_ERR_OOM);
     }
     if ((err = walk_blocks(a, p, WALK_BACKUP, why, len)) != NPA_OK) return refuse(a, p, err);
-    size_t index = 0;
-    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_device *d = a->devices[i];
-        npa_expandable *es[2];
-        for (int k = 0; d && k < 2; k++) {
-            if (!expandables(d, es)[k]) continue;
-            for (size_t page = 0; page < es[k]->page_count; page++, index++) {
-                p->was_mapped[index] = es[k]->pages[page] != NULL;
-                p->unmapped_bytes += es[k]->pages[page] ? es[k]->page_size : 0;
-            }
-        }
-    }
-    if ((err = unmap_all(a, why, len)) != NPA_OK) {
+    each_page(a, p, note_mapped, why, len);
+    if ((err = each_page(a, p, unmap_page, why, len)) != NPA_OK) {
         char ignored[8];
         if (map_back(a, p, ignored, sizeof ignored) == NPA_OK) walk_blocks(a, p, WALK_RESTORE, ignored, sizeof ignored);
         return refuse(a, p, err);
@@ -206,7 +217,7 @@ npa_error npa_resume(npa_allocator *a, npa_paused *p, char *why, size_t len) {
         snprintf(why + strlen(why), len - strlen(why), "; the backup is kept, resume again");
     if (err != NPA_OK) {
         char ignored[8];
-        unmap_all(a, ignored, sizeof ignored);
+        each_page(a, p, unmap_page, ignored, sizeof ignored);
         return err;
     }
     return refuse(a, p, NPA_OK); /* unlock and free: the process runs on */

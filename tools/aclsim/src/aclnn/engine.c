@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <math.h>
+
 #include "dtype.h"
 #include "engine.h"
 
@@ -59,6 +61,14 @@ void sim_op_param_scalar(sim_op *op, int i, const aclScalar *s)
     op->p[i] = s->value;
 }
 
+void sim_op_param_optional(sim_op *op, int i, const aclScalar *s, double fallback)
+{
+    if (s == NULL)
+        op->p[i] = fallback;
+    else
+        sim_op_param_scalar(op, i, s);
+}
+
 void sim_op_output(sim_op *op, const aclTensor *t)
 {
     if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
@@ -79,6 +89,54 @@ void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim)
         if (d < 0 || d >= (int64_t)ndim)
             return fail(op, ACLNN_ERR_PARAM_INVALID);
         op->reduce_mask |= 1u << d;
+    }
+}
+
+static int64_t normalize_dim(int64_t dim, uint32_t ndim)
+{
+    return dim < 0 ? dim + (int64_t)ndim : dim;
+}
+
+void sim_op_softmax_dim(sim_op *op, int64_t dim)
+{
+    dim = normalize_dim(dim, op->in[0].ndim);
+    if (op->nin != 1 || dim < 0 || dim >= (int64_t)op->in[0].ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = (double)dim;
+}
+
+void sim_op_gather(sim_op *op, int64_t dim, int embedding)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    sim_view *self = &op->in[0], *index = &op->in[1], *out = &op->out;
+    dim = normalize_dim(dim, self->ndim);
+    if (op->nin != 2 || dim < 0 || dim >= (int64_t)self->ndim || sim_dtype_is_float(index->dtype))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->gather_stride = self->strides[dim];
+    op->gather_size = self->dims[dim];
+    if (embedding) {
+        /* out = index dims + [cols]: the index repeats along cols, the table walks cols */
+        if (self->ndim != 2 || out->ndim != index->ndim + 1 || out->ndim > SIM_MAX_DIMS ||
+            out->dims[index->ndim] != self->dims[1])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        for (uint32_t k = 0; k < index->ndim; k++) {
+            if (out->dims[k] != index->dims[k])
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+            op->gather_walk[k] = 0;
+        }
+        op->gather_walk[index->ndim] = self->strides[1];
+        index->dims[index->ndim] = out->dims[index->ndim];
+        index->strides[index->ndim] = 0;
+        index->ndim++;
+        return;
+    }
+    if (index->ndim != self->ndim || out->ndim != index->ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t k = 0; k < out->ndim; k++) {
+        if (out->dims[k] != index->dims[k] || ((int64_t)k != dim && index->dims[k] > self->dims[k]))
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        op->gather_walk[k] = (int64_t)k == dim ? 0 : self->strides[k];
     }
 }
 
@@ -176,6 +234,12 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         st = op->nin >= 2 ? check_matmul(op) : ACLNN_ERR_PARAM_INVALID;
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
+    case SIM_SOFTMAX:
+        st = op->in[0].ndim == op->out.ndim && memcmp(op->in[0].dims, op->out.dims, op->out.ndim * sizeof(int64_t)) == 0
+                 ? ACLNN_SUCCESS : ACLNN_ERR_PARAM_INVALID;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
+    case SIM_GATHER: st = ACLNN_SUCCESS; break; /* checked by sim_op_gather */
     default: st = ACLNN_ERR_PARAM_INVALID;
     }
     if (st != ACLNN_SUCCESS)
@@ -294,7 +358,7 @@ static void run_reduce(const sim_op *op)
         acc[w.offs[1]] += sim_load(in->dtype, element(in, w.offs[0]));
     walk_start(&w, out->ndim, out->dims, 1, (int64_t(*)[SIM_MAX_DIMS])out->strides);
     for (int64_t e = 0; e < out_count; e++, walk_next(&w))
-        sim_store(out->dtype, element(out, w.offs[0]), op->def->mean ? acc[e] / (double)reduced : acc[e]);
+        sim_store(out->dtype, element(out, w.offs[0]), op->def->variant ? acc[e] / (double)reduced : acc[e]);
     free(acc);
 }
 
@@ -330,6 +394,61 @@ static void run_matmul(const sim_op *op)
     }
 }
 
+/* Along one dim: out = exp(x - max) / sum, or its log. */
+static void run_softmax(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t rows_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    memcpy(rows_dims, in->dims, sizeof rows_dims);
+    rows_dims[dim] = 1;
+    memcpy(strides[0], in->strides, sizeof strides[0]);
+    memcpy(strides[1], out->strides, sizeof strides[1]);
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    int64_t rows = numel(in) / (n > 0 ? n : 1);
+    walker w;
+    walk_start(&w, in->ndim, rows_dims, 2, strides);
+    for (int64_t r = n > 0 ? rows : 0; r > 0; r--, walk_next(&w)) {
+        double max = -INFINITY, sum = 0;
+        for (int64_t i = 0; i < n; i++)
+            max = fmax(max, sim_load(in->dtype, element(in, w.offs[0] + i * si)));
+        for (int64_t i = 0; i < n; i++)
+            sum += exp(sim_load(in->dtype, element(in, w.offs[0] + i * si)) - max);
+        for (int64_t i = 0; i < n; i++) {
+            double shifted = sim_load(in->dtype, element(in, w.offs[0] + i * si)) - max;
+            sim_store(out->dtype, element(out, w.offs[1] + i * so),
+                      op->def->variant ? shifted - log(sum) : exp(shifted) / sum);
+        }
+    }
+}
+
+/* An index outside the indexed dim reads nothing: the element is stored as 0
+ * and reported (on the device it would read whatever lies there, or fault). */
+static void run_gather(const sim_op *op)
+{
+    const sim_view *self = &op->in[0], *index = &op->in[1], *out = &op->out;
+    int64_t strides[3][SIM_MAX_DIMS];
+    memcpy(strides[0], op->gather_walk, sizeof strides[0]);
+    memcpy(strides[1], index->strides, sizeof strides[1]);
+    memcpy(strides[2], out->strides, sizeof strides[2]);
+    walker w;
+    walk_start(&w, out->ndim, out->dims, 3, strides);
+    int64_t bad = 0;
+    for (int64_t e = numel(out); e > 0; e--, walk_next(&w)) {
+        int64_t i = (int64_t)sim_load(index->dtype, element(index, w.offs[1]));
+        if (i < 0)
+            i += op->gather_size;
+        double v = 0;
+        if (i >= 0 && i < op->gather_size)
+            v = sim_load(self->dtype, element(self, w.offs[0] + i * op->gather_stride));
+        else
+            bad++;
+        sim_store(out->dtype, element(out, w.offs[2]), v);
+    }
+    if (bad > 0)
+        fprintf(stderr, "aclsim: %s: %lld index value(s) out of range\n", op->def->kind.name, (long long)bad);
+}
+
 static void compute(void *ctx)
 {
     const sim_op *op = ctx;
@@ -337,6 +456,8 @@ static void compute(void *ctx)
     case SIM_ELEMENTWISE: run_elementwise(op); break;
     case SIM_REDUCE: run_reduce(op); break;
     case SIM_MATMUL: run_matmul(op); break;
+    case SIM_SOFTMAX: run_softmax(op); break;
+    case SIM_GATHER: run_gather(op); break;
     }
 }
 

@@ -47,9 +47,45 @@ void sim_op_input_scalar(sim_op *op, const aclScalar *s)
         return fail(op, ACLNN_ERR_PARAM_NULLPTR);
     if (op->nin == SIM_OP_MAX_INPUTS)
         return fail(op, ACLNN_ERR_PARAM_INVALID);
-    op->in_const[op->nin] = 1;
+    op->in_kind[op->nin] = SIM_IN_CONST;
     op->in_value[op->nin] = s->value;
     op->in[op->nin++] = (sim_view){.dtype = s->dtype};
+}
+
+void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback)
+{
+    if (t != NULL)
+        return sim_op_input(op, t);
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_kind[op->nin] = SIM_IN_CONST;
+    op->in_value[op->nin] = fallback;
+    op->in[op->nin++] = (sim_view){.dtype = ACL_DOUBLE};
+}
+
+void sim_op_input_index(sim_op *op, int64_t dim)
+{
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_kind[op->nin] = SIM_IN_INDEX;
+    op->in_value[op->nin] = (double)dim; /* resolved against out's rank by the shape check */
+    op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
+}
+
+void sim_op_flip(sim_op *op, const aclIntArray *dims)
+{
+    if (op->nin != 1 || live(dims, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    sim_view *v = &op->in[0];
+    uint32_t flipped = 0;
+    for (uint64_t i = 0; i < dims->size; i++) {
+        int64_t d = dims->values[i] < 0 ? dims->values[i] + v->ndim : dims->values[i];
+        if (d < 0 || d >= (int64_t)v->ndim || (flipped >> d) & 1)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        flipped |= 1u << d;
+        v->offset += v->strides[d] * (v->dims[d] - 1);
+        v->strides[d] = -v->strides[d];
+    }
 }
 
 void sim_op_param(sim_op *op, int i, double value) { op->p[i] = value; }
@@ -169,12 +205,20 @@ static int broadcast_strides(const sim_view *in, const sim_view *out, uint32_t n
     return 1;
 }
 
-static aclnnStatus check_elementwise(const sim_op *op)
+static aclnnStatus check_elementwise(sim_op *op)
 {
     int64_t eff[SIM_MAX_DIMS];
-    for (uint32_t i = 0; i < op->nin; i++)
-        if (!op->in_const[i] && !broadcast_strides(&op->in[i], &op->out, op->out.ndim, eff))
+    for (uint32_t i = 0; i < op->nin; i++) {
+        if (op->in_kind[i] == SIM_IN_TENSOR && !broadcast_strides(&op->in[i], &op->out, op->out.ndim, eff))
             return ACLNN_ERR_PARAM_INVALID;
+        if (op->in_kind[i] == SIM_IN_INDEX) {
+            int64_t d = (int64_t)op->in_value[i];
+            d = d < 0 ? d + (int64_t)op->out.ndim : d;
+            if (d < 0 || d >= (int64_t)op->out.ndim)
+                return ACLNN_ERR_PARAM_INVALID;
+            op->in_value[i] = (double)d;
+        }
+    }
     return ACLNN_SUCCESS;
 }
 
@@ -306,8 +350,10 @@ static void run_elementwise(const sim_op *op)
     int64_t strides[SIM_OP_MAX_INPUTS + 1][SIM_MAX_DIMS];
     uint32_t n = op->nin;
     for (uint32_t i = 0; i < n; i++)
-        if (!op->in_const[i])
+        if (op->in_kind[i] == SIM_IN_TENSOR)
             broadcast_strides(&op->in[i], &op->out, op->out.ndim, strides[i]);
+        else
+            memset(strides[i], 0, sizeof strides[i]);
     memcpy(strides[n], op->out.strides, sizeof strides[n]);
     walker w;
     walk_start(&w, op->out.ndim, op->out.dims, n + 1, strides);
@@ -316,7 +362,9 @@ static void run_elementwise(const sim_op *op)
      * (out aliasing an input element for element) are safe. */
     for (int64_t e = numel(&op->out); e > 0; e--, walk_next(&w)) {
         for (uint32_t i = 0; i < n; i++)
-            x[i] = op->in_const[i] ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]));
+            x[i] = op->in_kind[i] == SIM_IN_TENSOR ? sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]))
+                   : op->in_kind[i] == SIM_IN_CONST ? op->in_value[i]
+                                                     : (double)w.index[(int)op->in_value[i]];
         sim_store(op->out.dtype, element(&op->out, w.offs[n]), op->def->fn(x, op->p));
     }
 }
@@ -467,8 +515,96 @@ void sim_op_finish(const void *params)
     simrt_range ranges[SIM_OP_MAX_INPUTS + 1];
     size_t n = 0;
     for (uint32_t i = 0; i < op->nin; i++)
-        if (!op->in_const[i])
+        if (op->in_kind[i] == SIM_IN_TENSOR)
             ranges[n++] = extent(&op->in[i]);
     ranges[n++] = extent(&op->out);
     simrt_DeviceAccess(ranges, n, op->def->kind.name, compute, (void *)op);
+}
+
+/* ---- Cat / Stack ---- */
+
+static double identity(const double *x, const double *p)
+{
+    (void)p;
+    return x[0];
+}
+
+static const sim_op_def copy_def = {{"aclnnCat", sim_op_finish}, SIM_ELEMENTWISE, identity, 0};
+
+aclnnStatus sim_cat_create(const sim_op_def *def, const aclTensorList *tensors, int64_t dim, int stack,
+                           const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)
+{
+    if (workspaceSize == NULL || executor == NULL ||
+        live(tensors, SIM_TENSORLIST_MAGIC, def->kind.name) == NULL ||
+        live(out, SIM_TENSOR_MAGIC, def->kind.name) == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    sim_cat *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return ACLNN_ERR_INNER_NULLPTR;
+    aclnnStatus st = ACLNN_ERR_PARAM_INVALID;
+    c->def = def;
+    c->out = out->view;
+    dim = normalize_dim(dim, c->out.ndim);
+    if (tensors->size == 0 || tensors->size > SIM_CAT_MAX || dim < 0 || dim >= (int64_t)c->out.ndim)
+        goto done;
+    c->n = (uint32_t)tensors->size;
+    c->dim = (uint32_t)dim;
+    int64_t total = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        const aclTensor *t = live(tensors->tensors[i], SIM_TENSOR_MAGIC, def->kind.name);
+        if (t == NULL) {
+            st = ACLNN_ERR_PARAM_NULLPTR;
+            goto done;
+        }
+        sim_view v = t->view;
+        if (stack) { /* a new size-1 dim at `dim` */
+            if (v.ndim + 1 != c->out.ndim)
+                goto done;
+            memmove(&v.dims[dim + 1], &v.dims[dim], (v.ndim - dim) * sizeof(int64_t));
+            memmove(&v.strides[dim + 1], &v.strides[dim], (v.ndim - dim) * sizeof(int64_t));
+            v.dims[dim] = 1, v.strides[dim] = 0, v.ndim++;
+        }
+        /* torch.cat skips 1-D empty tensors */
+        if (v.ndim == 1 && v.dims[0] == 0 && c->out.ndim != 1)
+            v = (sim_view){.dtype = v.dtype, .ndim = c->out.ndim, .dims = {0}};
+        if (v.ndim != c->out.ndim)
+            goto done;
+        for (uint32_t k = 0; k < v.ndim; k++)
+            if (k != (uint32_t)dim && v.dims[k] != c->out.dims[k] && numel(&v) != 0)
+                goto done;
+        total += v.dims[dim];
+        c->in[i] = v;
+    }
+    if (total != c->out.dims[dim])
+        goto done;
+    *workspaceSize = 0;
+    st = simrt_CreateExecutor(&def->kind, c, sizeof *c, 0, executor);
+done:
+    free(c);
+    return st;
+}
+
+static void cat_compute(void *ctx)
+{
+    const sim_cat *c = ctx;
+    int64_t start = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        sim_op piece = {.def = &copy_def, .nin = 1, .in = {c->in[i]}, .out = c->out};
+        piece.out.dims[c->dim] = c->in[i].dims[c->dim];
+        piece.out.offset += start * c->out.strides[c->dim];
+        start += c->in[i].dims[c->dim];
+        if (numel(&c->in[i]) > 0)
+            run_elementwise(&piece);
+    }
+}
+
+void sim_cat_finish(const void *params)
+{
+    const sim_cat *c = params;
+    simrt_range ranges[SIM_CAT_MAX + 1];
+    size_t n = 0;
+    for (uint32_t i = 0; i < c->n; i++)
+        ranges[n++] = extent(&c->in[i]);
+    ranges[n++] = extent(&c->out);
+    simrt_DeviceAccess(ranges, n, c->def->kind.name, cat_compute, (void *)c);
 }

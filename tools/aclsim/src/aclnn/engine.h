@@ -7,7 +7,8 @@
  *
  * Five op shapes cover the simulated set:
  *   elementwise  out = fn(in0, in1, in2; params) with broadcasting; an input
- *                may be a constant (an aclScalar)
+ *                may be a constant (an aclScalar) or the element's index
+ *                along one of out's dims (Arange, Eye, Tril...)
  *   reduce       sum (or mean) of in0 over a set of dims into out
  *   matmul       out = beta * in2 + alpha * (in0 @ in1), batched, broadcast batch
  *   softmax      (log-)softmax of in0 along one dim
@@ -37,12 +38,14 @@ typedef struct sim_op_def {
     int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax */
 } sim_op_def;
 
+enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX };
+
 typedef struct sim_op {
     const sim_op_def *def;
     aclnnStatus error; /* first problem found while building; reported by sim_op_create */
     uint32_t nin;
     uint32_t reduce_mask;
-    uint8_t in_const[SIM_OP_MAX_INPUTS];
+    uint8_t in_kind[SIM_OP_MAX_INPUTS]; /* SIM_IN_TENSOR, SIM_IN_CONST or SIM_IN_INDEX */
     double in_value[SIM_OP_MAX_INPUTS];
     double p[SIM_OP_MAX_PARAMS];
     sim_view in[SIM_OP_MAX_INPUTS];
@@ -55,6 +58,12 @@ typedef struct sim_op {
 void sim_op_begin(sim_op *op, const sim_op_def *def);
 void sim_op_input(sim_op *op, const aclTensor *t);
 void sim_op_input_scalar(sim_op *op, const aclScalar *s);
+/* An optional tensor input: the constant `fallback` where t is NULL. */
+void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback);
+/* The element's index along out's dim `dim` (negative counts from the end). */
+void sim_op_input_index(sim_op *op, int64_t dim);
+/* Reverses in0 along the listed dims (a view with negated strides). */
+void sim_op_flip(sim_op *op, const aclIntArray *dims);
 void sim_op_param(sim_op *op, int i, double value);
 void sim_op_param_scalar(sim_op *op, int i, const aclScalar *s);
 /* As sim_op_param_scalar, `fallback` when s is NULL (an optional argument). */
@@ -73,5 +82,18 @@ void sim_op_gather(sim_op *op, int64_t dim, int embedding);
 aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor);
 
 void sim_op_finish(const void *params);
+
+/* Cat and Stack: every tensor of a list copied into its slice of out along
+ * dim (Stack: each tensor is a size-1 slice of a new dim). Their own params. */
+#define SIM_CAT_MAX 20
+typedef struct sim_cat {
+    const sim_op_def *def;
+    uint32_t n, dim;
+    sim_view out;
+    sim_view in[SIM_CAT_MAX];
+} sim_cat;
+aclnnStatus sim_cat_create(const sim_op_def *def, const aclTensorList *tensors, int64_t dim, int stack,
+                           const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor);
+void sim_cat_finish(const void *params);
 
 #endif

@@ -11,6 +11,7 @@ counted in requested bytes, as torch's trace records them.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,4 +172,5 @@ def plot_snapshot(snapshot: Snapshot, output: str | Path) -> None:
 
 def cmd_plot(args: Any) -> int:
     plot_snapshot(load(args.snapshot), args.output)
+    sys.stdout.write(f"{args.snapshot}: plot written to {args.output}\n")
     return 0

@@ -19,3 +19,20 @@ def read(p, size):
     ok(acl.rt.memcpy(acl.util.bytes_to_ptr(out), size, p, size, D2H))
     return bytes(out)
 """
+
+# For programs that must observe work while it is still queued: attempt(us)
+# queues an op lasting that long, observes, and returns whether an event
+# recorded after the op was still NOT_READY once it had observed (only then
+# were its observations made while the op was queued). A machine too slow for
+# that costs a retry with a longer op, never a failure: tests assert on
+# events, never on time.
+WHILE_QUEUED = """\
+NOT_READY, COMPLETE = (0, 0), (1, 0)        # query_event_status results
+def while_queued(attempt):
+    for retry in range(8):
+        if attempt(50_000 << retry):
+            return
+    raise AssertionError("the queued op always ended before it was observed")
+def still_queued(event):
+    return acl.rt.query_event_status(event) == NOT_READY
+"""

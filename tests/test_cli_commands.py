@@ -172,6 +172,14 @@ def test_run_preloads_into_children_and_keeps_ld_preload(tmp_path: Path) -> None
     assert done.stdout.splitlines()[2:] == ["None", "max_split_size_mb:128"]
 
 
+def test_run_conf_warnings_name_the_option(tmp_path: Path) -> None:
+    done = _run(["--conf", "max_split_size_mb:banana", "--", sys.executable, "-c",
+                 "import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)"], cli_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("npualloc: npualloc run --conf: max_split_size_mb"), done.stderr
+
+
 def test_run_passes_the_exit_code_through(tmp_path: Path) -> None:
     env = cli_env(tmp_path)
     assert _run(["--", sys.executable, "-c", "raise SystemExit(7)"], env).returncode == 7

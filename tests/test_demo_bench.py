@@ -95,6 +95,9 @@ def test_demo_program_raw_and_under_npualloc_with_live_stats():
     npa = launch.run_train_step(True, steps=4, layers=2, build=BUILD, while_paused=stats)
     (pid, code, text), = seen
     assert code == 0 and f"pid {pid}" in text and "reserved" in text and "cache hit rate" in text
+    # one definition: the runtime's count since start at the pause is what stats shows
+    device_calls = next(line for line in text.splitlines() if "device calls" in line).split()
+    assert int(device_calls[2]) == npa["raw_mallocs_since_start_mid"] > 0
     for r in (raw, npa):
         assert r["invalid_accesses"] == 0 and r["workspace_clobbers"] == 0
         assert r["steps"] == 4 and r["step_ms_median"] > 0 and r["peak_device_bytes"] > 0
@@ -108,7 +111,8 @@ def test_demo_table_and_bench_trace_row_render():
     import demo
 
     result = {"steps": 2, "step_ms_median": 2.0, "step_ms_first": 3.0, "steps_seconds": 0.01, "raw_mallocs": 5,
-              "raw_frees": 5, "raw_calls_after_first_step": 4, "peak_device_bytes": 1 << 20,
+              "raw_frees": 5, "raw_calls_after_first_step": 4, "raw_mallocs_since_start_mid": 7,
+              "peak_device_bytes": 1 << 20,
               "invalid_accesses": 0, "workspace_clobbers": 0}
     table = demo.comparison_table(result, dict(result, step_ms_median=1.0))
     assert len({len(line) for line in table}) == 1 and "2.0x faster" in "".join(table)

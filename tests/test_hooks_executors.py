@@ -102,31 +102,43 @@ def test_per_op_destroy_aborts_without_npualloc():
 
 
 # A repeatable executor destroyed while its launch is queued: npualloc waits
-# for the queued work before the destroy reaches the runtime.
+# for the queued work before the destroy reaches the runtime. An attempt
+# counts only when an event recorded after the launches was still NOT_READY
+# after the destroy (the work was queued then); a machine too slow for that
+# retries with longer ops: events decide, never time.
 REPEATABLE_IN_FLIGHT = """
-aclsim.set_op_duration_us(100000)
 buf, _ = acl.rt.malloc(1 << 16, 0)
-ex, ws = launch_fill(buf, 4096, 7, repeatable=True, times=2)
-assert ops.destroy_executor(ex) == 0
-reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor")
-assert acl.rt.synchronize_device() == 0  # the fence's events on every stream have run
-p, _ = acl.rt.malloc(512, 0)  # any later call drains the deferred destroy
-reached_later = aclsim.call_count("aclDestroyAclOpExecutor")
-emit(reached_at_once=reached_at_once, reached_later=reached_later, violations=aclsim.executor_violations(),
-     live=aclsim.executors_live())
+after, _ = acl.rt.create_event()
+for retry in range(8):
+    aclsim.set_op_duration_us(50_000 << retry)
+    ex, ws = launch_fill(buf, 4096, 7, repeatable=True, times=2)
+    assert acl.rt.record_event(after, stream) == 0
+    before = aclsim.call_count("aclDestroyAclOpExecutor")
+    violations_before = aclsim.executor_violations()
+    assert ops.destroy_executor(ex) == 0
+    reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
+    queued = acl.rt.query_event_status(after) == (0, 0)
+    assert acl.rt.synchronize_device() == 0  # the fence's events on every stream have run
+    p, _ = acl.rt.malloc(512, 0)  # any later call drains the deferred destroy
+    reached_later = aclsim.call_count("aclDestroyAclOpExecutor") - before
+    violations = aclsim.executor_violations() - violations_before
+    if queued:
+        break
+emit(queued=queued, reached_at_once=reached_at_once, reached_later=reached_later,
+     violations=violations, live=aclsim.executors_live())
 """
 
 
 def test_repeatable_destroy_waits_for_queued_work():
     out, proc = run(REPEATABLE_IN_FLIGHT, preload_env())
     assert proc.returncode == 0, proc.stderr
-    assert out == {"reached_at_once": 0, "reached_later": 1, "violations": 0, "live": 0}
+    assert out == {"queued": True, "reached_at_once": 0, "reached_later": 1, "violations": 0, "live": 0}
 
 
 def test_repeatable_destroy_in_flight_is_a_violation_without_npualloc():
     out, proc = run(REPEATABLE_IN_FLIGHT, sim_env())
     assert proc.returncode == 0, proc.stderr
-    assert out["violations"] == 1 and out["reached_at_once"] == 1
+    assert out["queued"] and out["violations"] == 1 and out["reached_at_once"] == 1
 
 
 def test_deferred_destroys_are_forwarded_at_exit_without_finalize():
@@ -134,11 +146,18 @@ def test_deferred_destroys_are_forwarded_at_exit_without_finalize():
     for it before forwarding the destroy, so the simulator reports no
     destroy-while-queued violation (it would on stderr) and nothing hangs."""
     out, proc = run("""
-aclsim.set_op_duration_us(50000)
 buf, _ = acl.rt.malloc(1 << 16, 0)
-ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
-assert ops.destroy_executor(ex) == 0
-emit(reached=aclsim.call_count("aclDestroyAclOpExecutor"))
+after, _ = acl.rt.create_event()
+for retry in range(8):  # until the launch is seen still queued after its destroy
+    aclsim.set_op_duration_us(50_000 << retry)
+    before = aclsim.call_count("aclDestroyAclOpExecutor")
+    ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+    assert acl.rt.record_event(after, stream) == 0
+    assert ops.destroy_executor(ex) == 0
+    reached = aclsim.call_count("aclDestroyAclOpExecutor") - before
+    if acl.rt.query_event_status(after) == (0, 0):
+        break
+emit(reached=reached)
 """, preload_env())
     assert proc.returncode == 0 and out == {"reached": 0}
     assert proc.stderr == ""

@@ -7,9 +7,9 @@ import signal
 import textwrap
 
 from conftest import run_python, sim_env
-from sim_programs import DEVICE_BUFFERS
+from sim_programs import DEVICE_BUFFERS, WHILE_QUEUED
 
-PRELUDE = "import time\n" + DEVICE_BUFFERS + """\
+PRELUDE = "import time\n" + DEVICE_BUFFERS + WHILE_QUEUED + """\
 WS = ops.WORKSPACE_BYTES
 """
 
@@ -71,15 +71,23 @@ def test_repeatable_executor_lifecycle():
 
 def test_destroying_a_repeatable_executor_with_queued_work_is_a_violation():
     proc = sim("""
-        dst, ws = dev(64), dev(WS)
-        aclsim.set_op_duration_us(80_000)
-        n, ex, st = ops.fill_get_workspace_size(dst, 64, 5); ok(st)
-        ok(ops.set_repeatable(ex))
-        ok(ops.fill(ws, n, ex, 0))
-        ok(ops.destroy_executor(ex))                            # the launch is still queued
-        assert aclsim.executor_violations() == 1
-        ok(acl.rt.synchronize_stream(0))
-        assert read(dst, 64) == b"\\x05" * 64                    # the queued launch still ran
+        after, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            dst, ws = dev(64), dev(WS)
+            aclsim.set_op_duration_us(duration_us)
+            n, ex, st = ops.fill_get_workspace_size(dst, 64, 5); ok(st)
+            ok(ops.set_repeatable(ex))
+            ok(ops.fill(ws, n, ex, 0))
+            ok(acl.rt.record_event(after, 0))
+            before = aclsim.executor_violations()
+            ok(ops.destroy_executor(ex))                        # the launch is still queued...
+            queued = still_queued(after)                        # ...if this holds
+            if queued:
+                assert aclsim.executor_violations() == before + 1
+            ok(acl.rt.synchronize_stream(0))
+            assert read(dst, 64) == b"\\x05" * 64              # the queued launch still ran
+            return queued
+        while_queued(attempt)
     """)
     assert "aclsim: aclDestroyAclOpExecutor(" in proc.stderr
 
@@ -99,46 +107,69 @@ def test_launch_errors():
 
 def test_op_reading_a_freed_source_is_detected():
     proc = sim("""
-        src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
-        aclsim.set_op_duration_us(80_000)
-        n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
-        ok(ops.copy(ws, n, ex, 0))
-        ok(acl.rt.free(src))                                    # the op still needs it
-        ok(acl.rt.synchronize_stream(0))
-        assert aclsim.invalid_accesses() == 1
-        assert read(dst, 2048) == b"\\xdb" * 2048                # poison, not the data
+        after, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
+            aclsim.set_op_duration_us(duration_us)
+            n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
+            ok(ops.copy(ws, n, ex, 0))
+            ok(acl.rt.record_event(after, 0))
+            before = aclsim.invalid_accesses()
+            ok(acl.rt.free(src))                                # the op still needs it...
+            queued = still_queued(after)                        # ...if this holds
+            ok(acl.rt.synchronize_stream(0))
+            if queued:
+                assert aclsim.invalid_accesses() == before + 1
+                assert read(dst, 2048) == b"\\xdb" * 2048      # poison, not the data
+            return queued
+        while_queued(attempt)
     """)
     assert "aclsim: invalid device access by aclnnSimCopy" in proc.stderr
 
 
 def test_source_freed_and_reused_during_an_op_corrupts_its_output():
     sim("""
-        src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
-        aclsim.set_op_duration_us(80_000)
-        n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
-        ok(ops.copy(ws, n, ex, 0))
-        ok(acl.rt.free(src))
-        again = dev(2048, 0x22)                                 # the runtime hands the address out again
-        assert again == src
-        ok(acl.rt.synchronize_stream(0))
-        assert read(dst, 2048) == b"\\x22" * 2048                # someone else's data
-        assert aclsim.invalid_accesses() == 0                   # invisible to checks, as on hardware
+        after, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
+            aclsim.set_op_duration_us(duration_us)
+            n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
+            ok(ops.copy(ws, n, ex, 0))
+            ok(acl.rt.record_event(after, 0))
+            before = aclsim.invalid_accesses()
+            ok(acl.rt.free(src))
+            again = dev(2048, 0x22)                             # the runtime hands the address out again
+            assert again == src
+            queued = still_queued(after)
+            ok(acl.rt.synchronize_stream(0))
+            if queued:
+                assert read(dst, 2048) == b"\\x22" * 2048      # someone else's data
+            assert aclsim.invalid_accesses() == before          # invisible to checks, as on hardware
+            return queued
+        while_queued(attempt)
     """)
 
 
 def test_workspace_reused_during_an_op_is_detected():
     proc = sim("""
-        dst, ws = dev(64), dev(WS)
-        aclsim.set_op_duration_us(80_000)
-        n, ex, st = ops.fill_get_workspace_size(dst, 64, 3); ok(st)
-        ok(ops.fill(ws, n, ex, 0))
-        deadline = time.monotonic() + 5
-        while read(ws, 8) == bytes(8) and time.monotonic() < deadline:
-            time.sleep(0.001)                                   # until the op has stamped it
-        ok(acl.rt.free(ws))
-        assert dev(WS, 0) == ws                                 # reused and overwritten
-        ok(acl.rt.synchronize_stream(0))
-        assert aclsim.workspace_clobbers() == 1
+        after, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            dst, ws = dev(64), dev(WS)
+            aclsim.set_op_duration_us(duration_us)
+            n, ex, st = ops.fill_get_workspace_size(dst, 64, 3); ok(st)
+            ok(ops.fill(ws, n, ex, 0))
+            ok(acl.rt.record_event(after, 0))
+            while read(ws, 8) == bytes(8):
+                time.sleep(0.001)                               # until the op has stamped it
+            before = aclsim.workspace_clobbers()
+            ok(acl.rt.free(ws))
+            assert dev(WS, 0) == ws                             # reused and overwritten...
+            queued = still_queued(after)                        # ...while the op ran, if this holds
+            ok(acl.rt.synchronize_stream(0))
+            if queued:
+                assert aclsim.workspace_clobbers() == before + 1
+            return queued
+        while_queued(attempt)
     """)
     assert "aclnnSimFill: workspace" in proc.stderr
 

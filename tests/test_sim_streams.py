@@ -6,24 +6,13 @@ from __future__ import annotations
 import textwrap
 
 from conftest import run_python, sim_env
-from sim_programs import DEVICE_BUFFERS
+from sim_programs import DEVICE_BUFFERS, WHILE_QUEUED
 
-PRELUDE = DEVICE_BUFFERS + """\
+PRELUDE = DEVICE_BUFFERS + WHILE_QUEUED + """\
 def fill(dst, size, value, stream=0, ws=None):
     ws = ws or dev(ops.WORKSPACE_BYTES)
     n, ex, st = ops.fill_get_workspace_size(dst, size, value); ok(st)
     ok(ops.fill(ws, n, ex, stream))
-NOT_READY, COMPLETE = (0, 0), (1, 0)        # query_event_status results
-def while_queued(attempt):
-    # attempt(duration_us) queues an op of that duration, observes, and
-    # returns whether an event recorded after the op was still NOT_READY once
-    # it had observed: only then were its observations made while the op was
-    # queued. A machine too slow for that costs a retry with a longer op,
-    # never a failure: the test asserts on events, not on time.
-    for retry in range(8):
-        if attempt(50_000 << retry):
-            return
-    raise AssertionError("the queued op always ended before it was observed")
 """
 
 
@@ -43,7 +32,7 @@ def test_fill_then_copy_run_in_order_and_asynchronously():
             ok(acl.rt.record_event(after_fill, stream))
             ok(acl.rt.memcpy_async(b, 4096, a, 4096, D2D, stream))
             early = read(b, 4096)
-            queued = acl.rt.query_event_status(after_fill) == NOT_READY   # enqueueing did not wait for the fill
+            queued = still_queued(after_fill)                          # enqueueing did not wait for the fill
             ok(acl.rt.synchronize_stream(stream))
             assert acl.rt.query_event_status(after_fill) == COMPLETE     # the synchronize waited for it
             assert read(b, 4096) == b"\\x5a" * 4096                      # the copy waited for the fill
@@ -65,7 +54,7 @@ def test_event_status_polarity():
             fill(dev(64), 64, 1)
             ok(acl.rt.record_event(ev, 0))
             status, old_enum = acl.rt.query_event_status(ev), acl.rt.query_event(ev)
-            queued = acl.rt.query_event_status(ev) == NOT_READY  # so both queries above saw it not ready
+            queued = still_queued(ev)                            # so both queries above saw it not ready
             if queued:
                 assert status == NOT_READY                       # NOT_READY (=0)
                 assert old_enum == (1, 0)                        # old enum: NOT_READY is 1
@@ -122,7 +111,7 @@ def test_async_copy_checks_memory_when_it_executes():
             ok(acl.rt.memcpy_async(b, 512, a, 512, D2D, 0))     # a is live when queued...
             ok(acl.rt.free(a))                                  # ...and freed before the copy runs
             early = aclsim.invalid_accesses() - before
-            queued = acl.rt.query_event_status(busy) == NOT_READY
+            queued = still_queued(busy)
             if queued:
                 assert early == 0                                # not checked at enqueue time
             ok(acl.rt.synchronize_stream(0))

@@ -182,7 +182,8 @@ def test_plot_writes_a_png(remote_snapshot, tmp_path: Path) -> None:
     output, _, _ = remote_snapshot
     png = tmp_path / "snap.png"
     done = run_cli(["plot", str(output), "-o", str(png)], tmp_path)
-    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done.stderr
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == f"{output}: plot written to {png}\n"
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])

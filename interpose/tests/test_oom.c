@@ -10,21 +10,14 @@
 #include "fake_backend.h"
 #include "test_util.h"
 
-/* Runs a malloc with stderr redirected into out (the report line). */
+/* Runs a malloc with stderr captured into out (the report line). */
 static npa_error malloc_capturing_stderr(fixture *fx, size_t size, char *out, size_t out_len) {
-    fflush(stderr);
-    FILE *tmp = tmpfile();
-    int saved = dup(STDERR_FILENO);
-    dup2(fileno(tmp), STDERR_FILENO);
+    stderr_capture capture;
+    stderr_capture_begin(&capture);
     void *p = (void *)1;
     npa_error err = npa_malloc(fx->a, 0, size, NPA_ENTRY_EXACT, &p);
-    dup2(saved, STDERR_FILENO);
-    close(saved);
+    stderr_capture_end(&capture, out, out_len);
     CHECK(err == NPA_OK || p == NULL);
-    rewind(tmp);
-    size_t n = fread(out, 1, out_len - 1, tmp);
-    out[n] = '\0';
-    fclose(tmp);
     return err;
 }
 

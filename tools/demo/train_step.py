@@ -99,12 +99,16 @@ def malloc(nbytes: int) -> int:
 
 
 def raw_calls() -> tuple[int, int]:
-    """Device mallocs and frees that reached the runtime (npualloc's own included)."""
+    """Device mallocs and frees that reached the runtime since the process
+    started (npualloc's own included): the same count as npualloc's
+    num_device_alloc / num_device_free."""
     return aclsim.call_count("aclrtMalloc"), aclsim.call_count("aclrtFree")
 
 
-def step(ops: Ops, params: list[int], seq_len: int, peak: list[int], pause: bool) -> float:
-    """One training step; returns the seconds spent paused in it."""
+def step(ops: Ops, params: list[int], seq_len: int, peak: list[int], pause: bool, mid: list[tuple[int, int]]
+         ) -> float:
+    """One training step; returns the seconds spent paused in it. With mid,
+    the runtime's call counts after the forward pass are appended to it."""
     act = BATCH * seq_len * D_MODEL * FP16
     saved = []
     for layer in range(len(params)):       # forward: MLP up (4x wide), then down
@@ -117,6 +121,8 @@ def step(ops: Ops, params: list[int], seq_len: int, peak: list[int], pause: bool
     peak[0] = max(peak[0], aclsim.bytes_outstanding(0))
     ops.synchronize_and_free()             # the loss is read on the host
     paused = 0.0
+    if mid is not None:
+        mid.append(raw_calls())
     if pause:
         started = time.perf_counter()
         print(f"ready {os.getpid()}", flush=True)
@@ -154,10 +160,13 @@ def main() -> int:
     peak = [0]
     step_seconds = []
     calls_before = raw_calls()
+    calls_mid: list[tuple[int, int]] = []
     calls_after_first_step = calls_before
     for n in range(args.steps):
         started = time.perf_counter()
-        paused = step(ops, params, SEQ_LENS[n % len(SEQ_LENS)], peak, n == args.pause_at)
+        mid_step = args.pause_at if args.pause_at is not None else args.steps // 2
+        paused = step(ops, params, SEQ_LENS[n % len(SEQ_LENS)], peak, n == args.pause_at,
+                      calls_mid if n == mid_step else None)
         step_seconds.append(time.perf_counter() - started - paused)
         if n == 0:
             calls_after_first_step = raw_calls()
@@ -179,6 +188,8 @@ def main() -> int:
         "raw_mallocs": calls_end[0] - calls_before[0],
         "raw_frees": calls_end[1] - calls_before[1],
         "raw_calls_after_first_step": sum(calls_end) - sum(calls_after_first_step),
+        # Since the process started, at the forward end of the pause step (steps // 2 without one).
+        "raw_mallocs_since_start_mid": calls_mid[0][0],
         "peak_device_bytes": peak[0],
         "invalid_accesses": aclsim.invalid_accesses(),
         "workspace_clobbers": aclsim.workspace_clobbers(),

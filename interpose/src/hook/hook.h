@@ -21,21 +21,24 @@
  *   3. command lock (region.c g_command_lock): one thread applies another
  *      process's command; under it empty_cache, resets and snapshots take
  *      the device locks one at a time (5), and the config text (8).
+ *      A pause (pause.c, core pausable.c) takes 4 and then every device
+ *      lock (5) in ascending order and holds them until its resume.
  *      Never nested with 1 or 2.
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it.
  *   5. a device lock (core internal.h npa_device.lock): one device at a
- *      time, never two. Under it the core calls the backend: raw
+ *      time, never two (except a pause: all, ascending, under 4). Under it the core calls the backend: raw
  *      malloc/free, synchronize, mem info, VMM calls (the runtime), and
  *      fences, which take
  *   6. that device's stream lock (streams.c dev_streams.lock), held across
  *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
  *      synchronize. Only fork_prepare holds several, in ascending order.
+ *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
+ *      or free of one and by pause/resume, with none of 1-6 held; under it
+ *      the runtime (VMM calls, copies, synchronize), a first lookup of a
+ *      runtime function (7) and warn (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
- *   7b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
- *      or free of one and by pause/resume, with none of 1-7 held; under it
- *      only the runtime (VMM calls, copies, synchronize) and warn (8).
  *   8. leaves, which take nothing: the region's create lock (region.c
  *      g_create_lock) and warn.c's seen_lock.
  * The runtime's own locks come after all of ours: it is called with 5 and 6

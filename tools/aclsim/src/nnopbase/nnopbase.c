@@ -119,3 +119,25 @@ EXPORT aclnnStatus aclDestroyBoolArray(const aclBoolArray *array)
 {
     return destroy_desc(array, SIM_BOOLARRAY_MAGIC, "aclDestroyBoolArray");
 }
+
+EXPORT aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size)
+{
+    if (value == NULL && size > 0)
+        return NULL;
+    aclTensorList *list = calloc(1, sizeof *list + size * sizeof(aclTensor *));
+    if (list == NULL)
+        return NULL;
+    list->magic = SIM_TENSORLIST_MAGIC;
+    list->size = size;
+    for (uint64_t i = 0; i < size; i++)
+        list->tensors[i] = (aclTensor *)value[i];
+    return list;
+}
+
+EXPORT aclnnStatus aclDestroyTensorList(const aclTensorList *array)
+{
+    if (array != NULL && array->magic == SIM_TENSORLIST_MAGIC)
+        for (uint64_t i = 0; i < array->size; i++)
+            aclDestroyTensor(array->tensors[i]);
+    return destroy_desc(array, SIM_TENSORLIST_MAGIC, "aclDestroyTensorList");
+}

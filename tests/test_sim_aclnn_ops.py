@@ -457,3 +457,26 @@ def test_cat_and_stack_from_a_tensor_list():
         assert (out.numpy() == np.stack([a, 2 * a], axis=1)).all()
         assert phase1_status("Cat", tensor_list([tensor(a), tensor(b)]), c_int64(0), out) == 161002
     """)
+
+
+def test_scans_lerp_and_prelu():
+    sim("""
+        a = (rng.random((3, 4)) + 0.5).astype(np.float32)
+        x = a.astype(np.float64)
+        At = T(dev_array(np.ascontiguousarray(a.T)), (3, 4), (1, 3), np.float32)   # strided
+        out = empty((3, 4), np.float32)
+        assert call("Cumsum", At, c_int64(1), c_int32(0), out) > 0
+        close(out.numpy(), np.cumsum(x, axis=1), np.float32)
+        out = empty((3, 4), np.float32)
+        call("Cumprod", At, scalar(0, np.int64), c_int32(0), out)
+        close(out.numpy(), np.cumprod(x, axis=0), np.float32)
+        b = rng.standard_normal((3, 4)).astype(np.float32)
+        out = empty((3, 4), np.float32)
+        call("Lerps", tensor(a), tensor(b), scalar(0.25), out)
+        close(out.numpy(), x + 0.25 * (b - x), np.float32)
+        img = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
+        w = np.array([0.1, 0.2, 0.3], np.float32)
+        out = empty((2, 3, 2, 2), np.float32)
+        call("Prelu", tensor(img), tensor(w), out)
+        close(out.numpy(), np.where(img > 0, img, w[None, :, None, None] * img), np.float32)
+    """)

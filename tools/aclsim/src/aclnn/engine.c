@@ -72,6 +72,18 @@ void sim_op_input_index(sim_op *op, int64_t dim)
     op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
 }
 
+void sim_op_channel_input(sim_op *op, uint32_t i)
+{
+    sim_view *v = &op->in[i];
+    if (op->error != ACLNN_SUCCESS || op->out.ndim < 2)
+        return;
+    if (v->ndim != 1)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t k = 1; k < op->out.ndim - 1; k++)
+        v->dims[k] = 1, v->strides[k] = 0;
+    v->ndim = op->out.ndim - 1;
+}
+
 void sim_op_flip(sim_op *op, const aclIntArray *dims)
 {
     if (op->nin != 1 || live(dims, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL)
@@ -279,6 +291,7 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     case SIM_SOFTMAX:
+    case SIM_SCAN:
         st = op->in[0].ndim == op->out.ndim && memcmp(op->in[0].dims, op->out.dims, op->out.ndim * sizeof(int64_t)) == 0
                  ? ACLNN_SUCCESS : ACLNN_ERR_PARAM_INVALID;
         ws = SIM_OP_SCRATCH_WORKSPACE;
@@ -442,31 +455,52 @@ static void run_matmul(const sim_op *op)
     }
 }
 
-/* Along one dim: out = exp(x - max) / sum, or its log. */
-static void run_softmax(const sim_op *op)
+/* Calls row(op, in_base, out_base) for every line of in0 (and of out, same
+ * dims) along dim p[0]; a line's elements are strides[dim] apart. */
+static void for_each_line(const sim_op *op, void (*line)(const sim_op *op, int64_t in_base, int64_t out_base))
 {
     const sim_view *in = &op->in[0], *out = &op->out;
     uint32_t dim = (uint32_t)op->p[0];
-    int64_t rows_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
-    memcpy(rows_dims, in->dims, sizeof rows_dims);
-    rows_dims[dim] = 1;
+    int64_t line_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    memcpy(line_dims, in->dims, sizeof line_dims);
+    line_dims[dim] = 1;
     memcpy(strides[0], in->strides, sizeof strides[0]);
     memcpy(strides[1], out->strides, sizeof strides[1]);
-    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
-    int64_t rows = numel(in) / (n > 0 ? n : 1);
+    int64_t n = in->dims[dim];
     walker w;
-    walk_start(&w, in->ndim, rows_dims, 2, strides);
-    for (int64_t r = n > 0 ? rows : 0; r > 0; r--, walk_next(&w)) {
-        double max = -INFINITY, sum = 0;
-        for (int64_t i = 0; i < n; i++)
-            max = fmax(max, sim_load(in->dtype, element(in, w.offs[0] + i * si)));
-        for (int64_t i = 0; i < n; i++)
-            sum += exp(sim_load(in->dtype, element(in, w.offs[0] + i * si)) - max);
-        for (int64_t i = 0; i < n; i++) {
-            double shifted = sim_load(in->dtype, element(in, w.offs[0] + i * si)) - max;
-            sim_store(out->dtype, element(out, w.offs[1] + i * so),
-                      op->def->variant ? shifted - log(sum) : exp(shifted) / sum);
-        }
+    walk_start(&w, in->ndim, line_dims, 2, strides);
+    for (int64_t r = n > 0 ? numel(in) / n : 0; r > 0; r--, walk_next(&w))
+        line(op, w.offs[0], w.offs[1]);
+}
+
+/* out = exp(x - max) / sum along the line, or its log */
+static void softmax_line(const sim_op *op, int64_t ib, int64_t ob)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    double max = -INFINITY, sum = 0;
+    for (int64_t i = 0; i < n; i++)
+        max = fmax(max, sim_load(in->dtype, element(in, ib + i * si)));
+    for (int64_t i = 0; i < n; i++)
+        sum += exp(sim_load(in->dtype, element(in, ib + i * si)) - max);
+    for (int64_t i = 0; i < n; i++) {
+        double shifted = sim_load(in->dtype, element(in, ib + i * si)) - max;
+        sim_store(out->dtype, element(out, ob + i * so), op->def->variant ? shifted - log(sum) : exp(shifted) / sum);
+    }
+}
+
+/* running sum (or product) along the line */
+static void scan_line(const sim_op *op, int64_t ib, int64_t ob)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    double acc = op->def->variant ? 1 : 0;
+    for (int64_t i = 0; i < n; i++) {
+        double v = sim_load(in->dtype, element(in, ib + i * si));
+        acc = op->def->variant ? acc * v : acc + v;
+        sim_store(out->dtype, element(out, ob + i * so), acc);
     }
 }
 
@@ -504,7 +538,8 @@ static void compute(void *ctx)
     case SIM_ELEMENTWISE: run_elementwise(op); break;
     case SIM_REDUCE: run_reduce(op); break;
     case SIM_MATMUL: run_matmul(op); break;
-    case SIM_SOFTMAX: run_softmax(op); break;
+    case SIM_SOFTMAX: for_each_line(op, softmax_line); break;
+    case SIM_SCAN: for_each_line(op, scan_line); break;
     case SIM_GATHER: run_gather(op); break;
     }
 }

@@ -12,6 +12,7 @@
  *   reduce       sum (or mean) of in0 over a set of dims into out
  *   matmul       out = beta * in2 + alpha * (in0 @ in1), batched, broadcast batch
  *   softmax      (log-)softmax of in0 along one dim
+ *   scan         cumulative sum (or product) of in0 along one dim
  *   gather       out[i] = in0 at walk.i + in1[i] * stride of the indexed dim
  *                (Gather, Embedding: in1 is an integer index tensor)
  */
@@ -26,7 +27,7 @@
 /* Workspace the sim asks for where real CANN asks for one (reductions, matmul). */
 #define SIM_OP_SCRATCH_WORKSPACE 1024u
 
-enum sim_op_shape { SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_GATHER };
+enum sim_op_shape { SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER };
 
 /* x: the inputs of one element, p: the op's parameters (alpha, threshold...). */
 typedef double (*sim_elem_fn)(const double *x, const double *p);
@@ -35,7 +36,7 @@ typedef struct sim_op_def {
     simrt_op_kind kind; /* first: the executor hands finish() the sim_op, whose first field points here */
     enum sim_op_shape shape;
     sim_elem_fn fn;     /* elementwise only */
-    int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax */
+    int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax; scan: 1 = product */
 } sim_op_def;
 
 enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX };
@@ -62,6 +63,8 @@ void sim_op_input_scalar(sim_op *op, const aclScalar *s);
 void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback);
 /* The element's index along out's dim `dim` (negative counts from the end). */
 void sim_op_input_index(sim_op *op, int64_t dim);
+/* Input i, a 1-D per-channel tensor, broadcasts along out's dim 1 (NCHW's C). */
+void sim_op_channel_input(sim_op *op, uint32_t i);
 /* Reverses in0 along the listed dims (a view with negated strides). */
 void sim_op_flip(sim_op *op, const aclIntArray *dims);
 void sim_op_param(sim_op *op, int i, double value);
@@ -72,7 +75,7 @@ void sim_op_output(sim_op *op, const aclTensor *t);
 /* Reduce only: which dims of in0 are reduced (none given = all) and whether
  * out keeps them as size-1 dims. */
 void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim);
-/* Softmax only: the dim (negative counts from the end). */
+/* Softmax and scan: the dim (negative counts from the end). */
 void sim_op_softmax_dim(sim_op *op, int64_t dim);
 /* Gather only, after the inputs and output: out[i] reads in0 with index dim
  * `dim` replaced by in1's value. Embedding: in0 a [rows, cols] table and out

@@ -52,10 +52,14 @@ test:
 # What `pip install .` ships (setup.py runs this): the preload library and
 # headers, the trace replayer, and the simulated runtime the replayer drives,
 # so `python -m npualloc replay` works on a machine with no checkout and no NPU.
-PACKAGE_SIM := npualloc/sim/lib64
-package: lib replay $(SIM_IMPL) $(SIM_FRONTS)
-	@mkdir -p $(PACKAGE_SIM)
-	cp $(SIM_IMPL) $(SIM_FRONTS) $(PACKAGE_SIM)/
+# The `acl` module goes to sim/python/, on no sys.path until `npualloc run
+# --sim` puts it on PYTHONPATH (npualloc/simulator.py): never where it could
+# shadow a real pyACL.
+PACKAGE_SIM := npualloc/sim
+package: lib replay $(SIM_IMPL) $(SIM_FRONTS) $(SIM_PYACL)
+	@mkdir -p $(PACKAGE_SIM)/lib64 $(PACKAGE_SIM)/python
+	cp $(SIM_IMPL) $(SIM_FRONTS) $(PACKAGE_SIM)/lib64/
+	cp $(SIM_PYACL) $(PACKAGE_SIM)/python/
 
 demo: all $(VENV_RUNTIME)
 	$(VENV)/bin/python tools/demo.py

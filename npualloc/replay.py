@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import simulator
 from .errors import NpuallocError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-CHECKOUT_BUILD = PACKAGE_DIR.parent / "build"
 
 # tools/replay/replay_format.h
 EVENT_FILE_MAGIC = b"NPAREPLY"
@@ -196,17 +196,15 @@ def find_toolchain(build: str | None, runtime: str | None) -> Toolchain:
         replayer, library = PACKAGE_DIR / "lib" / "npualloc-replay", PACKAGE_DIR / "lib" / "libnpualloc.so"
         # A checkout's build tree before the package's copy, which is only as
         # fresh as the last `make package`.
-        runtime_dirs = [runtime] if runtime else [os.environ.get("ASCEND_HOME_PATH"), CHECKOUT_BUILD / "aclsim",
-                                                  PACKAGE_DIR / "sim"]
+        runtime_dirs = [runtime] if runtime else [os.environ.get("ASCEND_HOME_PATH"), simulator.CHECKOUT_HOME,
+                                                  simulator.PACKAGED_HOME]
     for path in (replayer, library):
         if not path.is_file():
             raise ReplayError(f"{path} is missing: build it with `make all`")
     for directory in filter(None, runtime_dirs):
-        lib64 = Path(directory) / "lib64"
-        # The simulator's implementation library tells it from real CANN,
-        # whose HBM size no environment variable can change.
-        if (lib64 / "libascendcl.so").is_file() and (lib64 / "libaclsim.so").is_file():
-            return Toolchain(replayer, library, lib64)
+        # Not a real CANN install: its HBM size no environment variable can change.
+        if simulator.is_simulator(Path(directory)):
+            return Toolchain(replayer, library, Path(directory) / "lib64")
     tried = ", ".join(str(d) for d in filter(None, runtime_dirs)) or "nothing (ASCEND_HOME_PATH unset)"
     raise ReplayError(f"no simulated runtime found (tried {tried}): build it with `make sim`, "
                       "or name it with --runtime DIR or ASCEND_HOME_PATH")
@@ -214,10 +212,8 @@ def find_toolchain(build: str | None, runtime: str | None) -> Toolchain:
 
 def replay_env(tools: Toolchain, hbm_bytes: int, conf: str | None, preload: bool,
                sim_latency: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NPUSIM_") and k != "LD_PRELOAD"}
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(tools.runtime_lib64),
-                                                           env.get("LD_LIBRARY_PATH", "")]))
-    env["ASCEND_HOME_PATH"] = str(tools.runtime_lib64.parent)
+    env = simulator.simulated_env(tools.runtime_lib64.parent, {
+        k: v for k, v in os.environ.items() if not k.startswith("NPUSIM_") and k != "LD_PRELOAD"})
     env["NPUSIM_HBM_MB"] = str(hbm_bytes // MIB)
     if not sim_latency:
         env["NPUSIM_MALLOC_US"] = "0"

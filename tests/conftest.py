@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from npualloc.simulator import simulated_env
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = Path(os.environ.get("NPUALLOC_TEST_BUILD", ROOT / "build"))
 SIM_LIB = BUILD / "aclsim" / "lib64"
@@ -45,9 +47,8 @@ def sim_env(**extra: str) -> dict[str, str]:
     for key in ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
                 "PYTORCH_NO_CUDA_MEMORY_CACHING"):
         env.pop(key, None)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(SIM_LIB), env.get("LD_LIBRARY_PATH", "")]))
-    env["PYTHONPATH"] = os.pathsep.join([str(SIM_PY), str(ROOT), str(ROOT / "tools")])
-    env["ASCEND_HOME_PATH"] = str(BUILD / "aclsim")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools")])
+    env = simulated_env(BUILD / "aclsim", env)
     env["NPUSIM_MALLOC_US"] = "0"
     env["NPUSIM_FREE_US"] = "0"
     env["PYTHONUNBUFFERED"] = "1"

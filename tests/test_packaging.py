@@ -1,6 +1,7 @@
 """`pip install .` builds libnpualloc.so on the installing machine and ships
 it, with the headers cffi reads, the trace replayer and the simulated runtime
-it drives, inside the package."""
+it drives, inside the package; `npualloc run --sim` runs a pyACL script on
+that simulator with no checkout and no NPU."""
 import json
 import os
 import subprocess
@@ -32,3 +33,20 @@ def test_pip_install_ships_a_working_library(tmp_path):
     assert replay.returncode == 0, replay.stderr
     result = json.loads(replay.stdout)
     assert result["fits"] and result["replay"]["events"] == 12 and result["replay"]["raw_mallocs"] == 3
+
+    # No NPU: one command runs a pyACL script under npualloc on the shipped simulator.
+    script = tmp_path / "script.py"
+    script.write_text("import acl, npualloc\n"
+                      "assert acl.init() == 0 and acl.rt.set_device(0) == 0\n"
+                      "ptr, ret = acl.rt.malloc(1 << 20, 0)\n"
+                      "print(acl.__file__, ret, npualloc.memory_allocated())\n")
+    sim = subprocess.run([sys.executable, "-m", "npualloc", "run", "--sim", "--", sys.executable, str(script)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert sim.returncode == 0 and sim.stderr == "", sim.stderr
+    module, ret, allocated = sim.stdout.split()
+    assert module.startswith(str(target / "npualloc" / "sim" / "python" / "acl")), module
+    assert ret == "0" and int(allocated) >= 1 << 20  # served by the preloaded npualloc
+    # ... and only with --sim: the package puts no `acl` where a real pyACL would be shadowed.
+    assert not list(target.glob("acl*"))
+    plain = subprocess.run([sys.executable, "-c", "import acl"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert plain.returncode == 1 and "No module named 'acl'" in plain.stderr

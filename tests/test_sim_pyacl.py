@@ -108,3 +108,54 @@ def test_numpy_helpers_share_memory_and_round_trip_through_the_device():
                 raise AssertionError(f"accepted {bad}")
         assert acl.rt.free(dev) == 0
     """, sim_env())
+
+
+# What MindTorch v2's NPU runtime calls beyond the basics: contexts, pinned
+# host memory, the SoC name, the op model dir, flagged events and configured
+# streams, with pyACL's shapes, and errors where the real runtime errors.
+MINDTORCH_CALLS = """
+import os, acl, aclsim
+assert acl.get_soc_name() is None                           # no name before aclInit
+assert acl.rt.malloc_host(64)[1] == 100001
+assert acl.init() == 0
+assert acl.get_soc_name() == "Ascend910B3"
+ctx, ret = acl.rt.create_context(0); assert type(ctx) is int and ctx and ret == 0
+assert acl.rt.get_device() == (0, 0)                         # creating a context makes it current
+assert acl.rt.create_context(99)[1] == 107001
+ptr, ret = acl.rt.malloc(256, 0); assert ret == 0            # device calls work in the context
+assert acl.rt.free(ptr) == 0
+host, ret = acl.rt.malloc_host(4096); assert type(host) is int and host and ret == 0
+acl.util.ptr_to_bytes(host, 16)                              # host memory, readable
+assert acl.rt.free_host(host) == 0
+assert acl.rt.free_host(0) == 100000
+assert acl.rt.malloc_host(0)[1] == 100000
+stream, ret = acl.rt.create_stream_with_config(5, 0); assert stream and ret == 0
+e1, ret = acl.rt.create_event_with_flag(1); assert e1 and ret == 0
+e2, ret = acl.rt.create_event_ex_with_flag(1); assert e2 and ret == 0
+assert acl.rt.event_elapsed_time(e1, e2)[1] == 107000        # never recorded
+assert acl.rt.record_event(e1, stream) == 0
+assert acl.rt.record_event(e2, stream) == 0
+assert acl.rt.synchronize_stream(stream) == 0
+ms, ret = acl.rt.event_elapsed_time(e1, e2)
+assert type(ms) is float and ms >= 0.0 and ret == 0
+assert acl.op.set_model_dir("/nonexistent/opp") == 100000
+assert acl.op.set_model_dir(os.getcwd()) == 0
+assert acl.op.set_model_dir(os.getcwd()) == 100002           # once per process
+# a second context on another device, then back: set_context switches devices
+ctx1, ret = acl.rt.create_context(1); assert ret == 0 and acl.rt.get_device() == (1, 0)
+assert acl.rt.set_context(ctx) == 0 and acl.rt.get_device() == (0, 0)
+assert acl.rt.destroy_context(ctx1) == 0
+assert acl.rt.set_context(ctx1) == 107000                    # destroyed handle
+assert acl.rt.destroy_context(ctx1) == 107000
+for call in (lambda: acl.rt.destroy_event(e1), lambda: acl.rt.destroy_event(e2),
+             lambda: acl.rt.destroy_stream(stream), lambda: acl.rt.destroy_context(ctx)):
+    assert call() == 0
+assert acl.rt.get_device()[1] == 107002                      # the last reference went with the context
+for api in ("aclrtCreateContext", "aclrtMallocHost", "aclrtEventElapsedTime", "aclopSetModelDir"):
+    assert aclsim.call_count(api) > 0, api
+assert acl.finalize() == 0
+"""
+
+
+def test_pyacl_calls_mindtorch_makes():
+    run_python(MINDTORCH_CALLS, sim_env())

@@ -141,10 +141,29 @@ aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total);
 aclError aclrtCreateStream(aclrtStream *stream);
 aclError aclrtDestroyStream(aclrtStream stream);
 aclError aclrtSynchronizeStream(aclrtStream stream);
+aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag);
+
+/* Contexts: a context belongs to one device; creating one attaches the device
+ * (as aclrtSetDevice does) and makes it the calling thread's current context. */
+aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId);
+aclError aclrtDestroyContext(aclrtContext context);
+aclError aclrtSetCurrentContext(aclrtContext context);
+
+/* Page-locked host memory. */
+aclError aclrtMallocHost(void **hostPtr, size_t size);
+aclError aclrtFreeHost(void *hostPtr);
+
+/* The SoC's name, e.g. "Ascend910B3"; NULL before aclInit. */
+const char *aclrtGetSocName(void);
+/* Where single-operator models are loaded from (once per process). */
+aclError aclopSetModelDir(const char *modelDir);
 
 /* Events. */
 aclError aclrtCreateEvent(aclrtEvent *event);
 aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);
+aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag);
+/* Milliseconds between the completions of two recorded, completed events. */
+aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
 aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
 aclError aclrtQueryEvent(aclrtEvent event, aclrtEventStatus *status);

@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "demo")]
 import launch  # noqa: E402
+import pause as pause_bench  # noqa: E402
 from npualloc import replay  # noqa: E402
 
 SIZES = ROOT / "tools" / "bench" / "trace_sizes.txt"
@@ -459,8 +460,11 @@ def main() -> int:
     trace_rows = traces(build)
     confs = config_search(build)
     p = pyacl(build)
+    log("pause and resume: memory_saver and the region command")
+    paused = pause_bench.measure(build)
     command = f"make bench BUILD={args.build}" if args.build != "build" else "make bench"
     text = report(m, command, h, trace_rows, confs, p, time.perf_counter() - started)
+    text += "\n".join(["", "## 4. Pause and resume (issue 12)", "", *pause_bench.markdown(paused), ""])
     out = Path(args.out) if args.out else build / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "latest.md").write_text(text)

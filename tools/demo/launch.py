@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the checkout's npualloc: `make demo` does not install it
+from npualloc.simulator import simulated_env  # noqa: E402
 TRAIN_STEP = ROOT / "tools" / "demo" / "train_step.py"
 ALLOC_CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
@@ -32,12 +35,9 @@ def sim_environment(build: Path | None = None) -> dict[str, str]:
     build = build or build_dir()
     drop = ("NPUSIM_", "NPUALLOC_", "LD_PRELOAD") + ALLOC_CONF_KEYS
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    lib64 = build / "aclsim" / "lib64"
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(lib64), env.get("LD_LIBRARY_PATH")]))
-    env["PYTHONPATH"] = os.pathsep.join([str(build / "aclsim" / "python"), str(ROOT), str(ROOT / "tools")])
-    env["ASCEND_HOME_PATH"] = str(build / "aclsim")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools")])
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return simulated_env(build / "aclsim", env)
 
 
 def command(args: list[str], npualloc: bool) -> list[str]:

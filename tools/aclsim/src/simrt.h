@@ -46,9 +46,20 @@ SIMRT_EXPORT aclError simrt_GetMemInfo(aclrtMemAttr attr, size_t *free, size_t *
 SIMRT_EXPORT aclError simrt_CreateStream(aclrtStream *stream);
 SIMRT_EXPORT aclError simrt_DestroyStream(aclrtStream stream);
 SIMRT_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream);
+SIMRT_EXPORT aclError simrt_CreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag);
+
+SIMRT_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId);
+SIMRT_EXPORT aclError simrt_DestroyContext(aclrtContext context);
+SIMRT_EXPORT aclError simrt_SetCurrentContext(aclrtContext context);
+SIMRT_EXPORT aclError simrt_MallocHost(void **hostPtr, size_t size);
+SIMRT_EXPORT aclError simrt_FreeHost(void *hostPtr);
+SIMRT_EXPORT const char *simrt_GetSocName(void);
+SIMRT_EXPORT aclError simrt_opSetModelDir(const char *modelDir);
 
 SIMRT_EXPORT aclError simrt_CreateEvent(aclrtEvent *event);
 SIMRT_EXPORT aclError simrt_CreateEventWithFlag(aclrtEvent *event, uint32_t flag);
+SIMRT_EXPORT aclError simrt_CreateEventExWithFlag(aclrtEvent *event, uint32_t flag);
+SIMRT_EXPORT aclError simrt_EventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 SIMRT_EXPORT aclError simrt_RecordEvent(aclrtEvent event, aclrtStream stream);
 SIMRT_EXPORT aclError simrt_QueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
 SIMRT_EXPORT aclError simrt_QueryEvent(aclrtEvent event, aclrtEventStatus *status);
@@ -87,7 +98,7 @@ typedef struct simrt_op_kind {
 } simrt_op_kind;
 
 /* Room for an aclnn op's copied descriptors (src/aclnn/engine.h). */
-#define SIMRT_OP_PARAMS_MAX 1024
+#define SIMRT_OP_PARAMS_MAX 4096
 
 /* Phase 1: a new executor for `kind` holding a copy of params, the current op
  * duration and the workspace it will need. */

@@ -55,11 +55,34 @@ EXPORT aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total)
 EXPORT aclError aclrtCreateStream(aclrtStream *stream) { return simrt_CreateStream(stream); }
 EXPORT aclError aclrtDestroyStream(aclrtStream stream) { return simrt_DestroyStream(stream); }
 EXPORT aclError aclrtSynchronizeStream(aclrtStream stream) { return simrt_SynchronizeStream(stream); }
+EXPORT aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag)
+{
+    return simrt_CreateStreamWithConfig(stream, priority, flag);
+}
+
+EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
+{
+    return simrt_CreateContext(context, deviceId);
+}
+EXPORT aclError aclrtDestroyContext(aclrtContext context) { return simrt_DestroyContext(context); }
+EXPORT aclError aclrtSetCurrentContext(aclrtContext context) { return simrt_SetCurrentContext(context); }
+EXPORT aclError aclrtMallocHost(void **hostPtr, size_t size) { return simrt_MallocHost(hostPtr, size); }
+EXPORT aclError aclrtFreeHost(void *hostPtr) { return simrt_FreeHost(hostPtr); }
+EXPORT const char *aclrtGetSocName(void) { return simrt_GetSocName(); }
+EXPORT aclError aclopSetModelDir(const char *modelDir) { return simrt_opSetModelDir(modelDir); }
 
 EXPORT aclError aclrtCreateEvent(aclrtEvent *event) { return simrt_CreateEvent(event); }
 EXPORT aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
 {
     return simrt_CreateEventWithFlag(event, flag);
+}
+EXPORT aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    return simrt_CreateEventExWithFlag(event, flag);
+}
+EXPORT aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent)
+{
+    return simrt_EventElapsedTime(ms, startEvent, endEvent);
 }
 EXPORT aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) { return simrt_RecordEvent(event, stream); }
 EXPORT aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)

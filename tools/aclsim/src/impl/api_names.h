@@ -5,9 +5,11 @@
     X(aclrtSetDevice) X(aclrtGetDevice) X(aclrtResetDevice) X(aclrtGetDeviceCount) X(aclrtSynchronizeDevice)   \
     X(aclrtMalloc) X(aclrtMallocAlign32) X(aclrtMallocCached) X(aclrtFree) X(aclrtFreeWithDevSync)             \
     X(aclrtMemset) X(aclrtMemsetAsync) X(aclrtMemcpy) X(aclrtMemcpyAsync) X(aclrtGetMemInfo)                   \
-    X(aclrtCreateStream) X(aclrtDestroyStream) X(aclrtSynchronizeStream)                                       \
+    X(aclrtCreateStream) X(aclrtDestroyStream) X(aclrtSynchronizeStream) X(aclrtCreateStreamWithConfig)                                       \
     X(aclrtCreateEvent) X(aclrtCreateEventWithFlag) X(aclrtRecordEvent) X(aclrtQueryEventStatus)               \
-    X(aclrtQueryEvent) X(aclrtSynchronizeEvent) X(aclrtStreamWaitEvent) X(aclrtDestroyEvent)                   \
+    X(aclrtQueryEvent) X(aclrtSynchronizeEvent) X(aclrtStreamWaitEvent) X(aclrtDestroyEvent)     \
+    X(aclrtCreateEventExWithFlag) X(aclrtEventElapsedTime) X(aclrtCreateContext) X(aclrtDestroyContext)       \
+    X(aclrtSetCurrentContext) X(aclrtMallocHost) X(aclrtFreeHost) X(aclrtGetSocName) X(aclopSetModelDir)                   \
     X(aclrtReserveMemAddress) X(aclrtReleaseMemAddress) X(aclrtMallocPhysical) X(aclrtFreePhysical)            \
     X(aclrtMapMem) X(aclrtUnmapMem) X(aclrtMemGetAllocationGranularity)                                        \
     X(aclnnInit) X(aclnnFinalize) X(aclSetAclOpExecutorRepeatable) X(aclDestroyAclOpExecutor)                 \

@@ -71,6 +71,20 @@ static aclError enter_device_call(enum sim_api api, int32_t id, struct sim_devic
     return *d == NULL ? ACL_ERROR_RT_INVALID_DEVICEID : ACL_SUCCESS;
 }
 
+/* Lock held: one more reference on device id, which becomes the calling
+ * thread's current one (aclrtSetDevice and aclrtCreateContext). */
+static aclError attach_device(struct sim_device *d, int32_t deviceId)
+{
+    if (d->arena.base == NULL && sim_arena_reserve(&d->arena, arena_size()) != 0)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (d->refcount == 0 && (d->default_stream = sim_stream_create(deviceId)) == NULL)
+        return ACL_ERROR_BAD_ALLOC;
+    d->refcount++;
+    current_device = deviceId;
+    current_generation = d->generation;
+    return ACL_SUCCESS;
+}
+
 SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
 {
     struct sim_device *d;
@@ -78,19 +92,9 @@ SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
-    if (d->arena.base == NULL && sim_arena_reserve(&d->arena, arena_size()) != 0) {
-        pthread_mutex_unlock(&sim_lock);
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    }
-    if (d->refcount == 0 && (d->default_stream = sim_stream_create(deviceId)) == NULL) {
-        pthread_mutex_unlock(&sim_lock);
-        return ACL_ERROR_BAD_ALLOC;
-    }
-    d->refcount++;
-    current_device = deviceId;
-    current_generation = d->generation;
+    ret = attach_device(d, deviceId);
     pthread_mutex_unlock(&sim_lock);
-    return ACL_SUCCESS;
+    return ret;
 }
 
 SIM_EXPORT aclError simrt_GetDevice(int32_t *deviceId)
@@ -112,6 +116,17 @@ static void reset_device(struct sim_device *d)
         sim_stream_destroy(d->streams);
 }
 
+/* Lock held: drops one reference on device id. */
+static void detach_device(struct sim_device *d, int32_t deviceId)
+{
+    /* Resetting a device with no reference left is tolerated, as in ACL. */
+    if (d->refcount > 0 && --d->refcount == 0) {
+        reset_device(d);
+        if (current_device == deviceId)
+            current_device = -1;
+    }
+}
+
 SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
 {
     struct sim_device *d;
@@ -119,14 +134,93 @@ SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
-    /* Resetting a device with no reference left is tolerated, as in ACL. */
-    if (d->refcount > 0 && --d->refcount == 0) {
-        reset_device(d);
-        if (current_device == deviceId)
-            current_device = -1;
-    }
+    detach_device(d, deviceId);
     pthread_mutex_unlock(&sim_lock);
     return ACL_SUCCESS;
+}
+
+/* A context is a device reference with an identity: created with one
+ * attach, destroyed with one detach, and current for a thread through
+ * aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never
+ * freed) so a stale handle is reported instead of read after free. */
+#define CONTEXT_LIVE 0x43545854u
+#define CONTEXT_DEAD 0xdeadc7c7u
+struct sim_context {
+    uint32_t magic;
+    int32_t device;
+    uint64_t generation;
+};
+
+SIM_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId)
+{
+    struct sim_device *d;
+    aclError ret = enter_device_call(SIM_API_aclrtCreateContext, deviceId, &d);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    if (context == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    struct sim_context *c = malloc(sizeof *c);
+    if (c == NULL)
+        return ACL_ERROR_BAD_ALLOC;
+    pthread_mutex_lock(&sim_lock);
+    ret = attach_device(d, deviceId);
+    *c = (struct sim_context){.magic = CONTEXT_LIVE, .device = deviceId, .generation = d->generation};
+    pthread_mutex_unlock(&sim_lock);
+    if (ret != ACL_SUCCESS) {
+        free(c);
+        return ret;
+    }
+    *context = c;
+    return ACL_SUCCESS;
+}
+
+/* Counts api; after aclInit and for a live context, returns with the lock held. */
+static aclError lock_live_context(enum sim_api api, aclrtContext context, struct sim_context **c)
+{
+    sim_count(api);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    if (context == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&sim_lock);
+    *c = context;
+    if ((*c)->magic != CONTEXT_LIVE) {
+        pthread_mutex_unlock(&sim_lock);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_DestroyContext(aclrtContext context)
+{
+    struct sim_context *c;
+    aclError ret = lock_live_context(SIM_API_aclrtDestroyContext, context, &c);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    c->magic = CONTEXT_DEAD;
+    struct sim_device *d = sim_device(c->device);
+    if (d->generation == c->generation)
+        detach_device(d, c->device);
+    pthread_mutex_unlock(&sim_lock);
+    return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_SetCurrentContext(aclrtContext context)
+{
+    struct sim_context *c;
+    aclError ret = lock_live_context(SIM_API_aclrtSetCurrentContext, context, &c);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    struct sim_device *d = sim_device(c->device);
+    if (d->generation != c->generation) /* its device was reset under it */
+        ret = ACL_ERROR_RT_CONTEXT_NULL;
+    else {
+        current_device = c->device;
+        current_generation = c->generation;
+    }
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
 }
 
 void sim_reset_all_devices(void)

@@ -7,6 +7,7 @@
  * handed back to malloc, so a destroyed handle can always be read safely and
  * reported as invalid (until the slot is reused, as a real runtime reuses ids). */
 #include <stdlib.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -18,6 +19,7 @@ struct sim_event {
     uint64_t record_seq;   /* records issued */
     uint64_t done_seq;     /* highest record that has executed */
     int refs;              /* queued record/wait tasks still pointing here */
+    struct timespec done_at; /* when the latest record executed (aclrtEventElapsedTime) */
     struct sim_event *next_free;
 };
 
@@ -37,8 +39,10 @@ static void unref(struct sim_event *ev)
 
 void sim_event_task_done(struct sim_event *ev, uint64_t seq)
 {
-    if (seq > ev->done_seq)
+    if (seq > ev->done_seq) {
         ev->done_seq = seq;
+        clock_gettime(CLOCK_MONOTONIC, &ev->done_at);
+    }
     unref(ev);
 }
 
@@ -88,6 +92,13 @@ SIM_EXPORT aclError simrt_CreateEventWithFlag(aclrtEvent *event, uint32_t flag)
 {
     sim_count(SIM_API_aclrtCreateEventWithFlag);
     (void)flag; /* timing/sync flags change nothing the sim models */
+    return create_event(event);
+}
+
+SIM_EXPORT aclError simrt_CreateEventExWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    sim_count(SIM_API_aclrtCreateEventExWithFlag);
+    (void)flag;
     return create_event(event);
 }
 
@@ -217,4 +228,26 @@ SIM_EXPORT aclError simrt_DestroyEvent(aclrtEvent event)
         recycle(ev);
     pthread_mutex_unlock(&sim_lock);
     return ACL_SUCCESS;
+}
+
+/* As on hardware: both events must be live, recorded and complete. */
+SIM_EXPORT aclError simrt_EventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent)
+{
+    sim_count(SIM_API_aclrtEventElapsedTime);
+    aclError ret = sim_require_init();
+    if (ret != ACL_SUCCESS)
+        return ret;
+    if (ms == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&sim_lock);
+    struct sim_event *a = startEvent, *b = endEvent;
+    if (!is_live(a) || !is_live(b) || a->record_seq == 0 || b->record_seq == 0)
+        ret = ACL_ERROR_RT_PARAM_INVALID;
+    else if (a->done_seq < a->record_seq || b->done_seq < b->record_seq)
+        ret = ACL_ERROR_RT_EVENT_NOT_COMPLETE;
+    else
+        *ms = (float)((double)(b->done_at.tv_sec - a->done_at.tv_sec) * 1e3 +
+                      (double)(b->done_at.tv_nsec - a->done_at.tv_nsec) / 1e6);
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
 }

@@ -152,10 +152,10 @@ aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
     return ret;
 }
 
-SIM_EXPORT aclError simrt_CreateStream(aclrtStream *stream)
+static aclError create_stream(enum sim_api api, aclrtStream *stream)
 {
     int32_t id;
-    aclError ret = sim_enter(SIM_API_aclrtCreateStream, stream, &id);
+    aclError ret = sim_enter(api, stream, &id);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
@@ -165,6 +165,19 @@ SIM_EXPORT aclError simrt_CreateStream(aclrtStream *stream)
         return ACL_ERROR_BAD_ALLOC;
     *stream = s;
     return ACL_SUCCESS;
+}
+
+SIM_EXPORT aclError simrt_CreateStream(aclrtStream *stream)
+{
+    return create_stream(SIM_API_aclrtCreateStream, stream);
+}
+
+/* Priority and flags order streams on real hardware; every simulated stream
+ * has its own worker, so they change nothing the sim models. */
+SIM_EXPORT aclError simrt_CreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag)
+{
+    (void)priority, (void)flag;
+    return create_stream(SIM_API_aclrtCreateStreamWithConfig, stream);
 }
 
 /* Destroying a stream waits for its queued work first. */

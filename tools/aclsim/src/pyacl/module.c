@@ -1,4 +1,4 @@
-/* Module `acl`: acl.init/acl.finalize plus the acl.rt and acl.util submodules. */
+/* Module `acl`: acl.init/finalize/get_soc_name plus the acl.rt, acl.util and acl.op submodules. */
 #include "pyacl.h"
 
 #include "acl/acl.h"
@@ -35,7 +35,32 @@ static PyObject *py_finalize(PyObject *self, PyObject *args)
     return PyLong_FromLong(ret);
 }
 
+/* pyACL returns the name as a str (None when the runtime has none). */
+static PyObject *py_get_soc_name(PyObject *self, PyObject *args)
+{
+    (void)self, (void)args;
+    const char *name = aclrtGetSocName();
+    if (name == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(name);
+}
+
+static PyObject *py_op_set_model_dir(PyObject *self, PyObject *args)
+{
+    (void)self;
+    const char *dir;
+    if (!PyArg_ParseTuple(args, "s", &dir))
+        return NULL;
+    return PyLong_FromLong(aclopSetModelDir(dir));
+}
+
+static PyMethodDef op_methods[] = {
+    {"set_model_dir", py_op_set_model_dir, METH_VARARGS, "ret = acl.op.set_model_dir(model_dir)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef top_methods[] = {
+    {"get_soc_name", py_get_soc_name, METH_NOARGS, "soc_name = acl.get_soc_name()"},
     {"init", py_init, METH_VARARGS, "ret = acl.init([config_path])"},
     {"finalize", py_finalize, METH_NOARGS, "ret = acl.finalize()"},
     {NULL, NULL, 0, NULL},
@@ -75,7 +100,9 @@ PyMODINIT_FUNC PyInit_acl(void)
         return NULL;
     PyMethodDef *const rt[] = {pyacl_rt_memory_methods, pyacl_rt_runtime_methods, NULL};
     PyMethodDef *const util[] = {pyacl_util_methods, NULL};
-    if (add_submodule(m, "rt", rt) != 0 || add_submodule(m, "util", util) != 0) {
+    PyMethodDef *const op[] = {op_methods, NULL};
+    if (add_submodule(m, "rt", rt) != 0 || add_submodule(m, "util", util) != 0 ||
+        add_submodule(m, "op", op) != 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -120,11 +120,40 @@ static PyObject *py_get_mem_info(PyObject *self, PyObject *args)
                                               (unsigned long long)total_bytes, ret);
 }
 
+static PyObject *py_malloc_host(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long size;
+    if (!PyArg_ParseTuple(args, "K", &size))
+        return NULL;
+    void *ptr = NULL;
+    aclError ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = aclrtMallocHost(&ptr, (size_t)size);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Ni)", PyLong_FromVoidPtr(ptr), ret);
+}
+
+static PyObject *py_free_host(PyObject *self, PyObject *args)
+{
+    (void)self;
+    void *ptr;
+    if (!PyArg_ParseTuple(args, "O&", pyacl_to_ptr, &ptr))
+        return NULL;
+    aclError ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = aclrtFreeHost(ptr);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(ret);
+}
+
 PyMethodDef pyacl_rt_memory_methods[] = {
     {"malloc", py_malloc, METH_VARARGS, "dev_ptr, ret = acl.rt.malloc(size, policy)"},
     {"malloc_cached", py_malloc_cached, METH_VARARGS, "dev_ptr, ret = acl.rt.malloc_cached(size, policy)"},
     {"malloc_align32", py_malloc_align32, METH_VARARGS, "dev_ptr, ret = acl.rt.malloc_align32(size, policy)"},
     {"free", py_free, METH_VARARGS, "ret = acl.rt.free(dev_ptr)"},
+    {"malloc_host", py_malloc_host, METH_VARARGS, "host_ptr, ret = acl.rt.malloc_host(size)"},
+    {"free_host", py_free_host, METH_VARARGS, "ret = acl.rt.free_host(host_ptr)"},
     {"memset", py_memset, METH_VARARGS, "ret = acl.rt.memset(dev_ptr, max_size, value, count)"},
     {"memset_async", py_memset_async, METH_VARARGS,
      "ret = acl.rt.memset_async(dev_ptr, max_size, value, count, stream)"},

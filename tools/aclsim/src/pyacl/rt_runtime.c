@@ -125,6 +125,64 @@ static PyObject *py_query_event(PyObject *self, PyObject *args)
     return Py_BuildValue("(ii)", (int)status, ret);
 }
 
+static PyObject *py_create_stream_with_config(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned int priority, flag;
+    if (!PyArg_ParseTuple(args, "II", &priority, &flag))
+        return NULL;
+    aclrtStream stream = NULL;
+    aclError ret = aclrtCreateStreamWithConfig(&stream, priority, flag);
+    return Py_BuildValue("(Ni)", PyLong_FromVoidPtr(stream), ret);
+}
+
+/* create_event_with_flag and create_event_ex_with_flag: event, ret = f(flag). */
+#define EVENT_WITH_FLAG(pyname, fn)                                      \
+    static PyObject *pyname(PyObject *self, PyObject *args)              \
+    {                                                                    \
+        (void)self;                                                      \
+        unsigned int flag;                                               \
+        if (!PyArg_ParseTuple(args, "I", &flag))                         \
+            return NULL;                                                 \
+        aclrtEvent event = NULL;                                         \
+        aclError ret = fn(&event, flag);                                 \
+        return Py_BuildValue("(Ni)", PyLong_FromVoidPtr(event), ret);    \
+    }
+
+EVENT_WITH_FLAG(py_create_event_with_flag, aclrtCreateEventWithFlag)
+EVENT_WITH_FLAG(py_create_event_ex_with_flag, aclrtCreateEventExWithFlag)
+
+static PyObject *py_event_elapsed_time(PyObject *self, PyObject *args)
+{
+    (void)self;
+    void *start, *end;
+    if (!PyArg_ParseTuple(args, "O&O&", pyacl_to_ptr, &start, pyacl_to_ptr, &end))
+        return NULL;
+    float ms = 0.0f;
+    aclError ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = aclrtEventElapsedTime(&ms, start, end);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(di)", (double)ms, ret);
+}
+
+static PyObject *py_create_context(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int id;
+    if (!PyArg_ParseTuple(args, "i", &id))
+        return NULL;
+    aclrtContext context = NULL;
+    aclError ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = aclrtCreateContext(&context, id);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Ni)", PyLong_FromVoidPtr(context), ret);
+}
+
+ONE_HANDLE(py_destroy_context, aclrtDestroyContext)
+ONE_HANDLE(py_set_context, aclrtSetCurrentContext)
+
 PyMethodDef pyacl_rt_runtime_methods[] = {
     {"set_device", py_set_device, METH_VARARGS, "ret = acl.rt.set_device(device_id)"},
     {"reset_device", py_reset_device, METH_VARARGS, "ret = acl.rt.reset_device(device_id)"},
@@ -141,5 +199,16 @@ PyMethodDef pyacl_rt_runtime_methods[] = {
     {"query_event", py_query_event, METH_VARARGS, "status, ret = acl.rt.query_event(event)"},
     {"synchronize_event", py_synchronize_event, METH_VARARGS, "ret = acl.rt.synchronize_event(event)"},
     {"destroy_event", py_destroy_event, METH_VARARGS, "ret = acl.rt.destroy_event(event)"},
+    {"create_stream_with_config", py_create_stream_with_config, METH_VARARGS,
+     "stream, ret = acl.rt.create_stream_with_config(priority, flag)"},
+    {"create_event_with_flag", py_create_event_with_flag, METH_VARARGS,
+     "event, ret = acl.rt.create_event_with_flag(flag)"},
+    {"create_event_ex_with_flag", py_create_event_ex_with_flag, METH_VARARGS,
+     "event, ret = acl.rt.create_event_ex_with_flag(flag)"},
+    {"event_elapsed_time", py_event_elapsed_time, METH_VARARGS,
+     "ms, ret = acl.rt.event_elapsed_time(start_event, end_event)"},
+    {"create_context", py_create_context, METH_VARARGS, "context, ret = acl.rt.create_context(device_id)"},
+    {"destroy_context", py_destroy_context, METH_VARARGS, "ret = acl.rt.destroy_context(context)"},
+    {"set_context", py_set_context, METH_VARARGS, "ret = acl.rt.set_context(context)"},
     {NULL, NULL, 0, NULL},
 };

@@ -480,3 +480,26 @@ def test_scans_lerp_and_prelu():
         call("Prelu", tensor(img), tensor(w), out)
         close(out.numpy(), np.where(img > 0, img, w[None, :, None, None] * img), np.float32)
     """)
+
+
+def test_layer_norm_with_and_without_affine():
+    sim("""
+        a = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        x = a.astype(np.float64)
+        w = rng.standard_normal((3, 4)).astype(np.float32)
+        b = rng.standard_normal((3, 4)).astype(np.float32)
+        mean = x.mean(axis=(1, 2), keepdims=True)
+        rstd = 1 / np.sqrt(x.var(axis=(1, 2), keepdims=True) + 1e-5)
+        out, m, r = empty((2, 3, 4), np.float32), empty((2, 1, 1), np.float32), empty((2, 1, 1), np.float32)
+        assert call("LayerNorm", tensor(a), int_array([3, 4]), tensor(w), tensor(b), ctypes.c_double(1e-5),
+                    out, m, r) > 0
+        close(out.numpy(), (x - mean) * rstd * w + b, np.float32)
+        close(m.numpy(), mean, np.float32)
+        close(r.numpy(), rstd, np.float32)
+        out = empty((2, 3, 4), np.float32)
+        call("LayerNorm", tensor(a), int_array([4]), None, None, ctypes.c_double(1e-5), out, None, None)
+        want = (x - x.mean(axis=2, keepdims=True)) / np.sqrt(x.var(axis=2, keepdims=True) + 1e-5)
+        close(out.numpy(), want, np.float32)
+        assert phase1_status("LayerNorm", tensor(a), int_array([3]), None, None, ctypes.c_double(1e-5),
+                             out, None, None) == 161002
+    """)

@@ -83,6 +83,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtFreeWithDevSync,
     NPA_FN_aclrtCreateStream,
     NPA_FN_aclrtDestroyStream,
+    NPA_FN_aclrtCreateStreamWithConfig,
     NPA_FN_aclnnFinalize,
     NPA_FN_aclSetAclOpExecutorRepeatable,
     NPA_FN_aclDestroyAclOpExecutor,

@@ -633,6 +633,27 @@ EXPORT aclnnStatus aclnnCumprodGetWorkspaceSize(const aclTensor *self, const acl
 }
 PHASE2(Cumprod)
 
+/* (input, normalizedShape, weight, bias, eps, out, meanOut, rstdOut); weight,
+ * bias, meanOut and rstdOut may be NULL */
+DEF(LayerNorm, SIM_LAYER_NORM, NULL, 0)
+EXPORT aclnnStatus aclnnLayerNormGetWorkspaceSize(const aclTensor *input, const aclIntArray *normalizedShape,
+                                                  const aclTensor *weight, const aclTensor *bias, double eps,
+                                                  aclTensor *out, aclTensor *meanOut, aclTensor *rstdOut,
+                                                  WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_LayerNorm);
+    sim_op_input(&op, input);
+    sim_op_input_optional(&op, weight, 1.0);
+    sim_op_input_optional(&op, bias, 0.0);
+    sim_op_output(&op, out);
+    sim_op_extra_output(&op, 0, meanOut);
+    sim_op_extra_output(&op, 1, rstdOut);
+    sim_op_layer_norm(&op, normalizedShape, eps);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(LayerNorm)
+
 /* ---- indexing ---- */
 DEF(Gather, SIM_GATHER, NULL, 0)
 EXPORT aclnnStatus aclnnGatherGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,

@@ -87,7 +87,7 @@ def mindtorch_section(steps: int, build: Path) -> list[str]:
     lines = [f"MindTorch v2 (tests/mindtorch_programs/train_mlp.py, unmodified, {steps} steps; simulator mounted "
              "at /usr/local/Ascend by tools/aclsim/cann-root)", rule,
              row("", "MindTorch alone", "under npualloc"), rule.replace("-", "="),
-             row("time per step after the first (median)", median_ms(raw), median_ms(npa)),
+             row("median step time (after step 1)", median_ms(raw), median_ms(npa)),
              row("raw device mallocs: step 1 + later", mallocs(raw), mallocs(npa)),
              row("peak device memory (at step ends)", f"{raw['peak_device_bytes'] / MIB:.2f} MiB",
                  f"{npa['peak_device_bytes'] / MIB:.2f} MiB"),

@@ -321,7 +321,7 @@ def test_bad_arguments_and_absent_ops():
         assert phase1_status("Mul", A, tensor(np.ones((4,), np.float32)), empty((2, 3), np.float32)) == 161002
         assert phase1_status("Mul", A, 0, empty((2, 3), np.float32)) == 161001
         assert phase1_status("Cast", A, c_int32(1), empty((2, 3), np.float32)) == 161002  # dtype vs out
-        assert not hasattr(opapi, "aclnnLayerNormGetWorkspaceSize")  # not simulated: absent, not a stub
+        assert not hasattr(opapi, "aclnnTopkGetWorkspaceSize")  # not simulated: absent, not a stub
         for lib in ("libaclnn_ops_infer.so", "libaclnn_math.so"):
             assert hasattr(ctypes.CDLL(lib), "aclnnAddGetWorkspaceSize")   # resolves to libopapi.so's
     """)
@@ -456,4 +456,50 @@ def test_cat_and_stack_from_a_tensor_list():
         call("Stack", tensor_list([tensor(a), tensor(2 * a)]), c_int64(1), out)
         assert (out.numpy() == np.stack([a, 2 * a], axis=1)).all()
         assert phase1_status("Cat", tensor_list([tensor(a), tensor(b)]), c_int64(0), out) == 161002
+    """)
+
+
+def test_scans_lerp_and_prelu():
+    sim("""
+        a = (rng.random((3, 4)) + 0.5).astype(np.float32)
+        x = a.astype(np.float64)
+        At = T(dev_array(np.ascontiguousarray(a.T)), (3, 4), (1, 3), np.float32)   # strided
+        out = empty((3, 4), np.float32)
+        assert call("Cumsum", At, c_int64(1), c_int32(0), out) > 0
+        close(out.numpy(), np.cumsum(x, axis=1), np.float32)
+        out = empty((3, 4), np.float32)
+        call("Cumprod", At, scalar(0, np.int64), c_int32(0), out)
+        close(out.numpy(), np.cumprod(x, axis=0), np.float32)
+        b = rng.standard_normal((3, 4)).astype(np.float32)
+        out = empty((3, 4), np.float32)
+        call("Lerps", tensor(a), tensor(b), scalar(0.25), out)
+        close(out.numpy(), x + 0.25 * (b - x), np.float32)
+        img = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
+        w = np.array([0.1, 0.2, 0.3], np.float32)
+        out = empty((2, 3, 2, 2), np.float32)
+        call("Prelu", tensor(img), tensor(w), out)
+        close(out.numpy(), np.where(img > 0, img, w[None, :, None, None] * img), np.float32)
+    """)
+
+
+def test_layer_norm_with_and_without_affine():
+    sim("""
+        a = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        x = a.astype(np.float64)
+        w = rng.standard_normal((3, 4)).astype(np.float32)
+        b = rng.standard_normal((3, 4)).astype(np.float32)
+        mean = x.mean(axis=(1, 2), keepdims=True)
+        rstd = 1 / np.sqrt(x.var(axis=(1, 2), keepdims=True) + 1e-5)
+        out, m, r = empty((2, 3, 4), np.float32), empty((2, 1, 1), np.float32), empty((2, 1, 1), np.float32)
+        assert call("LayerNorm", tensor(a), int_array([3, 4]), tensor(w), tensor(b), ctypes.c_double(1e-5),
+                    out, m, r) > 0
+        close(out.numpy(), (x - mean) * rstd * w + b, np.float32)
+        close(m.numpy(), mean, np.float32)
+        close(r.numpy(), rstd, np.float32)
+        out = empty((2, 3, 4), np.float32)
+        call("LayerNorm", tensor(a), int_array([4]), None, None, ctypes.c_double(1e-5), out, None, None)
+        want = (x - x.mean(axis=2, keepdims=True)) / np.sqrt(x.var(axis=2, keepdims=True) + 1e-5)
+        close(out.numpy(), want, np.float32)
+        assert phase1_status("LayerNorm", tensor(a), int_array([3]), None, None, ctypes.c_double(1e-5),
+                             out, None, None) == 161002
     """)

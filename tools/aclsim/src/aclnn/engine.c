@@ -72,6 +72,18 @@ void sim_op_input_index(sim_op *op, int64_t dim)
     op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
 }
 
+void sim_op_channel_input(sim_op *op, uint32_t i)
+{
+    sim_view *v = &op->in[i];
+    if (op->error != ACLNN_SUCCESS || op->out.ndim < 2)
+        return;
+    if (v->ndim != 1)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t k = 1; k < op->out.ndim - 1; k++)
+        v->dims[k] = 1, v->strides[k] = 0;
+    v->ndim = op->out.ndim - 1;
+}
+
 void sim_op_flip(sim_op *op, const aclIntArray *dims)
 {
     if (op->nin != 1 || live(dims, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL)
@@ -110,6 +122,27 @@ void sim_op_output(sim_op *op, const aclTensor *t)
     if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
         return fail(op, ACLNN_ERR_PARAM_NULLPTR);
     op->out = t->view;
+}
+
+void sim_op_extra_output(sim_op *op, int i, const aclTensor *t)
+{
+    if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) != NULL)
+        op->extra_out[i] = t->view;
+}
+
+void sim_op_layer_norm(sim_op *op, const aclIntArray *normalized_shape, double eps)
+{
+    if (live(normalized_shape, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    const sim_view *in = &op->in[0];
+    uint64_t k = normalized_shape->size;
+    if (op->nin != 3 || k == 0 || k > in->ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint64_t j = 0; j < k; j++)
+        if (normalized_shape->values[j] != in->dims[in->ndim - k + j])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = eps;
+    op->p[1] = (double)k;
 }
 
 void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim)
@@ -279,11 +312,16 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     case SIM_SOFTMAX:
+    case SIM_SCAN:
         st = op->in[0].ndim == op->out.ndim && memcmp(op->in[0].dims, op->out.dims, op->out.ndim * sizeof(int64_t)) == 0
                  ? ACLNN_SUCCESS : ACLNN_ERR_PARAM_INVALID;
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     case SIM_GATHER: st = ACLNN_SUCCESS; break; /* checked by sim_op_gather */
+    case SIM_LAYER_NORM:
+        st = check_elementwise(op); /* weight and bias broadcast over out's trailing dims */
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
     default: st = ACLNN_ERR_PARAM_INVALID;
     }
     if (st != ACLNN_SUCCESS)
@@ -442,31 +480,112 @@ static void run_matmul(const sim_op *op)
     }
 }
 
-/* Along one dim: out = exp(x - max) / sum, or its log. */
-static void run_softmax(const sim_op *op)
+/* Calls row(op, in_base, out_base) for every line of in0 (and of out, same
+ * dims) along dim p[0]; a line's elements are strides[dim] apart. */
+static void for_each_line(const sim_op *op, void (*line)(const sim_op *op, int64_t in_base, int64_t out_base))
 {
     const sim_view *in = &op->in[0], *out = &op->out;
     uint32_t dim = (uint32_t)op->p[0];
-    int64_t rows_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
-    memcpy(rows_dims, in->dims, sizeof rows_dims);
-    rows_dims[dim] = 1;
+    int64_t line_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    memcpy(line_dims, in->dims, sizeof line_dims);
+    line_dims[dim] = 1;
     memcpy(strides[0], in->strides, sizeof strides[0]);
     memcpy(strides[1], out->strides, sizeof strides[1]);
-    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
-    int64_t rows = numel(in) / (n > 0 ? n : 1);
+    int64_t n = in->dims[dim];
     walker w;
-    walk_start(&w, in->ndim, rows_dims, 2, strides);
-    for (int64_t r = n > 0 ? rows : 0; r > 0; r--, walk_next(&w)) {
-        double max = -INFINITY, sum = 0;
-        for (int64_t i = 0; i < n; i++)
-            max = fmax(max, sim_load(in->dtype, element(in, w.offs[0] + i * si)));
-        for (int64_t i = 0; i < n; i++)
-            sum += exp(sim_load(in->dtype, element(in, w.offs[0] + i * si)) - max);
-        for (int64_t i = 0; i < n; i++) {
-            double shifted = sim_load(in->dtype, element(in, w.offs[0] + i * si)) - max;
-            sim_store(out->dtype, element(out, w.offs[1] + i * so),
-                      op->def->variant ? shifted - log(sum) : exp(shifted) / sum);
+    walk_start(&w, in->ndim, line_dims, 2, strides);
+    for (int64_t r = n > 0 ? numel(in) / n : 0; r > 0; r--, walk_next(&w))
+        line(op, w.offs[0], w.offs[1]);
+}
+
+/* out = exp(x - max) / sum along the line, or its log */
+static void softmax_line(const sim_op *op, int64_t ib, int64_t ob)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    double max = -INFINITY, sum = 0;
+    for (int64_t i = 0; i < n; i++)
+        max = fmax(max, sim_load(in->dtype, element(in, ib + i * si)));
+    for (int64_t i = 0; i < n; i++)
+        sum += exp(sim_load(in->dtype, element(in, ib + i * si)) - max);
+    for (int64_t i = 0; i < n; i++) {
+        double shifted = sim_load(in->dtype, element(in, ib + i * si)) - max;
+        sim_store(out->dtype, element(out, ob + i * so), op->def->variant ? shifted - log(sum) : exp(shifted) / sum);
+    }
+}
+
+/* running sum (or product) along the line */
+static void scan_line(const sim_op *op, int64_t ib, int64_t ob)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    double acc = op->def->variant ? 1 : 0;
+    for (int64_t i = 0; i < n; i++) {
+        double v = sim_load(in->dtype, element(in, ib + i * si));
+        acc = op->def->variant ? acc * v : acc + v;
+        sim_store(out->dtype, element(out, ob + i * so), acc);
+    }
+}
+
+static double input_at(const sim_op *op, uint32_t i, int64_t off)
+{
+    return op->in_kind[i] == SIM_IN_CONST ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], off));
+}
+
+/* Each row (the leading dims) normalised over the trailing p[1] dims. */
+static void run_layer_norm(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t k = (uint32_t)op->p[1], lead = in->ndim - k;
+    int64_t lead_strides[4][SIM_MAX_DIMS] = {{0}}, trail_strides[4][SIM_MAX_DIMS] = {{0}};
+    for (uint32_t d = 0; d < lead; d++) {
+        lead_strides[0][d] = in->strides[d];
+        lead_strides[1][d] = out->strides[d];
+        for (int j = 0; j < 2; j++)
+            lead_strides[2 + j][d] = d < op->extra_out[j].ndim ? op->extra_out[j].strides[d] : 0;
+    }
+    int64_t wb[2][SIM_MAX_DIMS];
+    for (uint32_t j = 0; j < 2; j++)
+        if (op->in_kind[1 + j] == SIM_IN_TENSOR)
+            broadcast_strides(&op->in[1 + j], out, out->ndim, wb[j]);
+        else
+            memset(wb[j], 0, sizeof wb[j]);
+    for (uint32_t d = 0; d < k; d++) {
+        trail_strides[0][d] = in->strides[lead + d];
+        trail_strides[1][d] = out->strides[lead + d];
+        trail_strides[2][d] = wb[0][lead + d];
+        trail_strides[3][d] = wb[1][lead + d];
+    }
+    int64_t rows = 1, n = 1;
+    for (uint32_t d = 0; d < in->ndim; d++)
+        *(d < lead ? &rows : &n) *= in->dims[d];
+    walker rw;
+    walk_start(&rw, lead, in->dims, 4, lead_strides);
+    for (int64_t r = n > 0 ? rows : 0; r > 0; r--, walk_next(&rw)) {
+        walker w;
+        double sum = 0, sq = 0;
+        walk_start(&w, k, in->dims + lead, 1, trail_strides);
+        for (int64_t e = 0; e < n; e++, walk_next(&w))
+            sum += sim_load(in->dtype, element(in, rw.offs[0] + w.offs[0]));
+        double mean = sum / (double)n;
+        walk_start(&w, k, in->dims + lead, 1, trail_strides);
+        for (int64_t e = 0; e < n; e++, walk_next(&w)) {
+            double dv = sim_load(in->dtype, element(in, rw.offs[0] + w.offs[0])) - mean;
+            sq += dv * dv;
         }
+        double rstd = 1.0 / sqrt(sq / (double)n + op->p[0]);
+        walk_start(&w, k, in->dims + lead, 4, trail_strides);
+        for (int64_t e = 0; e < n; e++, walk_next(&w)) {
+            double v = (sim_load(in->dtype, element(in, rw.offs[0] + w.offs[0])) - mean) * rstd;
+            v = v * input_at(op, 1, w.offs[2]) + input_at(op, 2, w.offs[3]);
+            sim_store(out->dtype, element(out, rw.offs[1] + w.offs[1]), v);
+        }
+        double stats[2] = {mean, rstd};
+        for (int j = 0; j < 2; j++)
+            if (op->extra_out[j].data != NULL)
+                sim_store(op->extra_out[j].dtype, element(&op->extra_out[j], rw.offs[2 + j]), stats[j]);
     }
 }
 
@@ -504,20 +623,25 @@ static void compute(void *ctx)
     case SIM_ELEMENTWISE: run_elementwise(op); break;
     case SIM_REDUCE: run_reduce(op); break;
     case SIM_MATMUL: run_matmul(op); break;
-    case SIM_SOFTMAX: run_softmax(op); break;
+    case SIM_SOFTMAX: for_each_line(op, softmax_line); break;
+    case SIM_SCAN: for_each_line(op, scan_line); break;
     case SIM_GATHER: run_gather(op); break;
+    case SIM_LAYER_NORM: run_layer_norm(op); break;
     }
 }
 
 void sim_op_finish(const void *params)
 {
     const sim_op *op = params;
-    simrt_range ranges[SIM_OP_MAX_INPUTS + 1];
+    simrt_range ranges[SIM_OP_MAX_INPUTS + 3];
     size_t n = 0;
     for (uint32_t i = 0; i < op->nin; i++)
         if (op->in_kind[i] == SIM_IN_TENSOR)
             ranges[n++] = extent(&op->in[i]);
     ranges[n++] = extent(&op->out);
+    for (int j = 0; j < 2; j++)
+        if (op->extra_out[j].data != NULL)
+            ranges[n++] = extent(&op->extra_out[j]);
     simrt_DeviceAccess(ranges, n, op->def->kind.name, compute, (void *)op);
 }
 

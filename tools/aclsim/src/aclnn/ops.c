@@ -191,6 +191,51 @@ COMPARE(Ge, x[0] >= x[1])
 COMPARE(Lt, x[0] < x[1])
 COMPARE(Le, x[0] <= x[1])
 
+/* (self, end, weight, out): self + weight * (end - self); Lerps: weight an aclScalar */
+ELEM_FN(Lerp, x[0] + x[2] * (x[1] - x[0]))
+DEF(Lerp, SIM_ELEMENTWISE, fn_Lerp, 0)
+DEF(Lerps, SIM_ELEMENTWISE, fn_Lerp, 0)
+EXPORT aclnnStatus aclnnLerpGetWorkspaceSize(const aclTensor *self, const aclTensor *end, const aclTensor *weight,
+                                             aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Lerp);
+    sim_op_input(&op, self);
+    sim_op_input(&op, end);
+    sim_op_input(&op, weight);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Lerp)
+EXPORT aclnnStatus aclnnLerpsGetWorkspaceSize(const aclTensor *self, const aclTensor *end, const aclScalar *weight,
+                                              aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Lerps);
+    sim_op_input(&op, self);
+    sim_op_input(&op, end);
+    sim_op_input_scalar(&op, weight);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Lerps)
+
+/* (self, weight, out): weight has one slope per channel (dim 1) or one for all */
+ELEM_FN(Prelu, x[0] > 0 ? x[0] : x[1] * x[0])
+DEF(Prelu, SIM_ELEMENTWISE, fn_Prelu, 0)
+EXPORT aclnnStatus aclnnPreluGetWorkspaceSize(const aclTensor *self, const aclTensor *weight, aclTensor *out,
+                                              WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Prelu);
+    sim_op_input(&op, self);
+    sim_op_input(&op, weight);
+    sim_op_output(&op, out);
+    sim_op_channel_input(&op, 1);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Prelu)
+
 UNARY_P1(LeakyRelu, x[0] > 0 ? x[0] : x[0] * p[0])
 /* (self, min, max, out); either bound may be NULL */
 ELEM_FN(Clamp, nan_min(nan_max(x[0], p[0]), p[1]))
@@ -551,6 +596,63 @@ ADDC(Addcdiv, x[0] + p[0] * x[1] / x[2])
     PHASE2(Name)
 SOFTMAX(Softmax, 0)
 SOFTMAX(LogSoftmax, 1)
+
+/* ---- cumulative: (self, dim, dtype, out); Cumprod's dim is an aclScalar ---- */
+DEF(Cumsum, SIM_SCAN, NULL, 0)
+DEF(Cumprod, SIM_SCAN, NULL, 1)
+
+static aclnnStatus scan(const sim_op_def *def, const aclTensor *self, int64_t dim, aclDataType dtype,
+                        aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input(&op, self);
+    sim_op_softmax_dim(&op, dim);
+    sim_op_output(&op, out);
+    if (op.error == ACLNN_SUCCESS && op.out.dtype != (int32_t)dtype)
+        return ACLNN_ERR_PARAM_INVALID;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+EXPORT aclnnStatus aclnnCumsumGetWorkspaceSize(const aclTensor *self, int64_t dim, aclDataType dtype, aclTensor *out,
+                                               WS_ARGS)
+{
+    return scan(&def_Cumsum, self, dim, dtype, out, workspaceSize, executor);
+}
+PHASE2(Cumsum)
+
+EXPORT aclnnStatus aclnnCumprodGetWorkspaceSize(const aclTensor *self, const aclScalar *dim, aclDataType dtype,
+                                                aclTensor *out, WS_ARGS)
+{
+    sim_op probe;
+    sim_op_begin(&probe, &def_Cumprod);
+    sim_op_param_scalar(&probe, 0, dim);
+    if (probe.error != ACLNN_SUCCESS)
+        return probe.error;
+    return scan(&def_Cumprod, self, (int64_t)probe.p[0], dtype, out, workspaceSize, executor);
+}
+PHASE2(Cumprod)
+
+/* (input, normalizedShape, weight, bias, eps, out, meanOut, rstdOut); weight,
+ * bias, meanOut and rstdOut may be NULL */
+DEF(LayerNorm, SIM_LAYER_NORM, NULL, 0)
+EXPORT aclnnStatus aclnnLayerNormGetWorkspaceSize(const aclTensor *input, const aclIntArray *normalizedShape,
+                                                  const aclTensor *weight, const aclTensor *bias, double eps,
+                                                  aclTensor *out, aclTensor *meanOut, aclTensor *rstdOut,
+                                                  WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_LayerNorm);
+    sim_op_input(&op, input);
+    sim_op_input_optional(&op, weight, 1.0);
+    sim_op_input_optional(&op, bias, 0.0);
+    sim_op_output(&op, out);
+    sim_op_extra_output(&op, 0, meanOut);
+    sim_op_extra_output(&op, 1, rstdOut);
+    sim_op_layer_norm(&op, normalizedShape, eps);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(LayerNorm)
 
 /* ---- indexing ---- */
 DEF(Gather, SIM_GATHER, NULL, 0)

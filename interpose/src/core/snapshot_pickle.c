@@ -120,7 +120,7 @@ static const char *const trace_actions[] = {
 };
 
 /* torch's segment dict; npualloc has no per-allocation stream (0) and no
- * private pools ((0, 0)), and records no stacks (frames []). */
+ * private pools ((0, 0)); stacks are in the trace only (blocks' frames []). */
 static void segment_dict(const npa_segment_view *seg, void *arg) {
     pickle_buffer *b = arg;
     open_dict(b);
@@ -151,8 +151,24 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
     close_dict(b);
 }
 
-static void trace_dict(const npa_trace_view *e, void *arg) {
+/* torch's frame dict: {"filename", "line", "name"}. */
+static void frame_dict(const char *filename, int line, const char *name, void *arg) {
     pickle_buffer *b = arg;
+    open_dict(b);
+    str_value(b, "filename"), str_value(b, filename);
+    str_value(b, "line"), int_value(b, line);
+    str_value(b, "name"), str_value(b, name);
+    close_dict(b);
+}
+
+typedef struct trace_writer {
+    pickle_buffer *b;
+    const npa_backend *backend;
+} trace_writer;
+
+static void trace_dict(const npa_trace_view *e, void *arg) {
+    const trace_writer *w = arg;
+    pickle_buffer *b = w->b;
     open_dict(b);
     str_value(b, "action"), str_value(b, trace_actions[e->action]);
     str_value(b, "addr"), uint_value(b, e->addr);
@@ -160,7 +176,10 @@ static void trace_dict(const npa_trace_view *e, void *arg) {
     str_value(b, "size"), uint_value(b, e->size);
     str_value(b, "stream"), int_value(b, 0);
     str_value(b, "time_us"), int_value(b, e->time_us);
-    str_value(b, "frames"), empty_list(b);
+    str_value(b, "frames");
+    open_list(b);
+    if (e->stack != 0 && w->backend->visit_stack) w->backend->visit_stack(w->backend->ctx, e->stack, frame_dict, b);
+    close_list(b);
     close_dict(b);
 }
 
@@ -210,7 +229,7 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
         pthread_mutex_lock(&d->lock);
         if (!npa_visit_device_segments(d, segment_dict, &segments, &scratch, &scratch_capacity))
             segments.failed = true;
-        npa_history_visit(d, trace_dict, &traces);
+        npa_history_visit(d, trace_dict, &(trace_writer){.b = &traces, .backend = &a->backend});
         pthread_mutex_unlock(&d->lock);
         close_list(&traces);
         traces_end = traces.len;

@@ -19,10 +19,19 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# Installed at the top of site-packages, where the interpreter runs it at
+# start (see _npualloc_startup.py): it hands MindTorch v2's allocator to npualloc.
+STARTUP_PTH = "npualloc-mindtorch.pth"
+
+
 class BuildWithLibrary(build_py):
     def run(self):
         subprocess.check_call(["make", "-C", HERE, "package", f"PYTHON={sys.executable}"])
         super().run()
+        self.copy_file(os.path.join(HERE, STARTUP_PTH), os.path.join(self.build_lib, STARTUP_PTH))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, STARTUP_PTH)]
 
 
 setup(cmdclass={"build_py": BuildWithLibrary})

@@ -21,7 +21,7 @@ import psutil
 
 from . import memory, plot, replay, simulator, snapshot
 from ._ffi import constants
-from .errors import NpuallocError, OtherUserError
+from .errors import CommandRejectedError, NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
 
 CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -95,6 +95,9 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
             "config": header.config,
             "created_unix_ns": header.created_unix_ns,
             "region": str(region.path),
+            "state": header.state,
+            "paused_bytes": header.paused_bytes,
+            "backup_bytes": header.backup_bytes,
             "devices": {str(d): memory.stats_to_dict(region.read_device_stats(d)) for d in devices},
         }
 
@@ -103,6 +106,9 @@ def _render(snapshot: dict[str, Any]) -> str:
     started = datetime.fromtimestamp(snapshot["created_unix_ns"] / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     lines = [f"npualloc · pid {snapshot['pid']} · {snapshot['command']}",
              f"config: {snapshot['config'] or '(defaults)'} · region since {started}", ""]
+    if snapshot["state"] != "running":
+        lines[-1:-1] = [f"state: {snapshot['state']} · {human_bytes(snapshot['paused_bytes'])} of device memory "
+                        f"released · {human_bytes(snapshot['backup_bytes'])} host backup"]
     if not snapshot["devices"]:
         lines.append("no device has allocated through npualloc yet")
     for device, stats in snapshot["devices"].items():
@@ -121,6 +127,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         time.sleep(args.watch)
+
+
+def _paused_mark(state: str) -> str:
+    return "" if state == "running" else f"[{state}] "
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -143,6 +153,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
                     "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
                     "command": command,
+                    "state": header.state,
                 })
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
@@ -153,7 +164,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for row in rows:
             shown = "-" if row["device"] is None else str(row["device"])
             sys.stdout.write(f"{row['pid']:>8}  {shown:>3}  {human_bytes(row['allocated']):>12}  "
-                             f"{human_bytes(row['reserved']):>12}  {row['command']}\n")
+                             f"{human_bytes(row['reserved']):>12}  {_paused_mark(row['state'])}{row['command']}\n")
     return 0
 
 
@@ -187,6 +198,29 @@ def cmd_empty_cache(args: argparse.Namespace) -> int:
             region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, memory.device_index(args.device),
                                 timeout=args.timeout)
     sys.stdout.write(f"process {args.pid}: cache emptied\n")
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    with Region(args.pid, writable=True) as region:
+        region.post_command(constants.NPUALLOC_CMD_PAUSE, timeout=args.timeout)
+        header = region.header()
+    sys.stdout.write(f"process {args.pid}: paused, {human_bytes(header.paused_bytes)} of device memory released, "
+                     f"{human_bytes(header.backup_bytes)} kept on the host\n")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    with Region(args.pid, writable=True) as region:
+        try:
+            region.post_command(constants.NPUALLOC_CMD_RESUME, timeout=args.timeout)
+        except CommandRejectedError as e:
+            if region.header().state == "paused":
+                raise CommandRejectedError(f"process {args.pid}: could not get its device memory back (another "
+                                           "process may hold it; its stderr says why); it stays paused with its "
+                                           "backup: run resume again once memory is free") from e
+            raise
+    sys.stdout.write(f"process {args.pid}: resumed\n")
     return 0
 
 
@@ -267,6 +301,10 @@ def _parser() -> argparse.ArgumentParser:
 
     with_pid("empty-cache", "release the process's cached unused segments").set_defaults(run=cmd_empty_cache)
     with_pid("reset-peak", "reset the process's peak stats").set_defaults(run=cmd_reset_peak)
+    pause_help = "release all the process's device memory at its next allocator call; it waits until resume"
+    with_pid("pause", pause_help, device=False).set_defaults(run=cmd_pause)
+    with_pid("resume", "map the paused process's memory back and let it run on", device=False).set_defaults(
+        run=cmd_resume)
     gc = with_pid("set-gc-threshold", "set garbage_collection_threshold at run time (0: off)", device=False)
     gc.add_argument("value", type=float)
     gc.set_defaults(run=cmd_set_gc_threshold)

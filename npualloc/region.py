@@ -34,8 +34,14 @@ COMMAND_TIMEOUT_S = 5.0
 _ACK_ERRORS = {
     constants.NPUALLOC_CMD_EUNKNOWN: "the process does not support this command",
     constants.NPUALLOC_CMD_EINVAL: "the process rejected the argument",
-    constants.NPUALLOC_CMD_EFAILED: "the process failed to apply it",
+    constants.NPUALLOC_CMD_EFAILED: "the process failed to apply it (its stderr says why)",
+    constants.NPUALLOC_CMD_ENOTPAUSABLE: "the process cannot be paused: it holds memory outside expandable segments "
+                                         "(start it with --conf expandable_segments:True); it runs on untouched",
+    constants.NPUALLOC_CMD_ENOTPAUSED: "the process is not paused",
+    constants.NPUALLOC_CMD_EPAUSED: "the process is paused: resume it first",
 }
+PAUSE_STATES = {constants.NPUALLOC_RUNNING: "running", constants.NPUALLOC_PAUSING: "pausing",
+                constants.NPUALLOC_PAUSED: "paused", constants.NPUALLOC_RESUMING: "resuming"}
 
 
 def region_dir() -> Path:
@@ -80,6 +86,9 @@ class RegionHeader:
     cmdline: str
     config: str
     device_count: int
+    state: str          # running, pausing, paused, resuming (npualloc pause/resume)
+    paused_bytes: int   # device memory the pause released
+    backup_bytes: int   # host memory holding the paused blocks
 
 
 class Region:
@@ -171,7 +180,9 @@ class Region:
         return RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
                             cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
                             config=ffi.string(h.config, len(h.config)).decode(errors="replace"),
-                            device_count=h.device_count)
+                            device_count=h.device_count,
+                            state=PAUSE_STATES.get(h.pause_state, f"state {h.pause_state}"),
+                            paused_bytes=h.paused_bytes, backup_bytes=h.backup_bytes)
 
     def devices_in_use(self) -> list[int]:
         count = min(self._region.header.device_count, constants.NPUALLOC_MAX_DEVICES)
@@ -197,6 +208,10 @@ class Region:
                 raise CorruptRegionError(f"{self.path}: device {device} stats stayed mid-update for "
                                          f"{SEQLOCK_TIMEOUT_S:g}s (writer died inside its seqlock?)")
             os.sched_yield()
+
+    def command_seq(self) -> int:
+        """The sequence number of the last command posted to the process."""
+        return int(self._region.command.request_seq)
 
     def post_command(self, code: int, device: int = -1, arg: float = 0.0,
                      timeout: float = COMMAND_TIMEOUT_S) -> int:

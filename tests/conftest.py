@@ -58,6 +58,50 @@ def sim_env(**extra: str) -> dict[str, str]:
     return env
 
 
+MINDTORCH_SRC = Path(os.environ.get("NPUALLOC_MINDTORCH", ROOT.parent.parent / "shared" / "third_party"
+                                    / "mindtorch-v2")) / "src"
+CANN_ROOT = ROOT / "tools" / "aclsim" / "cann-root"
+_cann_root_ok: list[str] = []
+
+
+def cann_root_command(argv: list[str]) -> list[str]:
+    """argv run with the simulator's tree at /usr/local/Ascend/ascend-toolkit/latest
+    (tools/aclsim/cann-root: a private mount namespace, for that process tree
+    only), which programs such as MindTorch v2 load CANN from. Skips the test
+    where that cannot be arranged."""
+    if not _cann_root_ok:
+        if os.geteuid() != 0 or shutil.which("unshare") is None:
+            pytest.skip("needs root and unshare(1) to put the simulator at /usr/local/Ascend in a private "
+                        "mount namespace")
+        probe = subprocess.run([str(CANN_ROOT), str(BUILD / "aclsim"), "test", "-f",
+                                "/usr/local/Ascend/ascend-toolkit/latest/lib64/libascendcl.so"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot mount the simulator at /usr/local/Ascend here: {probe.stderr.strip()}")
+        _cann_root_ok.append("ok")
+    return [str(CANN_ROOT), str(BUILD / "aclsim"), *argv]
+
+
+def mindtorch_env(**extra: str) -> dict[str, str]:
+    """sim_env with the pinned MindTorch v2 importable (skips without it)."""
+    if not (MINDTORCH_SRC / "mindtorch_v2" / "__init__.py").is_file():
+        pytest.skip(f"pinned MindTorch v2 not found at {MINDTORCH_SRC} (set NPUALLOC_MINDTORCH)")
+    env = sim_env(**extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(MINDTORCH_SRC), env["PYTHONPATH"]])
+    return env
+
+
+def installed_python() -> str:
+    """An interpreter with this checkout installed as `pip install .` would
+    (npualloc-mindtorch.pth in its site-packages): tools/devenv.py."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import devenv
+    finally:
+        sys.path.pop(0)
+    return str(devenv.ensure(BUILD))
+
+
 def preload_env(**extra: str) -> dict[str, str]:
     """sim_env with libnpualloc.so preloaded, as `LD_PRELOAD=libnpualloc.so prog`."""
     env = sim_env(**extra)

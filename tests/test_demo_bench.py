@@ -42,7 +42,7 @@ def test_hotpath_goes_through_npualloc_and_hits_the_cache(reuse, group):
     assert r["cache_misses_while_timed"] < timed_pairs // 100       # the warm-up pass filled the cache
     assert 0 < r["p10_ns"] <= r["median_ns"] <= r["p90_ns"]
     # Timings are reported, never judged: a loaded machine stretches them.
-    assert all({"pairs_per_s", "wall_s", "cpu_s"} <= set(t) for t in r["per_thread"])
+    assert all({"pairs_per_s", "wall_s", "cpu_s", "sleeps"} <= set(t) and t["sleeps"] >= 0 for t in r["per_thread"])
 
 
 def test_hotpath_glibc_baseline_runs_without_npualloc():
@@ -130,3 +130,13 @@ def test_demo_table_and_bench_trace_row_render():
     rendered = bench.traces_markdown([row])[-1]
     assert rendered.startswith("| tiny | ")
     assert f"{npa['reserved_over_requested']:.3f} / {expandable['reserved_over_requested']:.3f}" in rendered
+
+
+def test_pause_bench_section_measures_both_paths_and_renders(monkeypatch):
+    import pause as pause_bench
+    monkeypatch.setattr(pause_bench, "SIZE_MIB", 8)
+    monkeypatch.setattr(pause_bench, "REPEATS", 2)
+    result = pause_bench.measure(BUILD)
+    assert result["bytes"] == 8 << 20 and len(result["saver"]) == 2 and len(result["command"]) == 2
+    table = "\n".join(pause_bench.markdown(result))
+    assert "memory_saver.pause/resume" in table and "region command" in table

@@ -50,3 +50,7 @@ def test_pip_install_ships_a_working_library(tmp_path):
     assert not list(target.glob("acl*"))
     plain = subprocess.run([sys.executable, "-c", "import acl"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert plain.returncode == 1 and "No module named 'acl'" in plain.stderr
+
+    # The MindTorch startup hook is installed where the interpreter runs it.
+    assert (target / "npualloc-mindtorch.pth").read_text() == "import _npualloc_startup\n"
+    assert (target / "_npualloc_startup.py").is_file()

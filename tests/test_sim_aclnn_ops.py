@@ -25,7 +25,10 @@ nn.aclCreateScalar.restype = P
 nn.aclCreateScalar.argtypes = [P, c_int32]
 nn.aclCreateIntArray.restype = P
 nn.aclCreateIntArray.argtypes = [ctypes.POINTER(c_int64), c_uint64]
-for name in ("aclDestroyTensor", "aclDestroyScalar", "aclDestroyIntArray", "aclDestroyAclOpExecutor"):
+nn.aclCreateTensorList.restype = P
+nn.aclCreateTensorList.argtypes = [ctypes.POINTER(P), c_uint64]
+for name in ("aclDestroyTensor", "aclDestroyScalar", "aclDestroyIntArray", "aclDestroyAclOpExecutor",
+             "aclDestroyTensorList"):
     getattr(nn, name).argtypes = [P]
 ACL = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2, np.dtype(np.int32): 3,
        np.dtype(np.uint8): 4, np.dtype(np.int64): 9, np.dtype(np.float64): 11, np.dtype(np.bool_): 12}
@@ -62,6 +65,8 @@ def scalar(value, dtype=np.float32):
     return nn.aclCreateScalar(buf.ctypes.data, ACL[np.dtype(dtype)])
 def int_array(values):
     return nn.aclCreateIntArray(i64s(values), len(values))
+def tensor_list(ts):
+    return nn.aclCreateTensorList((P * len(ts))(*[t.desc for t in ts]), len(ts))
 def arg(a):
     return a.desc if isinstance(a, T) else a
 def call(name, *args, destroy=(), stream=0):
@@ -316,7 +321,185 @@ def test_bad_arguments_and_absent_ops():
         assert phase1_status("Mul", A, tensor(np.ones((4,), np.float32)), empty((2, 3), np.float32)) == 161002
         assert phase1_status("Mul", A, 0, empty((2, 3), np.float32)) == 161001
         assert phase1_status("Cast", A, c_int32(1), empty((2, 3), np.float32)) == 161002  # dtype vs out
-        assert not hasattr(opapi, "aclnnSoftmaxGetWorkspaceSize")   # not simulated: absent, not a stub
+        assert not hasattr(opapi, "aclnnLayerNormGetWorkspaceSize")  # not simulated: absent, not a stub
         for lib in ("libaclnn_ops_infer.so", "libaclnn_math.so"):
             assert hasattr(ctypes.CDLL(lib), "aclnnAddGetWorkspaceSize")   # resolves to libopapi.so's
+    """)
+
+
+def test_softmax_along_a_dim_of_a_strided_view():
+    sim("""
+        a = rng.standard_normal((3, 5)).astype(np.float32)
+        A = T(dev_array(np.ascontiguousarray(a.T)), (3, 5), (1, 3), np.float32)   # a, read transposed
+        x = a.astype(np.float64)
+        sm = np.exp(x - x.max(axis=1, keepdims=True)); sm /= sm.sum(axis=1, keepdims=True)
+        out = empty((3, 5), np.float32)
+        assert call("Softmax", A, c_int64(-1), out) > 0
+        close(out.numpy(), sm, np.float32)
+        out = empty((3, 5), np.float32)
+        call("LogSoftmax", A, c_int64(1), out)
+        close(out.numpy(), np.log(sm), np.float32)
+        sm0 = np.exp(x) / np.exp(x).sum(axis=0, keepdims=True)
+        out = empty((3, 5), np.float32)
+        call("Softmax", A, c_int64(0), out)
+        close(out.numpy(), sm0, np.float32)
+        assert phase1_status("Softmax", A, c_int64(2), out) == 161002
+    """)
+
+
+def test_gather_and_embedding():
+    proc = sim("""
+        table = rng.standard_normal((6, 4)).astype(np.float32)
+        idx = np.array([[5, 0], [2, 2], [1, 3]], dtype=np.int64)
+        out = empty((3, 2, 4), np.float32)
+        call("Embedding", tensor(table), tensor(idx), out)
+        assert (out.numpy() == table[idx]).all()
+        g = np.array([[3, 0, 1, 1], [0, 5, 2, -1]], dtype=np.int32)
+        out = empty((2, 4), np.float32)
+        call("Gather", tensor(table), c_int64(0), tensor(g), out)
+        assert (out.numpy() == np.take_along_axis(table, g % 6, axis=0)).all()
+        g1 = np.array([[3, 0], [1, 1]], dtype=np.int64)
+        out = empty((2, 2), np.float32)
+        call("Gather", tensor(table[:2]), c_int64(1), tensor(g1), out)
+        assert (out.numpy() == np.take_along_axis(table[:2], g1, axis=1)).all()
+        bad = np.array([[7, 0]], dtype=np.int64)
+        out = empty((1, 2), np.float32)
+        call("Gather", tensor(table), c_int64(0), tensor(bad), out)
+        assert out.numpy().tolist() == [[0.0, table[0, 1]]]
+        assert phase1_status("Gather", tensor(table), c_int64(0), tensor(table), out) == 161002  # float index
+    """)
+    assert "aclnnGather: 1 index value(s) out of range" in proc.stderr
+
+
+def test_parameterised_activations_and_backward_ops():
+    sim("""
+        a = np.array([-3.0, -0.5, 0.0, 0.5, 3.0], dtype=np.float32)
+        x = a.astype(np.float64)
+        A = tensor(a)
+        out = empty((5,), np.float32)
+        call("Clamp", A, scalar(-1.0), None, out)               # an optional bound left out
+        close(out.numpy(), np.maximum(x, -1), np.float32)
+        out = empty((5,), np.float32)
+        call("Clamp", A, scalar(-1.0), scalar(1.0), out)
+        close(out.numpy(), np.clip(x, -1, 1), np.float32)
+        out = empty((5,), np.float32)
+        call("Elu", A, scalar(0.5), scalar(2.0), scalar(1.0), out)
+        close(out.numpy(), np.where(x > 0, 2 * x, 2 * 0.5 * np.expm1(x)), np.float32)
+        out = empty((5,), np.float32)
+        call("LeakyRelu", A, scalar(0.1), out)
+        close(out.numpy(), np.where(x > 0, x, 0.1 * x), np.float32)
+        g = np.linspace(1, 2, 5).astype(np.float32)
+        out = empty((5,), np.float32)
+        call("ThresholdBackward", tensor(g), A, scalar(0.0), out)
+        close(out.numpy(), np.where(x > 0, g, 0), np.float32)
+        y = np.tanh(x).astype(np.float32)
+        out = empty((5,), np.float32)
+        call("TanhBackward", tensor(g), tensor(y), out)
+        close(out.numpy(), g * (1 - y.astype(np.float64) ** 2), np.float32)
+    """)
+
+
+def test_index_driven_ops():
+    sim("""
+        out = empty((5,), np.float32)
+        call("Arange", scalar(1.0), scalar(3.5), scalar(0.5), out)
+        assert out.numpy().tolist() == [1.0, 1.5, 2.0, 2.5, 3.0]
+        out = empty((4,), np.int64)
+        call("Range", scalar(2, np.int64), scalar(8, np.int64), scalar(2, np.int64), out)
+        assert out.numpy().tolist() == [2, 4, 6, 8]
+        out = empty((5,), np.float32)
+        call("Linspace", scalar(-1.0), scalar(1.0), c_int64(5), out)
+        close(out.numpy(), np.linspace(-1, 1, 5), np.float32)
+        out = empty((3, 4), np.float16)
+        call("Eye", c_int64(3), c_int64(4), out)
+        assert (out.numpy() == np.eye(3, 4)).all()
+        a = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        for name, fn in (("Tril", np.tril), ("Triu", np.triu)):
+            for k in (-1, 0, 2):
+                out = empty((2, 3, 4), np.float32)
+                call(name, tensor(a), c_int64(k), out)
+                assert (out.numpy() == fn(a, k)).all(), (name, k)
+        out = empty((2, 3, 4), np.float32)
+        call("Flip", tensor(a), int_array([0, -1]), out)
+        assert (out.numpy() == a[::-1, :, ::-1]).all()
+        assert phase1_status("Eye", c_int64(4), c_int64(4), out) == 161002
+    """)
+
+
+def test_ternary_ops_and_tensor_bounds():
+    sim("""
+        a, b, c = (rng.standard_normal((2, 3)).astype(np.float32) for _ in range(3))
+        x, y, z = (v.astype(np.float64) for v in (a, b, c))
+        out = empty((2, 3), np.float32)
+        call("Addcmul", tensor(a), tensor(b), tensor(c), scalar(0.5), out)
+        close(out.numpy(), x + 0.5 * y * z, np.float32)
+        out = empty((2, 3), np.float32)
+        call("Addcdiv", tensor(a), tensor(b), tensor(np.abs(c) + 1), scalar(2.0), out)
+        close(out.numpy(), x + 2 * y / (np.abs(z) + 1), np.float32)
+        lo = np.full((1, 3), -0.5, np.float32)
+        out = empty((2, 3), np.float32)
+        call("ClampTensor", tensor(a), tensor(lo), None, out)
+        close(out.numpy(), np.maximum(x, -0.5), np.float32)
+    """)
+
+
+def test_cat_and_stack_from_a_tensor_list():
+    sim("""
+        a = rng.standard_normal((2, 3)).astype(np.float32)
+        b = rng.standard_normal((2, 1)).astype(np.float32)
+        lst = tensor_list([tensor(a), tensor(b), tensor(a[:, :2])])
+        out = empty((2, 6), np.float32)
+        call("Cat", lst, c_int64(-1), out)
+        ok(nn.aclDestroyTensorList(lst))                    # destroys its tensors too
+        assert (out.numpy() == np.concatenate([a, b, a[:, :2]], axis=1)).all()
+        out = empty((2, 2, 3), np.float32)
+        call("Stack", tensor_list([tensor(a), tensor(2 * a)]), c_int64(1), out)
+        assert (out.numpy() == np.stack([a, 2 * a], axis=1)).all()
+        assert phase1_status("Cat", tensor_list([tensor(a), tensor(b)]), c_int64(0), out) == 161002
+    """)
+
+
+def test_scans_lerp_and_prelu():
+    sim("""
+        a = (rng.random((3, 4)) + 0.5).astype(np.float32)
+        x = a.astype(np.float64)
+        At = T(dev_array(np.ascontiguousarray(a.T)), (3, 4), (1, 3), np.float32)   # strided
+        out = empty((3, 4), np.float32)
+        assert call("Cumsum", At, c_int64(1), c_int32(0), out) > 0
+        close(out.numpy(), np.cumsum(x, axis=1), np.float32)
+        out = empty((3, 4), np.float32)
+        call("Cumprod", At, scalar(0, np.int64), c_int32(0), out)
+        close(out.numpy(), np.cumprod(x, axis=0), np.float32)
+        b = rng.standard_normal((3, 4)).astype(np.float32)
+        out = empty((3, 4), np.float32)
+        call("Lerps", tensor(a), tensor(b), scalar(0.25), out)
+        close(out.numpy(), x + 0.25 * (b - x), np.float32)
+        img = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
+        w = np.array([0.1, 0.2, 0.3], np.float32)
+        out = empty((2, 3, 2, 2), np.float32)
+        call("Prelu", tensor(img), tensor(w), out)
+        close(out.numpy(), np.where(img > 0, img, w[None, :, None, None] * img), np.float32)
+    """)
+
+
+def test_layer_norm_with_and_without_affine():
+    sim("""
+        a = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        x = a.astype(np.float64)
+        w = rng.standard_normal((3, 4)).astype(np.float32)
+        b = rng.standard_normal((3, 4)).astype(np.float32)
+        mean = x.mean(axis=(1, 2), keepdims=True)
+        rstd = 1 / np.sqrt(x.var(axis=(1, 2), keepdims=True) + 1e-5)
+        out, m, r = empty((2, 3, 4), np.float32), empty((2, 1, 1), np.float32), empty((2, 1, 1), np.float32)
+        assert call("LayerNorm", tensor(a), int_array([3, 4]), tensor(w), tensor(b), ctypes.c_double(1e-5),
+                    out, m, r) > 0
+        close(out.numpy(), (x - mean) * rstd * w + b, np.float32)
+        close(m.numpy(), mean, np.float32)
+        close(r.numpy(), rstd, np.float32)
+        out = empty((2, 3, 4), np.float32)
+        call("LayerNorm", tensor(a), int_array([4]), None, None, ctypes.c_double(1e-5), out, None, None)
+        want = (x - x.mean(axis=2, keepdims=True)) / np.sqrt(x.var(axis=2, keepdims=True) + 1e-5)
+        close(out.numpy(), want, np.float32)
+        assert phase1_status("LayerNorm", tensor(a), int_array([3]), None, None, ctypes.c_double(1e-5),
+                             out, None, None) == 161002
     """)

@@ -17,6 +17,7 @@ typedef struct aclTensor aclTensor;
 typedef struct aclScalar aclScalar;
 typedef struct aclIntArray aclIntArray;
 typedef struct aclBoolArray aclBoolArray;
+typedef struct aclTensorList aclTensorList;
 
 typedef enum {
     ACL_DT_UNDEFINED = -1,
@@ -55,6 +56,9 @@ aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size);
 aclnnStatus aclDestroyIntArray(const aclIntArray *array);
 aclBoolArray *aclCreateBoolArray(const bool *value, uint64_t size);
 aclnnStatus aclDestroyBoolArray(const aclBoolArray *array);
+/* The list takes ownership of its tensors: destroying it destroys them. */
+aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size);
+aclnnStatus aclDestroyTensorList(const aclTensorList *array);
 
 #ifdef __cplusplus
 }

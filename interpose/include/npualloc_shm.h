@@ -19,7 +19,7 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 1
+#define NPUALLOC_SHM_VERSION 2
 #define NPUALLOC_MAX_DEVICES 16
 #define NPUALLOC_CONFIG_LEN 512
 #define NPUALLOC_CMDLINE_LEN 256
@@ -38,12 +38,22 @@
 #define NPUALLOC_CMD_SET_GC_THRESHOLD 4
 #define NPUALLOC_CMD_SNAPSHOT 5         /* writes <region path>.snapshot.<request_seq>, torch's pickle */
 #define NPUALLOC_CMD_RECORD_HISTORY 6   /* arg: record_history entries per device, 0: off */
+#define NPUALLOC_CMD_PAUSE 7            /* release all device memory, block allocator calls until RESUME */
+#define NPUALLOC_CMD_RESUME 8
 
 /* Command results (npualloc_command.ack_status). */
 #define NPUALLOC_CMD_OK 0
 #define NPUALLOC_CMD_EUNKNOWN 1
 #define NPUALLOC_CMD_EINVAL 2
 #define NPUALLOC_CMD_EFAILED 3
+#define NPUALLOC_CMD_ENOTPAUSABLE 4     /* plain segments or no VMM: run it with expandable_segments:True */
+#define NPUALLOC_CMD_ENOTPAUSED 5       /* RESUME of a process that is not paused */
+#define NPUALLOC_CMD_EPAUSED 6          /* any other command while paused */
+/* npualloc_region_header.pause_state */
+#define NPUALLOC_RUNNING 0
+#define NPUALLOC_PAUSING 1
+#define NPUALLOC_PAUSED 2
+#define NPUALLOC_RESUMING 3
 
 /* One torch Stat: current, peak, allocated (sum of increases), freed (sum of decreases). */
 typedef struct npualloc_stat {
@@ -114,7 +124,9 @@ typedef struct npualloc_region_header {
     char config[512];        /* the config in force, canonical key:value form */
     char cmdline[256];
     uint32_t device_count;   /* highest device index in use + 1 */
-    uint32_t pad1;
+    uint32_t pause_state;    /* NPUALLOC_RUNNING, _PAUSING, _PAUSED, _RESUMING (version 2) */
+    uint64_t paused_bytes;   /* device memory released by `npualloc pause` */
+    uint64_t backup_bytes;   /* host memory holding the paused blocks */
 } npualloc_region_header;
 
 typedef struct npualloc_region {

@@ -74,6 +74,11 @@ typedef struct npa_backend {
      * hands the frames of an id to visit, innermost first (snapshots). */
     uint32_t (*capture_stack)(void *ctx);
     void (*visit_stack)(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
+
+    /* Copies between device and host memory (synchronous), for pausing a
+     * process (npa_pause); optional, both or neither. */
+    npa_error (*copy_to_host)(void *ctx, int device, void *host, const void *dev, size_t size);
+    npa_error (*copy_to_device)(void *ctx, int device, void *dev, const void *host, size_t size);
 } npa_backend;
 
 /* How a caller reached the allocator: each entry point has its own size contract. */
@@ -202,6 +207,24 @@ void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta)
 void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visitor, void *arg);
 /* Visit a device's recorded events (device < 0: all), oldest first, under its lock. */
 void npa_visit_trace(npa_allocator *a, int device, npa_trace_visitor visitor, void *arg);
+
+/* Pausing the whole allocator (`npualloc pause <pid>`): synchronizes every
+ * device, copies every allocated block to host memory, unmaps every page of
+ * every expandable segment (the addresses stay reserved), and returns with
+ * the allocator's table lock and every device lock held, so any thread that
+ * enters the allocator waits until npa_resume. Refused (nothing changed)
+ * for a process with plain segments, without VMM or copy calls, or when
+ * host memory for the backup cannot be had; a failure half way maps back
+ * what it unmapped. why (len bytes) gets a sentence saying why. */
+typedef struct npa_paused npa_paused;
+npa_error npa_pause(npa_allocator *a, npa_paused **paused, char *why, size_t len);
+/* Maps new pages where pages were and copies the blocks back; on success
+ * releases the locks and frees paused. On failure (the device is full:
+ * another process holds the memory) everything stays paused, the backup is
+ * kept, and it can be called again. */
+npa_error npa_resume(npa_allocator *a, npa_paused *paused, char *why, size_t len);
+/* Device bytes released by the pause, and host bytes holding the backup. */
+void npa_paused_bytes(const npa_paused *paused, size_t *unmapped, size_t *backup);
 
 /* The snapshot torch.cuda.memory._snapshot() returns, {"segments",
  * "device_traces", "allocator_settings"}, as pickle protocol 2 bytes (no

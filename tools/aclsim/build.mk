@@ -89,7 +89,28 @@ sim: $(SIM_ACLNN_LEGACY) $(SIM_ARCH_LIBS)
 $(SIM_PYACL): $(SIM_PYACL_OBJS) $(SIM_LIB64)/libascendcl.so
 	@mkdir -p $(dir $@)
 	$(CC) -shared $(SANFLAGS) $(LDFLAGS_BASE) -o $@ $(SIM_PYACL_OBJS) -L$(SIM_LIB64) -lascendcl \
-	    -Wl,-rpath,'$$ORIGIN/../lib64'
+	    -Wl,-rpath,'$$ORIGIN/../lib64:$$ORIGIN/../../lib64'
+
+# ---- the rest of a CANN install's shape, so $(SIM_DIR) can stand in for
+# /usr/local/Ascend/ascend-toolkit/latest (tools/aclsim/cann-root): pyACL under
+# python/site-packages, an opp/ directory (the op model dir programs probe),
+# and libraries programs load by name before libascendcl.so but need nothing
+# from (libascend_protobuf.so, libplatform.so: empty here).
+SIM_SITE_ACL := $(SIM_DIR)/python/site-packages/$(notdir $(SIM_PYACL))
+SIM_PRELOADED := $(SIM_LIB64)/libascend_protobuf.so $(SIM_LIB64)/libplatform.so
+
+$(SIM_SITE_ACL): $(SIM_PYACL)
+	@mkdir -p $(dir $@)
+	ln -sf ../$(notdir $<) $@
+
+$(SIM_PRELOADED):
+	@mkdir -p $(dir $@)
+	$(CC) $(SIM_SHARED) -Wl,-soname,$(notdir $@) -o $@ -x c /dev/null
+
+$(SIM_DIR)/opp:
+	mkdir -p $@
+
+sim: $(SIM_SITE_ACL) $(SIM_PRELOADED) $(SIM_DIR)/opp
 
 -include $(SIM_IMPL_OBJS:.o=.d) $(SIM_PYACL_OBJS:.o=.d) $(SIM_OBJ)/forward/ascendcl/acl_forward.d \
          $(SIM_OBJ)/forward/acl_rt/acl_forward.d $(SIM_OBJ)/src/nnopbase/nnopbase.d $(SIM_ACLNN_OBJS:.o=.d)

@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #include "acl/acl.h"
@@ -58,6 +59,7 @@ typedef struct worker {
     double *per_pair_ns;     /* one sample per batch */
     double wall_s;           /* the timed batches, start to end */
     double cpu_s;            /* CPU time of those batches: below wall_s when the thread waited for a core */
+    long sleeps;             /* voluntary context switches in them: waits for a lock (or anything else that blocks) */
     int failed;
 } worker;
 
@@ -151,6 +153,9 @@ static void *work(void *arg) {
     if (!w->failed && run_steps((int)(seq.count / (size_t)opts.group), &next)) w->failed = 1;
     pthread_barrier_wait(&warmed_up);
     pthread_barrier_wait(&counted); /* main has read the counters the timed part is measured against */
+    struct rusage usage;
+    getrusage(RUSAGE_THREAD, &usage);
+    long sleeps_start = usage.ru_nvcsw;
     double wall_start = clock_s(CLOCK_MONOTONIC), cpu_start = clock_s(CLOCK_THREAD_CPUTIME_ID);
     for (int b = 0; b < opts.batches && !w->failed; b++) {
         double start = clock_s(CLOCK_MONOTONIC);
@@ -159,6 +164,8 @@ static void *work(void *arg) {
     }
     w->wall_s = clock_s(CLOCK_MONOTONIC) - wall_start;
     w->cpu_s = clock_s(CLOCK_THREAD_CPUTIME_ID) - cpu_start;
+    getrusage(RUSAGE_THREAD, &usage);
+    w->sleeps = usage.ru_nvcsw - sleeps_start;
     pthread_barrier_wait(&timing_done);
     return NULL;
 }
@@ -292,8 +299,8 @@ int main(int argc, char **argv) {
         qsort(w->per_pair_ns, (size_t)opts.batches, sizeof(double), compare_double);
         double pairs = (double)opts.batches * opts.pairs;
         printf("%s{\"median_ns\": %.2f, \"p90_ns\": %.2f, \"wall_s\": %.6f, \"cpu_s\": %.6f, "
-               "\"pairs_per_s\": %.1f}", t ? ", " : "", percentile(w->per_pair_ns, (size_t)opts.batches, 0.5),
-               percentile(w->per_pair_ns, (size_t)opts.batches, 0.9), w->wall_s, w->cpu_s, pairs / w->wall_s);
+               "\"pairs_per_s\": %.1f, \"sleeps\": %ld}", t ? ", " : "", percentile(w->per_pair_ns, (size_t)opts.batches, 0.5),
+               percentile(w->per_pair_ns, (size_t)opts.batches, 0.9), w->wall_s, w->cpu_s, pairs / w->wall_s, w->sleeps);
     }
     qsort(all, samples, sizeof *all, compare_double);
     printf("], \"median_ns\": %.2f, \"p10_ns\": %.2f, \"p90_ns\": %.2f, \"raw_mallocs_while_timed\": %llu",

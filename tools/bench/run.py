@@ -37,6 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "demo")]
 import launch  # noqa: E402
+import pause as pause_bench  # noqa: E402
 from npualloc import replay  # noqa: E402
 
 SIZES = ROOT / "tools" / "bench" / "trace_sizes.txt"
@@ -141,6 +142,9 @@ def hot_path(build: Path) -> dict[str, Any]:
                      "cpu_share": spread([cpu_share(r) for r in runs[key]]),
                      "loss_vs_1_thread": spread([1 - per_thread_rate(r) / per_thread_rate(s)
                                                  for r, s in zip(runs[key], runs[single])]),
+                     "sleeps_per_1k_pairs": statistics.median(
+                         1000 * sum(t["sleeps"] for t in r["per_thread"]) / (threads * r["batches"] * r["pairs_per_batch"])
+                         for r in runs[key]),
                      "raw_mallocs_while_timed": max(r["raw_mallocs_while_timed"] for r in runs[key]),
                      "cache_misses_while_timed": max(r.get("cache_misses_while_timed") or 0 for r in runs[key])})
 
@@ -159,13 +163,14 @@ RATIO_NAMES = {"eager1/glibc1": "exported pair / glibc", "core1/glibc1": "core a
 
 def hot_path_markdown(h: dict[str, Any]) -> list[str]:
     lines = ["| path | threads | ns/pair: median [min-max of rounds] | p90 ns/pair | per-thread M pairs/s (wall) "
-             "| loss vs 1 thread | CPU share per thread | raw mallocs while timed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| loss vs 1 thread | CPU share per thread | sleeps per 1000 pairs | raw mallocs while timed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in h["rows"]:
         lines.append(f"| {r['label']} | {r['threads']} | {fmt_spread(r['ns'], '.1f')} | {r['p90_ns']:.0f} | "
                      f"{r['per_thread_pairs_per_s'] / 1e6:.2f} | "
                      f"{'—' if r['threads'] == 1 else fmt_spread(r['loss_vs_1_thread'], '.0%')} | "
                      f"{fmt_spread(r['cpu_share'], '.0%')} | "
+                     f"{r['sleeps_per_1k_pairs']:.1f} | "
                      f"{r['raw_mallocs_while_timed'] if r['allocator'] == 'npualloc' else '—'} |")
     lines += ["", f"Ratios taken within a round (both sides under the same load), median [min-max] over "
               f"{h['rounds']} rounds, 1 thread:", ""]
@@ -408,7 +413,9 @@ def report(m: dict[str, str], command: str, h: dict[str, Any], trace_rows: list[
         "a tail up to 147 MiB); each thread walks them from its own offset, all on device 0, after one untimed "
         "pass that fills the cache. \"per-thread M pairs/s\" is pairs over the thread's wall time; \"CPU share\" is "
         "its CPU time over wall time: with more threads than cores, threads wait for a core as well as for the "
-        "allocator's device lock. Safe reuse records a fence (an event on each stream: a simulated stream task) "
+        "allocator's device lock. \"sleeps\" are the threads' voluntary context switches while timed "
+        "(getrusage): a thread that finds the lock taken and sleeps on it makes one, whatever the machine's load. "
+        "Safe reuse records a fence (an event on each stream: a simulated stream task) "
         "for each batch of frees, polled at the next malloc; with a fence per free the freed block is not yet "
         "reusable at the next malloc, so it pays for the event and for the cache's other blocks.", "",
         *hot_path_markdown(h),
@@ -459,8 +466,11 @@ def main() -> int:
     trace_rows = traces(build)
     confs = config_search(build)
     p = pyacl(build)
+    log("pause and resume: memory_saver and the region command")
+    paused = pause_bench.measure(build)
     command = f"make bench BUILD={args.build}" if args.build != "build" else "make bench"
     text = report(m, command, h, trace_rows, confs, p, time.perf_counter() - started)
+    text += "\n".join(["", "## 4. Pause and resume (issue 12)", "", *pause_bench.markdown(paused), ""])
     out = Path(args.out) if args.out else build / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "latest.md").write_text(text)

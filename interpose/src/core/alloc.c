@@ -1,6 +1,7 @@
 /* The allocator's entry points: lifetime, per-device state, malloc (best fit
  * and split) and free (merge), the cache-emptying calls. The retry path lives
  * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
+#define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,7 +114,16 @@ static npa_device *device_create(npa_allocator *a, int id) {
         free(d);
         return NULL;
     }
-    pthread_mutex_init(&d->lock, NULL);
+    /* Adaptive (spin a bounded while, then sleep): a hit holds the lock for
+     * about a hundred nanoseconds, far less than a futex sleep and wake-up, so
+     * a second thread that finds it taken waits without sleeping. A plain
+     * mutex slept 1-5 times per 1000 pairs with two threads on one device and
+     * ran them 10x slower; adaptive, they did not sleep (make bench, sleeps). */
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&d->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
     d->id = id;
     d->small.is_small = true;
     d->batches_tail = &d->batches;

@@ -154,8 +154,10 @@ typedef struct npa_history {
     npa_trace_entry *entries;
 } npa_history;
 
+/* Lock order: hook/hook.h lists every lock of the library. For the core:
+ * init_lock before any device lock, one device lock at a time. */
 typedef struct npa_device {
-    pthread_mutex_t lock;
+    pthread_mutex_t lock;    /* adaptive: see device_create */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     npa_history history;     /* beside the lock: in cache whenever the device is */

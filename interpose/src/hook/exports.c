@@ -182,17 +182,32 @@ NPA_EXPORT aclError aclFinalize(void)
     return real();
 }
 
-NPA_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
+/* A stream created by any of the runtime's constructors is one more stream a
+ * freed block's fence must cover (stream-safe reuse). */
+static aclError note_created_stream(aclError err, aclrtStream *stream)
 {
-    __typeof__(&aclrtCreateStream) real = NPA_REAL(aclrtCreateStream);
-    if (real == NULL)
-        return npa_no_runtime_error(NPA_FN_aclrtCreateStream);
-    aclError err = real(stream);
     if (err == ACL_SUCCESS && stream != NULL && !npa_hook_disabled()) {
         npa_hook_register_handlers();
         npa_streams_add(npa_thread_device(), *stream);
     }
     return err;
+}
+
+NPA_EXPORT aclError aclrtCreateStream(aclrtStream *stream)
+{
+    __typeof__(&aclrtCreateStream) real = NPA_REAL(aclrtCreateStream);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtCreateStream);
+    return note_created_stream(real(stream), stream);
+}
+
+/* What MindTorch v2 and torch_npu create their streams with. */
+NPA_EXPORT aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag)
+{
+    __typeof__(&aclrtCreateStreamWithConfig) real = NPA_REAL(aclrtCreateStreamWithConfig);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtCreateStreamWithConfig);
+    return note_created_stream(real(stream, priority, flag), stream);
 }
 
 NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
@@ -211,5 +226,5 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
 #define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
 SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
-SELF(aclrtCreateStream) SELF(aclrtDestroyStream)
+SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtCreateStreamWithConfig)
 #undef SELF

@@ -22,12 +22,14 @@
  *   3. command lock (region.c g_command_lock): one thread applies another
  *      process's command; under it empty_cache, resets and snapshots take
  *      the device locks one at a time (5), and the config text (8).
+ *      A pause (pause.c, core pausable.c) takes 4 and then every device
+ *      lock (5) in ascending order and holds them until its resume.
  *      Never nested with 1 or 2.
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it.
  *   5. a device lock (core internal.h npa_device.lock): one device at a
- *      time, never two. Under it the core calls the backend: raw
+ *      time, never two (except a pause: all, ascending, under 4). Under it the core calls the backend: raw
  *      malloc/free, synchronize, mem info, VMM calls (the runtime), and
  *      fences, which take
  *   6. that device's stream lock (streams.c dev_streams.lock), held across
@@ -87,6 +89,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtFreeWithDevSync,
     NPA_FN_aclrtCreateStream,
     NPA_FN_aclrtDestroyStream,
+    NPA_FN_aclrtCreateStreamWithConfig,
     NPA_FN_aclnnFinalize,
     NPA_FN_aclSetAclOpExecutorRepeatable,
     NPA_FN_aclDestroyAclOpExecutor,

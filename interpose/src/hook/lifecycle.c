@@ -246,6 +246,31 @@ static npa_error be_va_release(void *ctx, int device, void *base)
     return err;
 }
 
+/* Copies for pausing a process (npa_pause): the device is entered, as the
+ * pausing thread may have another current. */
+static npa_error copy_entered(int device, void *dst, const void *src, size_t size, aclrtMemcpyKind kind)
+{
+    npa_devswitch sw;
+    npa_error err = npa_device_enter(device, &sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    err = NPA_REAL(aclrtMemcpy)(dst, size, src, size, kind);
+    npa_device_leave(&sw);
+    return err;
+}
+
+static npa_error be_copy_to_host(void *ctx, int device, void *host, const void *dev, size_t size)
+{
+    (void)ctx;
+    return copy_entered(device, host, dev, size, ACL_MEMCPY_DEVICE_TO_HOST);
+}
+
+static npa_error be_copy_to_device(void *ctx, int device, void *dev, const void *host, size_t size)
+{
+    (void)ctx;
+    return copy_entered(device, dev, host, size, ACL_MEMCPY_HOST_TO_DEVICE);
+}
+
 static const npa_backend backend = {
     .ctx = NULL,
     .raw_malloc = be_raw_malloc,
@@ -286,6 +311,10 @@ static npa_backend backend_for(const npa_config *c)
     b.page_map = be_page_map;
     b.page_unmap = be_page_unmap;
     b.va_release = be_va_release;
+    if (npa_real_optional(NPA_FN_aclrtMemcpy) != NULL) { /* what `npualloc pause` needs beside the VMM calls */
+        b.copy_to_host = be_copy_to_host;
+        b.copy_to_device = be_copy_to_device;
+    }
     return b;
 }
 

@@ -34,7 +34,7 @@ static const struct {
 #define NNOP(n) [NPA_FN_##n] = {#n, LIB_NNOP}
     ACL(aclInit), ACL(aclFinalize), ACL(aclrtSetDevice), ACL(aclrtResetDevice), ACL(aclrtMalloc),
     ACL(aclrtMallocAlign32), ACL(aclrtMallocCached), ACL(aclrtFree), ACL(aclrtFreeWithDevSync),
-    ACL(aclrtCreateStream), ACL(aclrtDestroyStream), NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
+    ACL(aclrtCreateStream), ACL(aclrtDestroyStream), ACL(aclrtCreateStreamWithConfig), NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
     NNOP(aclDestroyAclOpExecutor), ACL(aclrtGetDevice), ACL(aclrtSynchronizeDevice), ACL(aclrtGetMemInfo),
     ACL(aclrtCreateEvent), ACL(aclrtRecordEvent), ACL(aclrtQueryEventStatus), ACL(aclrtDestroyEvent),
     ACL(aclrtReserveMemAddress), ACL(aclrtReleaseMemAddress), ACL(aclrtMallocPhysical), ACL(aclrtFreePhysical),
@@ -48,15 +48,15 @@ static const struct {
 #define SELF(n) extern __typeof__(n) npa_self_##n NPA_HIDDEN;
 SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
-SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclnnFinalize) SELF(aclSetAclOpExecutorRepeatable)
-SELF(aclDestroyAclOpExecutor)
+SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtCreateStreamWithConfig) SELF(aclnnFinalize)
+SELF(aclSetAclOpExecutorRepeatable) SELF(aclDestroyAclOpExecutor)
 #undef SELF
 
 static void *const self_fns[NPA_FN_INTERPOSED_COUNT] = {
 #define SELF(n) [NPA_FN_##n] = (void *)npa_self_##n
     SELF(aclInit), SELF(aclFinalize), SELF(aclrtSetDevice), SELF(aclrtResetDevice), SELF(aclrtMalloc),
     SELF(aclrtMallocAlign32), SELF(aclrtMallocCached), SELF(aclrtFree), SELF(aclrtFreeWithDevSync),
-    SELF(aclrtCreateStream), SELF(aclrtDestroyStream), SELF(aclnnFinalize),
+    SELF(aclrtCreateStream), SELF(aclrtDestroyStream), SELF(aclrtCreateStreamWithConfig), SELF(aclnnFinalize),
     SELF(aclSetAclOpExecutorRepeatable), SELF(aclDestroyAclOpExecutor),
 #undef SELF
 };

@@ -267,11 +267,16 @@ static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
     return NPUALLOC_CMD_OK;
 }
 
-static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t seq, int32_t code, int32_t device,
+/* *seq: the request applied; a pause moves it on to the resume that ended it. */
+static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq, int32_t code, int32_t device,
                              double arg)
 {
+    if (code == NPUALLOC_CMD_PAUSE)
+        return npa_pause_command(a, r, seq);
+    if (code == NPUALLOC_CMD_RESUME)
+        return NPUALLOC_CMD_ENOTPAUSED;
     if (code == NPUALLOC_CMD_SNAPSHOT)
-        return write_snapshot(a, seq);
+        return write_snapshot(a, *seq);
     if (code == NPUALLOC_CMD_RECORD_HISTORY) {
         /* Through the config parser, so its limit on entries applies here too. */
         char item[64];
@@ -338,7 +343,8 @@ void npa_region_poll_slow(npa_allocator *allocator)
         int32_t device = __atomic_load_n(&cmd->device, __ATOMIC_RELAXED);
         double arg;
         memcpy(&arg, (const void *)&cmd->arg, sizeof arg);
-        __atomic_store_n(&cmd->ack_status, apply_command(allocator, r, requested, code, device, arg), __ATOMIC_RELAXED);
+        int32_t status = apply_command(allocator, r, &requested, code, device, arg);
+        __atomic_store_n(&cmd->ack_status, status, __ATOMIC_RELAXED);
         __atomic_store_n(&cmd->ack_seq, requested, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&g_command_lock);

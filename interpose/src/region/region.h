@@ -24,6 +24,11 @@ static inline int npa_region_command_pending(npualloc_region *r)
            __atomic_load_n(&r->command.ack_seq, __ATOMIC_RELAXED);
 }
 
+/* NPUALLOC_CMD_PAUSE, applied by the thread that polls it (pause.c): the
+ * process's device memory released, then waits for NPUALLOC_CMD_RESUME,
+ * answering every other request itself; *seq becomes the resume's. */
+int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq);
+
 /* Creates the region if it is due, applies a pending command. */
 void npa_region_poll_slow(npa_allocator *allocator);
 

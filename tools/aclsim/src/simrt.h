@@ -98,7 +98,7 @@ typedef struct simrt_op_kind {
 } simrt_op_kind;
 
 /* Room for an aclnn op's copied descriptors (src/aclnn/engine.h). */
-#define SIMRT_OP_PARAMS_MAX 1024
+#define SIMRT_OP_PARAMS_MAX 4096
 
 /* Phase 1: a new executor for `kind` holding a copy of params, the current op
  * duration and the workspace it will need. */

@@ -13,6 +13,7 @@
 #define SIM_SCALAR_MAGIC 0x5363616cu
 #define SIM_INTARRAY_MAGIC 0x496e7441u
 #define SIM_BOOLARRAY_MAGIC 0x426f6f41u
+#define SIM_TENSORLIST_MAGIC 0x544c6973u
 #define SIM_DEAD_MAGIC 0xdeadd35cu
 
 /* A strided view of device memory: element (i0..in) lives at
@@ -48,6 +49,12 @@ struct aclBoolArray {
     uint32_t magic;
     uint64_t size;
     bool values[];
+};
+
+struct aclTensorList {
+    uint32_t magic;
+    uint64_t size;
+    aclTensor *tensors[];
 };
 
 #endif

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <math.h>
+
 #include "dtype.h"
 #include "engine.h"
 
@@ -45,9 +47,57 @@ void sim_op_input_scalar(sim_op *op, const aclScalar *s)
         return fail(op, ACLNN_ERR_PARAM_NULLPTR);
     if (op->nin == SIM_OP_MAX_INPUTS)
         return fail(op, ACLNN_ERR_PARAM_INVALID);
-    op->in_const[op->nin] = 1;
+    op->in_kind[op->nin] = SIM_IN_CONST;
     op->in_value[op->nin] = s->value;
     op->in[op->nin++] = (sim_view){.dtype = s->dtype};
+}
+
+void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback)
+{
+    if (t != NULL)
+        return sim_op_input(op, t);
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_kind[op->nin] = SIM_IN_CONST;
+    op->in_value[op->nin] = fallback;
+    op->in[op->nin++] = (sim_view){.dtype = ACL_DOUBLE};
+}
+
+void sim_op_input_index(sim_op *op, int64_t dim)
+{
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_kind[op->nin] = SIM_IN_INDEX;
+    op->in_value[op->nin] = (double)dim; /* resolved against out's rank by the shape check */
+    op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
+}
+
+void sim_op_channel_input(sim_op *op, uint32_t i)
+{
+    sim_view *v = &op->in[i];
+    if (op->error != ACLNN_SUCCESS || op->out.ndim < 2)
+        return;
+    if (v->ndim != 1)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t k = 1; k < op->out.ndim - 1; k++)
+        v->dims[k] = 1, v->strides[k] = 0;
+    v->ndim = op->out.ndim - 1;
+}
+
+void sim_op_flip(sim_op *op, const aclIntArray *dims)
+{
+    if (op->nin != 1 || live(dims, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    sim_view *v = &op->in[0];
+    uint32_t flipped = 0;
+    for (uint64_t i = 0; i < dims->size; i++) {
+        int64_t d = dims->values[i] < 0 ? dims->values[i] + v->ndim : dims->values[i];
+        if (d < 0 || d >= (int64_t)v->ndim || (flipped >> d) & 1)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        flipped |= 1u << d;
+        v->offset += v->strides[d] * (v->dims[d] - 1);
+        v->strides[d] = -v->strides[d];
+    }
 }
 
 void sim_op_param(sim_op *op, int i, double value) { op->p[i] = value; }
@@ -59,11 +109,40 @@ void sim_op_param_scalar(sim_op *op, int i, const aclScalar *s)
     op->p[i] = s->value;
 }
 
+void sim_op_param_optional(sim_op *op, int i, const aclScalar *s, double fallback)
+{
+    if (s == NULL)
+        op->p[i] = fallback;
+    else
+        sim_op_param_scalar(op, i, s);
+}
+
 void sim_op_output(sim_op *op, const aclTensor *t)
 {
     if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
         return fail(op, ACLNN_ERR_PARAM_NULLPTR);
     op->out = t->view;
+}
+
+void sim_op_extra_output(sim_op *op, int i, const aclTensor *t)
+{
+    if (live(t, SIM_TENSOR_MAGIC, op->def->kind.name) != NULL)
+        op->extra_out[i] = t->view;
+}
+
+void sim_op_layer_norm(sim_op *op, const aclIntArray *normalized_shape, double eps)
+{
+    if (live(normalized_shape, SIM_INTARRAY_MAGIC, op->def->kind.name) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    const sim_view *in = &op->in[0];
+    uint64_t k = normalized_shape->size;
+    if (op->nin != 3 || k == 0 || k > in->ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint64_t j = 0; j < k; j++)
+        if (normalized_shape->values[j] != in->dims[in->ndim - k + j])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = eps;
+    op->p[1] = (double)k;
 }
 
 void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim)
@@ -79,6 +158,54 @@ void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim)
         if (d < 0 || d >= (int64_t)ndim)
             return fail(op, ACLNN_ERR_PARAM_INVALID);
         op->reduce_mask |= 1u << d;
+    }
+}
+
+static int64_t normalize_dim(int64_t dim, uint32_t ndim)
+{
+    return dim < 0 ? dim + (int64_t)ndim : dim;
+}
+
+void sim_op_softmax_dim(sim_op *op, int64_t dim)
+{
+    dim = normalize_dim(dim, op->in[0].ndim);
+    if (op->nin != 1 || dim < 0 || dim >= (int64_t)op->in[0].ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = (double)dim;
+}
+
+void sim_op_gather(sim_op *op, int64_t dim, int embedding)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    sim_view *self = &op->in[0], *index = &op->in[1], *out = &op->out;
+    dim = normalize_dim(dim, self->ndim);
+    if (op->nin != 2 || dim < 0 || dim >= (int64_t)self->ndim || sim_dtype_is_float(index->dtype))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->gather_stride = self->strides[dim];
+    op->gather_size = self->dims[dim];
+    if (embedding) {
+        /* out = index dims + [cols]: the index repeats along cols, the table walks cols */
+        if (self->ndim != 2 || out->ndim != index->ndim + 1 || out->ndim > SIM_MAX_DIMS ||
+            out->dims[index->ndim] != self->dims[1])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        for (uint32_t k = 0; k < index->ndim; k++) {
+            if (out->dims[k] != index->dims[k])
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+            op->gather_walk[k] = 0;
+        }
+        op->gather_walk[index->ndim] = self->strides[1];
+        index->dims[index->ndim] = out->dims[index->ndim];
+        index->strides[index->ndim] = 0;
+        index->ndim++;
+        return;
+    }
+    if (index->ndim != self->ndim || out->ndim != index->ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t k = 0; k < out->ndim; k++) {
+        if (out->dims[k] != index->dims[k] || ((int64_t)k != dim && index->dims[k] > self->dims[k]))
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        op->gather_walk[k] = (int64_t)k == dim ? 0 : self->strides[k];
     }
 }
 
@@ -111,12 +238,20 @@ static int broadcast_strides(const sim_view *in, const sim_view *out, uint32_t n
     return 1;
 }
 
-static aclnnStatus check_elementwise(const sim_op *op)
+static aclnnStatus check_elementwise(sim_op *op)
 {
     int64_t eff[SIM_MAX_DIMS];
-    for (uint32_t i = 0; i < op->nin; i++)
-        if (!op->in_const[i] && !broadcast_strides(&op->in[i], &op->out, op->out.ndim, eff))
+    for (uint32_t i = 0; i < op->nin; i++) {
+        if (op->in_kind[i] == SIM_IN_TENSOR && !broadcast_strides(&op->in[i], &op->out, op->out.ndim, eff))
             return ACLNN_ERR_PARAM_INVALID;
+        if (op->in_kind[i] == SIM_IN_INDEX) {
+            int64_t d = (int64_t)op->in_value[i];
+            d = d < 0 ? d + (int64_t)op->out.ndim : d;
+            if (d < 0 || d >= (int64_t)op->out.ndim)
+                return ACLNN_ERR_PARAM_INVALID;
+            op->in_value[i] = (double)d;
+        }
+    }
     return ACLNN_SUCCESS;
 }
 
@@ -174,6 +309,17 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         break;
     case SIM_MATMUL:
         st = op->nin >= 2 ? check_matmul(op) : ACLNN_ERR_PARAM_INVALID;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
+    case SIM_SOFTMAX:
+    case SIM_SCAN:
+        st = op->in[0].ndim == op->out.ndim && memcmp(op->in[0].dims, op->out.dims, op->out.ndim * sizeof(int64_t)) == 0
+                 ? ACLNN_SUCCESS : ACLNN_ERR_PARAM_INVALID;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
+    case SIM_GATHER: st = ACLNN_SUCCESS; break; /* checked by sim_op_gather */
+    case SIM_LAYER_NORM:
+        st = check_elementwise(op); /* weight and bias broadcast over out's trailing dims */
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     default: st = ACLNN_ERR_PARAM_INVALID;
@@ -242,8 +388,10 @@ static void run_elementwise(const sim_op *op)
     int64_t strides[SIM_OP_MAX_INPUTS + 1][SIM_MAX_DIMS];
     uint32_t n = op->nin;
     for (uint32_t i = 0; i < n; i++)
-        if (!op->in_const[i])
+        if (op->in_kind[i] == SIM_IN_TENSOR)
             broadcast_strides(&op->in[i], &op->out, op->out.ndim, strides[i]);
+        else
+            memset(strides[i], 0, sizeof strides[i]);
     memcpy(strides[n], op->out.strides, sizeof strides[n]);
     walker w;
     walk_start(&w, op->out.ndim, op->out.dims, n + 1, strides);
@@ -252,7 +400,9 @@ static void run_elementwise(const sim_op *op)
      * (out aliasing an input element for element) are safe. */
     for (int64_t e = numel(&op->out); e > 0; e--, walk_next(&w)) {
         for (uint32_t i = 0; i < n; i++)
-            x[i] = op->in_const[i] ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]));
+            x[i] = op->in_kind[i] == SIM_IN_TENSOR ? sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]))
+                   : op->in_kind[i] == SIM_IN_CONST ? op->in_value[i]
+                                                     : (double)w.index[(int)op->in_value[i]];
         sim_store(op->out.dtype, element(&op->out, w.offs[n]), op->def->fn(x, op->p));
     }
 }
@@ -294,7 +444,7 @@ static void run_reduce(const sim_op *op)
         acc[w.offs[1]] += sim_load(in->dtype, element(in, w.offs[0]));
     walk_start(&w, out->ndim, out->dims, 1, (int64_t(*)[SIM_MAX_DIMS])out->strides);
     for (int64_t e = 0; e < out_count; e++, walk_next(&w))
-        sim_store(out->dtype, element(out, w.offs[0]), op->def->mean ? acc[e] / (double)reduced : acc[e]);
+        sim_store(out->dtype, element(out, w.offs[0]), op->def->variant ? acc[e] / (double)reduced : acc[e]);
     free(acc);
 }
 
@@ -330,6 +480,142 @@ static void run_matmul(const sim_op *op)
     }
 }
 
+/* Calls row(op, in_base, out_base) for every line of in0 (and of out, same
+ * dims) along dim p[0]; a line's elements are strides[dim] apart. */
+static void for_each_line(const sim_op *op, void (*line)(const sim_op *op, int64_t in_base, int64_t out_base))
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t line_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    memcpy(line_dims, in->dims, sizeof line_dims);
+    line_dims[dim] = 1;
+    memcpy(strides[0], in->strides, sizeof strides[0]);
+    memcpy(strides[1], out->strides, sizeof strides[1]);
+    int64_t n = in->dims[dim];
+    walker w;
+    walk_start(&w, in->ndim, line_dims, 2, strides);
+    for (int64_t r = n > 0 ? numel(in) / n : 0; r > 0; r--, walk_next(&w))
+        line(op, w.offs[0], w.offs[1]);
+}
+
+/* out = exp(x - max) / sum along the line, or its log */
+static void softmax_line(const sim_op *op, int64_t ib, int64_t ob)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    double max = -INFINITY, sum = 0;
+    for (int64_t i = 0; i < n; i++)
+        max = fmax(max, sim_load(in->dtype, element(in, ib + i * si)));
+    for (int64_t i = 0; i < n; i++)
+        sum += exp(sim_load(in->dtype, element(in, ib + i * si)) - max);
+    for (int64_t i = 0; i < n; i++) {
+        double shifted = sim_load(in->dtype, element(in, ib + i * si)) - max;
+        sim_store(out->dtype, element(out, ob + i * so), op->def->variant ? shifted - log(sum) : exp(shifted) / sum);
+    }
+}
+
+/* running sum (or product) along the line */
+static void scan_line(const sim_op *op, int64_t ib, int64_t ob)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
+    double acc = op->def->variant ? 1 : 0;
+    for (int64_t i = 0; i < n; i++) {
+        double v = sim_load(in->dtype, element(in, ib + i * si));
+        acc = op->def->variant ? acc * v : acc + v;
+        sim_store(out->dtype, element(out, ob + i * so), acc);
+    }
+}
+
+static double input_at(const sim_op *op, uint32_t i, int64_t off)
+{
+    return op->in_kind[i] == SIM_IN_CONST ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], off));
+}
+
+/* Each row (the leading dims) normalised over the trailing p[1] dims. */
+static void run_layer_norm(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    uint32_t k = (uint32_t)op->p[1], lead = in->ndim - k;
+    int64_t lead_strides[4][SIM_MAX_DIMS] = {{0}}, trail_strides[4][SIM_MAX_DIMS] = {{0}};
+    for (uint32_t d = 0; d < lead; d++) {
+        lead_strides[0][d] = in->strides[d];
+        lead_strides[1][d] = out->strides[d];
+        for (int j = 0; j < 2; j++)
+            lead_strides[2 + j][d] = d < op->extra_out[j].ndim ? op->extra_out[j].strides[d] : 0;
+    }
+    int64_t wb[2][SIM_MAX_DIMS];
+    for (uint32_t j = 0; j < 2; j++)
+        if (op->in_kind[1 + j] == SIM_IN_TENSOR)
+            broadcast_strides(&op->in[1 + j], out, out->ndim, wb[j]);
+        else
+            memset(wb[j], 0, sizeof wb[j]);
+    for (uint32_t d = 0; d < k; d++) {
+        trail_strides[0][d] = in->strides[lead + d];
+        trail_strides[1][d] = out->strides[lead + d];
+        trail_strides[2][d] = wb[0][lead + d];
+        trail_strides[3][d] = wb[1][lead + d];
+    }
+    int64_t rows = 1, n = 1;
+    for (uint32_t d = 0; d < in->ndim; d++)
+        *(d < lead ? &rows : &n) *= in->dims[d];
+    walker rw;
+    walk_start(&rw, lead, in->dims, 4, lead_strides);
+    for (int64_t r = n > 0 ? rows : 0; r > 0; r--, walk_next(&rw)) {
+        walker w;
+        double sum = 0, sq = 0;
+        walk_start(&w, k, in->dims + lead, 1, trail_strides);
+        for (int64_t e = 0; e < n; e++, walk_next(&w))
+            sum += sim_load(in->dtype, element(in, rw.offs[0] + w.offs[0]));
+        double mean = sum / (double)n;
+        walk_start(&w, k, in->dims + lead, 1, trail_strides);
+        for (int64_t e = 0; e < n; e++, walk_next(&w)) {
+            double dv = sim_load(in->dtype, element(in, rw.offs[0] + w.offs[0])) - mean;
+            sq += dv * dv;
+        }
+        double rstd = 1.0 / sqrt(sq / (double)n + op->p[0]);
+        walk_start(&w, k, in->dims + lead, 4, trail_strides);
+        for (int64_t e = 0; e < n; e++, walk_next(&w)) {
+            double v = (sim_load(in->dtype, element(in, rw.offs[0] + w.offs[0])) - mean) * rstd;
+            v = v * input_at(op, 1, w.offs[2]) + input_at(op, 2, w.offs[3]);
+            sim_store(out->dtype, element(out, rw.offs[1] + w.offs[1]), v);
+        }
+        double stats[2] = {mean, rstd};
+        for (int j = 0; j < 2; j++)
+            if (op->extra_out[j].data != NULL)
+                sim_store(op->extra_out[j].dtype, element(&op->extra_out[j], rw.offs[2 + j]), stats[j]);
+    }
+}
+
+/* An index outside the indexed dim reads nothing: the element is stored as 0
+ * and reported (on the device it would read whatever lies there, or fault). */
+static void run_gather(const sim_op *op)
+{
+    const sim_view *self = &op->in[0], *index = &op->in[1], *out = &op->out;
+    int64_t strides[3][SIM_MAX_DIMS];
+    memcpy(strides[0], op->gather_walk, sizeof strides[0]);
+    memcpy(strides[1], index->strides, sizeof strides[1]);
+    memcpy(strides[2], out->strides, sizeof strides[2]);
+    walker w;
+    walk_start(&w, out->ndim, out->dims, 3, strides);
+    int64_t bad = 0;
+    for (int64_t e = numel(out); e > 0; e--, walk_next(&w)) {
+        int64_t i = (int64_t)sim_load(index->dtype, element(index, w.offs[1]));
+        if (i < 0)
+            i += op->gather_size;
+        double v = 0;
+        if (i >= 0 && i < op->gather_size)
+            v = sim_load(self->dtype, element(self, w.offs[0] + i * op->gather_stride));
+        else
+            bad++;
+        sim_store(out->dtype, element(out, w.offs[2]), v);
+    }
+    if (bad > 0)
+        fprintf(stderr, "aclsim: %s: %lld index value(s) out of range\n", op->def->kind.name, (long long)bad);
+}
+
 static void compute(void *ctx)
 {
     const sim_op *op = ctx;
@@ -337,17 +623,112 @@ static void compute(void *ctx)
     case SIM_ELEMENTWISE: run_elementwise(op); break;
     case SIM_REDUCE: run_reduce(op); break;
     case SIM_MATMUL: run_matmul(op); break;
+    case SIM_SOFTMAX: for_each_line(op, softmax_line); break;
+    case SIM_SCAN: for_each_line(op, scan_line); break;
+    case SIM_GATHER: run_gather(op); break;
+    case SIM_LAYER_NORM: run_layer_norm(op); break;
     }
 }
 
 void sim_op_finish(const void *params)
 {
     const sim_op *op = params;
-    simrt_range ranges[SIM_OP_MAX_INPUTS + 1];
+    simrt_range ranges[SIM_OP_MAX_INPUTS + 3];
     size_t n = 0;
     for (uint32_t i = 0; i < op->nin; i++)
-        if (!op->in_const[i])
+        if (op->in_kind[i] == SIM_IN_TENSOR)
             ranges[n++] = extent(&op->in[i]);
     ranges[n++] = extent(&op->out);
+    for (int j = 0; j < 2; j++)
+        if (op->extra_out[j].data != NULL)
+            ranges[n++] = extent(&op->extra_out[j]);
     simrt_DeviceAccess(ranges, n, op->def->kind.name, compute, (void *)op);
+}
+
+/* ---- Cat / Stack ---- */
+
+static double identity(const double *x, const double *p)
+{
+    (void)p;
+    return x[0];
+}
+
+static const sim_op_def copy_def = {{"aclnnCat", sim_op_finish}, SIM_ELEMENTWISE, identity, 0};
+
+aclnnStatus sim_cat_create(const sim_op_def *def, const aclTensorList *tensors, int64_t dim, int stack,
+                           const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)
+{
+    if (workspaceSize == NULL || executor == NULL ||
+        live(tensors, SIM_TENSORLIST_MAGIC, def->kind.name) == NULL ||
+        live(out, SIM_TENSOR_MAGIC, def->kind.name) == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    sim_cat *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return ACLNN_ERR_INNER_NULLPTR;
+    aclnnStatus st = ACLNN_ERR_PARAM_INVALID;
+    c->def = def;
+    c->out = out->view;
+    dim = normalize_dim(dim, c->out.ndim);
+    if (tensors->size == 0 || tensors->size > SIM_CAT_MAX || dim < 0 || dim >= (int64_t)c->out.ndim)
+        goto done;
+    c->n = (uint32_t)tensors->size;
+    c->dim = (uint32_t)dim;
+    int64_t total = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        const aclTensor *t = live(tensors->tensors[i], SIM_TENSOR_MAGIC, def->kind.name);
+        if (t == NULL) {
+            st = ACLNN_ERR_PARAM_NULLPTR;
+            goto done;
+        }
+        sim_view v = t->view;
+        if (stack) { /* a new size-1 dim at `dim` */
+            if (v.ndim + 1 != c->out.ndim)
+                goto done;
+            memmove(&v.dims[dim + 1], &v.dims[dim], (v.ndim - dim) * sizeof(int64_t));
+            memmove(&v.strides[dim + 1], &v.strides[dim], (v.ndim - dim) * sizeof(int64_t));
+            v.dims[dim] = 1, v.strides[dim] = 0, v.ndim++;
+        }
+        /* torch.cat skips 1-D empty tensors */
+        if (v.ndim == 1 && v.dims[0] == 0 && c->out.ndim != 1)
+            v = (sim_view){.dtype = v.dtype, .ndim = c->out.ndim, .dims = {0}};
+        if (v.ndim != c->out.ndim)
+            goto done;
+        for (uint32_t k = 0; k < v.ndim; k++)
+            if (k != (uint32_t)dim && v.dims[k] != c->out.dims[k] && numel(&v) != 0)
+                goto done;
+        total += v.dims[dim];
+        c->in[i] = v;
+    }
+    if (total != c->out.dims[dim])
+        goto done;
+    *workspaceSize = 0;
+    st = simrt_CreateExecutor(&def->kind, c, sizeof *c, 0, executor);
+done:
+    free(c);
+    return st;
+}
+
+static void cat_compute(void *ctx)
+{
+    const sim_cat *c = ctx;
+    int64_t start = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        sim_op piece = {.def = &copy_def, .nin = 1, .in = {c->in[i]}, .out = c->out};
+        piece.out.dims[c->dim] = c->in[i].dims[c->dim];
+        piece.out.offset += start * c->out.strides[c->dim];
+        start += c->in[i].dims[c->dim];
+        if (numel(&c->in[i]) > 0)
+            run_elementwise(&piece);
+    }
+}
+
+void sim_cat_finish(const void *params)
+{
+    const sim_cat *c = params;
+    simrt_range ranges[SIM_CAT_MAX + 1];
+    size_t n = 0;
+    for (uint32_t i = 0; i < c->n; i++)
+        ranges[n++] = extent(&c->in[i]);
+    ranges[n++] = extent(&c->out);
+    simrt_DeviceAccess(ranges, n, c->def->kind.name, cat_compute, (void *)c);
 }

@@ -5,11 +5,18 @@
  * elapsed on the stream worker, the engine checks every device range the op
  * touches and computes in double, converting per element on load and store.
  *
- * Three op shapes cover the simulated set:
+ * Five op shapes cover the simulated set:
  *   elementwise  out = fn(in0, in1, in2; params) with broadcasting; an input
- *                may be a constant (an aclScalar)
+ *                may be a constant (an aclScalar) or the element's index
+ *                along one of out's dims (Arange, Eye, Tril...)
  *   reduce       sum (or mean) of in0 over a set of dims into out
  *   matmul       out = beta * in2 + alpha * (in0 @ in1), batched, broadcast batch
+ *   softmax      (log-)softmax of in0 along one dim
+ *   scan         cumulative sum (or product) of in0 along one dim
+ *   layer norm   in0 normalised over its last p[1] dims (eps p[0]), times in1
+ *                plus in2; mean and 1/std of each row to the extra outputs
+ *   gather       out[i] = in0 at walk.i + in1[i] * stride of the indexed dim
+ *                (Gather, Embedding: in1 is an integer index tensor)
  */
 #ifndef ACLSIM_ACLNN_ENGINE_H
 #define ACLSIM_ACLNN_ENGINE_H
@@ -22,7 +29,7 @@
 /* Workspace the sim asks for where real CANN asks for one (reductions, matmul). */
 #define SIM_OP_SCRATCH_WORKSPACE 1024u
 
-enum sim_op_shape { SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL };
+enum sim_op_shape { SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER, SIM_LAYER_NORM };
 
 /* x: the inputs of one element, p: the op's parameters (alpha, threshold...). */
 typedef double (*sim_elem_fn)(const double *x, const double *p);
@@ -31,33 +38,73 @@ typedef struct sim_op_def {
     simrt_op_kind kind; /* first: the executor hands finish() the sim_op, whose first field points here */
     enum sim_op_shape shape;
     sim_elem_fn fn;     /* elementwise only */
-    int mean;           /* reduce: divide by the number of reduced elements */
+    int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax; scan: 1 = product */
 } sim_op_def;
+
+enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX };
 
 typedef struct sim_op {
     const sim_op_def *def;
     aclnnStatus error; /* first problem found while building; reported by sim_op_create */
     uint32_t nin;
     uint32_t reduce_mask;
-    uint8_t in_const[SIM_OP_MAX_INPUTS];
+    uint8_t in_kind[SIM_OP_MAX_INPUTS]; /* SIM_IN_TENSOR, SIM_IN_CONST or SIM_IN_INDEX */
     double in_value[SIM_OP_MAX_INPUTS];
     double p[SIM_OP_MAX_PARAMS];
     sim_view in[SIM_OP_MAX_INPUTS];
     sim_view out;
+    /* optional second outputs (layer norm's mean and rstd); ndim 0 + NULL data = absent */
+    sim_view extra_out[2];
+    /* gather: in0's strides along out's dims, and the indexed dim of in0 */
+    int64_t gather_walk[SIM_MAX_DIMS];
+    int64_t gather_stride, gather_size;
 } sim_op;
 
 void sim_op_begin(sim_op *op, const sim_op_def *def);
 void sim_op_input(sim_op *op, const aclTensor *t);
 void sim_op_input_scalar(sim_op *op, const aclScalar *s);
+/* An optional tensor input: the constant `fallback` where t is NULL. */
+void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback);
+/* The element's index along out's dim `dim` (negative counts from the end). */
+void sim_op_input_index(sim_op *op, int64_t dim);
+/* Input i, a 1-D per-channel tensor, broadcasts along out's dim 1 (NCHW's C). */
+void sim_op_channel_input(sim_op *op, uint32_t i);
+/* Reverses in0 along the listed dims (a view with negated strides). */
+void sim_op_flip(sim_op *op, const aclIntArray *dims);
 void sim_op_param(sim_op *op, int i, double value);
 void sim_op_param_scalar(sim_op *op, int i, const aclScalar *s);
+/* As sim_op_param_scalar, `fallback` when s is NULL (an optional argument). */
+void sim_op_param_optional(sim_op *op, int i, const aclScalar *s, double fallback);
 void sim_op_output(sim_op *op, const aclTensor *t);
 /* Reduce only: which dims of in0 are reduced (none given = all) and whether
  * out keeps them as size-1 dims. */
 void sim_op_reduce_dims(sim_op *op, const aclIntArray *dims, int keepdim);
+/* An optional second output (NULL: none). */
+void sim_op_extra_output(sim_op *op, int i, const aclTensor *t);
+/* Layer norm: normalise over the last `ndims` dims, with eps. */
+void sim_op_layer_norm(sim_op *op, const aclIntArray *normalized_shape, double eps);
+/* Softmax and scan: the dim (negative counts from the end). */
+void sim_op_softmax_dim(sim_op *op, int64_t dim);
+/* Gather only, after the inputs and output: out[i] reads in0 with index dim
+ * `dim` replaced by in1's value. Embedding: in0 a [rows, cols] table and out
+ * = in1's dims + [cols] (embedding = 1). */
+void sim_op_gather(sim_op *op, int64_t dim, int embedding);
 /* Validates shapes, then creates the executor (phase 1's result). */
 aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor);
 
 void sim_op_finish(const void *params);
+
+/* Cat and Stack: every tensor of a list copied into its slice of out along
+ * dim (Stack: each tensor is a size-1 slice of a new dim). Their own params. */
+#define SIM_CAT_MAX 20
+typedef struct sim_cat {
+    const sim_op_def *def;
+    uint32_t n, dim;
+    sim_view out;
+    sim_view in[SIM_CAT_MAX];
+} sim_cat;
+aclnnStatus sim_cat_create(const sim_op_def *def, const aclTensorList *tensors, int64_t dim, int stack,
+                           const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor);
+void sim_cat_finish(const void *params);
 
 #endif

@@ -17,8 +17,8 @@
         return simrt_LaunchExecutor("aclnn" #Name, workspace, workspaceSize, executor, stream);         \
     }
 
-#define DEF(Name, shape, fn, mean) \
-    static const sim_op_def def_##Name = {{"aclnn" #Name, sim_op_finish}, shape, fn, mean};
+#define DEF(Name, shape, fn, variant) \
+    static const sim_op_def def_##Name = {{"aclnn" #Name, sim_op_finish}, shape, fn, variant};
 
 #define ELEM_FN(Name, expr) \
     static double fn_##Name(const double *x, const double *p) { (void)x, (void)p; return (expr); }
@@ -141,7 +141,17 @@ UNARY(Floor, floor(x[0]))
 UNARY(Ceil, ceil(x[0]))
 UNARY(Round, nearbyint(x[0]))
 UNARY(Trunc, trunc(x[0]))
+UNARY(Asinh, asinh(x[0]))
+UNARY(Acosh, acosh(x[0]))
+UNARY(Atanh, atanh(x[0]))
+UNARY(Erfc, erfc(x[0]))
+UNARY(Frac, x[0] - trunc(x[0]))
+UNARY(Sinc, x[0] == 0 ? 1.0 : sin(M_PI * x[0]) / (M_PI * x[0]))
+UNARY(Mish, x[0] * tanh(log1p(exp(x[0]))))
 UNARY(LogicalNot, x[0] == 0)
+UNARY(Signbit, signbit(x[0]) != 0)
+UNARY(IsPosInf, isinf(x[0]) && x[0] > 0)
+UNARY(IsNegInf, isinf(x[0]) && x[0] < 0)
 UNARY(IsFinite, isfinite(x[0]) != 0)
 UNARY(IsInf, isinf(x[0]) != 0)
 
@@ -166,6 +176,14 @@ BINARY(ClampMinTensor, nan_max(x[0], x[1]))
 BINARY(ClampMaxTensor, nan_min(x[0], x[1]))
 BINARY(LogicalAnd, x[0] != 0 && x[1] != 0)
 BINARY(LogicalOr, x[0] != 0 || x[1] != 0)
+BINARY(LogicalXor, (x[0] != 0) != (x[1] != 0))
+BINARY(LogAddExp, fmax(x[0], x[1]) + log1p(exp(-fabs(x[0] - x[1]))))
+BINARY(LogAddExp2, fmax(x[0], x[1]) + log2(1.0 + exp2(-fabs(x[0] - x[1]))))
+/* backward ops: (gradOutput, saved, gradInput) */
+BINARY(SigmoidBackward, x[0] * x[1] * (1.0 - x[1]))
+BINARY(TanhBackward, x[0] * (1.0 - x[1] * x[1]))
+BINARY(SiluBackward, x[0] * sigmoid(x[1]) * (1.0 + x[1] * (1.0 - sigmoid(x[1]))))
+BINARY(GeluBackward, x[0] * (0.5 * (1.0 + erf(x[1] / sqrt(2.0))) + x[1] * exp(-0.5 * x[1] * x[1]) / sqrt(2.0 * M_PI)))
 COMPARE(Eq, x[0] == x[1])
 COMPARE(Ne, x[0] != x[1])
 COMPARE(Gt, x[0] > x[1])
@@ -173,7 +191,88 @@ COMPARE(Ge, x[0] >= x[1])
 COMPARE(Lt, x[0] < x[1])
 COMPARE(Le, x[0] <= x[1])
 
+/* (self, end, weight, out): self + weight * (end - self); Lerps: weight an aclScalar */
+ELEM_FN(Lerp, x[0] + x[2] * (x[1] - x[0]))
+DEF(Lerp, SIM_ELEMENTWISE, fn_Lerp, 0)
+DEF(Lerps, SIM_ELEMENTWISE, fn_Lerp, 0)
+EXPORT aclnnStatus aclnnLerpGetWorkspaceSize(const aclTensor *self, const aclTensor *end, const aclTensor *weight,
+                                             aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Lerp);
+    sim_op_input(&op, self);
+    sim_op_input(&op, end);
+    sim_op_input(&op, weight);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Lerp)
+EXPORT aclnnStatus aclnnLerpsGetWorkspaceSize(const aclTensor *self, const aclTensor *end, const aclScalar *weight,
+                                              aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Lerps);
+    sim_op_input(&op, self);
+    sim_op_input(&op, end);
+    sim_op_input_scalar(&op, weight);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Lerps)
+
+/* (self, weight, out): weight has one slope per channel (dim 1) or one for all */
+ELEM_FN(Prelu, x[0] > 0 ? x[0] : x[1] * x[0])
+DEF(Prelu, SIM_ELEMENTWISE, fn_Prelu, 0)
+EXPORT aclnnStatus aclnnPreluGetWorkspaceSize(const aclTensor *self, const aclTensor *weight, aclTensor *out,
+                                              WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Prelu);
+    sim_op_input(&op, self);
+    sim_op_input(&op, weight);
+    sim_op_output(&op, out);
+    sim_op_channel_input(&op, 1);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Prelu)
+
 UNARY_P1(LeakyRelu, x[0] > 0 ? x[0] : x[0] * p[0])
+/* (self, min, max, out); either bound may be NULL */
+ELEM_FN(Clamp, nan_min(nan_max(x[0], p[0]), p[1]))
+ELEM_FN(ClampTensor, nan_min(nan_max(x[0], x[1]), x[2]))
+DEF(Clamp, SIM_ELEMENTWISE, fn_Clamp, 0)
+EXPORT aclnnStatus aclnnClampGetWorkspaceSize(const aclTensor *self, const aclScalar *min, const aclScalar *max,
+                                              aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Clamp);
+    sim_op_input(&op, self);
+    sim_op_param_optional(&op, 0, min, -INFINITY);
+    sim_op_param_optional(&op, 1, max, INFINITY);
+    sim_op_output(&op, out);
+    if (min == NULL && max == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Clamp)
+
+/* (self, alpha, scale, inputScale, out) */
+ELEM_FN(Elu, x[0] > 0 ? p[1] * x[0] : p[1] * p[0] * expm1(x[0] * p[2]))
+DEF(Elu, SIM_ELEMENTWISE, fn_Elu, 0)
+EXPORT aclnnStatus aclnnEluGetWorkspaceSize(const aclTensor *self, const aclScalar *alpha, const aclScalar *scale,
+                                            const aclScalar *inputScale, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Elu);
+    sim_op_input(&op, self);
+    sim_op_param_scalar(&op, 0, alpha);
+    sim_op_param_scalar(&op, 1, scale);
+    sim_op_param_scalar(&op, 2, inputScale);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Elu)
+
 UNARY_P2(Hardtanh, nan_min(nan_max(x[0], p[0]), p[1]))
 UNARY_P2(Softplus, x[0] * p[0] > p[1] ? x[0] : log1p(exp(x[0] * p[0])) / p[0])
 
@@ -349,3 +448,250 @@ EXPORT aclnnStatus aclnnAddmmGetWorkspaceSize(const aclTensor *self, const aclTe
     return sim_op_create(&op, workspaceSize, executor);
 }
 PHASE2(Addmm)
+
+/* ---- ops over the element's index ---- */
+/* (start, end, step, out): out[i] = start + i * step; Range is Arange with an inclusive end,
+ * the same formula over the out the caller sized */
+ELEM_FN(Arange, p[0] + x[0] * p[2])
+#define ARANGE(Name)                                                                                 \
+    DEF(Name, SIM_ELEMENTWISE, fn_Arange, 0)                                                         \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclScalar *start, const aclScalar *end,  \
+                                                     const aclScalar *step, aclTensor *out, WS_ARGS) \
+    {                                                                                                \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_param_scalar(&op, 0, start);                                                          \
+        sim_op_param_scalar(&op, 1, end);                                                            \
+        sim_op_param_scalar(&op, 2, step);                                                           \
+        sim_op_output(&op, out);                                                                     \
+        sim_op_input_index(&op, 0);                                                                  \
+        if (op.error == ACLNN_SUCCESS && (op.out.ndim != 1 || op.p[2] == 0))                         \
+            return ACLNN_ERR_PARAM_INVALID;                                                          \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+ARANGE(Arange)
+ARANGE(Range)
+
+/* (start, end, steps, out): steps values from start to end inclusive */
+ELEM_FN(Linspace, p[2] <= 1 ? p[0] : p[0] + x[0] * (p[1] - p[0]) / (p[2] - 1))
+DEF(Linspace, SIM_ELEMENTWISE, fn_Linspace, 0)
+EXPORT aclnnStatus aclnnLinspaceGetWorkspaceSize(const aclScalar *start, const aclScalar *end, int64_t steps,
+                                                 aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Linspace);
+    sim_op_param_scalar(&op, 0, start);
+    sim_op_param_scalar(&op, 1, end);
+    sim_op_param(&op, 2, (double)steps);
+    sim_op_output(&op, out);
+    sim_op_input_index(&op, 0);
+    if (op.error == ACLNN_SUCCESS && (op.out.ndim != 1 || op.out.dims[0] != steps))
+        return ACLNN_ERR_PARAM_INVALID;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Linspace)
+
+/* (n, m, out): the identity */
+ELEM_FN(Eye, x[0] == x[1])
+DEF(Eye, SIM_ELEMENTWISE, fn_Eye, 0)
+EXPORT aclnnStatus aclnnEyeGetWorkspaceSize(int64_t n, int64_t m, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Eye);
+    sim_op_output(&op, out);
+    sim_op_input_index(&op, 0);
+    sim_op_input_index(&op, 1);
+    if (op.error == ACLNN_SUCCESS && (op.out.ndim != 2 || op.out.dims[0] != n || op.out.dims[1] != m))
+        return ACLNN_ERR_PARAM_INVALID;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Eye)
+
+/* (self, diagonal, out): keep the elements on and below (Tril) or above (Triu) the diagonal */
+ELEM_FN(Tril, x[2] - x[1] <= p[0] ? x[0] : 0)
+ELEM_FN(Triu, x[2] - x[1] >= p[0] ? x[0] : 0)
+#define TRIANGLE(Name)                                                                               \
+    DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                                                         \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, int64_t diagonal,        \
+                                                     aclTensor *out, WS_ARGS)                        \
+    {                                                                                                \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_input(&op, self);                                                                     \
+        sim_op_input_index(&op, -2);                                                                 \
+        sim_op_input_index(&op, -1);                                                                 \
+        sim_op_param(&op, 0, (double)diagonal);                                                      \
+        sim_op_output(&op, out);                                                                     \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+TRIANGLE(Tril)
+TRIANGLE(Triu)
+
+/* (self, dims, out) */
+DEF(Flip, SIM_ELEMENTWISE, fn_Identity, 0)
+EXPORT aclnnStatus aclnnFlipGetWorkspaceSize(const aclTensor *self, const aclIntArray *dims, aclTensor *out,
+                                             WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Flip);
+    sim_op_input(&op, self);
+    sim_op_flip(&op, dims);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Flip)
+
+/* (self, min, max, out): tensor bounds, either may be NULL */
+DEF(ClampTensor, SIM_ELEMENTWISE, fn_ClampTensor, 0)
+EXPORT aclnnStatus aclnnClampTensorGetWorkspaceSize(const aclTensor *self, const aclTensor *min,
+                                                    const aclTensor *max, aclTensor *out, WS_ARGS)
+{
+    if (min == NULL && max == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    sim_op op;
+    sim_op_begin(&op, &def_ClampTensor);
+    sim_op_input(&op, self);
+    sim_op_input_optional(&op, min, -INFINITY);
+    sim_op_input_optional(&op, max, INFINITY);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(ClampTensor)
+
+/* (self, tensor1, tensor2, value, out): self + value * tensor1 (* or /) tensor2 */
+#define ADDC(Name, expr)                                                                             \
+    ELEM_FN(Name, expr) DEF(Name, SIM_ELEMENTWISE, fn_##Name, 0)                                     \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, const aclTensor *tensor1, \
+                                                     const aclTensor *tensor2, const aclScalar *value, \
+                                                     aclTensor *out, WS_ARGS)                        \
+    {                                                                                                \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_input(&op, self);                                                                     \
+        sim_op_input(&op, tensor1);                                                                  \
+        sim_op_input(&op, tensor2);                                                                  \
+        sim_op_param_scalar(&op, 0, value);                                                          \
+        sim_op_output(&op, out);                                                                     \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+ADDC(Addcmul, x[0] + p[0] * x[1] * x[2])
+ADDC(Addcdiv, x[0] + p[0] * x[1] / x[2])
+
+/* ---- (log-)softmax: (self, dim, out) ---- */
+#define SOFTMAX(Name, log)                                                                           \
+    DEF(Name, SIM_SOFTMAX, NULL, log)                                                                \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, int64_t dim, aclTensor *out, \
+                                                     WS_ARGS)                                        \
+    {                                                                                                \
+        sim_op op;                                                                                   \
+        sim_op_begin(&op, &def_##Name);                                                              \
+        sim_op_input(&op, self);                                                                     \
+        sim_op_softmax_dim(&op, dim);                                                                \
+        sim_op_output(&op, out);                                                                     \
+        return sim_op_create(&op, workspaceSize, executor);                                          \
+    }                                                                                                \
+    PHASE2(Name)
+SOFTMAX(Softmax, 0)
+SOFTMAX(LogSoftmax, 1)
+
+/* ---- cumulative: (self, dim, dtype, out); Cumprod's dim is an aclScalar ---- */
+DEF(Cumsum, SIM_SCAN, NULL, 0)
+DEF(Cumprod, SIM_SCAN, NULL, 1)
+
+static aclnnStatus scan(const sim_op_def *def, const aclTensor *self, int64_t dim, aclDataType dtype,
+                        aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input(&op, self);
+    sim_op_softmax_dim(&op, dim);
+    sim_op_output(&op, out);
+    if (op.error == ACLNN_SUCCESS && op.out.dtype != (int32_t)dtype)
+        return ACLNN_ERR_PARAM_INVALID;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+EXPORT aclnnStatus aclnnCumsumGetWorkspaceSize(const aclTensor *self, int64_t dim, aclDataType dtype, aclTensor *out,
+                                               WS_ARGS)
+{
+    return scan(&def_Cumsum, self, dim, dtype, out, workspaceSize, executor);
+}
+PHASE2(Cumsum)
+
+EXPORT aclnnStatus aclnnCumprodGetWorkspaceSize(const aclTensor *self, const aclScalar *dim, aclDataType dtype,
+                                                aclTensor *out, WS_ARGS)
+{
+    sim_op probe;
+    sim_op_begin(&probe, &def_Cumprod);
+    sim_op_param_scalar(&probe, 0, dim);
+    if (probe.error != ACLNN_SUCCESS)
+        return probe.error;
+    return scan(&def_Cumprod, self, (int64_t)probe.p[0], dtype, out, workspaceSize, executor);
+}
+PHASE2(Cumprod)
+
+/* (input, normalizedShape, weight, bias, eps, out, meanOut, rstdOut); weight,
+ * bias, meanOut and rstdOut may be NULL */
+DEF(LayerNorm, SIM_LAYER_NORM, NULL, 0)
+EXPORT aclnnStatus aclnnLayerNormGetWorkspaceSize(const aclTensor *input, const aclIntArray *normalizedShape,
+                                                  const aclTensor *weight, const aclTensor *bias, double eps,
+                                                  aclTensor *out, aclTensor *meanOut, aclTensor *rstdOut,
+                                                  WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_LayerNorm);
+    sim_op_input(&op, input);
+    sim_op_input_optional(&op, weight, 1.0);
+    sim_op_input_optional(&op, bias, 0.0);
+    sim_op_output(&op, out);
+    sim_op_extra_output(&op, 0, meanOut);
+    sim_op_extra_output(&op, 1, rstdOut);
+    sim_op_layer_norm(&op, normalizedShape, eps);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(LayerNorm)
+
+/* ---- indexing ---- */
+DEF(Gather, SIM_GATHER, NULL, 0)
+EXPORT aclnnStatus aclnnGatherGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                               aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Gather);
+    sim_op_input(&op, self);
+    sim_op_input(&op, index);
+    sim_op_output(&op, out);
+    sim_op_gather(&op, dim, 0);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Gather)
+
+/* (weight, indices, out): out[i..., :] = weight[indices[i...], :] */
+DEF(Embedding, SIM_GATHER, NULL, 0)
+EXPORT aclnnStatus aclnnEmbeddingGetWorkspaceSize(const aclTensor *weight, const aclTensor *indices, aclTensor *out,
+                                                  WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Embedding);
+    sim_op_input(&op, weight);
+    sim_op_input(&op, indices);
+    sim_op_output(&op, out);
+    sim_op_gather(&op, 0, 1);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Embedding)
+
+/* ---- (tensors, dim, out) ---- */
+#define CAT(Name, stack)                                                                             \
+    static const sim_op_def def_##Name = {{"aclnn" #Name, sim_cat_finish}, SIM_ELEMENTWISE, NULL, 0}; \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensorList *tensors, int64_t dim,     \
+                                                     aclTensor *out, WS_ARGS)                        \
+    {                                                                                                \
+        return sim_cat_create(&def_##Name, tensors, dim, stack, out, workspaceSize, executor);      \
+    }                                                                                                \
+    PHASE2(Name)
+CAT(Cat, 0)
+CAT(Stack, 1)

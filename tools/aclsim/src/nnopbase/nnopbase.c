@@ -1,6 +1,7 @@
 /* The sim's libnnopbase.so: aclnn initialisation, the executor lifecycle
  * calls (forwarded to the shared executor registry in libaclsim.so) and the
  * tensor/scalar/array descriptors the aclnn operators take. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,18 +83,34 @@ EXPORT aclnnStatus aclDestroyScalar(const aclScalar *scalar)
     return destroy_desc(scalar, SIM_SCALAR_MAGIC, "aclDestroyScalar");
 }
 
-EXPORT aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size)
+/* The array descriptors share one layout: magic, size, then the values. */
+struct sim_array {
+    uint32_t magic;
+    uint64_t size;
+    unsigned char values[];
+};
+_Static_assert(offsetof(struct sim_array, values) == offsetof(aclIntArray, values) &&
+                   offsetof(struct sim_array, values) == offsetof(aclBoolArray, values) &&
+                   offsetof(struct sim_array, values) == offsetof(aclTensorList, tensors),
+               "array descriptors share struct sim_array's layout");
+
+static void *new_array(uint32_t magic, const void *values, uint64_t size, size_t elem)
 {
-    if (value == NULL && size > 0)
+    if (values == NULL && size > 0)
         return NULL;
-    aclIntArray *a = calloc(1, sizeof *a + size * sizeof(int64_t));
+    struct sim_array *a = calloc(1, sizeof *a + size * elem);
     if (a == NULL)
         return NULL;
-    a->magic = SIM_INTARRAY_MAGIC;
+    a->magic = magic;
     a->size = size;
     if (size > 0)
-        memcpy(a->values, value, size * sizeof(int64_t));
+        memcpy(a->values, values, size * elem);
     return a;
+}
+
+EXPORT aclIntArray *aclCreateIntArray(const int64_t *value, uint64_t size)
+{
+    return new_array(SIM_INTARRAY_MAGIC, value, size, sizeof(int64_t));
 }
 
 EXPORT aclnnStatus aclDestroyIntArray(const aclIntArray *array)
@@ -103,19 +120,24 @@ EXPORT aclnnStatus aclDestroyIntArray(const aclIntArray *array)
 
 EXPORT aclBoolArray *aclCreateBoolArray(const bool *value, uint64_t size)
 {
-    if (value == NULL && size > 0)
-        return NULL;
-    aclBoolArray *a = calloc(1, sizeof *a + size * sizeof(bool));
-    if (a == NULL)
-        return NULL;
-    a->magic = SIM_BOOLARRAY_MAGIC;
-    a->size = size;
-    if (size > 0)
-        memcpy(a->values, value, size * sizeof(bool));
-    return a;
+    return new_array(SIM_BOOLARRAY_MAGIC, value, size, sizeof(bool));
 }
 
 EXPORT aclnnStatus aclDestroyBoolArray(const aclBoolArray *array)
 {
     return destroy_desc(array, SIM_BOOLARRAY_MAGIC, "aclDestroyBoolArray");
+}
+
+/* The list takes ownership of the tensors (it destroys them). */
+EXPORT aclTensorList *aclCreateTensorList(const aclTensor *const *value, uint64_t size)
+{
+    return new_array(SIM_TENSORLIST_MAGIC, value, size, sizeof(aclTensor *));
+}
+
+EXPORT aclnnStatus aclDestroyTensorList(const aclTensorList *array)
+{
+    if (array != NULL && array->magic == SIM_TENSORLIST_MAGIC)
+        for (uint64_t i = 0; i < array->size; i++)
+            aclDestroyTensor(array->tensors[i]);
+    return destroy_desc(array, SIM_TENSORLIST_MAGIC, "aclDestroyTensorList");
 }

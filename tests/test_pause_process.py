@@ -1,0 +1,215 @@
+"""`npualloc pause <pid>` / `npualloc resume <pid>` on an unmodified pyACL
+training loop: paused from another shell mid-run it stops at its next
+allocation, gives its device memory back (another process can allocate it),
+and after resume finishes with the same losses and checksum as an
+uninterrupted run. Nothing is lost when the pause cannot be taken (plain
+segments, no host memory) or the resume cannot get the memory back."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+from conftest import preload_env, run_python, sim_env
+
+from npualloc.region import Region
+
+MiB = 1 << 20
+HBM_MB = "256"
+# A training-like loop: weights persist on the device, activations of varying
+# sizes come and go each step, and the weights are updated from what the step
+# read back, so any lost or corrupted byte changes every later loss.
+TRAIN = """\
+import hashlib, os, sys
+import acl, aclsim
+def ok(ret):
+    assert ret == 0, ret
+ok(acl.init()); ok(acl.rt.set_device(0))
+MiB = 1 << 20
+def malloc(size):
+    p, ret = acl.rt.malloc(size, 0); ok(ret)
+    return p
+def write(p, data):
+    ok(acl.rt.memcpy(p, len(data), acl.util.bytes_to_ptr(data), len(data), 1))
+def read(p, size):
+    return acl.util.ptr_to_bytes(p, size)
+def pattern(seed, size):
+    block = hashlib.sha256(seed).digest()
+    return (block * (size // len(block) + 1))[:size]
+W = 3 * MiB
+weights = [malloc(W) for _ in range(4)]
+for i, w in enumerate(weights):
+    write(w, pattern(b"init%d" % i, W))
+for step in range(6):
+    acts = []
+    for i, w in enumerate(weights):
+        a = malloc((1 + (step + i) % 4) * MiB + 4096 * step)
+        ok(acl.rt.memcpy(a, MiB, w + step * 4096, MiB, 3))
+        acts.append(a)
+    digest = hashlib.sha256(b"".join(read(a + step * 65536, 256 * 1024) for a in acts)).digest()
+    for i, w in enumerate(weights):
+        write(w + i * 8192, pattern(digest + bytes([i]), 64 * 1024))
+    for a in acts:
+        ok(acl.rt.free(a))
+    print("step", step, "loss", int.from_bytes(digest[:4], "little"), flush=True)
+    if step in (1, 3) and sys.argv[1:] == ["--wait"]:  # stops (outside the allocator) for the test
+        print("waiting", flush=True)
+        sys.stdin.readline()
+print("checksum", hashlib.sha256(b"".join(read(w, W) for w in weights)).hexdigest())
+print("invalid accesses", aclsim.invalid_accesses())
+"""
+EXPANDABLE = "expandable_segments:True"
+
+
+def _env(conf: str = EXPANDABLE) -> dict[str, str]:
+    return preload_env(NPUSIM_HBM_MB=HBM_MB, PYTORCH_NPU_ALLOC_CONF=conf)
+
+
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "npualloc", *args], env=sim_env(), capture_output=True, text=True,
+                          timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _state(pid: int) -> dict:
+    return json.loads(_cli("stats", str(pid), "--json").stdout)
+
+
+def _probe(size_mb: int) -> str:
+    """A second process on the same device: its free memory, and whether size_mb fits."""
+    return run_python(f"""
+        import acl
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        free, total, _ = acl.rt.get_mem_info(1)
+        ptr, ret = acl.rt.malloc({size_mb} << 20, 0)
+        print(free >> 20, ret)
+    """, sim_env(NPUSIM_HBM_MB=HBM_MB)).stdout.strip()
+
+
+class Trainer:
+    """The loop, stopped after step 1 until go() (not in an allocator call)."""
+
+    def __init__(self, conf: str = EXPANDABLE):
+        self.proc = subprocess.Popen([sys.executable, "-c", TRAIN, "--wait"], env=_env(conf), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lines = [self._line(), self._line()]
+        assert self._line() == "waiting"
+
+    def _line(self) -> str:
+        return self.proc.stdout.readline().rstrip("\n")
+
+    def pause_at_next_allocation(self, *extra: str) -> subprocess.CompletedProcess:
+        """Posts the pause, then (once it is posted) lets the loop go on to its next allocation."""
+        with Region(self.proc.pid) as region:
+            posted = region.command_seq()
+            cli = subprocess.Popen([sys.executable, "-m", "npualloc", "pause", str(self.proc.pid), "--timeout", "60",
+                                    *extra], env=sim_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            while region.command_seq() == posted and cli.poll() is None:
+                os.sched_yield()
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        out, err = cli.communicate(timeout=120)
+        return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+
+    def finish(self) -> list[str]:
+        out, err = self.proc.communicate("go\n", timeout=120)
+        assert self.proc.returncode == 0, err
+        self.stderr = err
+        return self.lines + [line for line in out.splitlines() if line != "waiting"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _uninterrupted() -> list[str]:
+    out = subprocess.run([sys.executable, "-c", TRAIN], env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_paused_from_another_shell_releases_everything_and_finishes_the_same():
+    expected = _uninterrupted()
+    assert expected[-1] == "invalid accesses 0" and len(expected) == 8
+    trainer = Trainer()
+    try:
+        paused = trainer.pause_at_next_allocation()
+        assert paused.returncode == 0 and "paused" in paused.stdout, paused.stderr
+        state = _state(trainer.proc.pid)
+        assert state["state"] == "paused" and state["paused_bytes"] >= 12 * MiB and state["backup_bytes"] >= 12 * MiB
+        assert "[paused]" in _cli("ls").stdout
+        # Its memory is the device's again: all of it, for another process.
+        assert _probe(int(HBM_MB) - 8) == f"{HBM_MB} 0"
+        assert trainer.proc.poll() is None   # still there, blocked in its allocation
+        assert "resumed" in _cli("resume", str(trainer.proc.pid)).stdout
+        assert trainer.finish() == expected  # same losses, same checksum, nothing touched paused memory
+    finally:
+        trainer.kill()
+
+
+def test_a_resume_without_memory_keeps_the_process_paused_and_can_be_retried():
+    expected = _uninterrupted()
+    trainer = Trainer()
+    taker = None
+    try:
+        assert trainer.pause_at_next_allocation().returncode == 0
+        taker = subprocess.Popen([sys.executable, "-c", "import acl,sys\nassert acl.init()==0 and "
+                                  "acl.rt.set_device(0)==0\nprint(acl.rt.malloc(240<<20,0)[1],flush=True)\n"
+                                  "sys.stdin.readline()"], env=sim_env(NPUSIM_HBM_MB=HBM_MB), text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert taker.stdout.readline() == "0\n"
+        refused = _cli("resume", str(trainer.proc.pid), check=False)
+        assert refused.returncode == 9 and "stays paused with its backup" in refused.stderr, refused.stderr
+        assert _state(trainer.proc.pid)["state"] == "paused"
+        taker.stdin.close()
+        assert taker.wait() == 0
+        assert _cli("resume", str(trainer.proc.pid)).returncode == 0
+        assert trainer.finish() == expected
+    finally:
+        trainer.kill()
+        if taker and taker.poll() is None:
+            taker.kill()
+
+
+def test_plain_segments_cannot_be_paused_and_the_process_runs_on():
+    expected = _uninterrupted()
+    trainer = Trainer(conf="")
+    try:
+        refused = trainer.pause_at_next_allocation()
+        assert refused.returncode == 9 and "expandable_segments:True" in refused.stderr, refused.stderr
+        assert trainer.finish() == expected
+    finally:
+        trainer.kill()
+
+
+def test_no_host_memory_for_the_backup_fails_the_pause_before_anything_is_unmapped():
+    expected = _uninterrupted()
+    trainer = Trainer()
+    try:
+        pid = trainer.proc.pid
+        size = int(open(f"/proc/{pid}/statm").read().split()[0]) * resource.getpagesize()
+        # Room for a step's reads, not for the 12 MiB of weights' backup.
+        old = resource.prlimit(pid, resource.RLIMIT_AS, (size + 6 * MiB, resource.RLIM_INFINITY))
+        refused = trainer.pause_at_next_allocation()
+        assert refused.returncode == 9 and "failed to apply" in refused.stderr, refused.stderr
+        assert trainer._line().startswith("step 2") and trainer._line().startswith("step 3")
+        assert trainer._line() == "waiting"  # ran on after the refusal: still under the limit
+        resource.prlimit(pid, resource.RLIMIT_AS, old)
+        assert trainer.finish()[2:] == expected[4:]
+        assert "no host memory for the backup" in trainer.stderr and "nothing was paused" in trainer.stderr
+    finally:
+        trainer.kill()
+
+
+def test_a_process_killed_while_paused_leaves_no_device_memory():
+    trainer = Trainer()
+    try:
+        assert trainer.pause_at_next_allocation().returncode == 0
+    finally:
+        trainer.kill()
+    assert _probe(int(HBM_MB) - 8) == f"{HBM_MB} 0"  # all of it free again

@@ -9,7 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from conftest import ROOT, preload_env, sim_env
 
@@ -159,16 +159,19 @@ class Workload:
         self.close()
 
 
-def wait_for_pending_command(path: Path, timeout: float = 10.0) -> None:
-    """Returns once a command is posted (request_seq ahead of ack_seq)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_for_pending_command(path: Path, poster_alive: Callable[[], bool]) -> None:
+    """Returns once a command is posted (request_seq ahead of ack_seq). No
+    deadline: a slow machine only waits longer; a poster that ended without
+    posting fails the test."""
+    while True:
+        alive = poster_alive()  # before the read: a poster that posts and then ends is not missed
         data = path.read_bytes()
         region = ffi.from_buffer("npualloc_region *", bytearray(data[:REGION_SIZE]))
         if region.command.request_seq != region.command.ack_seq:
             return
+        if not alive:
+            raise AssertionError("the poster ended without posting a command")
         time.sleep(0.01)
-    raise AssertionError("no command was posted")
 
 
 def region_bytes(for_pid: int, **header: int) -> bytes:
@@ -212,7 +215,7 @@ def cli_with_trigger(w: Workload, shm_dir: Path, args: list[str], trigger: str) 
     (its next allocator call applies the command), and returns the CLI's result."""
     cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(shm_dir),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_pending_command(shm_dir / f"npualloc.{w.pid}")
+    wait_for_pending_command(shm_dir / f"npualloc.{w.pid}", lambda: cli.poll() is None)
     w.call(trigger)
     out, err = cli.communicate(timeout=30)
     return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)

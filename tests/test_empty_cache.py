@@ -94,7 +94,7 @@ def test_cli_empty_cache_releases_every_freed_block(tmp_path: Path) -> None:
     assert json.loads(ready) == "freed", proc.stderr.read() if proc.stderr else ""
     cli = subprocess.Popen([sys.executable, "-m", "npualloc", "empty-cache", str(proc.pid)], env=cli_env(tmp_path),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_pending_command(tmp_path / f"npualloc.{proc.pid}")
+    wait_for_pending_command(tmp_path / f"npualloc.{proc.pid}", lambda: cli.poll() is None)
     proc.stdin.write("\n")
     proc.stdin.flush()
     out, err = cli.communicate(timeout=60)

@@ -116,7 +116,7 @@ def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: i
 
     poster = threading.Thread(target=post)
     poster.start()
-    wait_for_pending_command(shm / f"npualloc.{w.pid}")
+    wait_for_pending_command(shm / f"npualloc.{w.pid}", poster.is_alive)
     w.call(trigger)
     poster.join()
     if errors:

@@ -321,7 +321,7 @@ def test_bad_arguments_and_absent_ops():
         assert phase1_status("Mul", A, tensor(np.ones((4,), np.float32)), empty((2, 3), np.float32)) == 161002
         assert phase1_status("Mul", A, 0, empty((2, 3), np.float32)) == 161001
         assert phase1_status("Cast", A, c_int32(1), empty((2, 3), np.float32)) == 161002  # dtype vs out
-        assert not hasattr(opapi, "aclnnLayerNormGetWorkspaceSize")  # not simulated: absent, not a stub
+        assert not hasattr(opapi, "aclnnTopkGetWorkspaceSize")  # not simulated: absent, not a stub
         for lib in ("libaclnn_ops_infer.so", "libaclnn_math.so"):
             assert hasattr(ctypes.CDLL(lib), "aclnnAddGetWorkspaceSize")   # resolves to libopapi.so's
     """)

@@ -6,8 +6,10 @@
  * except the GC threshold (atomic) and the device table (published once per
  * device with release/acquire). Order: the allocator's init_lock before a
  * device's lock (record_history takes each under it); one device lock at a
- * time, never two; the backend is called with the device lock held and must
- * never call back into the core. The hook's full order is in hook/hook.h. */
+ * time, never two, except npa_pause (pausable.c), which holds init_lock and
+ * then every device lock, ascending, until npa_resume; the backend is called
+ * with the device lock held and must never call back into the core. The
+ * hook's full order is in hook/hook.h. */
 #ifndef NPUALLOC_CORE_INTERNAL_H
 #define NPUALLOC_CORE_INTERNAL_H
 

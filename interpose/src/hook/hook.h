@@ -15,7 +15,9 @@
  *
  * Lock order of libnpualloc.so, outermost first. A thread holding one of
  * these takes only locks further down the list; none is held across a call
- * back into the program. Checked against every lock site (issue 11 item 16).
+ * back into the program, except by a pause (3), whose 4 and 5 stay held
+ * until its resume, so allocator calls of other threads wait meanwhile.
+ * Checked against every lock site (issue 11 item 16).
  *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
  *      polls fences, synchronizes, and counts into a device's stats (5).

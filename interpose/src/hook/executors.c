@@ -122,12 +122,11 @@ void npa_exec_drain(int force)
     size_t kept = 0;
     for (size_t i = 0; i < npending; i++) {
         deferred *d = &pending[i];
-        if (!npa_fence_done(NULL, d->fence)) {
-            if (!force) {
-                pending[kept++] = *d;
-                continue;
-            }
-            npa_hook_synchronize(d->device);
+        /* Forced: a synchronize stands in for the fence, but only one that
+         * succeeded proves the kernels using the executor are done. */
+        if (!npa_fence_done(NULL, d->fence) && (!force || npa_hook_synchronize(d->device) != ACL_SUCCESS)) {
+            pending[kept++] = *d;
+            continue;
         }
         npa_fence_release(NULL, d->fence);
         forward_destroy(d->executor, d->device);

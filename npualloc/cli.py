@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import psutil
 
-from . import memory, plot, replay, simulator, snapshot
+from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
 from .region import Region, live_regions, region_path
@@ -326,6 +326,11 @@ def _parser() -> argparse.ArgumentParser:
                               "device calls, the smallest HBM it fits in, configs compared")
     replay.add_arguments(replayer)
     replayer.set_defaults(run=replay.run)
+
+    metrics = sub.add_parser("exporter", help="serve Prometheus /metrics for every npualloc process on this node "
+                             "(needs npualloc[exporter])")
+    exporter.add_arguments(metrics)
+    metrics.set_defaults(run=exporter.cmd_exporter)
     return parser
 
 

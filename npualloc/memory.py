@@ -261,7 +261,7 @@ def get_config(pid: int | None = None) -> str:
 
 def set_config(config: str) -> None:
     """Applies the run-time keys of an npualloc/torch config string in this
-    process (garbage_collection_threshold, record_history); for another process
+    process (garbage_collection_threshold, record_history, record_stacks); for another process
     use set_gc_threshold(..., pid=...)."""
     rejected = _library().npualloc_set_config(config.encode())
     if rejected:

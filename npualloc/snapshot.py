@@ -130,14 +130,18 @@ def record_memory_history(enabled: str | None = "all", context: str | None = "al
                           timeout: float = COMMAND_TIMEOUT_S) -> None:
     """torch.cuda.memory._record_memory_history(): enabled=None stops recording,
     anything else keeps the last max_entries events per device (the trace
-    restarts either way). context and stacks are accepted for torch's
-    signature; no stacks are recorded."""
-    del context, stacks
+    restarts either way). stacks="python" (or torch's default "all": there
+    are no C++ frames to add) records the Python frames of each allocation in
+    this process; context is accepted for torch's signature."""
+    del context
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
         raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")
+    if stacks not in ("python", "all", None):
+        raise ValueError(f"stacks must be 'python', 'all' or None, not {stacks!r}")
     entries = 0 if enabled is None else max_entries
     if _in_process(pid):
-        set_config(f"record_history:{entries}")
+        with_stacks = enabled is not None and stacks is not None
+        set_config(f"record_history:{entries},record_stacks:{'python' if with_stacks else 'none'}")
         return
     assert pid is not None
     with Region(pid, writable=True) as region:

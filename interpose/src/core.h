@@ -19,6 +19,9 @@ typedef int npa_error; /* an aclError value: 0 success, 207001 OOM, ... */
 #define NPA_ERR_OOM 207001             /* ACL_ERROR_RT_MEMORY_ALLOCATION */
 #define NPA_ERR_FREE 207002            /* ACL_ERROR_RT_MEMORY_FREE */
 
+/* One frame of a recorded stack: its source file, line and function. */
+typedef void (*npa_frame_visitor)(const char *filename, int line, const char *name, void *arg);
+
 /* What the core asks of the device. Every function gets the backend's ctx. */
 typedef struct npa_backend {
     void *ctx;
@@ -63,6 +66,14 @@ typedef struct npa_backend {
     npa_error (*page_map)(void *ctx, int device, void *addr, size_t size, void **handle);
     npa_error (*page_unmap)(void *ctx, int device, void *addr, void *handle);
     npa_error (*va_release)(void *ctx, int device, void *base);
+
+    /* Stacks in history, optional, both or none. capture_stack names the
+     * calling thread's stack by an id (0: none: stacks off, or nothing to
+     * capture); the core calls it for each alloc event it records, under the
+     * device lock, so it must not call back into the allocator. visit_stack
+     * hands the frames of an id to visit, innermost first (snapshots). */
+    uint32_t (*capture_stack)(void *ctx);
+    void (*visit_stack)(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
 
     /* Copies between device and host memory (synchronous), for pausing a
      * process (npa_pause); optional, both or neither. */
@@ -137,6 +148,7 @@ typedef struct npa_trace_view {
     uintptr_t addr;
     size_t size;
     int64_t time_us;         /* microseconds since the Unix epoch, as torch */
+    uint32_t stack;          /* the backend's capture_stack id, 0: none */
 } npa_trace_view;
 
 typedef void (*npa_trace_visitor)(const npa_trace_view *entry, void *arg);
@@ -179,6 +191,9 @@ const npa_config *npa_get_config(const npa_allocator *a);
  * for max_entries events (0 turns recording off). -1, with recording left
  * off everywhere, when host memory for the rings cannot be had. */
 int npa_set_record_history(npa_allocator *a, size_t max_entries);
+/* record_stacks at run time: the backend's capture_stack honours it; the
+ * core keeps it for the config it reports. */
+void npa_set_record_stacks(npa_allocator *a, bool on);
 
 /* Counters only the hook layer sees, added to a device's stats (under its
  * lock, like every other stat, so readers of the region see them too). */

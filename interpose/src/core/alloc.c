@@ -13,6 +13,7 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     if (!backend || !backend->raw_malloc || !backend->raw_free || !backend->synchronize || !backend->mem_get_info)
         return NULL;
     if (backend->fence_record && !backend->fence_done) return NULL;
+    if (!backend->capture_stack != !backend->visit_stack) return NULL;
     npa_allocator *a = calloc(1, sizeof *a);
     if (!a) return NULL;
     a->backend = *backend;
@@ -270,7 +271,7 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
         return NPA_ERR_OOM;
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
-    npa_history_note(d, NPA_TRACE_ALLOC, b->addr, size);
+    npa_history_note_alloc(a, d, b->addr, size);
     *ptr = (void *)b->addr;
     pthread_mutex_unlock(&d->lock);
     return NPA_OK;

@@ -207,6 +207,15 @@ static bool set_expandable_segments(npa_config *c, span v, char *why) {
     return true;
 }
 
+/* torch's stacks= of _record_memory_history: "python" (or "all": npualloc
+ * has no C++ frames to add) records the Python frames of each allocation. */
+static bool set_record_stacks(npa_config *c, span v, char *why) {
+    if (span_is(v, "python") || span_is(v, "all")) c->record_stacks = true;
+    else if (span_is(v, "none")) c->record_stacks = false;
+    else return snprintf(why, WHY_LEN, "must be python, all or none"), false;
+    return true;
+}
+
 /* Each setter returns false with the reason in why (WHY_LEN bytes). */
 typedef struct known_key {
     const char *name;
@@ -221,6 +230,7 @@ static const known_key known_keys[] = {
     {"per_process_memory_fraction", set_fraction},
     {"reuse_policy", set_reuse_policy},
     {"record_history", set_record_history},
+    {"record_stacks", set_record_stacks},
     {"oom_snapshot", set_oom_snapshot},
     {"expandable_segments", set_expandable_segments},
 };
@@ -405,6 +415,10 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     }
     if (c->record_history != d.record_history) {
         out_printf(&o, "%srecord_history:%zu", sep, c->record_history);
+        sep = ",";
+    }
+    if (c->record_stacks) {
+        out_printf(&o, "%srecord_stacks:python", sep);
         sep = ",";
     }
     if (c->expandable_segments) {

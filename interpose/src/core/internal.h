@@ -145,6 +145,7 @@ typedef struct npa_trace_entry {
     size_t size;
     int64_t time_us;         /* CLOCK_REALTIME, as torch's time_us */
     npa_trace_action action;
+    uint32_t stack;          /* backend's capture_stack id (alloc events), 0: none; in action's padding */
 } npa_trace_entry;
 
 /* The last `capacity` events of a device, oldest at (next - count). */
@@ -315,11 +316,17 @@ bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void 
                                size_t *capacity);
 
 /* history.c: record_history's ring. Call with the device lock held. */
-void npa_history_record(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size);
+void npa_history_record(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size, uint32_t stack);
 /* With recording off this is the whole cost on the allocation paths: one
  * predictable branch on a field of the locked device. */
 static inline void npa_history_note(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size) {
-    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, action, addr, size);
+    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, action, addr, size, 0);
+}
+/* An alloc event also carries the allocating thread's stack, when the backend captures them. */
+static inline void npa_history_note_alloc(npa_allocator *a, npa_device *d, uintptr_t addr, size_t size) {
+    if (__builtin_expect(d->history.capacity != 0, 0))
+        npa_history_record(d, NPA_TRACE_ALLOC, addr, size,
+                           a->backend.capture_stack ? a->backend.capture_stack(a->backend.ctx) : 0);
 }
 /* Empties the ring and gives it room for capacity events (0: off); false,
  * leaving recording off, when that memory cannot be had. */

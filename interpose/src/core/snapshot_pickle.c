@@ -119,10 +119,72 @@ static const char *const trace_actions[] = {
     [NPA_TRACE_SEGMENT_UNMAP] = "segment_unmap",
 };
 
-/* torch's segment dict; npualloc has no per-allocation stream (0) and no
- * private pools ((0, 0)), and records no stacks (frames []). */
-static void segment_dict(const npa_segment_view *seg, void *arg) {
+/* torch's frame dict: {"filename", "line", "name"}. */
+static void frame_dict(const char *filename, int line, const char *name, void *arg) {
     pickle_buffer *b = arg;
+    open_dict(b);
+    str_value(b, "filename"), str_value(b, filename);
+    str_value(b, "line"), int_value(b, line);
+    str_value(b, "name"), str_value(b, name);
+    close_dict(b);
+}
+
+/* An alloc event's stack by address: blocks get the frames of the latest
+ * recorded alloc at their address (history order breaks ties). */
+typedef struct addr_stack {
+    uintptr_t addr;
+    size_t order;
+    uint32_t stack;
+} addr_stack;
+
+typedef struct trace_writer {
+    pickle_buffer *b;
+    const npa_backend *backend;
+    addr_stack *stacks;      /* sorted by (addr, order); NULL when none were recorded */
+    size_t stack_count, stack_capacity, seen;
+} trace_writer;
+
+static void frames_list(trace_writer *w, uint32_t stack) {
+    open_list(w->b);
+    if (stack != 0 && w->backend->visit_stack) w->backend->visit_stack(w->backend->ctx, stack, frame_dict, w->b);
+    close_list(w->b);
+}
+
+static void collect_stack(const npa_trace_view *e, void *arg) {
+    trace_writer *w = arg;
+    size_t order = w->seen++;
+    if (e->action != NPA_TRACE_ALLOC) return; /* stackless ones too: a later one at the address wins */
+    if (w->stack_count == w->stack_capacity) {
+        size_t capacity = w->stack_capacity ? 2 * w->stack_capacity : 256;
+        addr_stack *grown = realloc(w->stacks, capacity * sizeof *grown);
+        if (!grown) return; /* that block's frames stay [] */
+        w->stacks = grown, w->stack_capacity = capacity;
+    }
+    w->stacks[w->stack_count++] = (addr_stack){.addr = e->addr, .order = order, .stack = e->stack};
+}
+
+static int by_addr_then_order(const void *l, const void *r) {
+    const addr_stack *a = l, *b = r;
+    if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
+    return a->order < b->order ? -1 : a->order > b->order;
+}
+
+static uint32_t block_stack(const trace_writer *w, uintptr_t addr) {
+    size_t lo = 0, hi = w->stack_count; /* first entry past addr */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (w->stacks[mid].addr <= addr) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo > 0 && w->stacks[lo - 1].addr == addr ? w->stacks[lo - 1].stack : 0;
+}
+
+/* torch's segment dict; npualloc has no per-allocation stream (0) and no
+ * private pools ((0, 0)). A live block's frames are those of its alloc event
+ * when history recorded one with a stack, else []. */
+static void segment_dict(const npa_segment_view *seg, void *arg) {
+    trace_writer *w = arg;
+    pickle_buffer *b = w->b;
     open_dict(b);
     str_value(b, "device"), int_value(b, seg->device);
     str_value(b, "address"), uint_value(b, seg->address);
@@ -144,7 +206,8 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
         str_value(b, "size"), uint_value(b, block->size);
         str_value(b, "requested_size"), uint_value(b, block->requested_size);
         str_value(b, "state"), str_value(b, block_states[block->state]);
-        str_value(b, "frames"), empty_list(b);
+        str_value(b, "frames");
+        frames_list(w, block->state == NPA_BLOCK_INACTIVE ? 0 : block_stack(w, block->address));
         close_dict(b);
     }
     close_list(b);
@@ -152,7 +215,8 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
 }
 
 static void trace_dict(const npa_trace_view *e, void *arg) {
-    pickle_buffer *b = arg;
+    trace_writer *w = arg;
+    pickle_buffer *b = w->b;
     open_dict(b);
     str_value(b, "action"), str_value(b, trace_actions[e->action]);
     str_value(b, "addr"), uint_value(b, e->addr);
@@ -160,7 +224,8 @@ static void trace_dict(const npa_trace_view *e, void *arg) {
     str_value(b, "size"), uint_value(b, e->size);
     str_value(b, "stream"), int_value(b, 0);
     str_value(b, "time_us"), int_value(b, e->time_us);
-    str_value(b, "frames"), empty_list(b);
+    str_value(b, "frames");
+    frames_list(w, e->stack);
     close_dict(b);
 }
 
@@ -197,6 +262,7 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
     pickle_buffer segments = {0}, traces = {0}, out = {0};
     npa_block_view *scratch = NULL;
     size_t scratch_capacity = 0;
+    trace_writer stacks = {0}; /* the current device's (addr, stack) of alloc events */
     /* torch lists every device; we list up to the highest one in use (at
      * least one), so the lists after it are cut off at traces_end. */
     size_t traces_end = 0;
@@ -208,14 +274,22 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
         }
         open_list(&traces);
         pthread_mutex_lock(&d->lock);
-        if (!npa_visit_device_segments(d, segment_dict, &segments, &scratch, &scratch_capacity))
+        stacks.stack_count = stacks.seen = 0;
+        if (a->backend.visit_stack) {
+            npa_history_visit(d, collect_stack, &stacks);
+            if (stacks.stack_count) qsort(stacks.stacks, stacks.stack_count, sizeof *stacks.stacks, by_addr_then_order);
+        }
+        if (!npa_visit_device_segments(d, segment_dict, &(trace_writer){.b = &segments, .backend = &a->backend,
+                                       .stacks = stacks.stacks, .stack_count = stacks.stack_count},
+                                       &scratch, &scratch_capacity))
             segments.failed = true;
-        npa_history_visit(d, trace_dict, &traces);
+        npa_history_visit(d, trace_dict, &(trace_writer){.b = &traces, .backend = &a->backend});
         pthread_mutex_unlock(&d->lock);
         close_list(&traces);
         traces_end = traces.len;
     }
     free(scratch);
+    free(stacks.stacks);
     if (traces_end == 0) {
         traces.len = 0;
         empty_list(&traces);

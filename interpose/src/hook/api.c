@@ -90,10 +90,17 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     size_t key_len = (size_t)(text + klen - key);
     if (key_len == 0)
         return 0; /* an empty item, as in "a:1,,b:2" */
-    int gc = key_len == strlen("garbage_collection_threshold") &&
-             strncmp(key, "garbage_collection_threshold", key_len) == 0;
-    int history = key_len == strlen("record_history") && strncmp(key, "record_history", key_len) == 0;
-    if (!gc && !history) {
+    static const struct {
+        const char *name;
+        npa_runtime_key key;
+    } runtime_keys[] = {{"garbage_collection_threshold", NPA_KEY_GC_THRESHOLD},
+                        {"record_history", NPA_KEY_RECORD_HISTORY},
+                        {"record_stacks", NPA_KEY_RECORD_STACKS}};
+    int which = -1;
+    for (size_t i = 0; i < sizeof(runtime_keys) / sizeof(runtime_keys[0]); i++)
+        if (key_len == strlen(runtime_keys[i].name) && strncmp(key, runtime_keys[i].name, key_len) == 0)
+            which = (int)runtime_keys[i].key;
+    if (which < 0) {
         npa_warn_once("npualloc_set_config: %.*s cannot change at run time; set it in PYTORCH_NPU_ALLOC_CONF "
                       "before the program starts",
                       (int)key_len, key);
@@ -103,12 +110,18 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     npa_config_defaults(&parsed);
     if (npa_config_parse(&parsed, text, set_config_warn, NULL) != 0)
         return 1;
+    if (which == NPA_KEY_RECORD_STACKS)
+        npa_pystack_enable(parsed.record_stacks);
     if (a == NULL)
-        a = npa_hook_preinit_config(&parsed, gc);
+        a = npa_hook_preinit_config(&parsed, (npa_runtime_key)which);
     if (a == NULL)
         return 0; /* the allocator will be created with it */
-    if (gc)
+    if (which == NPA_KEY_GC_THRESHOLD)
         return npa_set_gc_threshold(a, parsed.garbage_collection_threshold) != 0;
+    if (which == NPA_KEY_RECORD_STACKS) {
+        npa_set_record_stacks(a, parsed.record_stacks);
+        return 0;
+    }
     if (npa_set_record_history(a, parsed.record_history) != 0) {
         npa_warn_once("npualloc_set_config: no host memory for %zu history entries per device; recording is off",
                       parsed.record_history);

@@ -35,6 +35,7 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                 if (err >= 0)
                     return err;
             }
+            npa_pystack_before_malloc();
             npa_error err = npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))
                 npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */

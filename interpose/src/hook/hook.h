@@ -10,7 +10,9 @@
  *   api.c       npualloc.h, the in-process C API
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
+ *   pause.c     `npualloc pause <pid>`: the whole process paused until resume
  *   warn.c      once-only stderr warnings
+ *   pystack.c   Python stacks of recorded allocations (record_stacks:python)
  *
  * Lock order of libnpualloc.so, outermost first. A thread holding one of
  * these takes only locks further down the list; none is held across a call
@@ -36,6 +38,10 @@
  *   6. that device's stream lock (streams.c dev_streams.lock), held across
  *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
  *      synchronize. Only fork_prepare holds several, in ascending order.
+ *   5b. stack_lock (pystack.c): taken with none of ours held (after the
+ *      GIL) to capture a stack at a malloc entry, and under a device lock (5)
+ *      when a snapshot reads stacks; under it only the Python API, malloc
+ *      and warn (8). The GIL is never waited for with any of ours held.
  *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
  *      or free of one and by pause/resume, with none of 1-6 held; under it
  *      the runtime (VMM calls, copies, synchronize), a first lookup of a
@@ -45,7 +51,7 @@
  *      g_create_lock) and warn.c's seen_lock.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
- * fork_prepare takes 1, 2, every 6 (ascending), 7 and seen_lock, in that
+ * fork_prepare takes 1, 2, every 6 (ascending), 7, 5b and seen_lock, in that
  * order, so no thread is inside those sections when the address space is
  * copied; it leaves out 3, 4, 5 and g_create_lock, which the child never
  * takes from the parent's state (it builds a new allocator, and region.c
@@ -54,6 +60,7 @@
 #define NPUALLOC_HOOK_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "acl/acl.h"
@@ -209,10 +216,12 @@ npa_allocator *npa_hook_allocator_any(void);
 int npa_hook_disabled(void); /* NPUALLOC_DISABLE / PYTORCH_NO_CUDA_MEMORY_CACHING */
 /* The config from the environment, parsed once (its warnings printed once). */
 const npa_config *npa_hook_config(void);
+/* The config keys npualloc_set_config may change at run time. */
+typedef enum npa_runtime_key { NPA_KEY_GC_THRESHOLD, NPA_KEY_RECORD_HISTORY, NPA_KEY_RECORD_STACKS } npa_runtime_key;
 /* A run-time key set before the first allocation: the allocator is created
- * with it (gc: garbage_collection_threshold, else record_history). Returns
- * the allocator instead when one exists by now; the caller applies it there. */
-npa_allocator *npa_hook_preinit_config(const npa_config *parsed, int gc);
+ * with it. Returns the allocator instead when one exists by now; the caller
+ * applies it there. */
+npa_allocator *npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key);
 /* backend.synchronize: wait for all work queued on the device. */
 npa_error npa_hook_synchronize(int device);
 void npa_hook_before_reset(int device);
@@ -249,6 +258,24 @@ void npa_oom_snapshot(npa_allocator *a);
 /* "npualloc: <message>\n" on stderr in one write, at most once per distinct
  * message text (a process may hit the same problem millions of times). */
 void npa_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---- pystack.c ------------------------------------------------------------ */
+
+/* record_stacks: at a malloc entry, with no npualloc lock held, the
+ * caller's Python stack is taken for the core's capture_stack (the backend's
+ * capture_stack / visit_stack). One relaxed load when off. */
+extern atomic_bool npa_pystack_on;
+void npa_pystack_take(void);
+static inline void npa_pystack_before_malloc(void)
+{
+    if (NPA_UNLIKELY(atomic_load_explicit(&npa_pystack_on, memory_order_relaxed)))
+        npa_pystack_take();
+}
+uint32_t npa_pystack_capture(void *ctx);
+void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
+void npa_pystack_enable(bool on);
+void npa_pystack_lock_for_fork(void);
+void npa_pystack_unlock_after_fork(void);
 void npa_warn_lock_for_fork(void);
 void npa_warn_unlock_after_fork(void);
 

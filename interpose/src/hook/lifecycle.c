@@ -64,6 +64,7 @@ static void load_config(void)
              * name what the user typed. */
             config_var = env_true("NPUALLOC_CONF_FROM_RUN") ? "npualloc run --conf" : vars[i];
             npa_config_parse(&config, text, config_warn, NULL);
+            npa_pystack_enable(config.record_stacks);
             break;
         }
     }
@@ -75,16 +76,18 @@ const npa_config *npa_hook_config(void)
     return &config;
 }
 
-npa_allocator *npa_hook_preinit_config(const npa_config *parsed, int gc)
+npa_allocator *npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key)
 {
     npa_hook_config();
     pthread_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&any_allocator, memory_order_acquire);
     if (a == NULL) {
-        if (gc)
+        if (key == NPA_KEY_GC_THRESHOLD)
             config.garbage_collection_threshold = parsed->garbage_collection_threshold;
-        else
+        else if (key == NPA_KEY_RECORD_HISTORY)
             config.record_history = parsed->record_history;
+        else
+            config.record_stacks = parsed->record_stacks;
     }
     pthread_mutex_unlock(&init_lock);
     return a;
@@ -280,6 +283,8 @@ static const npa_backend backend = {
     .fence_release = npa_fence_release,
     .warn = be_warn,
     .stats_storage = be_stats_storage,
+    .capture_stack = npa_pystack_capture,
+    .visit_stack = npa_pystack_visit,
 };
 
 /* ---- init ----------------------------------------------------------------- */
@@ -421,12 +426,14 @@ static void fork_prepare(void)
     npa_exec_lock_for_fork();
     npa_streams_lock_for_fork();
     npa_realacl_lock_for_fork();
+    npa_pystack_lock_for_fork();
     npa_warn_lock_for_fork();
 }
 
 static void fork_parent(void)
 {
     npa_warn_unlock_after_fork();
+    npa_pystack_unlock_after_fork();
     npa_realacl_unlock_after_fork();
     npa_streams_unlock_after_fork();
     npa_exec_unlock_after_fork();

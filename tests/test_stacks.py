@@ -1,0 +1,122 @@
+"""Python stacks in history (record_stacks:python): each recorded alloc event
+carries the frames of the Python code that allocated, in torch's format, so
+torch's own _memory_viz names the lines that hold the memory; none when off;
+the tables stay bounded."""
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import preload_env, run_python
+
+# A pyACL program: acl.rt.malloc releases the GIL around the runtime call, as
+# the real pyACL does, so the capture has to take it.
+PROGRAM = """
+    import acl, json, sys, npualloc
+    MiB = 1 << 20
+    def make_weight():
+        ptr, ret = acl.rt.malloc(4 * MiB, 0)
+        assert ret == 0
+        return ptr
+    def forward(n):
+        return [make_weight() for _ in range(n)]
+    assert acl.init() == 0 and acl.rt.set_device(0) == 0
+    {setup}
+    held = forward(2)
+    {after}
+"""
+
+
+def _alloc_frames(snapshot: dict) -> list[list[dict]]:
+    return [e["frames"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+
+
+def test_in_process_stacks_name_the_allocating_lines(tmp_path: Path) -> None:
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, stacks='python')",
+                          after=f"npualloc.dump_snapshot({str(out)!r})")
+    run_python(code, preload_env())
+    snapshot = pickle.loads(out.read_bytes())
+    stacks = _alloc_frames(snapshot)
+    assert len(stacks) == 2 and stacks[0] == stacks[1]
+    blocks = [b for seg in snapshot["segments"] for b in seg["blocks"]]
+    assert [b["frames"] for b in blocks if b["state"] == "active_allocated"] == stacks  # blocks carry them too
+    assert all(b["frames"] == [] for b in blocks if b["state"] == "inactive")
+    # innermost first, as torch: make_weight's malloc line, forward (through
+    # its comprehension's frame before Python 3.12), the module
+    names = [(f["name"], f["line"]) for f in stacks[0] if f["name"] != "<listcomp>"]
+    assert names == [("make_weight", 5), ("forward", 9), ("<module>", 12)], names
+    assert all(f["filename"] == "<string>" for f in stacks[0])
+    segment_events = [e for e in snapshot["device_traces"][0] if e["action"] != "alloc"]
+    assert segment_events and all(e["frames"] == [] for e in segment_events)
+
+
+def test_config_form_puts_stacks_in_the_oom_snapshot_memory_viz_shows_them(tmp_path: Path) -> None:
+    path = tmp_path / "oom.pickle"
+    code = PROGRAM.format(setup="", after="""
+    ptr, ret = acl.rt.malloc(1 << 40, 0)
+    print(ret)
+    """)
+    proc = run_python(code, preload_env(NPUSIM_HBM_MB="64",
+                                        PYTORCH_NPU_ALLOC_CONF=f"record_history:100,record_stacks:python,"
+                                                               f"oom_snapshot:{path}"))
+    assert proc.stdout.strip() == "207001"
+    lines = proc.stderr.splitlines()  # the OOM this test provokes: its report and where its snapshot went
+    assert len(lines) == 2 and lines[0].startswith("npualloc: out of memory on device 0")
+    assert lines[1].startswith(f"npualloc: out of memory: snapshot written to {path}"), proc.stderr
+    snapshot = pickle.loads(path.read_bytes())
+    assert "record_stacks:python" in snapshot["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+    assert [f["name"] for f in _alloc_frames(snapshot)[0] if f["name"] != "<listcomp>"] == \
+        ["make_weight", "forward", "<module>"]
+
+    pytest.importorskip("torch")
+    from torch.cuda import _memory_viz
+    # memory_viz's flame graph of live memory names the lines that hold it: the two weights
+    lines = _memory_viz.memory(snapshot, format_flamegraph=lambda text: text).splitlines()
+    held = [line for line in lines if line.startswith("stream_0;active_allocated;") and "make_weight" in line]
+    assert len(held) == 2, lines
+    assert all(line.endswith(":5:make_weight 4194304") and "<string>:9:forward;" in line for line in held), held
+    assert any(line.startswith("stream_0;inactive;<non-python>") for line in lines)
+
+
+def test_no_stacks_unless_asked(tmp_path: Path) -> None:
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, stacks=None)",
+                          after=f"npualloc.dump_snapshot({str(out)!r})")
+    run_python(code, preload_env())
+    stacks = _alloc_frames(pickle.loads(out.read_bytes()))
+    assert len(stacks) == 2 and stacks == [[], []]
+    # and with history from the config but no record_stacks key
+    code = PROGRAM.format(setup="", after=f"npualloc.dump_snapshot({str(out)!r})")
+    run_python(code, preload_env(PYTORCH_NPU_ALLOC_CONF="record_history:100"))
+    assert _alloc_frames(pickle.loads(out.read_bytes())) == [[], []]
+
+
+def test_stack_table_is_bounded(tmp_path: Path) -> None:
+    """More distinct stacks than the table holds (16384): one warning, later
+    new stacks recorded without frames, known ones still named."""
+    lines = "\n".join(f"    p, _ = acl.rt.malloc(512, 0); acl.rt.free(p)  # {i}" for i in range(16500))
+    code = f"""
+import acl, json, npualloc
+acl.init(); acl.rt.set_device(0)
+npualloc.record_memory_history(max_entries=60000, stacks='python')
+def churn():
+{lines}
+churn()
+trace = npualloc.memory_snapshot()["device_traces"][0]
+allocs = [e["frames"] for e in trace if e["action"] == "alloc"]
+print(json.dumps([len(allocs), sum(1 for f in allocs if f), sum(1 for f in allocs if not f)]))
+"""
+    script = tmp_path / "churn.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], env=preload_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    total, with_frames, without = json.loads(proc.stdout)
+    assert total == 16500 and with_frames == 16384 and without == total - with_frames
+    warnings = [line for line in proc.stderr.splitlines() if "stack table is full" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("npualloc: record_stacks:"), proc.stderr

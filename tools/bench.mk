@@ -22,6 +22,7 @@ $(BENCH_HOTPATH): tools/bench/hotpath.c $(NPA_CORE_OBJS) $(SIM_IMPL) $(SIM_FRONT
 
 bench: all $(BENCH_HOTPATH) $(VENV_STAMP)
 	$(VENV)/bin/python tools/bench/run.py --build $(BUILD) --out $(BENCH_OUT)/results
+	BUILD=$(BUILD) $(VENV)/bin/python tools/bench/mindtorch.py
 
 bench-record: all $(BENCH_HOTPATH) $(VENV_STAMP)
 	$(VENV)/bin/python tools/bench/run.py --build $(BUILD) --out bench/results

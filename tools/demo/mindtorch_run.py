@@ -49,18 +49,26 @@ def unavailable() -> str | None:
     return None
 
 
-def run(npualloc: bool, steps: int, build: Path | None = None) -> dict[str, Any]:
+def start(python_args: list[str], npualloc: bool, build: Path | None = None,
+          **extra_env: str) -> subprocess.CompletedProcess:
+    """`python PYTHON_ARGS` with MindTorch importable and the simulator at
+    /usr/local/Ascend, raw or under `python -m npualloc run`; waits for it."""
     build = build or launch.build_dir()
     env = launch.sim_environment(build)
     env["PYTHONPATH"] = os.pathsep.join([str(MINDTORCH_SRC), env["PYTHONPATH"]])
+    env.update(extra_env)
     sys.path.insert(0, str(launch.ROOT / "tools"))
     import devenv  # the interpreter with npualloc's startup hook installed, as `pip install .` leaves it
     python = str(devenv.ensure(build))
-    args = [python, "-c", WATCH.format(programs=str(PROGRAMS), steps=steps)]
+    args = [python, *python_args]
     if npualloc:
         args = [python, "-m", "npualloc", "run", "--", *args]
-    proc = subprocess.run([str(CANN_ROOT), str(build / "aclsim"), *args], env=env, cwd=launch.ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([str(CANN_ROOT), str(build / "aclsim"), *args], env=env, cwd=launch.ROOT,
+                          capture_output=True, text=True, timeout=900)
+
+
+def run(npualloc: bool, steps: int, build: Path | None = None) -> dict[str, Any]:
+    proc = start(["-c", WATCH.format(programs=str(PROGRAMS), steps=steps)], npualloc, build)
     lines = proc.stdout.strip().splitlines()
     result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"steps": [], "peak_device_bytes": 0}
     result.update(exit_status=proc.returncode, stderr_tail=proc.stderr[-2000:])

@@ -31,18 +31,20 @@ static PyObject *py_malloc_align32(PyObject *self, PyObject *args)
     return do_malloc(args, aclrtMallocAlign32);
 }
 
-static PyObject *py_free(PyObject *self, PyObject *args)
+/* free and free_host: ret = f(ptr). */
+static PyObject *do_free(PyObject *args, aclError (*fn)(void *))
 {
-    (void)self;
     void *ptr;
     if (!PyArg_ParseTuple(args, "O&", pyacl_to_ptr, &ptr))
         return NULL;
     aclError ret;
     Py_BEGIN_ALLOW_THREADS
-    ret = aclrtFree(ptr);
+    ret = fn(ptr);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(ret);
 }
+
+static PyObject *py_free(PyObject *self, PyObject *args) { (void)self; return do_free(args, aclrtFree); }
 
 static PyObject *py_memset(PyObject *self, PyObject *args)
 {
@@ -137,14 +139,7 @@ static PyObject *py_malloc_host(PyObject *self, PyObject *args)
 static PyObject *py_free_host(PyObject *self, PyObject *args)
 {
     (void)self;
-    void *ptr;
-    if (!PyArg_ParseTuple(args, "O&", pyacl_to_ptr, &ptr))
-        return NULL;
-    aclError ret;
-    Py_BEGIN_ALLOW_THREADS
-    ret = aclrtFreeHost(ptr);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(ret);
+    return do_free(args, aclrtFreeHost);
 }
 
 PyMethodDef pyacl_rt_memory_methods[] = {

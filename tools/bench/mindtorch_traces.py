@@ -1,0 +1,81 @@
+"""MindTorch v2's allocator interface on the shipped traces (tools/traces),
+replayed from Python through mindtorch_v2's get_allocator(0): MindTorch's own
+NpuAllocator when run plainly, npualloc's pass-through under `npualloc run`.
+`make bench` runs it per trace in a fresh process (tools/bench/mindtorch.py),
+alone and under npualloc, both through tools/aclsim/cann-root.
+
+Per trace: allocator time per event (malloc/free calls only, from Python),
+raw device mallocs and frees reaching the runtime (aclsim's counters), peak
+device memory held (aclsim, sampled after every event) over the trace's peak
+requested bytes. --events caps each trace (MindTorch alone scans every
+pending block on each malloc: its cost grows with the trace)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+from npualloc.replay import busiest_device, load_snapshot  # noqa: E402
+
+TRACES = ("resnet_train", "gpt2_train", "gpt2_decode")
+
+
+def replay(name: str, max_events: int) -> dict:
+    import aclsim  # the simulator's counters: only in the process on the simulator
+    from mindtorch_v2._backends.npu import allocator as npu_allocator
+    from mindtorch_v2._backends.npu import runtime as npu_runtime
+    npu_runtime.get_runtime(0).activate()
+    alloc = npu_allocator.get_allocator(0)
+    snapshot = load_snapshot(ROOT / "tools" / "traces" / f"{name}.pickle.gz")
+    trace = snapshot["device_traces"][busiest_device(snapshot)][:max_events]
+    live: dict[int, tuple[int, int]] = {}
+    requested = peak_requested = peak_device = events = 0
+    spent = 0.0
+    mallocs0, frees0 = aclsim.call_count("aclrtMalloc"), aclsim.call_count("aclrtFree")
+    for entry in trace:
+        action, addr = entry.get("action"), entry.get("addr")
+        if action == "alloc" and addr not in live:
+            size = int(entry["size"])
+            start = time.perf_counter()
+            ptr = alloc.malloc(size)
+            spent += time.perf_counter() - start
+            live[addr] = (ptr, size)
+            requested += size
+            peak_requested = max(peak_requested, requested)
+        elif action in ("free_requested", "free") and addr in live:
+            ptr, size = live.pop(addr)
+            start = time.perf_counter()
+            alloc.free(ptr)
+            spent += time.perf_counter() - start
+            requested -= size
+        else:
+            continue
+        events += 1
+        peak_device = max(peak_device, aclsim.bytes_outstanding(0))
+    for ptr, _ in live.values():
+        alloc.free(ptr)
+    alloc.synchronize()
+    alloc.empty_cache()
+    return {"trace": name, "events": events, "us_per_event": spent / events * 1e6,
+            "raw_mallocs": aclsim.call_count("aclrtMalloc") - mallocs0,
+            "raw_frees": aclsim.call_count("aclrtFree") - frees0,
+            "peak_device": peak_device, "peak_requested": peak_requested,
+            "allocator": type(alloc).__name__}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=6000)
+    parser.add_argument("--trace", choices=TRACES, required=True)
+    args = parser.parse_args()
+    print(json.dumps(replay(args.trace, args.events)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

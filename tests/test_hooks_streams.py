@@ -16,10 +16,12 @@ import acl
 from aclsim import aclsim
 assert acl.init() == 0 and acl.rt.set_device(0) == 0
 ops = aclsim.Ops()
-mode = sys.argv[1]  # "two": streams A and B; "one": the default stream; "late": B made after the free
+mode = sys.argv[1]  # "two": streams A and B; "config": the same made by create_stream_with_config;
+                   # "one": the default stream; "late": B made after the free
 copy_us = int(sys.argv[2])  # how long A's copy runs before it reads src
-sa, ret = acl.rt.create_stream() if mode == "two" else (0, 0)
-sb, ret = acl.rt.create_stream() if mode == "two" else (0, 0)
+make = (lambda: acl.rt.create_stream_with_config(0, 0)) if mode == "config" else acl.rt.create_stream
+sa, ret = make() if mode in ("two", "config") else (0, 0)
+sb, ret = make() if mode in ("two", "config") else (0, 0)
 N = 1 << 16
 src, _ = acl.rt.malloc(N, 0)
 dst, _ = acl.rt.malloc(N, 0)
@@ -80,6 +82,11 @@ def test_eager_reuse_corrupts_a_cross_stream_read():
 @pytest.mark.parametrize("policy", ["safe", "auto", None])
 def test_safe_and_auto_never_reuse_a_block_queued_work_still_reads(policy):
     assert hazard(policy, "two") == {"reused": False, "corrupted": False}
+
+
+def test_streams_made_with_config_are_fenced_too():
+    """MindTorch v2 and torch_npu make their streams with aclrtCreateStreamWithConfig."""
+    assert hazard("auto", "config") == {"reused": False, "corrupted": False}
 
 
 def test_auto_is_eager_on_the_default_stream_alone():

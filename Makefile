@@ -61,7 +61,7 @@ package: lib replay $(SIM_IMPL) $(SIM_FRONTS) $(SIM_PYACL)
 	cp $(SIM_IMPL) $(SIM_FRONTS) $(PACKAGE_SIM)/lib64/
 	cp $(SIM_PYACL) $(PACKAGE_SIM)/python/
 
-demo: all $(VENV_RUNTIME)
+demo: all $(VENV_STAMP)  # MindTorch v2, in the demo, needs numpy (tests/requirements.txt)
 	$(VENV)/bin/python tools/demo.py
 
 clean:

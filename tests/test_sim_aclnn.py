@@ -11,6 +11,15 @@ from sim_programs import DEVICE_BUFFERS, WHILE_QUEUED
 
 PRELUDE = "import time\n" + DEVICE_BUFFERS + WHILE_QUEUED + """\
 WS = ops.WORKSPACE_BYTES
+def queued_copy(duration_us, after):
+    # A 2 KiB copy of 0x11 bytes lasting duration_us on the default stream,
+    # with `after` recorded behind it: (src, dst).
+    src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
+    aclsim.set_op_duration_us(duration_us)
+    n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
+    ok(ops.copy(ws, n, ex, 0))
+    ok(acl.rt.record_event(after, 0))
+    return src, dst
 """
 
 
@@ -109,11 +118,7 @@ def test_op_reading_a_freed_source_is_detected():
     proc = sim("""
         after, ret = acl.rt.create_event(); ok(ret)
         def attempt(duration_us):
-            src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
-            aclsim.set_op_duration_us(duration_us)
-            n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
-            ok(ops.copy(ws, n, ex, 0))
-            ok(acl.rt.record_event(after, 0))
+            src, dst = queued_copy(duration_us, after)
             before = aclsim.invalid_accesses()
             ok(acl.rt.free(src))                                # the op still needs it...
             queued = still_queued(after)                        # ...if this holds
@@ -131,11 +136,7 @@ def test_source_freed_and_reused_during_an_op_corrupts_its_output():
     sim("""
         after, ret = acl.rt.create_event(); ok(ret)
         def attempt(duration_us):
-            src, dst, ws = dev(2048, 0x11), dev(2048), dev(WS)
-            aclsim.set_op_duration_us(duration_us)
-            n, ex, st = ops.copy_get_workspace_size(dst, src, 2048); ok(st)
-            ok(ops.copy(ws, n, ex, 0))
-            ok(acl.rt.record_event(after, 0))
+            src, dst = queued_copy(duration_us, after)
             before = aclsim.invalid_accesses()
             ok(acl.rt.free(src))
             again = dev(2048, 0x22)                             # the runtime hands the address out again

@@ -1,7 +1,9 @@
 """`make demo`: a small training-like pyACL program on the simulated Ascend
 runtime, run twice (on the runtime alone, then under `python -m npualloc run`),
 and the comparison; halfway through the npualloc run, `python -m npualloc
-stats <pid>` is taken from a second process while the program waits.
+stats <pid>` is taken from a second process while the program waits. Then
+the same for an unmodified MindTorch v2 training script (tools/demo/
+mindtorch_run.py), where root can mount the simulator at /usr/local/Ascend.
 
     .venv/bin/python tools/demo.py [--steps N]      (BUILD=dir picks the build tree)
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "demo"))
 import launch  # noqa: E402
+import mindtorch_run  # noqa: E402
 
 MIB = 1 << 20
 
@@ -61,10 +64,45 @@ def comparison_table(raw: dict, npa: dict) -> list[str]:
     ]
 
 
+def mindtorch_section(steps: int, build: Path) -> list[str]:
+    """The same comparison for an unmodified MindTorch v2 script (its own
+    allocator raw, the pass-through under npualloc)."""
+    why = mindtorch_run.unavailable()
+    if why is not None:
+        return [f"MindTorch v2 part skipped: {why}"]
+    raw, npa = mindtorch_run.run(False, steps, build), mindtorch_run.run(True, steps, build)
+
+    def median_ms(result: dict) -> str:
+        later = sorted(s["ms"] for s in result["steps"][1:])
+        return f"{later[len(later) // 2]:.1f} ms" if later else "-"
+
+    def mallocs(result: dict) -> str:
+        counts = [s["mallocs"] for s in result["steps"]]
+        return f"{counts[0]} + {counts[-1] - counts[0]}" if counts else "-"
+
+    def row(label: str, left: str, right: str) -> str:
+        return f"| {label:<34} | {left:>16} | {right:>16} |"
+
+    rule = "+" + "-" * 36 + "+" + "-" * 18 + "+" + "-" * 18 + "+"
+    lines = [f"MindTorch v2 (tests/mindtorch_programs/train_mlp.py, unmodified, {steps} steps; simulator mounted "
+             "at /usr/local/Ascend by tools/aclsim/cann-root)", rule,
+             row("", "MindTorch alone", "under npualloc"), rule.replace("-", "="),
+             row("median step time (after step 1)", median_ms(raw), median_ms(npa)),
+             row("raw device mallocs: step 1 + later", mallocs(raw), mallocs(npa)),
+             row("peak device memory (at step ends)", f"{raw['peak_device_bytes'] / MIB:.2f} MiB",
+                 f"{npa['peak_device_bytes'] / MIB:.2f} MiB"),
+             row("exit status", str(raw["exit_status"]), str(npa["exit_status"])), rule]
+    for name, result in (("MindTorch alone", raw), ("under npualloc", npa)):
+        if result["exit_status"] != 0:
+            lines.append(f"{name} stderr:\n{result['stderr_tail']}")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--mindtorch-steps", type=int, default=20)
     args = parser.parse_args()
     build = launch.build_dir()
     started = time.perf_counter()
@@ -84,6 +122,8 @@ def main() -> int:
     print(f"\n$ python -m npualloc stats <pid>    (from a second process, at step {args.steps // 2} "
           f"of {args.steps}, the program live and waiting)")
     print("".join(stats).rstrip())
+    print("\nrunning MindTorch v2's training script, alone then under npualloc ...", flush=True)
+    print("\n".join(mindtorch_section(args.mindtorch_steps, build)))
     print(f"\ndemo done in {time.perf_counter() - started:.1f} s. Next: "
           "python -m npualloc replay tools/traces/gpt2_train.pickle.gz, or make bench")
     return 0

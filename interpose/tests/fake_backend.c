@@ -261,6 +261,17 @@ static npa_error fake_page_unmap(void *ctx, int device, void *addr, void *handle
     return err;
 }
 
+/* Copies for npa_pause: plain memcpy, which faults on an unmapped page. */
+static npa_error fake_copy(void *ctx, int device, void *dst, const void *src, size_t size) {
+    fake_backend *f = ctx;
+    (void)device;
+    pthread_mutex_lock(&f->lock);
+    f->copies++;
+    pthread_mutex_unlock(&f->lock);
+    memcpy(dst, src, size);
+    return NPA_OK;
+}
+
 static npualloc_device_stats *fake_stats_storage(void *ctx, int device) {
     fake_backend *f = ctx;
     return f->stats[device];
@@ -281,6 +292,10 @@ npa_backend fake_iface(fake_backend *f) {
         b.va_release = fake_va_release;
         b.page_map = fake_page_map;
         b.page_unmap = fake_page_unmap;
+        if (f->host_memory) {
+            b.copy_to_host = fake_copy;
+            b.copy_to_device = fake_copy;
+        }
     }
     if (f->fences) {
         b.fence_record = fake_fence_record;

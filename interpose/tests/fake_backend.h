@@ -43,6 +43,7 @@ typedef struct fake_backend {
     fake_segment *pages;       /* live page_map calls; a handle is its address */
     size_t page_count, page_capacity;
     fake_segment reservations[2 * NPUALLOC_MAX_DEVICES];
+    long copies;               /* copy_to_host / copy_to_device calls (offered with vmm and host_memory) */
 
     /* Fences: fence_record hands out epochs; a fence is done once
      * completed_epoch reaches it, or after auto_complete_polls queries. */

@@ -10,6 +10,7 @@
  *   api.c       npualloc.h, the in-process C API
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
+ *   pause.c     `npualloc pause <pid>`: the whole process paused until resume
  *   warn.c      once-only stderr warnings
  *   pystack.c   Python stacks of recorded allocations (record_stacks:python)
  *

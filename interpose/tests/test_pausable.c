@@ -1,0 +1,101 @@
+/* Pausing the whole allocator (npa_pause / npa_resume, `npualloc pause`):
+ * live blocks survive bit-exact at the same addresses, every page is
+ * unmapped while paused (the fake device's memory is all free, and its
+ * pages are PROT_NONE, so a touch would fault), free space is not copied, a
+ * resume without device memory keeps everything paused and can be retried,
+ * and a process with plain segments is refused untouched. */
+#include <string.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+static void start(fixture *fx, bool expandable) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = expandable;
+    fake_init(&fx->fake, 200 * MiB, true);
+    fx->fake.vmm = true;
+    fixture_start(fx, &config);
+}
+
+static void fill(char *p, size_t size, int seed) {
+    for (size_t i = 0; i < size; i += 4096) p[i] = (char)(seed + i / 4096);
+}
+
+static bool same(const char *p, size_t size, int seed) {
+    for (size_t i = 0; i < size; i += 4096)
+        if (p[i] != (char)(seed + i / 4096)) return false;
+    return true;
+}
+
+static void test_pause_releases_everything_and_resume_restores(void) {
+    fixture fx;
+    start(&fx, true);
+    char *big = alloc_exact(&fx, 0, 30 * MiB), *small = alloc_exact(&fx, 0, 100 * 1024);
+    char *gone = alloc_exact(&fx, 0, 8 * MiB);
+    fill(big, 30 * MiB, 1);
+    fill(small, 100 * 1024, 2);
+    CHECK_EQ(npa_free(fx.a, gone, 0, NULL), NPA_FREE_OK);
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_OK);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);             /* every page given back */
+    size_t unmapped, backup;
+    npa_paused_bytes(paused, &unmapped, &backup);
+    CHECK_EQ(backup, npa_round_size(npa_get_config(fx.a), 30 * MiB) + npa_round_size(npa_get_config(fx.a), 100 * 1024));
+    CHECK(unmapped >= backup);
+    long copies = fx.fake.copies;
+    CHECK_EQ(copies, 2);                             /* the live blocks only, not the freed one */
+    CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_OK);
+    CHECK_EQ(fake_used(&fx.fake, 0), unmapped);
+    CHECK(same(big, 30 * MiB, 1) && same(small, 100 * 1024, 2));
+    /* The allocator runs on: its locks are released. */
+    CHECK_EQ(npa_free(fx.a, big, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, small, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
+static void test_resume_without_memory_stays_paused_and_retries(void) {
+    fixture fx;
+    start(&fx, true);
+    char *p = alloc_exact(&fx, 0, 50 * MiB);
+    fill(p, 50 * MiB, 3);
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_OK);
+    long maps = fx.fake.page_maps;
+    fx.fake.capacity = 30 * MiB;                     /* room for one 20 MiB page, not three */
+    CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_ERR_OOM);
+    CHECK(strstr(why, "the backup is kept") != NULL);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);             /* what it mapped went back: all or none */
+    CHECK(fx.fake.page_maps > maps);
+    fx.fake.capacity = 200 * MiB;
+    CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_OK);
+    CHECK(same(p, 50 * MiB, 3));
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
+static void test_plain_segments_are_refused_untouched(void) {
+    fixture fx;
+    start(&fx, false);
+    char *p = alloc_exact(&fx, 0, 5 * MiB);
+    fill(p, 5 * MiB, 4);
+    size_t used = fake_used(&fx.fake, 0);
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_ERR_INVALID_PARAM);
+    CHECK(strstr(why, "expandable_segments:True") != NULL);
+    CHECK_EQ(fake_used(&fx.fake, 0), used);
+    CHECK(same(p, 5 * MiB, 4));
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK); /* not left locked */
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_pause_releases_everything_and_resume_restores);
+    RUN(test_resume_without_memory_stays_paused_and_retries);
+    RUN(test_plain_segments_are_refused_untouched);
+    return check_report();
+}

@@ -132,7 +132,9 @@ def record_memory_history(enabled: str | None = "all", context: str | None = "al
     anything else keeps the last max_entries events per device (the trace
     restarts either way). stacks="python" (or torch's default "all": there
     are no C++ frames to add) records the Python frames of each allocation in
-    this process; context is accepted for torch's signature."""
+    this process; for another process (pid=) only history is switched, its
+    stacks follow its record_stacks config key. context is accepted for
+    torch's signature."""
     del context
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
         raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")

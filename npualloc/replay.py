@@ -17,10 +17,8 @@ entries mark iteration ends (tools/traces/record.py writes one per iteration).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import pickle
 import re
 import struct
 import subprocess
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import simulator
+from .snapshot import load as load_any_snapshot
 from .errors import NpuallocError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -78,18 +77,13 @@ def human_bytes(value: float) -> str:
 # ---------------------------------------------------------------- trace -> event file
 
 def load_snapshot(path: str | Path) -> dict:
-    """A memory snapshot pickle, gzip-compressed or not (told by its first bytes)."""
-    path = Path(path)
+    """A memory snapshot with the history replay needs, through the package's
+    one snapshot loader (which refuses any class: a crafted pickle runs no code)."""
     try:
-        with open(path, "rb") as f:
-            compressed = f.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
-            data = pickle.load(f)
-    except OSError as e:
-        raise ReplayError(f"{path}: {e.strerror or e}") from e
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError) as e:
-        raise ReplayError(f"{path}: not a memory snapshot pickle ({e})") from e
-    if not isinstance(data, dict) or not isinstance(data.get("device_traces"), list):
+        data = load_any_snapshot(path)
+    except NpuallocError as e:
+        raise ReplayError(str(e)) from None
+    if not isinstance(data.get("device_traces"), list):
         raise ReplayError(f"{path}: no device_traces (record it with "
                           "torch.cuda.memory._record_memory_history() before _dump_snapshot)")
     return data

@@ -203,3 +203,29 @@ def test_not_a_snapshot_is_one_line_error(tmp_path):
     bogus.write_bytes(b"not a pickle")
     proc = run_replay(str(bogus), "--build", str(BUILD), check=False)
     assert proc.returncode != 0 and proc.stderr.startswith("npualloc: ") and proc.stderr.count("\n") == 1
+
+
+class _CreatesAFile:
+    """Unpickling this object would run os.system and create the victim file."""
+
+    def __init__(self, victim: Path) -> None:
+        self.victim = victim
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch {self.victim}",))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_crafted_pickle_runs_no_code(tmp_path, compress):
+    victim = tmp_path / "created-by-the-pickle"
+    data = pickle.dumps({"segments": [], "device_traces": [[_CreatesAFile(victim)]]})
+    crafted = tmp_path / "crafted.pickle"
+    crafted.write_bytes(gzip.compress(data) if compress else data)
+    proc = run_replay(str(crafted), "--build", str(BUILD), check=False)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.startswith("npualloc: ") and proc.stderr.count("\n") == 1
+    assert "posix.system" in proc.stderr or "os.system" in proc.stderr
+    with pytest.raises(replay.ReplayError):
+        replay.load_snapshot(crafted)
+    assert not victim.exists()

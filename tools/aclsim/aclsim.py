@@ -43,6 +43,8 @@ executors_destroyed = _bind(_sim, "aclsim_executors_destroyed", _u64)
 executor_violations = _bind(_sim, "aclsim_executor_violations", _u64)
 set_op_duration_us = _bind(_sim, "aclsim_set_op_duration_us", None, _u64)
 op_duration_us = _bind(_sim, "aclsim_op_duration_us", _u64)
+thread_latency_us = _bind(_sim, "aclsim_thread_latency_us", _u64)
+op_time_us = _bind(_sim, "aclsim_op_time_us", _u64)
 fail_next_mallocs = _bind(_sim, "aclsim_fail_next_mallocs", None, ctypes.c_uint32)
 injected_failures = _bind(_sim, "aclsim_injected_failures", _u64)
 

@@ -47,8 +47,9 @@
  *      the runtime (VMM calls, copies, synchronize), a first lookup of a
  *      runtime function (7) and warn (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
- *   8. leaves, which take nothing: the region's create lock (region.c
- *      g_create_lock) and warn.c's seen_lock.
+ *   8. the region's create lock (region.c g_create_lock): under it only
+ *      warn.c's seen_lock (a region directory taken by another user is
+ *      warned about while the region is created), a leaf that takes nothing.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
  * fork_prepare takes 1, 2, every 6 (ascending), 7, 5b and seen_lock, in that

@@ -6,7 +6,7 @@
  *   streams.c   live streams per device and the event fences of stream-safe reuse
  *   executors.c aclnn executor destroys: skip double frees, defer the real ones
  *   lifecycle.c lazy init, the backend, reset/finalize, exit and fork
- *   exports.c   the aclrt* / acl* entry points the program calls
+ *   exports.c   the aclrt* / acl* entry points the program calls, and npualloc.h's stream-aware ones
  *   api.c       npualloc.h, the in-process C API
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
@@ -47,8 +47,9 @@
  *      the runtime (VMM calls, copies, synchronize), a first lookup of a
  *      runtime function (7) and warn (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
- *   8. leaves, which take nothing: the region's create lock (region.c
- *      g_create_lock) and warn.c's seen_lock.
+ *   8. the region's create lock (region.c g_create_lock): under it only
+ *      warn.c's seen_lock (a region directory taken by another user is
+ *      warned about while the region is created), a leaf that takes nothing.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
  * fork_prepare takes 1, 2, every 6 (ascending), 7, 5b and seen_lock, in that
@@ -177,6 +178,10 @@ int npa_streams_live(void);                 /* created and not yet destroyed */
  * entered, or the synchronize failed) leaves *fence NULL and proves
  * nothing: the caller must go on treating the work as queued. */
 aclError npa_fence_record_always(int device, void **fence);
+/* backend.fence_record_streams: one event on each stream named (blocks of
+ * the stream-aware entry recorded on other streams), whatever the policy;
+ * falls back to a synchronize as npa_fence_record_always does. */
+npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence);
 int npa_fence_needed(void *ctx, int device);                  /* backend: honours reuse_policy */
 npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);

@@ -281,6 +281,7 @@ static const npa_backend backend = {
     .fence_record = npa_fence_record,
     .fence_done = npa_fence_done,
     .fence_release = npa_fence_release,
+    .fence_record_streams = npa_fence_record_streams,
     .warn = be_warn,
     .stats_storage = be_stats_storage,
     .capture_stack = npa_pystack_capture,

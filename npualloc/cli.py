@@ -22,7 +22,7 @@ import psutil
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
-from .region import Region, live_regions, region_path
+from .region import Region, live_regions, region_base
 
 CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXIT_USAGE = 2
@@ -268,7 +268,7 @@ def cmd_record_history(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="npualloc", description="npualloc, a drop-in caching allocator for Ascend NPUs: run "
                      "programs under it unmodified, watch and command them from another shell (regions in "
-                     f"{region_path(0).parent}), take and plot memory snapshots, replay workloads.",
+                     f"{region_base()}/npualloc-<uid>), take and plot memory snapshots, replay workloads.",
                      epilog=__doc__.split("\n\n")[1] if __doc__ else None)
     sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
 

@@ -51,8 +51,9 @@
  *      first lookup of a runtime function (7), warn and the region's create
  *      lock (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
- *   8. leaves, which take nothing: the region's create lock (region.c
- *      g_create_lock) and warn.c's seen_lock.
+ *   8. the region's create lock (region.c g_create_lock): under it only
+ *      warn.c's seen_lock (a region directory taken by another user is
+ *      warned about while the region is created), a leaf that takes nothing.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
  * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 5b and seen_lock, in

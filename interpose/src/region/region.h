@@ -50,6 +50,15 @@ static inline void npa_region_poll(npa_allocator *allocator)
  * Returns the fd, or -1 with errno set. For the temporary name of a file that
  * is filled and then renamed into place, so readers see all of it or none. */
 int npa_create_private_file(const char *path, int access);
+/* The same, path relative to the directory dir_fd (openat's rules). */
+int npa_create_private_file_at(int dir_fd, const char *path, int access);
+/* Opens this user's private region directory (region_dir.c), making it when
+ * needed, and writes its path to path; a name another user took is warned
+ * about once and replaced by a directory of our own. -1 with errno set when
+ * no directory of ours can be had. */
+int npa_region_dir_open(char *path, size_t len);
+/* Where the users' region directories are: $NPUALLOC_SHM_DIR or /dev/shm. */
+const char *npa_region_base(void);
 /* At exit: unlink the file. */
 void npa_region_remove(void);
 /* In a forked child: forget the parent's region without touching its file. */

@@ -301,6 +301,10 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         if (!pair) pair = &d->plain;
         npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         b = get_free_block(&a->config, pool, rounded);
+        if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
+            npa_pending_flush(a, d);
+            b = get_free_block(&a->config, pool, rounded);
+        }
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
     }
@@ -418,10 +422,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
         else npa_free_block(a, d, b);
     } else if (a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
-        b->phase = NPA_PHASE_PENDING;
-        b->link = d->open_batch;
-        d->open_batch = b;
-        s->num_pending_frees++;
+        npa_pending_add(d, b);
     } else {
         npa_free_block(a, d, b);
     }
@@ -521,4 +522,4 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
     return first;
 }
 
-void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_poll); }
+void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_flush); }

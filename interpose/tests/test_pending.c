@@ -237,15 +237,15 @@ static void test_fence_waits_for_a_full_batch_or_a_miss(void) {
     fx.fake.fences = true;
     fx.fake.auto_complete_polls = 1; /* a fence is done when first asked */
     fixture_start(&fx, NULL);
-    enum { BATCH = 256 };
+    enum { BATCH = 128 }; /* NPA_FENCE_BATCH_BLOCKS */
     static void *blocks[BATCH];
     for (int i = 0; i < BATCH; i++) blocks[i] = alloc_exact(&fx, 0, 4096);
     for (int i = 0; i < BATCH - 1; i++) CHECK_EQ(npa_free(fx.a, blocks[i], 0, NULL), NPA_FREE_OK);
     void *hit = alloc_exact(&fx, 0, 512); /* served from the cache: the batch stays open */
     CHECK_EQ(fx.fake.fence_records, 0);
-    CHECK_EQ(npa_free(fx.a, hit, 0, NULL), NPA_FREE_OK); /* the 256th free */
+    CHECK_EQ(npa_free(fx.a, hit, 0, NULL), NPA_FREE_OK); /* the 128th free */
     void *next = alloc_exact(&fx, 0, 512);
-    CHECK_EQ(fx.fake.fence_records, 1); /* one fence for 256 frees */
+    CHECK_EQ(fx.fake.fence_records, 1); /* one fence for 128 frees */
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0); /* and it completed when asked */
     (void)next;
 

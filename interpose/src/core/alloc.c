@@ -44,6 +44,7 @@ static bool must_wait_before_release(const npa_device *d) {
 }
 
 static npa_error release_locked(npa_allocator *a, npa_device *d) {
+    npa_recent_flush(d);
     if (must_wait_before_release(d) && !npa_synchronize_and_drain(a, d)) return NPA_ERR_FREE;
     npa_release_cached_segments(a, d);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
@@ -126,6 +127,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     pthread_mutexattr_destroy(&attr);
     d->id = id;
     d->small.is_small = true;
+    d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     d->batches_tail = &d->batches;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
@@ -141,12 +143,9 @@ static npa_device *device_create(npa_allocator *a, int id) {
     return d;
 }
 
-npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
-    npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);
-    if (d || !create) return d;
+npa_device *npa_device_create_slow(npa_allocator *a, int device) {
     pthread_mutex_lock(&a->init_lock);
-    d = a->devices[device];
+    npa_device *d = a->devices[device];
     if (!d) {
         d = device_create(a, device);
         if (d) __atomic_store_n(&a->devices[device], d, __ATOMIC_RELEASE);
@@ -258,7 +257,12 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
     if (size <= NPA_MAX_REQUEST) {
         rounded = npa_round_size(&a->config, npa_entry_size(entry, size));
         npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &d->small : &d->large;
-        b = get_free_block(&a->config, pool, rounded);
+        if (pool == &d->small && d->recent.count) b = npa_recent_take(d, rounded);
+        if (!b) b = get_free_block(&a->config, pool, rounded);
+        if (!b && pool == &d->small && d->recent.count) { /* merged, the held blocks may fit it */
+            npa_recent_flush(d);
+            b = get_free_block(&a->config, pool, rounded);
+        }
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
     }
@@ -277,16 +281,18 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
     return NPA_OK;
 }
 
-/* torch's free_block: merge with free neighbours (the lower block survives,
- * so a segment's first block keeps its struct), back into the pool. */
-void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
-    (void)a;
+/* torch's free_block without the allocation's end: merge with free
+ * neighbours (the lower block survives, so a segment's first block keeps
+ * its struct), back into the pool. counted: b is already counted as an
+ * inactive split block (a recent block). */
+static void merge_into_pool(npa_device *d, npa_block *b, bool counted) {
     npualloc_device_stats *s = d->stats;
     npa_pool *pool = b->is_small ? &d->small : &d->large;
-    size_t original_size = b->size;
-    size_t requested = b->requested;
     int64_t inactive_blocks = 0, inactive_bytes = 0;
-    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    if (counted && npa_block_is_split(b)) {
+        inactive_blocks = -1;
+        inactive_bytes = -(int64_t)b->size;
+    }
 
     npa_block *prev = b->prev;
     if (prev && prev->phase == NPA_PHASE_FREE) {
@@ -317,9 +323,24 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     else if (inactive_blocks < 0) npa_pool_stat_decrease(s->inactive_split, b->is_small, -inactive_blocks);
     if (inactive_bytes > 0) npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, inactive_bytes);
     else if (inactive_bytes < 0) npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, -inactive_bytes);
-    npa_pool_stat_decrease(s->active, b->is_small, 1);
-    npa_pool_stat_decrease(s->active_bytes, b->is_small, (int64_t)original_size);
-    npa_pool_stat_decrease(s->requested_bytes, b->is_small, (int64_t)requested);
+    npa_stats_end(d);
+}
+
+void npa_pool_return(npa_device *d, npa_block *b) { merge_into_pool(d, b, true); }
+
+/* torch's free_block: the block stops being active and joins its pool. */
+void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
+    (void)a;
+    npualloc_device_stats *s = d->stats;
+    bool is_small = b->is_small;
+    size_t size = b->size;
+    size_t requested = b->requested;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    npa_stats_begin(d);
+    merge_into_pool(d, b, false);
+    npa_pool_stat_decrease(s->active, is_small, 1);
+    npa_pool_stat_decrease(s->active_bytes, is_small, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, is_small, (int64_t)requested);
     npa_stats_end(d);
 }
 
@@ -345,6 +366,8 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
         b->link = d->open_batch;
         d->open_batch = b;
         s->num_pending_frees++;
+    } else if (npa_recent_takes(d, b)) {
+        npa_recent_put(d, b);
     } else {
         npa_free_block(a, d, b);
     }

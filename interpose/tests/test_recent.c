@@ -134,6 +134,25 @@ static void test_fenced_frees_do_not_enter(void) {
     fixture_destroy(&fx);
 }
 
+/* A block freed on its own stream is held too, and serves that stream only. */
+static void test_held_blocks_serve_their_own_stream_only(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.stream_fences = true;
+    fixture_start(&fx, NULL);
+    void *a = NULL, *b = NULL, *c = NULL;
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, &a), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, a, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2); /* held whole */
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 2, &b), NPA_OK);
+    CHECK(b != a);
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, &c), NPA_OK);
+    CHECK(c == a);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
 /* At most recent_blocks blocks: the oldest goes back to its pool, merged. */
 static void test_bounded_by_recent_blocks(void) {
     npa_config config;
@@ -180,6 +199,7 @@ int main(void) {
     RUN(test_empty_cache_returns_held_memory);
     RUN(test_oom_retry_releases_held_blocks);
     RUN(test_fenced_frees_do_not_enter);
+    RUN(test_held_blocks_serve_their_own_stream_only);
     RUN(test_bounded_by_recent_blocks);
     RUN(test_off_merges_every_free);
     return check_report();

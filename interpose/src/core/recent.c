@@ -13,7 +13,9 @@
  * (recent_blocks:0 turns the cache off). Whatever needs merged free space
  * returns every held block to its pool first: a small-pool miss before it
  * asks the device for memory, the OOM retry, empty_cache, reset. A free
- * that needs a fence (stream-safe reuse) never comes here. */
+ * that needs a fence or a stream's event (stream-safe reuse) never comes
+ * here; a block freed on its own stream does, and serves only that stream's
+ * pool again. */
 #include "internal.h"
 
 /* Unlinks slot i; the last slot moves into it. */
@@ -65,10 +67,10 @@ void npa_recent_put(npa_device *d, npa_block *b) {
     npa_stats_end(d);
 }
 
-npa_block *npa_recent_take(npa_device *d, size_t size) {
+npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size) {
     npa_recent *r = &d->recent;
     for (unsigned i = 0; i < r->count; i++)
-        if (r->sizes[i] == size) return remove_at(r, i);
+        if (r->sizes[i] == size && r->blocks[i]->pool == pool) return remove_at(r, i);
     return NULL;
 }
 

@@ -82,7 +82,9 @@ def _device_table(device: int, s: dict[str, Any]) -> list[str]:
         f"{s['npualloc.executor_destroys_skipped']} skipped",
         f"  {'device memory':<22}{human_bytes(s['npualloc.device_free_bytes']):>14} free of "
         f"{human_bytes(s['npualloc.device_total_bytes'])}",
-    ]
+    ] + ([f"  {'memory_saver':<22}{human_bytes(s['npualloc.saver_allocated_bytes']):>14} in "
+          f"{s['npualloc.saver_allocations']} allocations, {human_bytes(s['npualloc.saver_paused_bytes'])} paused, "
+          f"{human_bytes(s['npualloc.saver_backup_bytes'])} host backup"] if s['npualloc.saver_allocations'] else [])
 
 
 def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
@@ -98,7 +100,7 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
             "state": header.state,
             "paused_bytes": header.paused_bytes,
             "backup_bytes": header.backup_bytes,
-            "devices": {str(d): memory.stats_to_dict(region.read_device_stats(d)) for d in devices},
+            "devices": {str(d): memory.region_stats(region, d) for d in devices},
         }
 
 

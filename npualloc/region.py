@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ._ffi import DEVICE_STATS_SIZE, REGION_SIZE, constants, ffi
+from ._ffi import DEVICE_STATS_SIZE, REGION_SIZE, SAVER_STATS_SIZE, constants, ffi
 from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
 
@@ -246,27 +246,37 @@ class Region:
                             paused_bytes=h.paused_bytes, backup_bytes=h.backup_bytes)
 
     def devices_in_use(self) -> list[int]:
+        """Devices that allocated through npualloc: from its cache or with memory_saver."""
         count = min(self._region.header.device_count, constants.NPUALLOC_MAX_DEVICES)
-        return [d for d in range(count) if self._region.devices[d].in_use]
+        return [d for d in range(count) if self._region.devices[d].in_use or self._region.saver[d].in_use]
 
     def read_device_stats(self, device: int) -> Any:
-        """A consistent copy of one device's stats (npualloc_device_stats *):
-        copy between two reads of an even, unchanged seq. The three reads stay
-        in program order on x86-64 (loads are not reordered with loads); Python
-        has no load fence for weaker CPUs such as aarch64."""
+        """A consistent copy of one device's stats (npualloc_device_stats *)."""
+        return self._read_seqlocked(self._region.devices, "npualloc_device_stats *", DEVICE_STATS_SIZE, device,
+                                    "stats")
+
+    def read_saver_stats(self, device: int) -> Any:
+        """A consistent copy of one device's memory_saver figures (npualloc_saver_stats *)."""
+        return self._read_seqlocked(self._region.saver, "npualloc_saver_stats *", SAVER_STATS_SIZE, device,
+                                    "memory_saver figures")
+
+    def _read_seqlocked(self, array: Any, ctype: str, size: int, device: int, what: str) -> Any:
+        """Copy between two reads of an even, unchanged seq. The three reads
+        stay in program order on x86-64 (loads are not reordered with loads);
+        Python has no load fence for weaker CPUs such as aarch64."""
         if not 0 <= device < constants.NPUALLOC_MAX_DEVICES:
             raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
-        source = self._region.devices + device
-        copy = ffi.new("npualloc_device_stats *")
+        source = array + device
+        copy = ffi.new(ctype)
         deadline = time.monotonic() + SEQLOCK_TIMEOUT_S
         while True:
             before = source.seq
             if before % 2 == 0:
-                ffi.memmove(copy, source, DEVICE_STATS_SIZE)
+                ffi.memmove(copy, source, size)
                 if source.seq == before and copy.seq == before:
                     return copy
             if time.monotonic() > deadline:
-                raise CorruptRegionError(f"{self.path}: device {device} stats stayed mid-update for "
+                raise CorruptRegionError(f"{self.path}: device {device} {what} stayed mid-update for "
                                          f"{SEQLOCK_TIMEOUT_S:g}s (writer died inside its seqlock?)")
             os.sched_yield()
 

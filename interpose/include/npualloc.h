@@ -54,6 +54,9 @@ int npualloc_saver_resume(const char *tag, char *why, size_t why_len);
 /* Bytes of the tag's pausable allocations (NULL: every tag): all of them,
  * the paused ones, and the host backups held. */
 int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup);
+/* The saver's figures for one device (as the region publishes them): 0, or
+ * -1 for a device out of range. */
+int npualloc_get_saver_stats(int device, npualloc_saver_stats *out);
 /* The stream-aware entry, for callers that know the stream of each
  * allocation (torch's allocator interface: malloc(size, stream), free,
  * record_stream; MindTorch's pass-through uses it). Sizes, device (the

@@ -67,11 +67,12 @@ typedef struct npa_backend {
      * device address space (no memory behind it); page_map backs [addr, addr
      * + size) of a reservation with new physical memory (207001 when the
      * device is full) and names it by *handle; page_unmap undoes one
-     * page_map (unmap, then free the physical memory); va_release gives back
-     * a reservation with nothing mapped. */
+     * page_map of [addr, addr + size) (unmap, then free the physical
+     * memory), and on an error leaves it mapped as it was; va_release gives
+     * back a reservation with nothing mapped. */
     npa_error (*va_reserve)(void *ctx, int device, size_t size, void **base);
     npa_error (*page_map)(void *ctx, int device, void *addr, size_t size, void **handle);
-    npa_error (*page_unmap)(void *ctx, int device, void *addr, void *handle);
+    npa_error (*page_unmap)(void *ctx, int device, void *addr, size_t size, void *handle);
     npa_error (*va_release)(void *ctx, int device, void *base);
 
     /* Stacks in history, optional, both or none. capture_stack names the

@@ -232,7 +232,8 @@ npualloc_region *npa_region_get(void)
     return r;
 }
 
-npualloc_device_stats *npa_region_device_stats(int device)
+/* The region, with device counted in header.device_count; NULL when none. */
+static npualloc_region *region_for_device(int device)
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NULL;
@@ -245,7 +246,19 @@ npualloc_device_stats *npa_region_device_stats(int device)
            !__atomic_compare_exchange_n(&r->header.device_count, &seen, wanted, 0, __ATOMIC_RELAXED,
                                         __ATOMIC_RELAXED))
         ;
-    return &r->devices[device];
+    return r;
+}
+
+npualloc_device_stats *npa_region_device_stats(int device)
+{
+    npualloc_region *r = region_for_device(device);
+    return r ? &r->devices[device] : NULL;
+}
+
+npualloc_saver_stats *npa_region_saver_stats(int device)
+{
+    npualloc_region *r = region_for_device(device);
+    return r ? &r->saver[device] : NULL;
 }
 
 void npa_region_set_config(const char *canonical)

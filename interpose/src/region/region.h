@@ -13,6 +13,8 @@
 npualloc_region *npa_region_get(void);
 /* Where the core should keep a device's stats: inside the region, or NULL. */
 npualloc_device_stats *npa_region_device_stats(int device);
+/* Where saver.c publishes a device's memory_saver figures, or NULL. */
+npualloc_saver_stats *npa_region_saver_stats(int device);
 /* Records the config in force (canonical text) in the header. */
 void npa_region_set_config(const char *canonical);
 /* The region once created; NULL before, after a fork, or when there is none. */

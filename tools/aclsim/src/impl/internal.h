@@ -56,9 +56,11 @@ void sim_sleep_us(uint64_t us);
 
 /* ---- fault injection (fault.c): decides whether this raw allocation fails ---- */
 int sim_inject_alloc_failure(void);
-/* The error a test asked this call of api to fail with (aclsim_fail_next_calls),
- * or ACL_SUCCESS: the call goes on. Takes the lock. */
+/* The error a test asked this call of api to fail with (aclsim_fail_release,
+ * aclsim_fail_next_calls), or ACL_SUCCESS: the call goes on. The first takes
+ * sim_lock, the second is called with it held. */
 aclError sim_inject_call_failure(enum sim_api api);
+aclError sim_inject_call_failure_locked(enum sim_api api);
 
 /* ---- lifecycle (lifecycle.c) ---- */
 aclError sim_require_init(void);       /* ACL_ERROR_UNINITIALIZE unless between aclInit and aclFinalize */

@@ -140,9 +140,10 @@ if sys.argv[1] == "fence":
                      "sync_tries": calls("aclrtSynchronizeDevice") - syncs}
     aclsim.fail_next_calls("aclrtRecordEvent", 0, 0)
     aclsim.fail_next_calls("aclrtSynchronizeDevice", 0, 0)
-    first = malloc()                        # records the fence now
-    assert acl.rt.synchronize_device() == 0 # the fence's event completes
-    out["cleared"] = {"first": first == p, "second": malloc() == p, "pending": pending()}
+    first = malloc()                        # records the fence now (done already if the stream was quick)
+    assert acl.rt.synchronize_device() == 0 # done now
+    second = malloc()
+    out["cleared"] = {"handed_out": [first, second].count(p), "pending": pending()}
 else:
     # This thread moves to device 1; device 0 cannot be entered to synchronize it.
     assert acl.rt.set_device(1) == 0
@@ -169,7 +170,7 @@ def test_a_fence_that_cannot_be_recorded_nor_replaced_keeps_the_block_pending():
     assert faulty["fence_tries"] >= 5 and faulty["sync_tries"] >= 5  # tried at every poll, failed each time
     assert not faulty["reused"] and faulty["pending"] == 1 and faulty["raw_kept"]
     # Once the runtime answers again the block is fenced, then handed out.
-    assert out["cleared"] == {"first": False, "second": True, "pending": 0}
+    assert out["cleared"] == {"handed_out": 1, "pending": 0}
 
 
 def test_a_device_that_cannot_be_entered_keeps_its_blocks_pending():

@@ -142,12 +142,12 @@ static void test_held_blocks_serve_their_own_stream_only(void) {
     fx.fake.stream_fences = true;
     fixture_start(&fx, NULL);
     void *a = NULL, *b = NULL, *c = NULL;
-    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, &a), NPA_OK);
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, NPA_STREAM_ORDERED, &a), NPA_OK);
     CHECK_EQ(npa_free_stream(fx.a, a, 1, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2); /* held whole */
-    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 2, &b), NPA_OK);
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 2, NPA_STREAM_ORDERED, &b), NPA_OK);
     CHECK(b != a);
-    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, &c), NPA_OK);
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, NPA_STREAM_ORDERED, &c), NPA_OK);
     CHECK(c == a);
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
     fixture_destroy(&fx);

@@ -21,7 +21,7 @@
 #define NPUALLOC_OPEN_OK 0
 #define NPUALLOC_OPEN_ERRNO 1          /* open(2) failed: .error (ENOENT, EACCES, ELOOP for a link ...) */
 #define NPUALLOC_OPEN_NOT_REGULAR 2    /* a FIFO, device, directory ...: .mode, .uid; never read */
-#define NPUALLOC_OPEN_OTHER_OWNER 3    /* the file's owner (.uid) is not our effective uid */
+#define NPUALLOC_OPEN_OTHER_OWNER 3    /* the file's owner (.uid) is not the process's user */
 #define NPUALLOC_OPEN_TRUNCATED 4      /* .size < sizeof(npualloc_region) */
 #define NPUALLOC_OPEN_MAP_FAILED 5     /* fstat or mmap failed: .error */
 #define NPUALLOC_OPEN_BAD_MAGIC 6
@@ -53,11 +53,14 @@ typedef struct npualloc_region_file {
     npualloc_region *region;   /* NULL unless NPUALLOC_OPEN_OK */
 } npualloc_region_file;
 
-/* Opens path (O_NONBLOCK | O_NOFOLLOW: a planted FIFO cannot block us, a link
- * cannot lead elsewhere), fstats the descriptor before any read, then
- * validates size, magic, version, header size and device count, in that
- * order. Returns an NPUALLOC_OPEN_* code; on failure nothing stays open. */
-int32_t npualloc_reader_open(const char *path, int32_t writable, npualloc_region_file *file);
+/* Opens name in the directory dir_fd (AT_FDCWD: the current one; the
+ * caller checked the directory) with O_NONBLOCK | O_NOFOLLOW, so a planted
+ * FIFO cannot block us and a link cannot lead elsewhere; fstats the
+ * descriptor before any read; then checks owner (owner_uid: the process's
+ * user), size, magic, version, header size and device count, in that order.
+ * Returns an NPUALLOC_OPEN_* code; on failure nothing stays open. */
+int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_uid, int32_t writable,
+                             npualloc_region_file *file);
 /* Unmaps and closes; idempotent. */
 void npualloc_reader_close(npualloc_region_file *file);
 
@@ -66,6 +69,9 @@ void npualloc_reader_close(npualloc_region_file *file);
  * when every attempt met a writer inside; *out is then unspecified. */
 int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
                               npualloc_device_stats *out);
+/* The same for one device's memory_saver figures (their own seqlock). */
+int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
+                                    npualloc_saver_stats *out);
 
 /* The sequence number of the last command posted to the process. */
 uint64_t npualloc_reader_request_seq(const npualloc_region *region);

@@ -33,14 +33,15 @@ static int32_t check_header(npualloc_region_file *file)
     return NPUALLOC_OPEN_OK;
 }
 
-int32_t npualloc_reader_open(const char *path, int32_t writable, npualloc_region_file *file)
+int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_uid, int32_t writable,
+                             npualloc_region_file *file)
 {
     memset(file, 0, sizeof *file);
     file->writable = writable != 0;
     /* O_NONBLOCK: opening a FIFO planted at the name must not wait for a
      * writer (it is refused after the fstat); O_NOFOLLOW: nor may a link
      * lead to some other file. */
-    file->fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    file->fd = openat(dir_fd, name, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
     if (file->fd < 0) {
         file->error = errno;
         return NPUALLOC_OPEN_ERRNO;
@@ -55,8 +56,8 @@ int32_t npualloc_reader_open(const char *path, int32_t writable, npualloc_region
     file->size = info.st_size;
     if (!S_ISREG(info.st_mode))
         return refuse(file, NPUALLOC_OPEN_NOT_REGULAR);
-    /* Regions are private to their user (0600), root included. */
-    if (info.st_uid != geteuid())
+    /* A region is its process's user's file (0600): anything else was planted. */
+    if (info.st_uid != owner_uid)
         return refuse(file, NPUALLOC_OPEN_OTHER_OWNER);
     /* Mapping more than the file holds would fault on the first touch past its end. */
     if (info.st_size < (off_t)sizeof(npualloc_region))

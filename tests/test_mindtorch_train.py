@@ -123,7 +123,9 @@ def test_raw_mindtorch_allocator_only_grows(cpu_losses):
     assert all(b > a for a, b in zip(mallocs, mallocs[1:])), mallocs   # raw mallocs on every step
     held = [s["outstanding"] for s in report["steps"]]
     assert all(b > a for a, b in zip(held, held[1:])), held             # device memory only grows
-    assert report["reserved"] > 4 * report["allocated"]
+    # The live set stops growing after step 2 (parameters, gradients, their
+    # state), so all MindTorch holds beyond that is memory it never reuses.
+    assert report["reserved"] - report["allocated"] >= held[-1] - held[1] > 0
     # The executor destroys MindTorch defers to exit would abort (CANN already
     # destroyed them at phase 2), but this pinned copy never queues one:
     # _defer_executor calls int() on a ctypes.c_void_p, which raises, and it

@@ -280,12 +280,19 @@ static npa_error fake_page_map(void *ctx, int device, void *addr, size_t size, v
     return err;
 }
 
-static npa_error fake_page_unmap(void *ctx, int device, void *addr, void *handle) {
+static npa_error fake_page_unmap(void *ctx, int device, void *addr, size_t size, void *handle) {
     fake_backend *f = ctx;
     npa_error err = NPA_ERR_FREE;
     pthread_mutex_lock(&f->lock);
     f->page_unmaps++;
+    if (f->fail_after_unmaps == 0 && f->fail_next_unmaps > 0) { /* refused: stays mapped */
+        f->fail_next_unmaps--;
+        pthread_mutex_unlock(&f->lock);
+        return NPA_ERR_FREE;
+    }
+    if (f->fail_after_unmaps > 0) f->fail_after_unmaps--;
     for (size_t i = 0; i < f->page_count && handle == addr; i++) {
+        if (f->pages[i].ptr == addr && f->pages[i].size != size) break; /* not the size page_map was given */
         fake_segment *page = &f->pages[i];
         if (page->ptr != addr || page->device != device) continue;
         if (f->host_memory)

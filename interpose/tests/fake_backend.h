@@ -42,6 +42,8 @@ typedef struct fake_backend {
      * fake range, a page is memory mapped at its address and charged to the
      * capacity. fail_next_mallocs and the capacity apply to page maps too. */
     bool vmm;
+    int fail_after_unmaps;     /* after this many page unmaps succeed, */
+    int fail_next_unmaps;      /* the next N fail with 207002 and leave the page mapped */
     long va_reserves, va_releases, page_maps, page_unmaps;
     fake_segment *pages;       /* live page_map calls; a handle is its address */
     size_t page_count, page_capacity;

@@ -281,7 +281,7 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
 }
 
 static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa_entry entry, bool on_stream,
-                                  uintptr_t stream, void **ptr) {
+                                  uintptr_t stream, npa_stream_flags flags, void **ptr) {
     if (!ptr) return NPA_ERR_INVALID_PARAM;
     *ptr = NULL;
     if (!a || size == 0 || (unsigned)entry > NPA_ENTRY_EXACT) return NPA_ERR_INVALID_PARAM;
@@ -313,6 +313,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         return NPA_ERR_OOM;
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
+    b->fence_own = b->pool->on_stream && (flags & NPA_STREAM_HOST_WRITES);
     npa_history_note_alloc(a, d, b->addr, size);
     *ptr = (void *)b->addr;
     pthread_mutex_unlock(&d->lock);
@@ -320,12 +321,12 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
 }
 
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
-    return malloc_on(a, device, size, entry, false, 0, ptr);
+    return malloc_on(a, device, size, entry, false, 0, NPA_STREAM_ORDERED, ptr);
 }
 
 npa_error npa_malloc_stream(npa_allocator *a, int device, size_t size, npa_entry entry, uintptr_t stream,
-                            void **ptr) {
-    return malloc_on(a, device, size, entry, true, stream, ptr);
+                            npa_stream_flags flags, void **ptr) {
+    return malloc_on(a, device, size, entry, true, stream, flags, ptr);
 }
 
 /* torch's free_block: merge with free neighbours (the lower block survives,
@@ -413,7 +414,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
     if (b->pool->on_stream) {
-        if (b->uses || b->uses_unknown) npa_pending_add_uses(a, d, b);
+        if (b->uses || b->uses_unknown || b->fence_own) npa_pending_add_uses(a, d, b);
         else npa_free_block(a, d, b);
     } else if (a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {

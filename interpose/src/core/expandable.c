@@ -95,7 +95,8 @@ static bool map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_
         if (a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size, &es->pages[i]) == NPA_OK) continue;
         es->pages[i] = NULL;
         while (i-- > begin) {
-            a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->pages[i]);
+            a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->page_size,
+                                  es->pages[i]);
             es->pages[i] = NULL;
         }
         return false;
@@ -225,7 +226,8 @@ static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *e
     npa_pool_remove(pool, b);
     npa_stats_end(d);
     for (size_t i = begin; i < end; i++) {
-        a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->pages[i]);
+        a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->page_size,
+                                  es->pages[i]);
         es->pages[i] = NULL;
     }
     npa_stats_begin(d);

@@ -62,6 +62,7 @@ struct npa_block {
     bool is_small;           /* small pool (2 MiB segments) */
     bool in_expandable;      /* part of an expandable segment */
     bool uses_unknown;       /* recorded on a stream that could not be noted (no host memory): its free waits for a synchronize */
+    bool fence_own;          /* NPA_STREAM_HOST_WRITES: its free waits for an event on its own stream too */
 };
 
 static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NULL || b->next != NULL; }

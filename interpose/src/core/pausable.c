@@ -110,7 +110,7 @@ static npa_error unmap_page(npa_allocator *a, npa_paused *p, const page_ref *at,
     (void)p;
     void **handle = &at->es->pages[at->page];
     if (!*handle) return NPA_OK;
-    npa_error err = a->backend.page_unmap(a->backend.ctx, at->d->id, page_addr(at), *handle);
+    npa_error err = a->backend.page_unmap(a->backend.ctx, at->d->id, page_addr(at), at->es->page_size, *handle);
     if (err != NPA_OK) {
         snprintf(why, len, "unmapping %p on device %d failed (error %d)", page_addr(at), at->d->id, err);
         return err;

@@ -29,6 +29,7 @@ LEFTOVER_NAME = re.compile(r"\.npualloc\.(\d+)\.tmp|npualloc\.(\d+)\.snapshot\.\
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died mid-update.
 SEQLOCK_TIMEOUT_S = 1.0
+SEQ_MAX = (1 << 64) - 1   # command.request_seq is a uint64_t
 COMMAND_TIMEOUT_S = 5.0
 
 _ACK_ERRORS = {
@@ -224,6 +225,11 @@ class Region:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             command = self._region.command
+            if command.request_seq >= SEQ_MAX:
+                # A process counts one command at a time from 0: no real
+                # process gets here, a damaged or crafted region does.
+                raise CorruptRegionError(f"{self.path}: command sequence number is at its maximum "
+                                         f"({command.request_seq}): not a region a process wrote")
             command.code = code
             command.device = device
             command.arg = arg

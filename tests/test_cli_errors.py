@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from region_helpers import Workload, assert_one_line_error, region_bytes, run_cli, write_region
 
-from npualloc._ffi import REGION_SIZE, constants
+from npualloc._ffi import REGION_SIZE, constants, ffi
 
 
 
@@ -95,3 +95,15 @@ def test_bad_device_and_gc_value(tmp_path: Path, sleeper: int) -> None:
 
 def test_run_command_not_found(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")
+
+
+def test_command_sequence_at_its_maximum(tmp_path: Path, sleeper: int) -> None:
+    """A region whose request_seq is 2^64-1: the next number does not fit."""
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper), REGION_SIZE)
+    region.command.request_seq = (1 << 64) - 1
+    write_region(tmp_path, sleeper, bytes(ffi.buffer(region)))
+    for args in (["empty-cache", str(sleeper), "--timeout", "0.3"], ["snapshot", str(sleeper), "-o",
+                                                                      str(tmp_path / "s.pickle")]):
+        assert_one_line_error(run_cli(args, tmp_path), 7, "sequence number")
+    assert not (tmp_path / "s.pickle").exists()

@@ -114,7 +114,9 @@ class Region:
             raise
 
     def _open(self) -> int:
-        flags = (os.O_RDWR if self._writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        # O_NONBLOCK: a FIFO planted at the region's name must not block the
+        # open (it is refused after the fstat); O_NOFOLLOW: nor may a link lead elsewhere.
+        flags = (os.O_RDWR if self._writable else os.O_RDONLY) | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(self.path, flags)
         except FileNotFoundError:
@@ -132,7 +134,8 @@ class Region:
     def _map_validated(self) -> mmap.mmap:
         info = os.fstat(self._fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CorruptRegionError(f"{self.path} is not a regular file")
+            raise CorruptRegionError(f"{self.path} is not a regular file (file type {stat.filemode(info.st_mode)[0]!r}, "
+                                     f"owner uid {info.st_uid}): not a region, refused")
         if not _may_access(info.st_uid):
             raise OtherUserError(f"{self.path} belongs to another user")
         if info.st_size < REGION_SIZE:
@@ -221,8 +224,8 @@ class Region:
         process applies it at its next allocator call, so an idle process times out."""
         if not self._writable:
             raise NpuallocError("region opened read-only")
-        # Serialises requesters (two CLIs at once); the process never takes it.
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + timeout
+        self._lock_requesters(deadline)
         try:
             command = self._region.command
             if command.request_seq >= SEQ_MAX:
@@ -235,7 +238,6 @@ class Region:
             command.arg = arg
             target = command.request_seq + 1
             command.request_seq = target  # publishes the fields above (stored after them)
-            deadline = time.monotonic() + timeout
             while command.ack_seq < target:
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
@@ -248,6 +250,18 @@ class Region:
         if status != constants.NPUALLOC_CMD_OK:
             raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status, f'status {status}')}")
         return int(target)
+
+    def _lock_requesters(self, deadline: float) -> None:
+        """Serialises requesters (two CLIs at once); the process never takes
+        it. Bounded: a requester that hangs holding it cannot hang us."""
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CommandTimeoutError(f"another requester holds {self.path}'s command lock") from None
+                time.sleep(0.005)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 exit code, no traceback."""
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -107,3 +109,32 @@ def test_command_sequence_at_its_maximum(tmp_path: Path, sleeper: int) -> None:
                                                                       str(tmp_path / "s.pickle")]):
         assert_one_line_error(run_cli(args, tmp_path), 7, "sequence number")
     assert not (tmp_path / "s.pickle").exists()
+
+
+@pytest.mark.parametrize("owner", ["us", "nobody"])
+def test_fifo_planted_at_the_region_name_hangs_nobody(tmp_path: Path, sleeper: int, owner: str) -> None:
+    """A FIFO (mode 0666, nobody writing) at a live pid's region name: the
+    readers open it non-blocking, see it is no regular file and refuse it
+    (run_cli's timeout fails the test if anything blocks on it)."""
+    if owner == "nobody" and os.geteuid() != 0:
+        pytest.skip("needs root to plant a file owned by another user")
+    fifo = tmp_path / f"npualloc.{sleeper}"
+    os.mkfifo(fifo, 0o666)
+    os.chmod(fifo, 0o666)
+    if owner == "nobody":
+        os.chown(fifo, 65534, 65534)
+    for args in (["stats", str(sleeper)], ["stats", str(sleeper), "--json"],
+                 ["empty-cache", str(sleeper), "--timeout", "0.3"]):
+        assert_one_line_error(run_cli(args, tmp_path, timeout=30), 7, "is not a regular file")
+    listing = run_cli(["ls"], tmp_path, timeout=30)
+    assert listing.returncode == 0
+    assert listing.stdout == "no process is running under npualloc\n"
+    assert listing.stderr.startswith(f"npualloc: skipping process {sleeper}: ") and "not a regular file" in listing.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left as it was
+
+
+def test_requester_holding_the_command_lock_delays_us_only_until_the_timeout(tmp_path: Path, sleeper: int) -> None:
+    path = write_region(tmp_path, sleeper, region_bytes(sleeper))
+    with open(path, "rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert_one_line_error(run_cli(["empty-cache", str(sleeper), "--timeout", "0.3"], tmp_path), 8, "command lock")

@@ -60,6 +60,7 @@ constants: Any = ffi.dlopen(None)
 
 REGION_SIZE: int = ffi.sizeof("npualloc_region")
 DEVICE_STATS_SIZE: int = ffi.sizeof("npualloc_device_stats")
+SAVER_STATS_SIZE: int = ffi.sizeof("npualloc_saver_stats")
 
 
 def _mapped_library() -> str | None:

@@ -22,7 +22,7 @@ import psutil
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
-from .region import Region, live_regions, region_path
+from .region import Region, live_regions, region_base
 
 CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXIT_USAGE = 2
@@ -82,7 +82,9 @@ def _device_table(device: int, s: dict[str, Any]) -> list[str]:
         f"{s['npualloc.executor_destroys_skipped']} skipped",
         f"  {'device memory':<22}{human_bytes(s['npualloc.device_free_bytes']):>14} free of "
         f"{human_bytes(s['npualloc.device_total_bytes'])}",
-    ]
+    ] + ([f"  {'memory_saver':<22}{human_bytes(s['npualloc.saver_allocated_bytes']):>14} in "
+          f"{s['npualloc.saver_allocations']} allocations, {human_bytes(s['npualloc.saver_paused_bytes'])} paused, "
+          f"{human_bytes(s['npualloc.saver_backup_bytes'])} host backup"] if s['npualloc.saver_allocations'] else [])
 
 
 def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
@@ -98,7 +100,7 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
             "state": header.state,
             "paused_bytes": header.paused_bytes,
             "backup_bytes": header.backup_bytes,
-            "devices": {str(d): memory.stats_to_dict(region.read_device_stats(d)) for d in devices},
+            "devices": {str(d): memory.region_stats(region, d) for d in devices},
         }
 
 
@@ -276,7 +278,7 @@ def cmd_record_history(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="npualloc", description="npualloc, a drop-in caching allocator for Ascend NPUs: run "
                      "programs under it unmodified, watch and command them from another shell (regions in "
-                     f"{region_path(0).parent}), take and plot memory snapshots, replay workloads.",
+                     f"{region_base()}/npualloc-<uid>), take and plot memory snapshots, replay workloads.",
                      epilog=__doc__.split("\n\n")[1] if __doc__ else None)
     sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
 

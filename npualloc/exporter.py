@@ -33,6 +33,9 @@ GAUGES = (
     ("active_bytes_peak", "Peak of active_bytes since the last reset", "active_bytes.all.peak"),
     ("cache_hit_rate", "Share of allocations served from the cache", "npualloc.cache_hit_rate"),
     ("fragmentation", "1 - largest free block / free cached bytes", "npualloc.fragmentation"),
+    ("saver_allocated_bytes", "Device bytes of memory_saver allocations (outside the cache), paused or not",
+     "npualloc.saver_allocated_bytes"),
+    ("saver_paused_bytes", "Of those, released by a pause", "npualloc.saver_paused_bytes"),
 )
 # (metric name without _total, help, memory_stats() key): counters.
 COUNTERS = (
@@ -76,7 +79,7 @@ class NpuallocCollector:
                 with opened as region:
                     header = region.header()
                     pid, command = str(entry.pid), _command_line(entry.pid, header.cmdline)
-                    devices = {d: memory.stats_to_dict(region.read_device_stats(d)) for d in region.devices_in_use()}
+                    devices = {d: memory.region_stats(region, d) for d in region.devices_in_use()}
             except NpuallocError:  # torn while read, or its process exited meanwhile
                 bad += 1
                 continue

@@ -36,13 +36,20 @@ _OWN_COUNTERS = {
     "reserved_limit_bytes": "reserved_limit_bytes",
 }
 
+# memory_saver's allocations (npualloc_saver_stats), reported as "npualloc.saver_<field>":
+# they never enter the cache, so torch's keys above do not count them.
+_SAVER_FIELDS = ("allocations", "allocated_bytes", "paused_bytes", "backup_bytes")
+
 Stats = dict[str, Any]
 
 
-def stats_to_dict(s: Any) -> Stats:
+def stats_to_dict(s: Any, saver: Any = None) -> Stats:
     """torch's flat memory_stats() dict (same keys, sorted like torch) from an
-    npualloc_device_stats, plus npualloc's own keys under "npualloc."."""
+    npualloc_device_stats, plus npualloc's own keys under "npualloc.", and
+    memory_saver's from an npualloc_saver_stats (zero without one)."""
     out: Stats = {}
+    for field in _SAVER_FIELDS:
+        out[f"npualloc.saver_{field}"] = getattr(saver, field) if saver is not None else 0
     for name in _POOLED_STATS:
         for pool_index, pool in enumerate(_POOLS):
             stat = getattr(s, name)[pool_index]
@@ -122,22 +129,32 @@ def _region_device(region: Region, device: object) -> int:
     return device_index(device, current=in_use[0] if in_use else 0)
 
 
-def _raw_stats(device: object, pid: int | None) -> tuple[Any, int]:
+def _raw_stats(device: object, pid: int | None, saver: bool = False) -> tuple[Any, Any, int]:
+    """(npualloc_device_stats, npualloc_saver_stats or None unless saver, index)."""
     if _in_process(pid):
         lib = _library()
         index = device_index(device)
         out = ffi.new("npualloc_device_stats *")
         if lib.npualloc_get_stats(index, out) != 0:
             raise ValueError(f"npualloc has no stats for device {index}")
-        return out, index
+        saved = ffi.new("npualloc_saver_stats *") if saver else None
+        if saved is not None:
+            lib.npualloc_get_saver_stats(index, saved)
+        return out, saved, index
     assert pid is not None
     with Region(pid) as region:
         index = _region_device(region, device)
-        return region.read_device_stats(index), index
+        return region.read_device_stats(index), region.read_saver_stats(index) if saver else None, index
+
+
+def region_stats(region: Region, device: int) -> Stats:
+    """memory_stats() of one device of another process's region."""
+    return stats_to_dict(region.read_device_stats(device), region.read_saver_stats(device))
 
 
 def memory_stats(device: object = None, pid: int | None = None) -> Stats:
-    return stats_to_dict(_raw_stats(device, pid)[0])
+    raw, saver, _ = _raw_stats(device, pid, saver=True)
+    return stats_to_dict(raw, saver)
 
 
 def memory_allocated(device: object = None, pid: int | None = None) -> int:
@@ -157,8 +174,8 @@ def max_memory_reserved(device: object = None, pid: int | None = None) -> int:
 
 
 def memory_summary(device: object = None, pid: int | None = None, abbreviated: bool = False) -> str:
-    raw, index = _raw_stats(device, pid)
-    return format_summary(stats_to_dict(raw), index, abbreviated)
+    raw, saver, index = _raw_stats(device, pid, saver=True)
+    return format_summary(stats_to_dict(raw, saver), index, abbreviated)
 
 
 def _post(code: int, device: int, arg: float, pid: int, timeout: float) -> None:

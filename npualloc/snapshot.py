@@ -28,7 +28,7 @@ from typing import Any
 from ._ffi import constants, ffi
 from .errors import CorruptRegionError, NpuallocError
 from .memory import _in_process, _library, set_config
-from .region import COMMAND_TIMEOUT_S, Region, region_path
+from .region import COMMAND_TIMEOUT_S, Region
 
 Snapshot = dict[str, Any]
 
@@ -84,7 +84,7 @@ def _in_process_bytes() -> bytes:
 
 def _read_snapshot_file(path: Path) -> bytes:
     """Reads and removes the file the process wrote for us; O_NOFOLLOW and an
-    owner check, since the directory may be shared (/dev/shm)."""
+    owner check, though the directory is the user's own (region_dir.c)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -110,7 +110,7 @@ def snapshot_bytes(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -
     assert pid is not None
     with Region(pid, writable=True) as region:
         seq = region.post_command(constants.NPUALLOC_CMD_SNAPSHOT, timeout=timeout)
-    return _read_snapshot_file(Path(f"{region_path(pid)}.snapshot.{seq}"))
+    return _read_snapshot_file(region.path.with_name(f"{region.path.name}.snapshot.{seq}"))
 
 
 def memory_snapshot(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> Snapshot:

@@ -58,8 +58,10 @@ def sim_env(**extra: str) -> dict[str, str]:
     return env
 
 
-MINDTORCH_SRC = Path(os.environ.get("NPUALLOC_MINDTORCH", ROOT.parent.parent / "shared" / "third_party"
-                                    / "mindtorch-v2")) / "src"
+sys.path.insert(0, str(ROOT / "tools"))
+import devenv  # noqa: E402  (tools/ is not a package)
+
+MINDTORCH_SRC = devenv.MINDTORCH_SRC
 CANN_ROOT = ROOT / "tools" / "aclsim" / "cann-root"
 _cann_root_ok: list[str] = []
 
@@ -94,11 +96,6 @@ def mindtorch_env(**extra: str) -> dict[str, str]:
 def installed_python() -> str:
     """An interpreter with this checkout installed as `pip install .` would
     (npualloc-mindtorch.pth in its site-packages): tools/devenv.py."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import devenv
-    finally:
-        sys.path.pop(0)
     return str(devenv.ensure(BUILD))
 
 

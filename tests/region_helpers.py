@@ -91,7 +91,8 @@ WORKLOAD = textwrap.dedent("""
         if pid == 0:
             try:
                 malloc(size)
-                mine = os.path.exists(os.path.join(os.environ["NPUALLOC_SHM_DIR"], f"npualloc.{os.getpid()}"))
+                mine = os.path.exists(os.path.join(os.environ["NPUALLOC_SHM_DIR"], f"npualloc-{os.geteuid()}",
+                                                   f"npualloc.{os.getpid()}"))
                 os.write(write_end, json.dumps([mine, npualloc.memory_allocated()]).encode())
             finally:
                 os._exit(0)
@@ -186,8 +187,14 @@ def region_bytes(for_pid: int, **header: int) -> bytes:
     return bytes(ffi.buffer(region))
 
 
-def write_region(directory: Path, pid: int, data: bytes) -> Path:
-    path = directory / f"npualloc.{pid}"
+def region_file(shm_dir: Path, pid: int) -> Path:
+    """Where a process of ours publishes its region (its user's region directory)."""
+    return shm_dir / f"npualloc-{os.geteuid()}" / f"npualloc.{pid}"
+
+
+def write_region(shm_dir: Path, pid: int, data: bytes) -> Path:
+    path = region_file(shm_dir, pid)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     path.write_bytes(data)
     path.chmod(0o600)
     return path
@@ -215,7 +222,7 @@ def cli_with_trigger(w: Workload, shm_dir: Path, args: list[str], trigger: str) 
     (its next allocator call applies the command), and returns the CLI's result."""
     cli = subprocess.Popen([sys.executable, "-m", "npualloc", *args], env=cli_env(shm_dir),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_pending_command(shm_dir / f"npualloc.{w.pid}", lambda: cli.poll() is None)
+    wait_for_pending_command(region_file(shm_dir, w.pid), lambda: cli.poll() is None)
     w.call(trigger)
     out, err = cli.communicate(timeout=30)
     return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)

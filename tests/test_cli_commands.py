@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, run_cli, write_region
+from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, region_file, run_cli, write_region
 
 import pytest
 
@@ -118,10 +118,12 @@ def test_ls_lists_healthy_processes_beside_a_region_stuck_mid_update(tmp_path: P
 def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_path: Path) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    leftovers = [tmp_path / f"npualloc.{dead.pid}.snapshot.3", tmp_path / f".npualloc.{dead.pid}.tmp",
-                 tmp_path / f"npualloc.{dead.pid}.snapshot.4.tmp.{dead.pid}"]
-    kept = [tmp_path / f"npualloc.{os.getpid()}.snapshot.1",  # a live process's: a requester may be reading it
-            tmp_path / "unrelated.file"]
+    mine = region_file(tmp_path, dead.pid).parent
+    mine.mkdir(mode=0o700)
+    leftovers = [mine / f"npualloc.{dead.pid}.snapshot.3", mine / f".npualloc.{dead.pid}.tmp",
+                 mine / f"npualloc.{dead.pid}.snapshot.4.tmp.{dead.pid}"]
+    kept = [mine / f"npualloc.{os.getpid()}.snapshot.1",  # a live process's: a requester may be reading it
+            mine / "unrelated.file", tmp_path / f"npualloc.{dead.pid}.snapshot.3"]  # not in a region directory
     for path in leftovers + kept:
         path.write_bytes(b"x")
     assert run_cli(["ls"], tmp_path).returncode == 0
@@ -133,10 +135,10 @@ def test_ls_cleans_the_region_of_a_forked_child_that_skipped_atexit(tmp_path: Pa
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")
         child = w.call(f"fork_child_allocates({MiB})")[0]
-        assert (tmp_path / f"npualloc.{child}").exists()
+        assert region_file(tmp_path, child).exists()
         rows = json.loads(run_cli(["ls", "--json"], tmp_path).stdout)
         assert [row["pid"] for row in rows] == [w.pid]
-        assert not (tmp_path / f"npualloc.{child}").exists()
+        assert not region_file(tmp_path, child).exists()
 
 
 

@@ -140,3 +140,11 @@ def test_pause_bench_section_measures_both_paths_and_renders(monkeypatch):
     assert result["bytes"] == 8 << 20 and len(result["saver"]) == 2 and len(result["command"]) == 2
     table = "\n".join(pause_bench.markdown(result))
     assert "memory_saver.pause/resume" in table and "region command" in table
+
+
+def test_stacks_bench_section_measures_three_modes_and_renders():
+    import stacks as stacks_bench
+    r = stacks_bench.measure(BUILD, pairs=200, repeats=1)
+    assert r["pairs"] == 200 and all(r[mode] > 0 for mode in ("off", "history", "stacks"))
+    text = "\n".join(stacks_bench.markdown(r))
+    assert "| record_history |" in text and "record_stacks:python (12 frames)" in text and "for the stack" in text

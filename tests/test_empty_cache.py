@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from conftest import preload_env
-from region_helpers import Workload, cli_env, wait_for_pending_command
+from region_helpers import Workload, cli_env, region_file, wait_for_pending_command
 from sim_programs import DEVICE_BUFFERS
 
 import pytest
@@ -94,7 +94,7 @@ def test_cli_empty_cache_releases_every_freed_block(tmp_path: Path) -> None:
     assert json.loads(ready) == "freed", proc.stderr.read() if proc.stderr else ""
     cli = subprocess.Popen([sys.executable, "-m", "npualloc", "empty-cache", str(proc.pid)], env=cli_env(tmp_path),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_pending_command(tmp_path / f"npualloc.{proc.pid}", lambda: cli.poll() is None)
+    wait_for_pending_command(region_file(tmp_path, proc.pid), lambda: cli.poll() is None)
     proc.stdin.write("\n")
     proc.stdin.flush()
     out, err = cli.communicate(timeout=60)

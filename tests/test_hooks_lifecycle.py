@@ -196,7 +196,7 @@ for i in range(20):
         p, ret = acl.rt.malloc(4096, 0)
         ok = ret == 0 and acl.rt.free(p) == 0
         after = npualloc.memory_stats(0)
-        files = sorted(os.listdir(os.environ["NPUALLOC_SHM_DIR"]))
+        files = sorted(os.listdir(os.path.join(os.environ["NPUALLOC_SHM_DIR"], f"npualloc-{os.geteuid()}")))
         os.write(w, json.dumps({"reserved_at_fork": s["reserved_bytes.all.current"], "freed_parent": freed_parent,
                                 "ok": ok, "reserved": after["reserved_bytes.all.current"],
                                 "own_region": f"npualloc.{os.getpid()}" in files}).encode())

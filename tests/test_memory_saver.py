@@ -31,6 +31,14 @@ def fill(ptr, size):
     return data
 def read(ptr, size):
     return acl.util.ptr_to_bytes(ptr, size)
+def refused(call, *reasons):
+    # call() must raise NpuallocError naming every reason.
+    try:
+        call()
+    except NpuallocError as e:
+        assert all(reason in str(e) for reason in reasons), e
+    else:
+        raise AssertionError(f"{call.__name__} did not fail")
 """
 
 
@@ -106,12 +114,7 @@ def test_no_host_memory_for_the_backup_fails_the_pause_before_anything_is_unmapp
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
         used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
         resource.setrlimit(resource.RLIMIT_AS, (used + 48 * MiB, hard))
-        try:
-            ms.pause()
-        except NpuallocError as e:
-            assert "no host memory" in str(e) and "nothing was paused" in str(e), e
-        else:
-            raise AssertionError("the pause did not fail")
+        refused(ms.pause, "no host memory", "nothing was paused")
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
         assert ms.bytes_of() == {"allocated": 64 * MiB, "paused": 0, "backup": 0}
         assert free_bytes() == before and read(a, 32 * MiB) + read(b, 32 * MiB) == data
@@ -127,12 +130,7 @@ def test_a_resume_without_device_memory_keeps_the_backup_and_can_be_retried():
         data = fill(a, 4 * MiB)
         ms.pause()
         aclsim.fail_next_mallocs(1)                    # the device refuses the physical memory
-        try:
-            ms.resume()
-        except NpuallocError as e:
-            assert "keeps its backup" in str(e), e
-        else:
-            raise AssertionError("the resume did not fail")
+        refused(ms.resume, "keeps its backup")
         assert ms.bytes_of() == {"allocated": 4 * MiB, "paused": 4 * MiB, "backup": 4 * MiB}
         ms.resume()
         assert read(a, 4 * MiB) == data
@@ -204,3 +202,137 @@ def test_the_readme_colocation_demo_runs():
                           text=True, timeout=120, env=sim_env())
     assert proc.returncode == 0, proc.stderr
     assert "engine paused: 2048 MiB free" in proc.stdout and "weights intact" in proc.stdout, proc.stdout
+
+
+def test_saver_bytes_show_in_memory_stats_and_in_stats_from_another_shell():
+    proc = saver("""
+        import json, subprocess, sys
+        import npualloc
+        with ms.region("weights", enable_cpu_backup=True):
+            w = malloc(3 * MiB)                         # two 2 MiB pages
+        with ms.region("kv_cache"):
+            kv = malloc(MiB)
+        ms.pause("weights")
+        s = npualloc.memory_stats()
+        assert {k: s[k] for k in s if k.startswith("npualloc.saver_")} == {
+            "npualloc.saver_allocations": 2, "npualloc.saver_allocated_bytes": 6 * MiB,
+            "npualloc.saver_paused_bytes": 4 * MiB, "npualloc.saver_backup_bytes": 4 * MiB}, s
+        assert s["allocated_bytes.all.current"] == 0    # never in the cache
+        cli = [sys.executable, "-m", "npualloc", "stats", str(os.getpid())]
+        shown = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True, check=True).stdout)
+        theirs = shown["devices"]["0"]
+        assert {k: theirs[k] for k in theirs if k.startswith("npualloc.saver_")} == {
+            k: s[k] for k in s if k.startswith("npualloc.saver_")}, theirs
+        print(subprocess.run(cli, capture_output=True, text=True, check=True).stdout)
+        ms.resume()
+        assert npualloc.memory_stats()["npualloc.saver_paused_bytes"] == 0
+        ok(acl.rt.free(w)); ok(acl.rt.free(kv))
+        assert npualloc.memory_stats()["npualloc.saver_allocated_bytes"] == 0
+    """)
+    assert "memory_saver                6.00 MiB in 2 allocations, 4.00 MiB paused, 4.00 MiB host backup" \
+        in proc.stdout, proc.stdout
+
+
+def test_a_release_failing_half_way_maps_everything_back_intact():
+    # aclrtUnmapMem refused (the range stays mapped), then aclrtFreePhysical
+    # refused after a successful unmap (the handle stays live): either way the
+    # pause fails saying so, what it released is mapped back with its
+    # contents, and nothing is left paused.
+    saver("""
+        with ms.region(enable_cpu_backup=True):
+            a, b = malloc(4 * MiB), malloc(4 * MiB)
+        with ms.region("no_backup"):
+            c = malloc(2 * MiB)
+        data = fill(a, 4 * MiB) + fill(b, 4 * MiB)
+        kept_c = fill(c, 2 * MiB)
+        before = free_bytes()
+        for api in ("aclrtUnmapMem", "aclrtFreePhysical"):
+            failed = aclsim.injected_failures()
+            aclsim.fail_release(api, n=1, skip=1)       # the first block goes, the second is refused
+            refused(ms.pause, "failed (error 207002)", "nothing was paused")
+            assert aclsim.injected_failures() == failed + 1
+            assert ms.bytes_of() == {"allocated": 10 * MiB, "paused": 0, "backup": 0}
+            assert free_bytes() == before
+            assert read(a, 4 * MiB) + read(b, 4 * MiB) == data
+        # The block refused first kept its memory in both cases: its contents
+        # are there although it has no backup.
+        ms.pause(); ms.resume()
+        assert read(a, 4 * MiB) + read(b, 4 * MiB) == data
+        # A free whose unmap is refused fails with the runtime's code and loses nothing.
+        aclsim.fail_release("aclrtUnmapMem")
+        assert acl.rt.free(a) == 207002
+        assert read(a, 4 * MiB) == data[:4 * MiB] and ms.bytes_of()["allocated"] == 10 * MiB
+        for p in (a, b, c):
+            ok(acl.rt.free(p))
+        assert aclsim.physical_bytes_outstanding(0) == 0
+    """)
+
+
+FORK = PRELUDE + """\
+import json, threading
+import npualloc
+with ms.region("weights", enable_cpu_backup=True):
+    w = malloc(4 * MiB)
+data = fill(w, 4 * MiB)
+stop = threading.Event()
+rounds, errors = [0, 0], []
+def churn(index):                                  # pausable allocations made and freed while forking
+    try:
+        ok(acl.rt.set_device(0))
+        while not stop.is_set():
+            with ms.region(f"churn{index}"):
+                p = malloc(MiB)
+            ok(acl.rt.free(p))
+            rounds[index] += 1
+    except BaseException as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
+for t in threads:
+    t.start()
+while min(rounds) == 0 and not errors:
+    os.sched_yield()
+results = []
+for _ in range(8):
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        inherited = ms.bytes_of()                  # the parent's allocations are not the child's
+        ms.pause(); ms.resume()                    # touches nothing of the parent's
+        with ms.region("mine", enable_cpu_backup=True):
+            mine = malloc(2 * MiB)
+        own = fill(mine, 2 * MiB)
+        ms.pause("mine")
+        paused = ms.bytes_of()
+        ms.resume("mine")
+        intact = read(mine, 2 * MiB) == own
+        shown = npualloc.memory_stats()["npualloc.saver_allocated_bytes"]
+        ok(acl.rt.free(mine))
+        os.write(wfd, json.dumps({"inherited": inherited, "paused": paused, "intact": intact,
+                                  "saver_stats": shown}).encode())
+        os._exit(0)
+    os.close(wfd)
+    status = os.waitpid(pid, 0)[1]
+    results.append((status, json.loads(os.read(r, 4096) or b"null")))
+    os.close(r)
+stop.set()
+for t in threads:
+    t.join()
+ms.pause(); ms.resume()                            # the parent's own, still there and whole
+print(json.dumps({"results": results, "errors": errors, "intact": read(w, 4 * MiB) == data,
+                  "bytes": ms.bytes_of()}))
+"""
+
+
+def test_a_forked_child_forgets_the_parents_pausable_allocations():
+    import json
+    MiB = 1 << 20
+    out = json.loads(saver(FORK.removeprefix(PRELUDE)).stdout)
+    assert out["errors"] == [] and out["intact"]
+    assert out["bytes"] == {"allocated": 4 * MiB, "paused": 0, "backup": 0}
+    assert len(out["results"]) == 8
+    for status, child in out["results"]:
+        assert status == 0 and child is not None
+        assert child["inherited"] == {"allocated": 0, "paused": 0, "backup": 0}
+        assert child["paused"] == {"allocated": 2 * MiB, "paused": 2 * MiB, "backup": 2 * MiB}
+        assert child["intact"] and child["saver_stats"] == 2 * MiB  # its own region's figures

@@ -25,6 +25,13 @@ def on_step(step, loss):
     counts.append({{"step": step, "loss": loss, "mallocs": aclsim.call_count("aclrtMalloc"),
                     "frees": aclsim.call_count("aclrtFree"), "outstanding": aclsim.bytes_outstanding(0)}})
 model, losses = train_mlp.train({device!r}, {steps}, on_step)
+# MindTorch's autograd graphs are reference cycles that hold device tensors
+# until Python's cyclic GC runs (about 0.5 MB here): collect them now, and no
+# more, so the stats read below and `npualloc stats <pid>` meanwhile see the
+# same state (a collection between the two once freed 835 KB in between).
+import gc
+gc.collect()
+gc.disable()
 import mindtorch_v2 as torch
 from mindtorch_v2._backends.npu import allocator, aclnn
 report = {{"steps": counts, "losses": losses}}
@@ -99,9 +106,10 @@ def test_under_npualloc_every_tensor_goes_through_npualloc(cpu_losses):
         assert later["outstanding"] == first["outstanding"]
     # `npualloc stats <pid>` shows the live tensors (the model's parameters, its data).
     model_bytes = 4 * (32 * 128 + 128 + 128 * 8 + 8 + 64 * 32 + 64 * 8)
-    assert device0["active_bytes.all.current"] >= model_bytes
-    assert device0["active_bytes.all.current"] == report["stats"]["active_bytes.all.current"]
-    assert device0["reserved_bytes.all.current"] == report["reserved"]
+    assert device0["allocated_bytes.all.current"] >= model_bytes
+    for key in ("allocated_bytes.all.current", "active_bytes.all.current", "reserved_bytes.all.current",
+                "allocated_bytes.all.peak", "allocation.all.current", "segment.all.current"):
+        assert device0[key] == report["stats"][key], key
 
 
 def test_raw_mindtorch_allocator_only_grows(cpu_losses):
@@ -115,7 +123,9 @@ def test_raw_mindtorch_allocator_only_grows(cpu_losses):
     assert all(b > a for a, b in zip(mallocs, mallocs[1:])), mallocs   # raw mallocs on every step
     held = [s["outstanding"] for s in report["steps"]]
     assert all(b > a for a, b in zip(held, held[1:])), held             # device memory only grows
-    assert report["reserved"] > 4 * report["allocated"]
+    # The live set stops growing after step 2 (parameters, gradients, their
+    # state), so all MindTorch holds beyond that is memory it never reuses.
+    assert report["reserved"] - report["allocated"] >= held[-1] - held[1] > 0
     # The executor destroys MindTorch defers to exit would abort (CANN already
     # destroyed them at phase 2), but this pinned copy never queues one:
     # _defer_executor calls int() on a ctypes.c_void_p, which raises, and it

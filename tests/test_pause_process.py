@@ -2,16 +2,20 @@
 training loop: paused from another shell mid-run it stops at its next
 allocation, gives its device memory back (another process can allocate it),
 and after resume finishes with the same losses and checksum as an
-uninterrupted run. Nothing is lost when the pause cannot be taken (plain
-segments, no host memory) or the resume cannot get the memory back."""
+uninterrupted run; every other thread that enters the allocator (or
+memory_saver) waits until the resume. Nothing is lost when the pause cannot
+be taken (plain segments, no host memory, the runtime refusing a release
+half way) or the resume cannot get the memory back."""
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 import resource
 import subprocess
 import sys
 
+import pytest
 from conftest import preload_env, run_python, sim_env
 
 from npualloc.region import Region
@@ -21,8 +25,7 @@ HBM_MB = "256"
 # A training-like loop: weights persist on the device, activations of varying
 # sizes come and go each step, and the weights are updated from what the step
 # read back, so any lost or corrupted byte changes every later loss.
-TRAIN = """\
-import hashlib, os, sys
+PRELUDE = """\
 import acl, aclsim
 def ok(ret):
     assert ret == 0, ret
@@ -33,6 +36,9 @@ def malloc(size):
     return p
 def write(p, data):
     ok(acl.rt.memcpy(p, len(data), acl.util.bytes_to_ptr(data), len(data), 1))
+"""
+TRAIN = PRELUDE + """\
+import hashlib, os, sys
 def read(p, size):
     return acl.util.ptr_to_bytes(p, size)
 def pattern(seed, size):
@@ -54,7 +60,12 @@ for step in range(6):
     for a in acts:
         ok(acl.rt.free(a))
     print("step", step, "loss", int.from_bytes(digest[:4], "little"), flush=True)
-    if step in (1, 3) and sys.argv[1:] == ["--wait"]:  # stops (outside the allocator) for the test
+    if step in (1, 3) and sys.argv[1:2] == ["--wait"]:  # stops (outside the allocator) for the test
+        if step == 1 and sys.argv[2:3]:                   # --wait API: the pause's 2nd release of it fails
+            import npualloc
+            kept = malloc(4096)                           # a small-pool page beside the weights' large one
+            npualloc.empty_cache()                        # so the pause itself releases only those two
+            aclsim.fail_release(sys.argv[2], n=1, skip=1)
         print("waiting", flush=True)
         sys.stdin.readline()
 print("checksum", hashlib.sha256(b"".join(read(w, W) for w in weights)).hexdigest())
@@ -93,8 +104,8 @@ def _probe(size_mb: int) -> str:
 class Trainer:
     """The loop, stopped after step 1 until go() (not in an allocator call)."""
 
-    def __init__(self, conf: str = EXPANDABLE):
-        self.proc = subprocess.Popen([sys.executable, "-c", TRAIN, "--wait"], env=_env(conf), text=True,
+    def __init__(self, conf: str = EXPANDABLE, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-c", TRAIN, "--wait", *args], env=_env(conf), text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines = [self._line(), self._line()]
         assert self._line() == "waiting"
@@ -213,3 +224,108 @@ def test_a_process_killed_while_paused_leaves_no_device_memory():
     finally:
         trainer.kill()
     assert _probe(int(HBM_MB) - 8) == f"{HBM_MB} 0"  # all of it free again
+
+
+@pytest.mark.parametrize("api", ["aclrtUnmapMem", "aclrtFreePhysical"])
+def test_a_release_refused_half_way_maps_everything_back_and_the_process_runs_on(api):
+    expected = _uninterrupted()
+    trainer = Trainer(EXPANDABLE, api)
+    try:
+        refused = trainer.pause_at_next_allocation()
+        assert refused.returncode == 9 and "failed to apply" in refused.stderr, refused.stderr
+        assert _state(trainer.proc.pid)["state"] == "running"
+        assert trainer.finish() == expected  # same losses and checksum, and no access to unmapped memory
+        assert "pause refused, the process runs on: unmapping" in trainer.stderr
+        assert "failed (error 207002)" in trainer.stderr, trainer.stderr
+    finally:
+        trainer.kill()
+
+
+# Four threads in allocator calls (two on the cache, one on a second device,
+# one making memory_saver allocations), each counting the calls it entered
+# and those that returned; the main thread stays out of the allocator and
+# reports, on the test's cue, what they did meanwhile.
+THREADS = PRELUDE + textwrap.dedent("""\
+    import json, os, sys, threading
+    from npualloc import memory_saver as ms
+    kept, kept_data = malloc(3 * MiB), os.urandom(3 * MiB)
+    write(kept, kept_data)
+    with ms.region("engine"):                # no backup asked: the command keeps the contents anyway
+        engine = malloc(2 * MiB)
+    engine_data = os.urandom(2 * MiB)
+    write(engine, engine_data)
+    N = 4
+    entered, returned, errors, stop = [0] * N, [0] * N, [], threading.Event()
+    def cache_call(i):
+        ok(acl.rt.free(malloc((1 + returned[i] % 5) * (4096 if i == 0 else MiB))))
+    def saver_call(i):
+        with ms.region("churn"):
+            p = malloc(MiB)
+        ok(acl.rt.free(p))
+    def worker(i, device, call):
+        try:
+            ok(acl.rt.set_device(device))
+            while not stop.is_set():
+                entered[i] += 1
+                call(i)
+                returned[i] += 1
+        except BaseException as e:
+            errors.append(repr(e))
+            entered[i] = -1
+    threads = [threading.Thread(target=worker, args=args) for args in
+               ((0, 0, cache_call), (1, 0, cache_call), (2, 1, cache_call), (3, 0, saver_call))]
+    for t in threads:
+        t.start()
+    def wait_for(condition):
+        while not condition() and not errors:
+            os.sched_yield()
+        assert not errors, errors
+    wait_for(lambda: min(returned) >= 1)
+    print("ready", flush=True)
+    sys.stdin.readline()                     # paused
+    wait_for(lambda: all(e == r + 1 for e, r in zip(entered, returned)))   # every thread inside a call
+    at_pause = list(returned)
+    print("blocked", flush=True)
+    sys.stdin.readline()                     # the device's memory has been used by another process
+    print(json.dumps({"returned_since": [r - p for r, p in zip(returned, at_pause)],
+                      "inside": [e - r for e, r in zip(entered, returned)]}), flush=True)
+    sys.stdin.readline()                     # resumed
+    wait_for(lambda: all(r >= p + 3 for r, p in zip(returned, at_pause)))  # every thread runs on
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert acl.util.ptr_to_bytes(kept, 3 * MiB) == kept_data
+    assert acl.util.ptr_to_bytes(engine, 2 * MiB) == engine_data
+    print("intact, invalid accesses", aclsim.invalid_accesses(), flush=True)
+""")
+
+
+def test_every_thread_entering_the_allocator_waits_for_the_resume():
+    proc = subprocess.Popen([sys.executable, "-c", THREADS], env=_env(), text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def cue(line: str) -> str:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        return proc.stdout.readline().rstrip("\n")
+
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        paused = _cli("pause", str(proc.pid), "--timeout", "60")
+        assert "paused" in paused.stdout
+        state = _state(proc.pid)
+        assert state["state"] == "paused" and state["paused_bytes"] >= 22 * MiB  # a large page + the engine's
+        assert state["devices"]["0"]["npualloc.saver_paused_bytes"] >= 2 * MiB  # the engine (+ a churned one)
+        assert cue("paused") == "blocked"
+        assert _probe(int(HBM_MB) - 8) == f"{HBM_MB} 0"  # device 0 all free meanwhile, for another process
+        during = json.loads(cue("used"))
+        assert during == {"returned_since": [0, 0, 0, 0], "inside": [1, 1, 1, 1]}, during
+        assert "resumed" in _cli("resume", str(proc.pid)).stdout
+        assert cue("resumed") == "intact, invalid accesses 0"
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and err == "", err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from region_helpers import Workload, wait_for_pending_command, write_region
+from region_helpers import Workload, region_file, wait_for_pending_command, write_region
 
 import npualloc
 from npualloc._ffi import constants
@@ -28,7 +28,7 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_created_at_first_allocation_private_and_removed_at_exit(shm: Path) -> None:
     with Workload(shm) as w:
-        path = shm / f"npualloc.{w.pid}"
+        path = region_file(shm, w.pid)
         assert not path.exists()  # aclInit and aclrtSetDevice allocate nothing
         before_ns = time.time_ns()
         w.call("malloc(4096)")
@@ -44,7 +44,9 @@ def test_created_at_first_allocation_private_and_removed_at_exit(shm: Path) -> N
             assert header.device_count == 1 and region.devices_in_use() == [0]
         assert w.close() == 0
     assert not path.exists()
-    assert os.listdir(shm) == []
+    assert os.listdir(path.parent) == []  # the user's region directory stays, empty, for the next process
+    info = path.parent.lstat()
+    assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
 
 
 def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
@@ -98,8 +100,8 @@ def test_forked_child_gets_its_own_region(shm: Path) -> None:
         assert 12 * MiB <= child_allocated < 13 * MiB  # a fresh allocator: none of the parent's blocks
         assert npualloc.memory_stats(pid=w.pid) == before  # the child wrote nothing here
         # The child left through _exit (no atexit): its file stays until `ls` cleans it.
-        assert (shm / f"npualloc.{child}").exists()
-        assert (shm / f"npualloc.{w.pid}").exists()
+        assert region_file(shm, child).exists()
+        assert region_file(shm, w.pid).exists()
 
 
 def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: int = -1, arg: float = 0.0) -> None:
@@ -116,7 +118,7 @@ def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: i
 
     poster = threading.Thread(target=post)
     poster.start()
-    wait_for_pending_command(shm / f"npualloc.{w.pid}", poster.is_alive)
+    wait_for_pending_command(region_file(shm, w.pid), poster.is_alive)
     w.call(trigger)
     poster.join()
     if errors:

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from region_helpers import region_bytes, write_region
+from region_helpers import region_bytes, region_file, write_region
 
 import npualloc
 from npualloc import region as region_module
@@ -81,7 +81,7 @@ def test_damaged_regions_are_refused(shm: Path, sleeper: int, data: object, erro
 
 def test_symlink_is_refused(shm: Path, sleeper: int) -> None:
     target = write_region(shm, 999999999, region_bytes(sleeper))
-    (shm / f"npualloc.{sleeper}").symlink_to(target)
+    region_file(shm, sleeper).symlink_to(target)
     with pytest.raises(CorruptRegionError, match="cannot open"):
         npualloc.memory_stats(pid=sleeper)
 

@@ -1,8 +1,9 @@
 # `make bench`: the measured claims of issues 6 and 14, in one run
 # (tools/bench/run.py): the hot path through the exported ACL symbols, the
 # core alone and glibc on the same sizes (as ratios measured side by side,
-# repeated), every shipped trace raw vs npualloc, and a pyACL program's time
-# per step. Prints the tables and the goals, and writes them under
+# repeated), every shipped trace raw vs npualloc, a pyACL program's time
+# per step, pause/resume throughput and the cost of Python stacks in
+# history. Prints the tables and the goals, and writes them under
 # $(BUILD)/bench/results (never a tracked file). BUILD picks the build tree.
 #   make bench-record  the same run, written to bench/results/ (the figures
 #                      the README cites; commit them)

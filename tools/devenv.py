@@ -9,6 +9,7 @@ directory whose site-packages also holds the creating interpreter's.
 """
 from __future__ import annotations
 
+import os
 import site
 import subprocess
 import sys
@@ -17,6 +18,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_PTH = ROOT / "npualloc-mindtorch.pth"
+# The pinned MindTorch v2 the tests, demo and bench run: beside the checkout
+# in ../shared, as the workspace lays it out, unless NPUALLOC_MINDTORCH names it.
+MINDTORCH_SRC = Path(os.environ.get("NPUALLOC_MINDTORCH", ROOT.parent / "shared" / "third_party"
+                                    / "mindtorch-v2")) / "src"
 
 
 def ensure(build: Path) -> Path:

@@ -54,6 +54,23 @@ int npualloc_saver_resume(const char *tag, char *why, size_t why_len);
 /* Bytes of the tag's pausable allocations (NULL: every tag): all of them,
  * the paused ones, and the host backups held. */
 int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup);
+/* The saver's figures for one device (as the region publishes them): 0, or
+ * -1 for a device out of range. */
+int npualloc_get_saver_stats(int device, npualloc_saver_stats *out);
+/* The stream-aware entry, for callers that know the stream of each
+ * allocation (torch's allocator interface: malloc(size, stream), free,
+ * record_stream; MindTorch's pass-through uses it). Sizes, device (the
+ * calling thread's current one) and errors are aclrtMalloc's. A block
+ * freed on the stream it was allocated on is reusable at once, for that
+ * stream only: the caller promises it is used on that stream alone, or
+ * names the other streams with npualloc_record_stream; those frees wait for
+ * one event per such stream. A free ordered on another stream counts as a
+ * use of it. aclrtMalloc/aclrtFree callers keep reuse_policy's fences. */
+int npualloc_malloc_stream(void **ptr, size_t size, void *stream);
+int npualloc_free_stream(void *ptr, void *stream);
+/* 0, or ACL_ERROR_INVALID_PARAM (100000) when ptr is no live allocation of
+ * npualloc's (warned once). */
+int npualloc_record_stream(void *ptr, void *stream);
 /* cffi:end */
 
 #ifdef __cplusplus

@@ -19,7 +19,7 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 2
+#define NPUALLOC_SHM_VERSION 3
 #define NPUALLOC_MAX_DEVICES 16
 #define NPUALLOC_CONFIG_LEN 512
 #define NPUALLOC_CMDLINE_LEN 256
@@ -125,14 +125,27 @@ typedef struct npualloc_region_header {
     char cmdline[256];
     uint32_t device_count;   /* highest device index in use + 1 */
     uint32_t pause_state;    /* NPUALLOC_RUNNING, _PAUSING, _PAUSED, _RESUMING (version 2) */
-    uint64_t paused_bytes;   /* device memory released by `npualloc pause` */
+    uint64_t paused_bytes;   /* device memory released by `npualloc pause` (memory_saver's included) */
     uint64_t backup_bytes;   /* host memory holding the paused blocks */
 } npualloc_region_header;
+
+/* npualloc.memory_saver's allocations on one device (version 3). They never
+ * enter the cache, so none of npualloc_device_stats counts them. Written by
+ * one thread at a time, under their own seqlock (same protocol). */
+typedef struct npualloc_saver_stats {
+    uint64_t seq;
+    int32_t in_use;          /* 1 once the device made a pausable allocation */
+    int32_t allocations;     /* live pausable allocations */
+    int64_t allocated_bytes; /* their device memory (whole 2 MiB pages), paused or not */
+    int64_t paused_bytes;    /* of those, released now (memory_saver.pause or `npualloc pause`) */
+    int64_t backup_bytes;    /* host memory holding paused contents */
+} npualloc_saver_stats;
 
 typedef struct npualloc_region {
     npualloc_region_header header;
     npualloc_command command;
     npualloc_device_stats devices[16];
+    npualloc_saver_stats saver[16];
 } npualloc_region;
 /* cffi:end */
 
@@ -141,5 +154,7 @@ _Static_assert(sizeof(((npualloc_region_header *)0)->config) == NPUALLOC_CONFIG_
 _Static_assert(sizeof(((npualloc_region_header *)0)->cmdline) == NPUALLOC_CMDLINE_LEN, "cmdline length");
 _Static_assert(sizeof(((npualloc_region *)0)->devices) / sizeof(npualloc_device_stats) == NPUALLOC_MAX_DEVICES,
                "device count");
+_Static_assert(sizeof(((npualloc_region *)0)->saver) / sizeof(npualloc_saver_stats) == NPUALLOC_MAX_DEVICES,
+               "saver device count");
 
 #endif

@@ -45,6 +45,13 @@ typedef struct npa_backend {
      * the block is reusable at once instead of waiting for the next poll. */
     int (*fence_needed)(void *ctx, int device);
     int (*fence_done)(void *ctx, void *fence); /* 1 complete, 0 not yet; never blocks */
+    /* Optional, for blocks recorded on other streams (npa_record_stream):
+     * a fence of one event on each of the count streams named (handles as
+     * the stream-aware caller gave them), whatever the reuse policy. NPA_OK
+     * with *fence NULL: the device was synchronized instead. An error: no
+     * fence, the blocks stay pending (retried at the next poll). NULL: such
+     * blocks wait for a synchronize of the device instead. */
+    npa_error (*fence_record_streams)(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence);
     void (*fence_release)(void *ctx, void *fence);
 
     /* Optional: tells the user of a setting the core refused (message
@@ -60,11 +67,12 @@ typedef struct npa_backend {
      * device address space (no memory behind it); page_map backs [addr, addr
      * + size) of a reservation with new physical memory (207001 when the
      * device is full) and names it by *handle; page_unmap undoes one
-     * page_map (unmap, then free the physical memory); va_release gives back
-     * a reservation with nothing mapped. */
+     * page_map of [addr, addr + size) (unmap, then free the physical
+     * memory), and on an error leaves it mapped as it was; va_release gives
+     * back a reservation with nothing mapped. */
     npa_error (*va_reserve)(void *ctx, int device, size_t size, void **base);
     npa_error (*page_map)(void *ctx, int device, void *addr, size_t size, void **handle);
-    npa_error (*page_unmap)(void *ctx, int device, void *addr, void *handle);
+    npa_error (*page_unmap)(void *ctx, int device, void *addr, size_t size, void *handle);
     npa_error (*va_release)(void *ctx, int device, void *base);
 
     /* Stacks in history, optional, both or none. capture_stack names the
@@ -167,6 +175,28 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
 /* hint_device: the caller's current device, looked at first. *device_out
  * (may be NULL) receives the block's device on NPA_FREE_OK. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out);
+
+/* The stream-aware entry (torch's allocator interface: malloc(size,
+ * stream), free, record_stream). A block allocated on a stream comes from
+ * that stream's own pools and, freed, goes straight back to them: the
+ * stream runs in order, so whatever it runs next with the block runs after
+ * the work that used it. Only a block recorded on other streams waits,
+ * for one event per such stream. The caller promises torch's contract: the
+ * block is used on its stream only, or the other streams are recorded.
+ * stream: an opaque handle (0 is valid: the device's default stream). */
+npa_error npa_malloc_stream(npa_allocator *a, int device, size_t size, npa_entry entry, uintptr_t stream,
+                            void **ptr);
+/* Frees ptr, ordered on stream: a stream other than the block's own counts
+ * as a use (as if recorded). A block of the plain entry freed here is
+ * freed as npa_free frees it (the reuse policy's fences). */
+npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device, int *device_out);
+/* torch's record_stream: the live block at ptr is also used on stream, so
+ * once freed it waits for the work queued there until the free. NPA_OK
+ * (also for a block of the plain entry: its fences already cover every
+ * stream), NPA_ERR_INVALID_PARAM when ptr is no live block of ours. Host
+ * memory running out for the record makes the block's free wait for a
+ * synchronize of the device instead. */
+npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device);
 
 /* torch_npu's emptyCache, on one device (device < 0: all): synchronize the
  * device, hand back every pending free (so every block the program has freed

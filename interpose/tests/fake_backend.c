@@ -9,6 +9,9 @@
 typedef struct fake_fence {
     unsigned long long epoch;
     int polls;
+    size_t stream_count;      /* a per-stream fence: these streams' events */
+    uintptr_t streams[FAKE_STREAMS];
+    unsigned long long stream_epochs[FAKE_STREAMS];
 } fake_fence;
 
 /* Fake addresses start high, 2 MiB aligned, with a gap between segments so a
@@ -164,6 +167,37 @@ static npa_error fake_fence_record(void *ctx, int device, void **out) {
     return err;
 }
 
+static npa_error fake_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count,
+                                           void **out) {
+    (void)device;
+    fake_backend *f = ctx;
+    *out = NULL;
+    if (count > FAKE_STREAMS) return NPA_ERR_INVALID_PARAM;
+    for (size_t i = 0; i < count; i++)
+        if (streams[i] >= FAKE_STREAMS) return 107000; /* not a stream */
+    fake_fence *fence = calloc(1, sizeof *fence);
+    if (!fence) return NPA_ERR_OOM;
+    pthread_mutex_lock(&f->lock);
+    if (f->fail_next_fences > 0) {
+        f->fail_next_fences--;
+        pthread_mutex_unlock(&f->lock);
+        free(fence);
+        return 107002;
+    }
+    fence->epoch = 0; /* done by its streams only */
+    fence->stream_count = count;
+    for (size_t i = 0; i < count; i++) {
+        fence->streams[i] = streams[i];
+        fence->stream_epochs[i] = ++f->stream_recorded[streams[i]];
+    }
+    f->stream_fence_records++;
+    f->stream_events += (long)count;
+    f->fence_records++; /* live fences count both kinds */
+    pthread_mutex_unlock(&f->lock);
+    *out = fence;
+    return NPA_OK;
+}
+
 static int fake_fence_done(void *ctx, void *opaque) {
     fake_backend *f = ctx;
     fake_fence *fence = opaque;
@@ -171,6 +205,11 @@ static int fake_fence_done(void *ctx, void *opaque) {
     fence->polls++;
     int done = fence->epoch <= f->completed_epoch ||
                (f->auto_complete_polls > 0 && fence->polls >= f->auto_complete_polls);
+    if (fence->stream_count > 0) {
+        done = 1;
+        for (size_t i = 0; i < fence->stream_count; i++)
+            if (fence->stream_epochs[i] > f->stream_completed[fence->streams[i]]) done = 0;
+    }
     pthread_mutex_unlock(&f->lock);
     return done;
 }
@@ -241,12 +280,19 @@ static npa_error fake_page_map(void *ctx, int device, void *addr, size_t size, v
     return err;
 }
 
-static npa_error fake_page_unmap(void *ctx, int device, void *addr, void *handle) {
+static npa_error fake_page_unmap(void *ctx, int device, void *addr, size_t size, void *handle) {
     fake_backend *f = ctx;
     npa_error err = NPA_ERR_FREE;
     pthread_mutex_lock(&f->lock);
     f->page_unmaps++;
+    if (f->fail_after_unmaps == 0 && f->fail_next_unmaps > 0) { /* refused: stays mapped */
+        f->fail_next_unmaps--;
+        pthread_mutex_unlock(&f->lock);
+        return NPA_ERR_FREE;
+    }
+    if (f->fail_after_unmaps > 0) f->fail_after_unmaps--;
     for (size_t i = 0; i < f->page_count && handle == addr; i++) {
+        if (f->pages[i].ptr == addr && f->pages[i].size != size) break; /* not the size page_map was given */
         fake_segment *page = &f->pages[i];
         if (page->ptr != addr || page->device != device) continue;
         if (f->host_memory)
@@ -303,12 +349,20 @@ npa_backend fake_iface(fake_backend *f) {
         b.fence_done = fake_fence_done;
         b.fence_release = fake_fence_release;
     }
+    if (f->stream_fences) b.fence_record_streams = fake_fence_record_streams;
     return b;
 }
 
 void fake_complete_fences(fake_backend *f) {
     pthread_mutex_lock(&f->lock);
     f->completed_epoch = f->recorded_epoch;
+    for (size_t i = 0; i < FAKE_STREAMS; i++) f->stream_completed[i] = f->stream_recorded[i];
+    pthread_mutex_unlock(&f->lock);
+}
+
+void fake_complete_stream(fake_backend *f, uintptr_t stream) {
+    pthread_mutex_lock(&f->lock);
+    f->stream_completed[stream] = f->stream_recorded[stream];
     pthread_mutex_unlock(&f->lock);
 }
 

@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core.h"
 
@@ -16,6 +17,8 @@ typedef struct fake_segment {
     size_t size;
     int device;
 } fake_segment;
+
+#define FAKE_STREAMS 8
 
 typedef struct fake_backend {
     pthread_mutex_t lock;
@@ -39,6 +42,8 @@ typedef struct fake_backend {
      * fake range, a page is memory mapped at its address and charged to the
      * capacity. fail_next_mallocs and the capacity apply to page maps too. */
     bool vmm;
+    int fail_after_unmaps;     /* after this many page unmaps succeed, */
+    int fail_next_unmaps;      /* the next N fail with 207002 and leave the page mapped */
     long va_reserves, va_releases, page_maps, page_unmaps;
     fake_segment *pages;       /* live page_map calls; a handle is its address */
     size_t page_count, page_capacity;
@@ -53,6 +58,13 @@ typedef struct fake_backend {
     unsigned long long recorded_epoch, completed_epoch;
     int auto_complete_polls;   /* 0: only explicit completion */
     long fence_records, fence_releases;
+    /* Per-stream fences (fence_record_streams), offered when stream_fences
+     * is set: stream handles are 0 .. FAKE_STREAMS-1; each stream counts its
+     * events recorded and completed, and a fence is done once every stream
+     * it names has completed the event recorded for it. */
+    bool stream_fences;
+    unsigned long long stream_recorded[FAKE_STREAMS], stream_completed[FAKE_STREAMS];
+    long stream_fence_records, stream_events;
 
     npualloc_device_stats *stats[NPUALLOC_MAX_DEVICES];
 } fake_backend;
@@ -62,6 +74,8 @@ void fake_destroy(fake_backend *f);
 npa_backend fake_iface(fake_backend *f);
 /* Every fence recorded so far completes (the device went idle). */
 void fake_complete_fences(fake_backend *f);
+/* Every event recorded so far on one stream completes (its queue ran). */
+void fake_complete_stream(fake_backend *f, uintptr_t stream);
 long fake_live_fences(fake_backend *f);
 size_t fake_used(fake_backend *f, int device);
 

@@ -3,7 +3,8 @@
  * unmapped while paused (the fake device's memory is all free, and its
  * pages are PROT_NONE, so a touch would fault), free space is not copied, a
  * resume without device memory keeps everything paused and can be retried,
- * and a process with plain segments is refused untouched. */
+ * a pause whose unmap fails half way maps back what it unmapped with the
+ * contents restored, and a process with plain segments is refused untouched. */
 #include <string.h>
 
 #include "check.h"
@@ -77,6 +78,33 @@ static void test_resume_without_memory_stays_paused_and_retries(void) {
     fixture_destroy(&fx);
 }
 
+static void test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact(void) {
+    fixture fx;
+    start(&fx, true);
+    char *big = alloc_exact(&fx, 0, 30 * MiB), *small = alloc_exact(&fx, 0, 100 * 1024);
+    fill(big, 30 * MiB, 5);
+    fill(small, 100 * 1024, 6);
+    size_t used = fake_used(&fx.fake, 0);
+    fx.fake.fail_after_unmaps = 1;                   /* the first page goes, the second is refused */
+    fx.fake.fail_next_unmaps = 1;
+    long maps = fx.fake.page_maps;
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_ERR_FREE);
+    CHECK(strstr(why, "unmapping") != NULL);
+    CHECK_EQ(fx.fake.fail_next_unmaps, 0);
+    CHECK_EQ(fx.fake.page_maps, maps + 1);           /* the one page unmapped was mapped back */
+    CHECK_EQ(fake_used(&fx.fake, 0), used);
+    CHECK(same(big, 30 * MiB, 5) && same(small, 100 * 1024, 6)); /* its contents copied back */
+    /* Not left locked, and a later pause works. */
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_OK);
+    CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_OK);
+    CHECK(same(big, 30 * MiB, 5) && same(small, 100 * 1024, 6));
+    CHECK_EQ(npa_free(fx.a, big, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, small, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 static void test_plain_segments_are_refused_untouched(void) {
     fixture fx;
     start(&fx, false);
@@ -96,6 +124,7 @@ static void test_plain_segments_are_refused_untouched(void) {
 int main(void) {
     RUN(test_pause_releases_everything_and_resume_restores);
     RUN(test_resume_without_memory_stays_paused_and_retries);
+    RUN(test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact);
     RUN(test_plain_segments_are_refused_untouched);
     return check_report();
 }

@@ -43,10 +43,20 @@ executors_destroyed = _bind(_sim, "aclsim_executors_destroyed", _u64)
 executor_violations = _bind(_sim, "aclsim_executor_violations", _u64)
 set_op_duration_us = _bind(_sim, "aclsim_set_op_duration_us", None, _u64)
 op_duration_us = _bind(_sim, "aclsim_op_duration_us", _u64)
+thread_latency_us = _bind(_sim, "aclsim_thread_latency_us", _u64)
+op_time_us = _bind(_sim, "aclsim_op_time_us", _u64)
 fail_next_mallocs = _bind(_sim, "aclsim_fail_next_mallocs", None, ctypes.c_uint32)
 injected_failures = _bind(_sim, "aclsim_injected_failures", _u64)
+_fail_release = _bind(_sim, "aclsim_fail_release", ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_uint32)
 
 _NO_SUCH = 2**64 - 1
+
+
+def fail_release(api: str, n: int = 1, skip: int = 0) -> None:
+    """After skip successful calls of api ("aclrtUnmapMem" or
+    "aclrtFreePhysical"), the next n fail with 207002, changing nothing."""
+    if _fail_release(api.encode(), skip, n) != 0:
+        raise KeyError(f"the sim injects no release failure into {api!r}")
 
 
 def call_count(api: str) -> int:

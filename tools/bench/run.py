@@ -10,6 +10,9 @@
    training traces for peak reserved / peak requested.
 3. A pyACL program of aclnn-style ops (tools/demo/train_step.py): time per
    step raw and under npualloc.
+4. Pause and resume throughput (tools/bench/pause.py, issue 12).
+5. What Python stacks in history cost per allocation (tools/bench/stacks.py,
+   issue 13).
 
 Prints markdown tables and the goals, MET or NOT MET, and writes latest.md and
 latest.png to --out (`make bench`: build/bench/results; `make bench-record`:
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "demo")]
 import launch  # noqa: E402
 import pause as pause_bench  # noqa: E402
+import stacks as stacks_bench  # noqa: E402
 from npualloc import replay  # noqa: E402
 
 SIZES = ROOT / "tools" / "bench" / "trace_sizes.txt"
@@ -468,9 +472,12 @@ def main() -> int:
     p = pyacl(build)
     log("pause and resume: memory_saver and the region command")
     paused = pause_bench.measure(build)
+    log("Python stacks in history: the cost per allocation")
+    stacked = stacks_bench.measure(build)
     command = f"make bench BUILD={args.build}" if args.build != "build" else "make bench"
     text = report(m, command, h, trace_rows, confs, p, time.perf_counter() - started)
-    text += "\n".join(["", "## 4. Pause and resume (issue 12)", "", *pause_bench.markdown(paused), ""])
+    text += "\n".join(["", "## 4. Pause and resume (issue 12)", "", *pause_bench.markdown(paused), "",
+                       "## 5. Python stacks in history (issue 13)", "", *stacks_bench.markdown(stacked), ""])
     out = Path(args.out) if args.out else build / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "latest.md").write_text(text)

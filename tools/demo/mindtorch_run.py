@@ -19,8 +19,10 @@ from typing import Any
 
 import launch
 
-MINDTORCH_SRC = Path(os.environ.get("NPUALLOC_MINDTORCH", launch.ROOT.parent.parent / "shared" / "third_party"
-                                    / "mindtorch-v2")) / "src"
+sys.path.insert(0, str(launch.ROOT / "tools"))
+import devenv  # noqa: E402  (tools/ is not a package)
+
+MINDTORCH_SRC = devenv.MINDTORCH_SRC
 CANN_ROOT = launch.ROOT / "tools" / "aclsim" / "cann-root"
 PROGRAMS = launch.ROOT / "tests" / "mindtorch_programs"
 
@@ -57,8 +59,7 @@ def start(python_args: list[str], npualloc: bool, build: Path | None = None,
     env = launch.sim_environment(build)
     env["PYTHONPATH"] = os.pathsep.join([str(MINDTORCH_SRC), env["PYTHONPATH"]])
     env.update(extra_env)
-    sys.path.insert(0, str(launch.ROOT / "tools"))
-    import devenv  # the interpreter with npualloc's startup hook installed, as `pip install .` leaves it
+    # the interpreter with npualloc's startup hook installed, as `pip install .` leaves it
     python = str(devenv.ensure(build))
     args = [python, *python_args]
     if npualloc:

@@ -12,7 +12,7 @@
 npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) {
     if (!backend || !backend->raw_malloc || !backend->raw_free || !backend->synchronize || !backend->mem_get_info)
         return NULL;
-    if (backend->fence_record && !backend->fence_done) return NULL;
+    if ((backend->fence_record || backend->fence_record_streams) && !backend->fence_done) return NULL;
     if (!backend->capture_stack != !backend->visit_stack) return NULL;
     npa_allocator *a = calloc(1, sizeof *a);
     if (!a) return NULL;
@@ -66,8 +66,22 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         free(b);
     }
     /* Ranges that keep live blocks stay with the program, like plain segments. */
-    if (d->small.expandable) npa_expandable_forget(d->small.expandable);
-    if (d->large.expandable) npa_expandable_forget(d->large.expandable);
+    NPA_FOR_EACH_PAIR(d, p) {
+        if (p->small.expandable) npa_expandable_forget(p->small.expandable);
+        if (p->large.expandable) npa_expandable_forget(p->large.expandable);
+    }
+    /* Live blocks recorded on other streams, and blocks whose fence never
+     * came, keep their stream sets until now. */
+    for (size_t i = 0; i < d->segments.count; i++)
+        for (npa_block *b = d->segments.items[i].first; b; b = b->next) {
+            free(b->uses);
+            b->uses = NULL;
+        }
+    for (npa_pool_pair *p = d->streams, *next; p; p = next) {
+        next = p->next;
+        free(p);
+    }
+    free(d->fence_streams);
     pthread_mutex_unlock(&d->lock);
     npa_block_map_destroy(&d->live);
     npa_slab_destroy(&d->slab);
@@ -125,7 +139,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     pthread_mutex_init(&d->lock, &attr);
     pthread_mutexattr_destroy(&attr);
     d->id = id;
-    d->small.is_small = true;
+    d->plain.small.is_small = true;
     d->batches_tail = &d->batches;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
@@ -215,7 +229,8 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
         if (b->next) b->next->prev = rest;
         b->next = rest;
         b->size = size;
-        npa_pool_insert(b->is_small ? &d->small : &d->large, rest);
+        rest->pool = b->pool;
+        npa_pool_insert(b->pool, rest);
         if (counts_split && already_split) {
             /* An inactive split block shrinks by the part handed out. */
             npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)size);
@@ -243,7 +258,30 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
     npa_stats_end(d);
 }
 
-npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
+/* The pools of a stream, made on its first allocation and moved to the
+ * front on each use (a program allocates on one or two streams at a time);
+ * NULL when host memory ran out. */
+static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
+    for (npa_pool_pair **link = &d->streams, *p; (p = *link); link = &p->next) {
+        if (p->small.stream != stream) continue;
+        if (link != &d->streams) {
+            *link = p->next;
+            p->next = d->streams;
+            d->streams = p;
+        }
+        return p;
+    }
+    npa_pool_pair *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->small = (npa_pool){.is_small = true, .on_stream = true, .stream = stream};
+    p->large = (npa_pool){.on_stream = true, .stream = stream};
+    p->next = d->streams;
+    d->streams = p;
+    return p;
+}
+
+static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa_entry entry, bool on_stream,
+                                  uintptr_t stream, void **ptr) {
     if (!ptr) return NPA_ERR_INVALID_PARAM;
     *ptr = NULL;
     if (!a || size == 0 || (unsigned)entry > NPA_ENTRY_EXACT) return NPA_ERR_INVALID_PARAM;
@@ -257,7 +295,11 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
     size_t rounded = SIZE_MAX;
     if (size <= NPA_MAX_REQUEST) {
         rounded = npa_round_size(&a->config, npa_entry_size(entry, size));
-        npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &d->small : &d->large;
+        /* Without host memory for a stream's pools the block is served as a
+         * plain one: fenced when freed, which is safe on any stream. */
+        npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;
+        if (!pair) pair = &d->plain;
+        npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         b = get_free_block(&a->config, pool, rounded);
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
@@ -277,12 +319,21 @@ npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry,
     return NPA_OK;
 }
 
+npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
+    return malloc_on(a, device, size, entry, false, 0, ptr);
+}
+
+npa_error npa_malloc_stream(npa_allocator *a, int device, size_t size, npa_entry entry, uintptr_t stream,
+                            void **ptr) {
+    return malloc_on(a, device, size, entry, true, stream, ptr);
+}
+
 /* torch's free_block: merge with free neighbours (the lower block survives,
  * so a segment's first block keeps its struct), back into the pool. */
 void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     (void)a;
     npualloc_device_stats *s = d->stats;
-    npa_pool *pool = b->is_small ? &d->small : &d->large;
+    npa_pool *pool = b->pool;
     size_t original_size = b->size;
     size_t requested = b->requested;
     int64_t inactive_blocks = 0, inactive_bytes = 0;
@@ -330,8 +381,30 @@ void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper) {
     npa_slab_put(&d->slab, upper);
 }
 
-/* torch's free: the allocation ends now; the block becomes reusable now, or
- * once the fence of its batch completes. */
+/* Notes that b (of a stream's pool) is used on stream too. Without host
+ * memory for the note, its free waits for a synchronize instead. */
+static void note_use(npa_block *b, uintptr_t stream) {
+    if (stream == b->pool->stream || b->uses_unknown) return;
+    npa_stream_set *set = b->uses;
+    for (size_t i = 0; set && i < set->count; i++)
+        if (set->streams[i] == stream) return;
+    if (!set || set->count == set->capacity) {
+        size_t capacity = set ? set->capacity * 2 : 2;
+        npa_stream_set *grown = realloc(set, sizeof *set + capacity * sizeof set->streams[0]);
+        if (!grown) {
+            b->uses_unknown = true;
+            return;
+        }
+        if (!set) grown->count = 0;
+        grown->capacity = capacity;
+        b->uses = set = grown;
+    }
+    set->streams[set->count++] = stream;
+}
+
+/* torch's free: the allocation ends now. A plain block becomes reusable now
+ * or once the fence of its batch completes (the reuse policy); a stream's
+ * block now, or once its other streams' events complete. */
 static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npualloc_device_stats *s = d->stats;
     npa_history_note(d, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
@@ -339,8 +412,11 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (a->backend.fence_record &&
-        (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
+    if (b->pool->on_stream) {
+        if (b->uses || b->uses_unknown) npa_pending_add_uses(a, d, b);
+        else npa_free_block(a, d, b);
+    } else if (a->backend.fence_record &&
+               (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         b->phase = NPA_PHASE_PENDING;
         b->link = d->open_batch;
         d->open_batch = b;
@@ -351,26 +427,33 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_stats_end(d);
 }
 
-/* Which device owns ptr: 1 freed, 0 not in this device, -1 inside one of its
+/* What a call does to the live block it names. */
+typedef enum block_op { OP_FREE, OP_FREE_ON_STREAM, OP_RECORD } block_op;
+
+/* Which device owns ptr: 1 done, 0 not in this device, -1 inside one of its
  * segments but not a live block start. */
-static int free_on_device(npa_allocator *a, npa_device *d, uintptr_t addr) {
+static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_op op, uintptr_t stream) {
     pthread_mutex_lock(&d->lock);
     int result = 0;
-    npa_block *b = npa_block_map_take(&d->live, addr);
+    npa_block *b = op == OP_RECORD ? npa_block_map_find(&d->live, addr) : npa_block_map_take(&d->live, addr);
     if (b) {
-        free_allocated(a, d, b);
+        if (op != OP_FREE && b->pool->on_stream) note_use(b, stream);
+        if (op != OP_RECORD) free_allocated(a, d, b);
         result = 1;
     } else if (npa_segments_find(&d->segments, addr) >= 0) {
-        npa_stats_begin(d);
-        d->stats->num_invalid_frees++;
-        npa_stats_end(d);
+        if (op != OP_RECORD) {
+            npa_stats_begin(d);
+            d->stats->num_invalid_frees++;
+            npa_stats_end(d);
+        }
         result = -1;
     }
     pthread_mutex_unlock(&d->lock);
     return result;
 }
 
-npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
+static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint_device, int *device_out,
+                                           block_op op, uintptr_t stream) {
     if (!a || !ptr) return NPA_FREE_NOT_OURS;
     bool hint_valid = hint_device >= 0 && hint_device < NPUALLOC_MAX_DEVICES;
     int first = hint_valid ? hint_device : 0;
@@ -379,14 +462,14 @@ npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *devi
         if (i >= 0 && dev == first) continue;
         npa_device *d = npa_device_get(a, dev, false);
         if (!d) continue;
-        int found = free_on_device(a, d, (uintptr_t)ptr);
+        int found = op_on_device(a, d, (uintptr_t)ptr, op, stream);
         if (found < 0) return NPA_FREE_INVALID;
         if (found > 0) {
             if (device_out) *device_out = dev;
             return NPA_FREE_OK;
         }
     }
-    npa_device *hint = hint_valid ? npa_device_get(a, hint_device, false) : NULL;
+    npa_device *hint = hint_valid && op != OP_RECORD ? npa_device_get(a, hint_device, false) : NULL;
     if (hint) {
         pthread_mutex_lock(&hint->lock);
         npa_stats_begin(hint);
@@ -395,6 +478,19 @@ npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *devi
         pthread_mutex_unlock(&hint->lock);
     }
     return NPA_FREE_NOT_OURS;
+}
+
+npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
+    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE, 0);
+}
+
+npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device, int *device_out) {
+    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE_ON_STREAM, stream);
+}
+
+npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device) {
+    return block_op_any_device(a, ptr, hint_device, NULL, OP_RECORD, stream) == NPA_FREE_OK ? NPA_OK
+                                                                                             : NPA_ERR_INVALID_PARAM;
 }
 
 /* Runs fn on one device (if it exists) or on every existing one (device < 0). */

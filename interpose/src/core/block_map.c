@@ -61,3 +61,9 @@ npa_block *npa_block_map_take(npa_block_map *map, uintptr_t addr) {
     }
     return NULL;
 }
+
+npa_block *npa_block_map_find(const npa_block_map *map, uintptr_t addr) {
+    for (npa_block *b = map->buckets[bucket_of(map, addr)]; b; b = b->link)
+        if (b->addr == addr) return b;
+    return NULL;
+}

@@ -6,8 +6,9 @@
  * are unmapped when memory is short or the cache is emptied (the caller
  * synchronizes first: unmapping does not wait for queued work).
  *
- * torch keeps one expandable segment per stream and pool; npualloc has no
- * per-allocation stream, so it keeps one per pool of each device. Stats
+ * torch keeps one expandable segment per stream and pool, and so does
+ * npualloc: one per pool of each device (the plain pools and each
+ * stream's, npa_malloc_stream). Stats
  * follow torch: reserved_bytes moves with mapped bytes, and the segment and
  * inactive_split stats leave expandable segments out; num_device_alloc and
  * num_device_free count pages (one physical allocation each) where torch
@@ -16,8 +17,6 @@
 #include <stdlib.h>
 
 #include "internal.h"
-
-static npa_pool *pool_of(npa_device *d, const npa_block *b) { return b->is_small ? &d->small : &d->large; }
 
 static npa_block *first_block(const npa_device *d, const npa_expandable *es) {
     return d->segments.items[npa_segments_find(&d->segments, es->base)].first;
@@ -48,6 +47,7 @@ static npa_expandable *reserve(npa_allocator *a, npa_device *d, npa_pool *pool) 
     whole->addr = (uintptr_t)base;
     whole->size = page_count * page_size;
     whole->is_small = pool->is_small;
+    whole->pool = pool;
     whole->in_expandable = true;
     whole->phase = NPA_PHASE_UNMAPPED;
     npa_segment *seg = npa_segments_add(&d->segments, whole->addr, whole->size, whole);
@@ -95,7 +95,8 @@ static bool map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_
         if (a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size, &es->pages[i]) == NPA_OK) continue;
         es->pages[i] = NULL;
         while (i-- > begin) {
-            a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->pages[i]);
+            a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->page_size,
+                                  es->pages[i]);
             es->pages[i] = NULL;
         }
         return false;
@@ -125,13 +126,14 @@ static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es,
     uintptr_t addr = u->addr;
     if (rest) {
         *rest = (npa_block){.addr = u->addr + bytes, .size = u->size - bytes, .prev = u, .next = u->next,
-                            .phase = NPA_PHASE_UNMAPPED, .is_small = u->is_small, .in_expandable = true};
+                            .phase = NPA_PHASE_UNMAPPED, .is_small = u->is_small, .pool = u->pool,
+                            .in_expandable = true};
         if (u->next) u->next->prev = rest;
         u->next = rest;
         u->size = bytes;
     }
     u->phase = NPA_PHASE_FREE;
-    npa_pool *pool = pool_of(d, u);
+    npa_pool *pool = u->pool;
     npa_block *b = u;
     if (b->prev && b->prev->phase == NPA_PHASE_FREE) {
         b = b->prev;
@@ -184,19 +186,19 @@ static bool whole_pages(const npa_expandable *es, const npa_block *b, size_t *be
 }
 
 bool npa_expandable_unmappable(const npa_device *d) {
-    const npa_expandable *all[] = {d->small.expandable, d->large.expandable};
-    for (size_t i = 0; i < 2; i++) {
-        if (!all[i]) continue;
+    for (size_t i = 0; i < d->segments.count; i++) {
+        const npa_expandable *es = d->segments.items[i].expandable;
+        if (!es) continue;
         size_t begin, end;
-        for (const npa_block *b = first_block(d, all[i]); b; b = b->next)
-            if (b->phase == NPA_PHASE_FREE && whole_pages(all[i], b, &begin, &end)) return true;
+        for (const npa_block *b = d->segments.items[i].first; b; b = b->next)
+            if (b->phase == NPA_PHASE_FREE && whole_pages(es, b, &begin, &end)) return true;
     }
     return false;
 }
 
 static npa_block *linked_after(npa_block *b, npa_block *n, uintptr_t addr, size_t size, npa_block_phase phase) {
     *n = (npa_block){.addr = addr, .size = size, .prev = b, .next = b->next, .phase = (uint8_t)phase,
-                     .is_small = b->is_small, .in_expandable = true};
+                     .is_small = b->is_small, .pool = b->pool, .in_expandable = true};
     if (b->next) b->next->prev = n;
     b->next = n;
     return n;
@@ -218,13 +220,14 @@ static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *e
         if (after) npa_slab_put(&d->slab, after);
         return b;
     }
-    npa_pool *pool = pool_of(d, b);
+    npa_pool *pool = b->pool;
     npualloc_device_stats *s = d->stats;
     npa_stats_begin(d);
     npa_pool_remove(pool, b);
     npa_stats_end(d);
     for (size_t i = begin; i < end; i++) {
-        a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->pages[i]);
+        a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->page_size,
+                                  es->pages[i]);
         es->pages[i] = NULL;
     }
     npa_stats_begin(d);
@@ -254,7 +257,7 @@ static void release_range(npa_allocator *a, npa_device *d, size_t index) {
     npa_segment *seg = &d->segments.items[index];
     npa_expandable *es = seg->expandable;
     npa_block *whole = seg->first;
-    pool_of(d, whole)->expandable = NULL;
+    whole->pool->expandable = NULL;
     a->backend.va_release(a->backend.ctx, d->id, (void *)es->base);
     npa_segments_remove(&d->segments, index);
     npa_slab_put(&d->slab, whole);

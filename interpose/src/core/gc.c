@@ -5,12 +5,15 @@
  * idle cached memory, so it never synchronizes. */
 #include "internal.h"
 
-static uint64_t age_of(const npa_device *d, const npa_block *b) { return d->large.search_count - b->age_base; }
+static uint64_t age_of(const npa_device *d, const npa_block *b) { return d->plain.large.search_count - b->age_base; }
 
 /* Expandable segments are left to the OOM path and empty_cache, which unmap
- * their free pages after a synchronize (GC never synchronizes). */
+ * their free pages after a synchronize (GC never synchronizes), and so are
+ * the pools of streams: their free blocks were reusable at once for their
+ * stream, so work queued there may still use them. */
 static bool collectable(const npa_block *b) {
-    return !b->is_small && b->phase == NPA_PHASE_FREE && !npa_block_is_split(b) && !b->in_expandable;
+    return !b->is_small && b->phase == NPA_PHASE_FREE && !npa_block_is_split(b) && !b->in_expandable &&
+           !b->pool->on_stream;
 }
 
 void npa_gc(npa_allocator *a, npa_device *d) {

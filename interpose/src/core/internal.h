@@ -45,6 +45,8 @@ typedef enum npa_block_phase {
 } npa_block_phase;
 
 typedef struct npa_block npa_block;
+typedef struct npa_pool npa_pool;
+typedef struct npa_stream_set npa_stream_set;
 struct npa_block {
     npa_block *left, *right; /* treap children while FREE (in a pool) */
     npa_block *prev, *next;  /* address neighbours inside the segment */
@@ -53,10 +55,13 @@ struct npa_block {
     size_t size;
     size_t requested;        /* caller's size while active, 0 while free */
     uint64_t age_base;       /* pool search count when it entered the pool (GC age) */
+    npa_pool *pool;          /* the pool it belongs to: its size class and its stream */
+    npa_stream_set *uses;    /* streams other than its own it was recorded on (npa_record_stream), or NULL */
     uint32_t priority;       /* treap heap key, derived from addr */
     uint8_t phase;           /* npa_block_phase */
     bool is_small;           /* small pool (2 MiB segments) */
     bool in_expandable;      /* part of an expandable segment */
+    bool uses_unknown;       /* recorded on a stream that could not be noted (no host memory): its free waits for a synchronize */
 };
 
 static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NULL || b->next != NULL; }
@@ -65,14 +70,36 @@ static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NU
  * priorities hash the address, so no node is allocated and no RNG is shared. */
 typedef struct npa_expandable npa_expandable;
 
-typedef struct npa_pool {
+struct npa_pool {
     npa_block *root;
     npa_block *largest;      /* the maximum, kept for largest_free_block */
     uint64_t search_count;   /* best-fit searches so far: the GC clock */
     bool is_small;
     bool vmm_refused;        /* the device refused a reservation: plain segments from then on */
+    /* Whose blocks these are (torch's block->stream). A plain pool serves
+     * callers that name no stream (aclrtMalloc): its frees wait for the reuse
+     * policy's fences. A stream's pool serves npa_malloc_stream on that
+     * stream: a block freed there is reusable at once, since whatever the
+     * stream runs next runs after the work that used it; only the streams
+     * in its uses are fenced. Segments (and so blocks) never change pool. */
+    bool on_stream;
+    uintptr_t stream;        /* the stream's handle when on_stream (the default stream may be 0) */
     npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */
-} npa_pool;
+};
+
+/* The small and large pool of one stream (or the plain pair), chained per
+ * device; never freed before the device, since blocks point at them. */
+typedef struct npa_pool_pair npa_pool_pair;
+struct npa_pool_pair {
+    npa_pool small, large;
+    npa_pool_pair *next;
+};
+
+/* The streams a block was recorded on besides its own (torch's stream_uses). */
+struct npa_stream_set {
+    size_t count, capacity;
+    uintptr_t streams[];
+};
 
 void npa_pool_insert(npa_pool *pool, npa_block *b);
 void npa_pool_remove(npa_pool *pool, npa_block *b);
@@ -93,6 +120,8 @@ void npa_block_map_destroy(npa_block_map *map);
 void npa_block_map_insert(npa_block_map *map, npa_block *b);
 /* Removes and returns the block starting at addr, or NULL. */
 npa_block *npa_block_map_take(npa_block_map *map, uintptr_t addr);
+/* The block starting at addr, left in the map, or NULL. */
+npa_block *npa_block_map_find(const npa_block_map *map, uintptr_t addr);
 
 /* Block structs come from per-device chunks so the hit path never calls malloc. */
 typedef struct npa_slab {
@@ -163,11 +192,15 @@ typedef struct npa_device {
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     npa_history history;     /* beside the lock: in cache whenever the device is */
-    npa_pool small, large;
+    npa_pool_pair plain;     /* callers that name no stream */
+    npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
     npa_block_map live;
     npa_segment_table segments;
     npa_slab slab;
     npa_block *open_batch;   /* pending frees not yet covered by a fence */
+    npa_block *open_uses;    /* frees of blocks with stream uses, not yet covered by their streams' fence */
+    uintptr_t *fence_streams; /* scratch: the distinct streams of open_uses */
+    size_t fence_streams_capacity;
     npa_fence_batch *batches; /* oldest first */
     npa_fence_batch **batches_tail;
     npa_fence_batch *spare_batches;
@@ -198,6 +231,9 @@ double npa_gc_threshold(const npa_allocator *a);
 /* sizes.c */
 size_t npa_segment_size(size_t rounded);
 
+/* Every pool of the device: the plain pair first, then each stream's. */
+#define NPA_FOR_EACH_PAIR(d, p) for (npa_pool_pair *p = &(d)->plain; p; p = p == &(d)->plain ? (d)->streams : p->next)
+
 /* segment.c: raw device memory in and out; call with no stats section open,
  * the backend may take long. */
 /* The new entry (valid until the table changes again), or NULL. */
@@ -207,7 +243,7 @@ void npa_segments_remove(npa_segment_table *t, size_t index);
 ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr);
 /* A new segment as one FREE block outside any pool, or NULL. *cap_hit tells
  * whether the per-process cap (rather than the device) refused it. */
-npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool is_small, bool *cap_hit);
+npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_pool *pool, bool *cap_hit);
 /* Gives a cached whole-segment block back to the device; false (nothing
  * done) when b is not a whole free segment. */
 bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b);
@@ -236,13 +272,19 @@ void npa_expandable_forget(npa_expandable *es);
 
 /* pending.c */
 void npa_pending_poll(npa_allocator *a, npa_device *d);
+/* A freed block with stream uses: reusable once events recorded on those
+ * streams complete (one event per stream for every such block freed
+ * before the next poll). */
+void npa_pending_add_uses(npa_allocator *a, npa_device *d, npa_block *b);
 /* After a synchronize: every pending free is safe. */
 void npa_pending_drain_all(npa_allocator *a, npa_device *d);
 /* Synchronizes the device and drains every pending free (num_sync_all_streams++);
  * false, with nothing drained, when the device could not be synchronized. */
 bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
 /* Whether frees wait for a fence: open or fenced batches exist. */
-static inline bool npa_pending_any(const npa_device *d) { return d->open_batch != NULL || d->batches != NULL; }
+static inline bool npa_pending_any(const npa_device *d) {
+    return d->open_batch != NULL || d->open_uses != NULL || d->batches != NULL;
+}
 
 /* gc.c */
 void npa_gc(npa_allocator *a, npa_device *d);
@@ -269,12 +311,21 @@ static inline void npa_stats_begin(npa_device *d) {
     }
 }
 
+static inline size_t npa_pair_largest(const npa_pool_pair *p) {
+    size_t small = p->small.largest ? p->small.largest->size : 0;
+    size_t large = p->large.largest ? p->large.largest->size : 0;
+    return small > large ? small : large;
+}
+
 static inline void npa_stats_end(npa_device *d) {
     if (--d->stats_depth == 0) {
         npualloc_device_stats *s = d->stats;
-        size_t small = d->small.largest ? d->small.largest->size : 0;
-        size_t large = d->large.largest ? d->large.largest->size : 0;
-        s->largest_free_block = (int64_t)(small > large ? small : large);
+        size_t largest = npa_pair_largest(&d->plain);
+        for (const npa_pool_pair *p = d->streams; p; p = p->next) {
+            size_t l = npa_pair_largest(p);
+            if (l > largest) largest = l;
+        }
+        s->largest_free_block = (int64_t)largest;
         __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
     }
 }

@@ -12,7 +12,10 @@
  * Oversize blocks are never split, so each is a whole segment. */
 static bool release_oversize_blocks(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size) {
     size_t max_split = a->config.max_split_size;
-    if (max_split == SIZE_MAX) return false;
+    /* A stream's free block may still be used by work queued on it (it was
+     * reusable at once for that stream, not for the device): only a
+     * synchronize (step 6) makes it safe to give back. */
+    if (max_split == SIZE_MAX || pool->on_stream) return false;
     size_t key = size < max_split ? max_split : size;
     npa_block *b = npa_pool_lower_bound(pool, key);
     if (b) return npa_segment_release(a, d, b);
@@ -33,7 +36,7 @@ static npa_block *new_memory(npa_allocator *a, npa_device *d, npa_pool *pool, si
         npa_block *b = npa_expandable_alloc(a, d, pool, rounded, cap_hit);
         if (b || !pool->vmm_refused) return b;
     }
-    return npa_segment_alloc(a, d, npa_segment_size(rounded), pool->is_small, cap_hit);
+    return npa_segment_alloc(a, d, npa_segment_size(rounded), pool, cap_hit);
 }
 
 static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {

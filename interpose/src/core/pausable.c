@@ -28,16 +28,6 @@ struct npa_paused {
 
 typedef enum { WALK_COUNT, WALK_BACKUP, WALK_RESTORE } walk_op;
 
-static npa_expandable *const *expandables(const npa_device *d, npa_expandable *out[2]) {
-    out[0] = d->small.expandable;
-    out[1] = d->large.expandable;
-    return out;
-}
-
-static npa_block *first_block(const npa_device *d, const npa_expandable *es) {
-    return d->segments.items[npa_segments_find(&d->segments, es->base)].first;
-}
-
 /* Visits every allocated block of every expandable segment in one fixed
  * order (the locks keep it fixed between pause and resume): counts, copies
  * out or copies back. */
@@ -45,10 +35,9 @@ static npa_error walk_blocks(npa_allocator *a, npa_paused *p, walk_op op, char *
     size_t offset = 0;
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
         npa_device *d = a->devices[i];
-        npa_expandable *es[2];
-        for (int k = 0; d && k < 2; k++) {
-            if (!expandables(d, es)[k]) continue;
-            for (npa_block *b = first_block(d, es[k]); b; b = b->next) {
+        for (size_t k = 0; d && k < d->segments.count; k++) {
+            if (!d->segments.items[k].expandable) continue;
+            for (npa_block *b = d->segments.items[k].first; b; b = b->next) {
                 if (b->phase != NPA_PHASE_ALLOCATED) continue; /* free or pending: nothing to keep */
                 npa_error err = NPA_OK;
                 if (op == WALK_BACKUP)
@@ -80,10 +69,9 @@ typedef npa_error (*page_fn)(npa_allocator *a, npa_paused *p, const page_ref *at
 static npa_error each_page(npa_allocator *a, npa_paused *p, page_fn fn, char *why, size_t len) {
     page_ref at = {0};
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_expandable *es[2];
         if (!(at.d = a->devices[i])) continue;
-        for (int k = 0; k < 2; k++) {
-            if (!(at.es = expandables(at.d, es)[k])) continue;
+        for (size_t k = 0; k < at.d->segments.count; k++) {
+            if (!(at.es = at.d->segments.items[k].expandable)) continue;
             for (at.page = 0; at.page < at.es->page_count; at.page++, at.index++) {
                 npa_error err = fn(a, p, &at, why, len);
                 if (err != NPA_OK) return err;
@@ -122,7 +110,7 @@ static npa_error unmap_page(npa_allocator *a, npa_paused *p, const page_ref *at,
     (void)p;
     void **handle = &at->es->pages[at->page];
     if (!*handle) return NPA_OK;
-    npa_error err = a->backend.page_unmap(a->backend.ctx, at->d->id, page_addr(at), *handle);
+    npa_error err = a->backend.page_unmap(a->backend.ctx, at->d->id, page_addr(at), at->es->page_size, *handle);
     if (err != NPA_OK) {
         snprintf(why, len, "unmapping %p on device %d failed (error %d)", page_addr(at), at->d->id, err);
         return err;

@@ -1,7 +1,10 @@
 /* Stream-safe reuse. Frees collect in an open batch; the next poll (every
  * malloc starts with one) records ONE fence covering the whole batch, so a
  * burst of frees costs one fence, and hands back every batch whose fence has
- * completed, without blocking. Pending blocks stay "active" in the stats. */
+ * completed, without blocking. Pending blocks stay "active" in the stats.
+ * Two kinds of batch: plain blocks (the reuse policy's fence over every
+ * stream) and stream blocks recorded on other streams (one event on each
+ * of the streams their uses name). */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -11,6 +14,9 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) 
     for (npa_block *b = blocks, *next; b; b = next) {
         next = b->link;
         b->link = NULL;
+        free(b->uses);
+        b->uses = NULL;
+        b->uses_unknown = false;
         d->stats->num_pending_frees--;
         npa_free_block(a, d, b);
     }
@@ -21,17 +27,17 @@ static void release_fence(npa_allocator *a, void *fence) {
     if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, fence);
 }
 
-/* Puts the open batch behind a fence; with no fence needed (eager, or the
- * backend synchronized instead) its blocks are handled at once. When the
- * backend could neither fence nor synchronize (the device cannot be entered)
- * or there is no memory for the batch record, the blocks stay pending in the
- * open batch: a stream may still use them, and the next poll tries again. */
-static void close_open_batch(npa_allocator *a, npa_device *d) {
-    void *fence = NULL;
-    if (a->backend.fence_record(a->backend.ctx, d->id, &fence) != NPA_OK) return;
+/* Puts the open list *open behind the fence just recorded (err, fence);
+ * with no fence needed (eager, or the backend synchronized instead) its
+ * blocks are handled at once. When the backend could neither fence nor
+ * synchronize (the device cannot be entered) or there is no memory for the
+ * batch record, the blocks stay pending in the open list: a stream may
+ * still use them, and the next poll tries again. */
+static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence) {
+    if (err != NPA_OK) return;
     if (!fence) {
-        npa_block *blocks = d->open_batch;
-        d->open_batch = NULL;
+        npa_block *blocks = *open;
+        *open = NULL;
         complete_blocks(a, d, blocks);
         return;
     }
@@ -43,11 +49,62 @@ static void close_open_batch(npa_allocator *a, npa_device *d) {
         return;
     }
     batch->fence = fence;
-    batch->blocks = d->open_batch;
+    batch->blocks = *open;
     batch->next = NULL;
-    d->open_batch = NULL;
+    *open = NULL;
     *d->batches_tail = batch;
     d->batches_tail = &batch->next;
+}
+
+static void close_open_batch(npa_allocator *a, npa_device *d) {
+    void *fence = NULL;
+    npa_error err = a->backend.fence_record(a->backend.ctx, d->id, &fence);
+    close_batch(a, d, &d->open_batch, err, fence);
+}
+
+void npa_pending_add_uses(npa_allocator *a, npa_device *d, npa_block *b) {
+    (void)a;
+    b->phase = NPA_PHASE_PENDING;
+    b->link = d->open_uses;
+    d->open_uses = b;
+    d->stats->num_pending_frees++;
+}
+
+/* The distinct streams the open uses name, into d->fence_streams; false when
+ * one block's uses are unknown or host memory ran out (a synchronize then
+ * stands in for the fence). */
+static bool collect_use_streams(npa_device *d, size_t *count) {
+    *count = 0;
+    for (npa_block *b = d->open_uses; b; b = b->link) {
+        if (b->uses_unknown) return false;
+        for (size_t i = 0; i < b->uses->count; i++) {
+            uintptr_t stream = b->uses->streams[i];
+            size_t k = 0;
+            while (k < *count && d->fence_streams[k] != stream) k++;
+            if (k < *count) continue;
+            if (*count == d->fence_streams_capacity) {
+                size_t capacity = *count ? *count * 2 : 8;
+                uintptr_t *grown = realloc(d->fence_streams, capacity * sizeof *grown);
+                if (!grown) return false;
+                d->fence_streams = grown;
+                d->fence_streams_capacity = capacity;
+            }
+            d->fence_streams[(*count)++] = stream;
+        }
+    }
+    return true;
+}
+
+/* One event on each stream the open uses name, for all of them at once. */
+static void close_uses_batch(npa_allocator *a, npa_device *d) {
+    void *fence = NULL;
+    size_t count;
+    npa_error err;
+    if (a->backend.fence_record_streams && collect_use_streams(d, &count))
+        err = a->backend.fence_record_streams(a->backend.ctx, d->id, d->fence_streams, count, &fence);
+    else if ((err = a->backend.synchronize(a->backend.ctx, d->id)) == NPA_OK)
+        d->stats->num_sync_all_streams++; /* inside the caller's stats section */
+    close_batch(a, d, &d->open_uses, err, fence);
 }
 
 /* Unlinks every batch that is done (or every batch, when all is set). */
@@ -70,6 +127,11 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
 
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
     if (d->open_batch) close_open_batch(a, d);
+    if (d->open_uses) {
+        npa_stats_begin(d);
+        close_uses_batch(a, d);
+        npa_stats_end(d);
+    }
     if (d->batches) drain_batches(a, d, false);
 }
 
@@ -77,6 +139,9 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     drain_batches(a, d, true);
     npa_block *blocks = d->open_batch;
     d->open_batch = NULL;
+    complete_blocks(a, d, blocks);
+    blocks = d->open_uses;
+    d->open_uses = NULL;
     complete_blocks(a, d, blocks);
 }
 

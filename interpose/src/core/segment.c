@@ -44,7 +44,8 @@ ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr) {
     return addr - s->base < s->size ? (ptrdiff_t)(i - 1) : -1;
 }
 
-npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool is_small, bool *cap_hit) {
+npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_pool *pool, bool *cap_hit) {
+    bool is_small = pool->is_small;
     npualloc_device_stats *s = d->stats;
     size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
     *cap_hit = d->limit_bytes && (size > d->limit_bytes || reserved > d->limit_bytes - size);
@@ -60,6 +61,7 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, bool 
     b->addr = (uintptr_t)ptr;
     b->size = size;
     b->is_small = is_small;
+    b->pool = pool;
     b->phase = NPA_PHASE_FREE;
     if (!npa_segments_add(&d->segments, b->addr, size, b)) {
         a->backend.raw_free(a->backend.ctx, d->id, ptr);
@@ -83,7 +85,7 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
     ptrdiff_t index = npa_segments_find(&d->segments, b->addr);
     if (index < 0) return false;
 
-    npa_pool_remove(b->is_small ? &d->small : &d->large, b);
+    npa_pool_remove(b->pool, b);
     npa_history_note(d, NPA_TRACE_SEGMENT_FREE, b->addr, b->size);
     a->backend.raw_free(a->backend.ctx, d->id, (void *)b->addr);
     npa_segments_remove(&d->segments, (size_t)index);

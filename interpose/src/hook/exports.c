@@ -18,8 +18,10 @@ static inline int cacheable_policy(aclrtMemMallocPolicy policy)
     return (unsigned)policy <= ACL_MEM_MALLOC_NORMAL_ONLY;
 }
 
+/* stream: NULL for the ACL entry points (no stream known: the reuse
+ * policy's fences), else the stream-aware caller's stream. */
 static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPolicy policy, npa_entry entry,
-                                    npa_fn fn)
+                                    npa_fn fn, const uintptr_t *stream)
 {
     npa_allocator *a = npa_hook_allocator();
     /* NULL devPtr and size 0 are the runtime's to refuse, with its own code. */
@@ -36,7 +38,8 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                     return err;
             }
             npa_pystack_before_malloc();
-            npa_error err = npa_malloc(a, device, size, entry, devPtr);
+            npa_error err = stream != NULL ? npa_malloc_stream(a, device, size, entry, *stream, devPtr)
+                                           : npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))
                 npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */
             return err;
@@ -49,19 +52,19 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
 
 NPA_EXPORT aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
 {
-    return malloc_entry(devPtr, size, policy, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc);
+    return malloc_entry(devPtr, size, policy, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc, NULL);
 }
 
 NPA_EXPORT aclError aclrtMallocAlign32(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
 {
-    return malloc_entry(devPtr, size, policy, NPA_ENTRY_ALIGN32, NPA_FN_aclrtMallocAlign32);
+    return malloc_entry(devPtr, size, policy, NPA_ENTRY_ALIGN32, NPA_FN_aclrtMallocAlign32, NULL);
 }
 
 /* Same size contract as aclrtMalloc (the cached flavour only differs in the
  * host-side cache attribute of the mapping, which device memory ignores). */
 NPA_EXPORT aclError aclrtMallocCached(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
 {
-    return malloc_entry(devPtr, size, policy, NPA_ENTRY_MALLOC, NPA_FN_aclrtMallocCached);
+    return malloc_entry(devPtr, size, policy, NPA_ENTRY_MALLOC, NPA_FN_aclrtMallocCached, NULL);
 }
 
 /* Frees: ours go back to the cache; a pointer we never made goes to the
@@ -84,10 +87,12 @@ static aclError refuse_invalid_free(void *devPtr)
  * to the runtime's own entry, whole. */
 typedef aclError (*npa_free_fn)(void *);
 
-static aclError free_through_cache(npa_allocator *a, void *devPtr, int device, npa_fn fn)
+static aclError free_through_cache(npa_allocator *a, void *devPtr, int device, npa_fn fn, const uintptr_t *stream)
 {
     if (a != NULL && devPtr != NULL) {
-        switch (npa_free(a, devPtr, device, NULL)) {
+        npa_free_result freed = stream != NULL ? npa_free_stream(a, devPtr, *stream, device, NULL)
+                                               : npa_free(a, devPtr, device, NULL);
+        switch (freed) {
         case NPA_FREE_OK:
             return ACL_SUCCESS;
         case NPA_FREE_INVALID:
@@ -110,7 +115,7 @@ NPA_EXPORT aclError aclrtFree(void *devPtr)
         npa_region_poll(a);
         npa_exec_poll();
     }
-    return free_through_cache(a, devPtr, npa_tls_device, NPA_FN_aclrtFree);
+    return free_through_cache(a, devPtr, npa_tls_device, NPA_FN_aclrtFree, NULL);
 }
 
 /* The runtime's version synchronizes the device, then frees. For a block of
@@ -133,7 +138,40 @@ NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
                 return err;
         }
     }
-    return free_through_cache(a, devPtr, device, NPA_FN_aclrtFreeWithDevSync);
+    return free_through_cache(a, devPtr, device, NPA_FN_aclrtFreeWithDevSync, NULL);
+}
+
+/* npualloc.h's stream-aware entry: aclrtMalloc's contract (size rounding,
+ * the calling thread's device, an aclError), plus the stream torch's
+ * allocator interface passes. Served like aclrtMalloc when the cache is
+ * off (the runtime's own malloc and free: nothing to record). */
+NPA_EXPORT int npualloc_malloc_stream(void **ptr, size_t size, void *stream)
+{
+    uintptr_t handle = (uintptr_t)stream;
+    return malloc_entry(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc, &handle);
+}
+
+NPA_EXPORT int npualloc_free_stream(void *ptr, void *stream)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (NPA_LIKELY(a != NULL && ptr != NULL)) {
+        npa_region_poll(a);
+        npa_exec_poll();
+    }
+    uintptr_t handle = (uintptr_t)stream;
+    return free_through_cache(a, ptr, npa_tls_device, NPA_FN_aclrtFree, &handle);
+}
+
+NPA_EXPORT int npualloc_record_stream(void *ptr, void *stream)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (a == NULL)
+        return ACL_SUCCESS; /* the runtime's blocks: it frees them at once, recorded or not */
+    if (ptr != NULL && npa_record_stream(a, ptr, (uintptr_t)stream, npa_tls_device) == NPA_OK)
+        return ACL_SUCCESS;
+    npa_warn_once("npualloc_record_stream(%p): not a live allocation of npualloc's; refused with %d", ptr,
+                  ACL_ERROR_INVALID_PARAM);
+    return ACL_ERROR_INVALID_PARAM;
 }
 
 NPA_EXPORT aclError aclrtSetDevice(int32_t deviceId)

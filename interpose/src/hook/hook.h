@@ -6,9 +6,10 @@
  *   streams.c   live streams per device and the event fences of stream-safe reuse
  *   executors.c aclnn executor destroys: skip double frees, defer the real ones
  *   lifecycle.c lazy init, the backend, reset/finalize, exit and fork
- *   exports.c   the aclrt* / acl* entry points the program calls
+ *   exports.c   the aclrt* / acl* entry points the program calls, and npualloc.h's stream-aware ones
  *   api.c       npualloc.h, the in-process C API
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
+ *   vmm.c       physical memory mapped at reserved addresses, and back
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
  *   pause.c     `npualloc pause <pid>`: the whole process paused until resume
  *   warn.c      once-only stderr warnings
@@ -43,17 +44,22 @@
  *      when a snapshot reads stacks; under it only the Python API, malloc
  *      and warn (8). The GIL is never waited for with any of ours held.
  *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
- *      or free of one and by pause/resume, with none of 1-6 held; under it
- *      the runtime (VMM calls, copies, synchronize), a first lookup of a
- *      runtime function (7) and warn (8).
+ *      or free of one, by memory_saver's pause/resume and by the region
+ *      (8) writes of their figures, with none of 1-6 held, and by a pause
+ *      of the whole process (3) after 4 and 5, held with them until its
+ *      resume; under it the runtime (VMM calls, copies, synchronize), a
+ *      first lookup of a runtime function (7), warn and the region's create
+ *      lock (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
- *   8. leaves, which take nothing: the region's create lock (region.c
- *      g_create_lock) and warn.c's seen_lock.
+ *   8. the region's create lock (region.c g_create_lock): under it only
+ *      warn.c's seen_lock (a region directory taken by another user is
+ *      warned about while the region is created), a leaf that takes nothing.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
- * fork_prepare takes 1, 2, every 6 (ascending), 7, 5b and seen_lock, in that
- * order, so no thread is inside those sections when the address space is
- * copied; it leaves out 3, 4, 5 and g_create_lock, which the child never
+ * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 5b and seen_lock, in
+ * that order, so no thread is inside those sections when the address space is
+ * copied (a fork during `npualloc pause` waits for the resume, 6b being
+ * held); it leaves out 3, 4, 5 and g_create_lock, which the child never
  * takes from the parent's state (it builds a new allocator, and region.c
  * re-initialises its locks in the child). */
 #ifndef NPUALLOC_HOOK_H
@@ -177,6 +183,10 @@ int npa_streams_live(void);                 /* created and not yet destroyed */
  * entered, or the synchronize failed) leaves *fence NULL and proves
  * nothing: the caller must go on treating the work as queued. */
 aclError npa_fence_record_always(int device, void **fence);
+/* backend.fence_record_streams: one event on each stream named (blocks of
+ * the stream-aware entry recorded on other streams), whatever the policy;
+ * falls back to a synchronize as npa_fence_record_always does. */
+npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence);
 int npa_fence_needed(void *ctx, int device);                  /* backend: honours reuse_policy */
 npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);
@@ -233,6 +243,14 @@ void npa_hook_register_handlers(void);
 void npa_realacl_lock_for_fork(void);
 void npa_realacl_unlock_after_fork(void);
 
+/* ---- vmm.c ---------------------------------------------------------------- */
+
+/* New physical memory of the device mapped at [addr, addr + size) of a
+ * reservation, named by *handle; and the reverse, unmap then free. An error
+ * changes nothing (a failed free maps the handle back). The device is entered. */
+aclError npa_vmm_map(int device, void *addr, size_t size, void **handle);
+aclError npa_vmm_unmap(void *addr, size_t size, void *handle);
+
 /* ---- saver.c -------------------------------------------------------------- */
 
 /* The memory saver region of this thread: -1 outside one (the allocation
@@ -244,6 +262,17 @@ extern NPA_TLS int npa_saver_region;
 int npa_saver_malloc(int device, size_t size, void **ptr);
 /* A free of a pausable allocation: 1 (freed, *err its result), 0 not one. */
 int npa_saver_free(void *ptr, aclError *err);
+/* `npualloc pause <pid>` (pause.c): every pausable allocation not paused
+ * already is backed up and released, all or none; on success saver_lock
+ * stays held (no saver call of any thread runs) until npa_saver_command_done.
+ * Its resume maps back what the command released (retryable). */
+aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t *backup);
+aclError npa_saver_command_resume(char *why, size_t len);
+void npa_saver_command_hold(void); /* saver_lock alone, for a pause that released nothing of ours */
+void npa_saver_command_done(void);
+void npa_saver_lock_for_fork(void);
+void npa_saver_unlock_after_fork(void);
+void npa_saver_forget_after_fork(void); /* in the child, saver_lock held */
 
 /* ---- snapshot.c ----------------------------------------------------------- */
 

@@ -197,39 +197,23 @@ static npa_error be_va_reserve(void *ctx, int device, size_t size, void **base)
 static npa_error be_page_map(void *ctx, int device, void *addr, size_t size, void **handle)
 {
     (void)ctx;
-    aclrtPhysicalMemProp prop = {
-        .handleType = ACL_MEM_HANDLE_TYPE_NONE,
-        .allocationType = ACL_MEM_ALLOCATION_TYPE_PINNED,
-        .memAttr = ACL_HBM_MEM_HUGE,
-        .location = {.id = (uint32_t)device, .type = ACL_MEM_LOCATION_TYPE_DEVICE},
-    };
     npa_devswitch sw;
     npa_error err = npa_device_enter(device, &sw);
     if (err != ACL_SUCCESS)
         return err;
-    aclrtDrvMemHandle physical = NULL;
-    err = NPA_REAL(aclrtMallocPhysical)(&physical, size, &prop, 0);
-    if (err == ACL_SUCCESS) {
-        err = NPA_REAL(aclrtMapMem)(addr, size, 0, physical, 0);
-        if (err == ACL_SUCCESS)
-            *handle = physical;
-        else
-            NPA_REAL(aclrtFreePhysical)(physical);
-    }
+    err = npa_vmm_map(device, addr, size, handle);
     npa_device_leave(&sw);
     return err;
 }
 
-static npa_error be_page_unmap(void *ctx, int device, void *addr, void *handle)
+static npa_error be_page_unmap(void *ctx, int device, void *addr, size_t size, void *handle)
 {
     (void)ctx;
     npa_devswitch sw;
     npa_error err = npa_device_enter(device, &sw);
     if (err != ACL_SUCCESS)
         return err;
-    err = NPA_REAL(aclrtUnmapMem)(addr);
-    if (err == ACL_SUCCESS) /* a still-mapped handle cannot be freed */
-        err = NPA_REAL(aclrtFreePhysical)(handle);
+    err = npa_vmm_unmap(addr, size, handle);
     npa_device_leave(&sw);
     return err;
 }
@@ -281,6 +265,7 @@ static const npa_backend backend = {
     .fence_record = npa_fence_record,
     .fence_done = npa_fence_done,
     .fence_release = npa_fence_release,
+    .fence_record_streams = npa_fence_record_streams,
     .warn = be_warn,
     .stats_storage = be_stats_storage,
     .capture_stack = npa_pystack_capture,
@@ -425,6 +410,7 @@ static void fork_prepare(void)
     pthread_mutex_lock(&init_lock);
     npa_exec_lock_for_fork();
     npa_streams_lock_for_fork();
+    npa_saver_lock_for_fork();
     npa_realacl_lock_for_fork();
     npa_pystack_lock_for_fork();
     npa_warn_lock_for_fork();
@@ -435,6 +421,7 @@ static void fork_parent(void)
     npa_warn_unlock_after_fork();
     npa_pystack_unlock_after_fork();
     npa_realacl_unlock_after_fork();
+    npa_saver_unlock_after_fork();
     npa_streams_unlock_after_fork();
     npa_exec_unlock_after_fork();
     pthread_mutex_unlock(&init_lock);
@@ -453,6 +440,7 @@ static void fork_child(void)
     npa_streams_forget_after_fork();
     npa_exec_forget_after_fork();
     npa_region_forget_after_fork();
+    npa_saver_forget_after_fork();
     fork_parent();
 }
 

@@ -5,8 +5,10 @@
  * on them), acknowledges, and then waits here, answering the requests that
  * follow, until a resume brings the memory back. A resume that cannot (the
  * memory is taken) is answered as failed and the process stays paused, its
- * backup kept, for the next resume. The state and byte counts are in the
- * region header, for stats and ls. */
+ * backup kept, for the next resume. memory_saver's allocations are paused
+ * with the rest (saver.c), backed up whatever their region asked. The
+ * state and byte counts are in the region header, for stats and ls. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <time.h>
 
@@ -36,34 +38,70 @@ static uint64_t next_request(npualloc_region *r, uint64_t seq)
     return requested;
 }
 
+/* The cache's memory first (npa_pause takes every allocator lock), then
+ * memory_saver's (saver_lock, held too): all or none. *held: whether the
+ * process is paused now (the locks held), whatever the status. */
+static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released, size_t *backup, bool *held,
+                         char *why, size_t len)
+{
+    *held = false;
+    npa_error err = npa_pause(a, paused, why, len);
+    if (err != NPA_OK) {
+        npa_warn_once("pause refused, the process runs on: %s", why);
+        return err == NPA_ERR_INVALID_PARAM ? NPUALLOC_CMD_ENOTPAUSABLE : NPUALLOC_CMD_EFAILED;
+    }
+    size_t saver_released, saver_backup;
+    npa_paused_bytes(*paused, released, backup);
+    if (npa_saver_command_pause(why, len, &saver_released, &saver_backup) == ACL_SUCCESS) {
+        *released += saver_released;
+        *backup += saver_backup;
+        *held = true;
+        return NPUALLOC_CMD_OK;
+    }
+    npa_warn_once("pause refused, the process runs on: memory_saver: %s", why);
+    char undo[256];
+    if (npa_resume(a, *paused, undo, sizeof undo) == NPA_OK)
+        return NPUALLOC_CMD_EFAILED;
+    /* The cache's memory was taken meanwhile by another process: the process
+     * stays paused with its backup, as after a resume that found no room. */
+    npa_warn_once("and the cache's memory could not be mapped back (%s): the process stays paused, resume it", undo);
+    npa_saver_command_hold();
+    *held = true;
+    return NPUALLOC_CMD_EFAILED;
+}
+
 int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
 {
     char why[256];
     npa_paused *paused = NULL;
+    size_t released, backup;
+    bool held;
     set_state(r, NPUALLOC_PAUSING, 0, 0);
-    npa_error err = npa_pause(a, &paused, why, sizeof why);
-    if (err != NPA_OK) {
+    int32_t status = pause_all(a, &paused, &released, &backup, &held, why, sizeof why);
+    if (!held) {
         set_state(r, NPUALLOC_RUNNING, 0, 0);
-        npa_warn_once("pause refused, the process runs on: %s", why);
-        return err == NPA_ERR_INVALID_PARAM ? NPUALLOC_CMD_ENOTPAUSABLE : NPUALLOC_CMD_EFAILED;
+        return status;
     }
-    size_t unmapped, backup;
-    npa_paused_bytes(paused, &unmapped, &backup);
-    set_state(r, NPUALLOC_PAUSED, unmapped, backup);
-    acknowledge(r, *seq, NPUALLOC_CMD_OK);
+    set_state(r, NPUALLOC_PAUSED, released, backup);
+    acknowledge(r, *seq, status);
+    bool saver_back = false;
     for (;;) {
         *seq = next_request(r, *seq);
         if (__atomic_load_n(&r->command.code, __ATOMIC_RELAXED) != NPUALLOC_CMD_RESUME) {
             acknowledge(r, *seq, NPUALLOC_CMD_EPAUSED); /* the allocator is held: nothing else can run */
             continue;
         }
-        set_state(r, NPUALLOC_RESUMING, unmapped, backup);
-        if (npa_resume(a, paused, why, sizeof why) == NPA_OK) {
+        set_state(r, NPUALLOC_RESUMING, released, backup);
+        /* memory_saver's first: what it maps back stays mapped if the cache's
+         * then finds no room, so a retry only does the rest. */
+        saver_back = saver_back || npa_saver_command_resume(why, sizeof why) == ACL_SUCCESS;
+        if (saver_back && npa_resume(a, paused, why, sizeof why) == NPA_OK) {
+            npa_saver_command_done();
             set_state(r, NPUALLOC_RUNNING, 0, 0);
             return NPUALLOC_CMD_OK; /* the caller acknowledges the resume */
         }
         npa_warn_once("resume failed, still paused: %s", why);
-        set_state(r, NPUALLOC_PAUSED, unmapped, backup);
+        set_state(r, NPUALLOC_PAUSED, released, backup);
         acknowledge(r, *seq, NPUALLOC_CMD_EFAILED);
     }
 }

@@ -9,9 +9,16 @@
  * Only what the program holds is backed up: there is no cached free space.
  *
  * Nothing is lost: host memory for the backups is allocated, and every
- * copy made, before anything is unmapped; a pause that fails half way maps
- * back what it unmapped; a resume that finds no room keeps the backups of
- * what it could not map, says why, and can be retried. */
+ * copy made, on every device before anything is unmapped; a pause that
+ * fails half way maps back what it unmapped (restoring the backed-up
+ * contents); a resume that finds no room keeps the backups of what it
+ * could not map, says why, and can be retried.
+ *
+ * `npualloc pause <pid>` (pause.c) pauses these too, each with a backup
+ * whatever its region asked (the program carries on with the same
+ * contents), and keeps saver_lock until its resume. The bytes per device
+ * are published in the region (npualloc_saver_stats). A forked child
+ * forgets the parent's allocations, as the rest of the hook does. */
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -21,12 +28,15 @@
 
 #include "hook.h"
 #include "npualloc.h"
+#include "region/region.h"
 
 /* The device's page of physical memory (aclrtMemGetAllocationGranularity
  * answers 2 MiB on Ascend): a pausable allocation spans whole pages. */
 #define SAVER_PAGE ((size_t)2 << 20)
 #define SAVER_MAX_TAGS 64
 #define SAVER_TAG_LEN 64
+#define EVERY_TAG (-2)
+#define BY_COMMAND (-3) /* the blocks `npualloc pause` released */
 
 typedef struct saver_block {
     uintptr_t addr;
@@ -34,6 +44,8 @@ typedef struct saver_block {
     int device;
     int tag;
     bool backup;
+    bool by_command;  /* released by `npualloc pause`, for its resume only */
+    bool unmapped;    /* released by the pause in progress (undone if it fails) */
     void *physical;   /* NULL while paused */
     void *host;       /* the backup while paused (backup only) */
     struct saver_block *next;
@@ -81,33 +93,59 @@ static int tag_index(const char *tag, bool create)
     return tag_count++;
 }
 
-/* Physical memory for b, mapped at its addresses (the device is entered). */
+static bool used[NPUALLOC_MAX_DEVICES];         /* saver_lock: made a pausable allocation */
+
+static void saver_stats_of(int device, npualloc_saver_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    out->in_use = used[device];
+    for (saver_block *b = blocks; b; b = b->next) {
+        if (b->device != device)
+            continue;
+        out->allocations++;
+        out->allocated_bytes += (int64_t)b->size;
+        out->paused_bytes += b->physical == NULL ? (int64_t)b->size : 0;
+        out->backup_bytes += b->host != NULL ? (int64_t)b->size : 0;
+    }
+}
+
+/* saver_lock held (one writer at a time). The device's figures, into the
+ * region under its seqlock. */
+static void publish(int device)
+{
+    npualloc_saver_stats *s = npa_region_saver_stats(device);
+    if (s == NULL)
+        return;
+    npualloc_saver_stats now;
+    saver_stats_of(device, &now);
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&s->in_use, now.in_use, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->allocations, now.allocations, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->allocated_bytes, now.allocated_bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->paused_bytes, now.paused_bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->backup_bytes, now.backup_bytes, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
+}
+
+static void publish_all(void)
+{
+    bool done[NPUALLOC_MAX_DEVICES] = {false};
+    for (saver_block *b = blocks; b; b = b->next)
+        if (!done[b->device]) {
+            done[b->device] = true;
+            publish(b->device);
+        }
+}
+
 static aclError map_physical(saver_block *b)
 {
-    aclrtPhysicalMemProp prop = {
-        .handleType = ACL_MEM_HANDLE_TYPE_NONE,
-        .allocationType = ACL_MEM_ALLOCATION_TYPE_PINNED,
-        .memAttr = ACL_HBM_MEM_HUGE,
-        .location = {.id = (uint32_t)b->device, .type = ACL_MEM_LOCATION_TYPE_DEVICE},
-    };
-    aclrtDrvMemHandle physical = NULL;
-    aclError err = NPA_REAL(aclrtMallocPhysical)(&physical, b->size, &prop, 0);
-    if (err != ACL_SUCCESS)
-        return err;
-    err = NPA_REAL(aclrtMapMem)((void *)b->addr, b->size, 0, physical, 0);
-    if (err != ACL_SUCCESS) {
-        NPA_REAL(aclrtFreePhysical)(physical);
-        return err;
-    }
-    b->physical = physical;
-    return ACL_SUCCESS;
+    return npa_vmm_map(b->device, (void *)b->addr, b->size, &b->physical);
 }
 
 static aclError unmap_physical(saver_block *b)
 {
-    aclError err = NPA_REAL(aclrtUnmapMem)((void *)b->addr);
-    if (err == ACL_SUCCESS)
-        err = NPA_REAL(aclrtFreePhysical)(b->physical);
+    aclError err = npa_vmm_unmap((void *)b->addr, b->size, b->physical);
     if (err == ACL_SUCCESS)
         b->physical = NULL;
     return err;
@@ -127,6 +165,9 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
     int region = npa_saver_region;
     *b = (saver_block){.size = (size + SAVER_PAGE - 1) / SAVER_PAGE * SAVER_PAGE, .device = device,
                        .tag = region >> 1, .backup = region & 1};
+    /* Under the lock: a pause of the whole process (pause.c) holds it, and
+     * no allocation may be made while it is paused. */
+    pthread_mutex_lock(&saver_lock);
     void *base = NULL;
     aclError err = NPA_REAL(aclrtReserveMemAddress)(&base, b->size, 0, NULL, 0);
     if (err == ACL_SUCCESS) {
@@ -135,16 +176,17 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
         if (err != ACL_SUCCESS)
             NPA_REAL(aclrtReleaseMemAddress)(base);
     }
-    if (err != ACL_SUCCESS) {
+    if (err == ACL_SUCCESS) {
+        b->next = blocks;
+        blocks = b;
+        used[device] = true;
+        publish(device);
+        *ptr = base;
+    } else {
         free(b);
-        return err;
     }
-    pthread_mutex_lock(&saver_lock);
-    b->next = blocks;
-    blocks = b;
     pthread_mutex_unlock(&saver_lock);
-    *ptr = base;
-    return ACL_SUCCESS;
+    return err;
 }
 
 int npa_saver_free(void *ptr, aclError *err)
@@ -173,9 +215,11 @@ int npa_saver_free(void *ptr, aclError *err)
         npa_device_leave(&sw);
     }
     if (*err == ACL_SUCCESS) { /* a paused block is simply freed: its backup goes too */
+        int device = b->device;
         *link = b->next;
         free(b->host);
         free(b);
+        publish(device);
     }
     pthread_mutex_unlock(&saver_lock);
     return 1;
@@ -196,95 +240,139 @@ NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
     return 0;
 }
 
-/* saver_lock held. Does b belong to the tag (-2: every tag; -1: an unknown one, none)? */
-static bool tagged(const saver_block *b, int tag)
+/* saver_lock held. Does b belong to the selection: a tag index, EVERY_TAG,
+ * or BY_COMMAND (-1, an unknown tag, selects none)? A block the command
+ * paused is its own until the command resumes it. */
+static bool selected(const saver_block *b, int which)
 {
-    return tag == -2 || b->tag == tag;
+    if (which == BY_COMMAND)
+        return b->by_command;
+    return !b->by_command && (which == EVERY_TAG || b->tag == which);
 }
 
 static int tag_of(const char *tag)
 {
-    return tag == NULL ? -2 : tag_index(tag, false);
+    return tag == NULL ? EVERY_TAG : tag_index(tag, false);
 }
 
-/* saver_lock held. Maps b back and restores its backup (the device is entered). */
+/* saver_lock held. Maps b back and restores its backup. */
 static aclError restore(saver_block *b)
 {
-    aclError err = map_physical(b);
-    if (err != ACL_SUCCESS || b->host == NULL)
+    npa_devswitch sw;
+    aclError err = npa_device_enter(b->device, &sw);
+    if (err != ACL_SUCCESS)
         return err;
-    err = NPA_REAL(aclrtMemcpy)((void *)b->addr, b->size, b->host, b->size, ACL_MEMCPY_HOST_TO_DEVICE);
-    if (err != ACL_SUCCESS) { /* keep the backup: unmapped again, resume can be retried */
-        unmap_physical(b);
-        return err;
+    if ((err = map_physical(b)) == ACL_SUCCESS && b->host != NULL) {
+        err = NPA_REAL(aclrtMemcpy)((void *)b->addr, b->size, b->host, b->size, ACL_MEMCPY_HOST_TO_DEVICE);
+        if (err != ACL_SUCCESS) /* keep the backup: unmapped again, resume can be retried */
+            unmap_physical(b);
     }
-    free(b->host);
-    b->host = NULL;
-    return ACL_SUCCESS;
+    npa_device_leave(&sw);
+    if (err == ACL_SUCCESS) {
+        free(b->host);
+        b->host = NULL;
+    }
+    return err;
+}
+
+/* saver_lock held. The selected blocks that are mapped: synchronize their
+ * devices, back up, then unmap; all or none. For the command every block
+ * is backed up and marked by_command. *released / *backup: the bytes. */
+static aclError pause_blocks(int which, bool for_command, char *why, size_t len, size_t *released, size_t *backup)
+{
+    aclError err = ACL_SUCCESS;
+    *released = *backup = 0;
+    for (int device = 0; device < NPUALLOC_MAX_DEVICES && err == ACL_SUCCESS; device++) {
+        bool any = false;
+        for (saver_block *b = blocks; b && !any; b = b->next)
+            any = selected(b, which) && b->device == device && b->physical != NULL;
+        if (!any)
+            continue;
+        npa_devswitch sw;
+        if ((err = npa_device_enter(device, &sw)) != ACL_SUCCESS) {
+            say(why, len, "device %d cannot be entered (error %d): nothing was paused", device, err);
+            break;
+        }
+        if ((err = NPA_REAL(aclrtSynchronizeDevice)()) != ACL_SUCCESS)
+            say(why, len, "device %d cannot be synchronized (error %d): nothing was paused", device, err);
+        for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
+            if (!selected(b, which) || b->device != device || b->physical == NULL || !(b->backup || for_command))
+                continue;
+            if ((b->host = malloc(b->size)) == NULL) {
+                err = ACL_ERROR_BAD_ALLOC;
+                say(why, len, "no host memory for a %zu-byte backup: nothing was paused", b->size);
+            } else if ((err = NPA_REAL(aclrtMemcpy)(b->host, b->size, (void *)b->addr, b->size,
+                                                     ACL_MEMCPY_DEVICE_TO_HOST)) != ACL_SUCCESS) {
+                say(why, len, "copying %#lx to the host failed (error %d): nothing was paused",
+                    (unsigned long)b->addr, err);
+            }
+        }
+        npa_device_leave(&sw);
+    }
+    for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
+        if (!selected(b, which) || b->physical == NULL)
+            continue;
+        npa_devswitch sw;
+        if ((err = npa_device_enter(b->device, &sw)) == ACL_SUCCESS) {
+            err = unmap_physical(b);
+            npa_device_leave(&sw);
+        }
+        if (err != ACL_SUCCESS) {
+            say(why, len, "releasing %#lx on device %d failed (error %d): nothing was paused",
+                (unsigned long)b->addr, b->device, err);
+            break;
+        }
+        b->unmapped = true;
+    }
+    /* Undo on a failure: what was unmapped is mapped back (the backed-up
+     * contents restored; without a backup they are undefined, as after any
+     * pause), and every backup taken is dropped. */
+    for (saver_block *b = blocks; b; b = b->next) {
+        if (!selected(b, which))
+            continue;
+        if (err != ACL_SUCCESS && b->unmapped && restore(b) != ACL_SUCCESS)
+            npa_warn_once("memory_saver: a failed pause could not map %#lx back: it stays paused (resume it)",
+                          (unsigned long)b->addr);
+        if (err != ACL_SUCCESS && b->physical != NULL) {
+            free(b->host);
+            b->host = NULL;
+        }
+        if (err == ACL_SUCCESS && b->unmapped) {
+            b->by_command = for_command;
+            *released += b->size;
+            *backup += b->host != NULL ? b->size : 0;
+        }
+        b->unmapped = false;
+    }
+    publish_all();
+    return err;
+}
+
+/* saver_lock held. Every selected block that is paused, mapped back with
+ * its contents; one that finds no room stays paused with its backup. */
+static aclError resume_blocks(int which, char *why, size_t len)
+{
+    aclError err = ACL_SUCCESS;
+    for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
+        if (!selected(b, which) || b->physical != NULL)
+            continue;
+        if ((err = restore(b)) != ACL_SUCCESS)
+            say(why, len,
+                "device %d has no room for %zu bytes at %#lx (error %d: another process may hold it); "
+                "what is still paused keeps its backup: resume again once memory is free",
+                b->device, b->size, (unsigned long)b->addr, err);
+        else
+            b->by_command = false;
+    }
+    publish_all();
+    return err;
 }
 
 NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
 {
     pthread_mutex_lock(&saver_lock);
-    int t = tag_of(tag);
-    aclError err = ACL_SUCCESS;
-    saver_block *failed = NULL;
-    /* Per device: synchronize, back up every block (host memory and copies),
-     * and only then unmap; a failure undoes what this device's pass did. */
-    for (int device = 0; device < NPUALLOC_MAX_DEVICES && err == ACL_SUCCESS; device++) {
-        bool any = false;
-        for (saver_block *b = blocks; b; b = b->next)
-            any |= tagged(b, t) && b->device == device && b->physical != NULL;
-        if (!any)
-            continue;
-        npa_devswitch sw;
-        err = npa_device_enter(device, &sw);
-        if (err != ACL_SUCCESS) {
-            say(why, why_len, "device %d cannot be entered (error %d)", device, err);
-            break;
-        }
-        err = NPA_REAL(aclrtSynchronizeDevice)();
-        if (err != ACL_SUCCESS)
-            say(why, why_len, "device %d cannot be synchronized (error %d)", device, err);
-        for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
-            if (!tagged(b, t) || b->device != device || b->physical == NULL || !b->backup)
-                continue;
-            if ((b->host = malloc(b->size)) == NULL) {
-                err = ACL_ERROR_BAD_ALLOC;
-                say(why, why_len, "no host memory for a %zu-byte backup: nothing was paused", b->size);
-            } else if ((err = NPA_REAL(aclrtMemcpy)(b->host, b->size, (void *)b->addr, b->size,
-                                                     ACL_MEMCPY_DEVICE_TO_HOST)) != ACL_SUCCESS) {
-                say(why, why_len, "copying %#lx to the host failed (error %d): nothing was paused",
-                    (unsigned long)b->addr, err);
-            }
-        }
-        for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
-            if (!tagged(b, t) || b->device != device || b->physical == NULL)
-                continue;
-            if ((err = unmap_physical(b)) != ACL_SUCCESS) {
-                say(why, why_len, "unmapping %#lx failed (error %d): nothing was paused", (unsigned long)b->addr,
-                    err);
-                failed = b;
-            }
-        }
-        if (err != ACL_SUCCESS) { /* map back what this pass unmapped; drop its backups */
-            for (saver_block *b = blocks; b; b = b->next) {
-                if (!tagged(b, t) || b->device != device || b == failed)
-                    continue;
-                if (b->physical == NULL && b->host != NULL)
-                    restore(b);
-                else if (b->physical != NULL) {
-                    free(b->host);
-                    b->host = NULL;
-                }
-            }
-            if (failed) {
-                free(failed->host);
-                failed->host = NULL;
-            }
-        }
-        npa_device_leave(&sw);
-    }
+    size_t released, backup;
+    aclError err = pause_blocks(tag_of(tag), false, why, why_len, &released, &backup);
     pthread_mutex_unlock(&saver_lock);
     return err;
 }
@@ -292,25 +380,33 @@ NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
 NPA_EXPORT int npualloc_saver_resume(const char *tag, char *why, size_t why_len)
 {
     pthread_mutex_lock(&saver_lock);
-    int t = tag_of(tag);
-    aclError err = ACL_SUCCESS;
-    for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
-        if (!tagged(b, t) || b->physical != NULL)
-            continue;
-        npa_devswitch sw;
-        err = npa_device_enter(b->device, &sw);
-        if (err == ACL_SUCCESS) {
-            err = restore(b);
-            npa_device_leave(&sw);
-        }
-        if (err != ACL_SUCCESS)
-            say(why, why_len,
-                "device %d has no room for %zu bytes at %#lx (error %d: another process may hold it); "
-                "what is still paused keeps its backup: resume again once memory is free",
-                b->device, b->size, (unsigned long)b->addr, err);
-    }
+    aclError err = resume_blocks(tag_of(tag), why, why_len);
     pthread_mutex_unlock(&saver_lock);
     return err;
+}
+
+aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t *backup)
+{
+    pthread_mutex_lock(&saver_lock);
+    aclError err = pause_blocks(EVERY_TAG, true, why, len, released, backup);
+    if (err != ACL_SUCCESS)
+        pthread_mutex_unlock(&saver_lock);
+    return err; /* on success saver_lock stays held, until npa_saver_command_done */
+}
+
+aclError npa_saver_command_resume(char *why, size_t len)
+{
+    return resume_blocks(BY_COMMAND, why, len);
+}
+
+void npa_saver_command_hold(void)
+{
+    pthread_mutex_lock(&saver_lock);
+}
+
+void npa_saver_command_done(void)
+{
+    pthread_mutex_unlock(&saver_lock);
 }
 
 NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup)
@@ -319,7 +415,7 @@ NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *
     int t = tag_of(tag);
     *allocated = *paused = *backup = 0;
     for (saver_block *b = blocks; b; b = b->next) {
-        if (!tagged(b, t))
+        if (t != EVERY_TAG && b->tag != t)
             continue;
         *allocated += b->size;
         *paused += b->physical == NULL ? b->size : 0;
@@ -327,4 +423,40 @@ NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *
     }
     pthread_mutex_unlock(&saver_lock);
     return 0;
+}
+
+NPA_EXPORT int npualloc_get_saver_stats(int device, npualloc_saver_stats *out)
+{
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES || out == NULL)
+        return -1;
+    pthread_mutex_lock(&saver_lock);
+    saver_stats_of(device, out);
+    pthread_mutex_unlock(&saver_lock);
+    return 0;
+}
+
+void npa_saver_lock_for_fork(void)
+{
+    pthread_mutex_lock(&saver_lock);
+}
+
+void npa_saver_unlock_after_fork(void)
+{
+    pthread_mutex_unlock(&saver_lock);
+}
+
+void npa_saver_forget_after_fork(void)
+{
+    /* The parent's allocations are its device memory: the child never
+     * pauses or frees them (a free of one is passed to the runtime, like
+     * any pointer npualloc did not make here). Their records and backups
+     * are the child's copies: dropped. Tags stay, for regions the child
+     * enters. */
+    memset(used, 0, sizeof used);
+    while (blocks) {
+        saver_block *b = blocks;
+        blocks = b->next;
+        free(b->host);
+        free(b);
+    }
 }

@@ -120,7 +120,9 @@ static void give_event(dev_streams *d, aclrtEvent ev)
     }
 }
 
-aclError npa_fence_record_always(int device, void **fence)
+/* One event on each of the count streams named, or (streams NULL) on every
+ * live stream of the device and its default stream: see hook.h. */
+static aclError record_fence(int device, const uintptr_t *streams, size_t count, void **fence)
 {
     *fence = NULL;
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
@@ -138,12 +140,15 @@ aclError npa_fence_record_always(int device, void **fence)
     dev_streams *d = &devs[device];
     int complete = 1;
     pthread_mutex_lock(&d->lock);
-    npa_fence *f = malloc(sizeof(npa_fence) + (d->nstreams + 1) * sizeof(aclrtEvent));
+    size_t n = streams != NULL ? count : d->nstreams + 1;
+    npa_fence *f = malloc(sizeof(npa_fence) + n * sizeof(aclrtEvent));
     if (f != NULL) {
         f->device = device;
         f->count = 0;
-        for (size_t i = 0; i <= d->nstreams; i++) {
-            aclrtStream stream = i < d->nstreams ? d->streams[i] : NULL; /* NULL: the default stream */
+        for (size_t i = 0; i < n; i++) {
+            aclrtStream stream = streams != NULL  ? (aclrtStream)streams[i]
+                                 : i < d->nstreams ? d->streams[i]
+                                                   : NULL; /* NULL: the default stream */
             aclrtEvent ev = take_event(d);
             if (ev != NULL && record(ev, stream) == ACL_SUCCESS) {
                 f->events[f->count++] = ev;
@@ -173,6 +178,17 @@ aclError npa_fence_record_always(int device, void **fence)
     }
     *fence = f;
     return err;
+}
+
+aclError npa_fence_record_always(int device, void **fence)
+{
+    return record_fence(device, NULL, 0, fence);
+}
+
+npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence)
+{
+    (void)ctx;
+    return record_fence(device, streams, count, fence);
 }
 
 int npa_fence_needed(void *ctx, int device)

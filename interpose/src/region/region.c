@@ -1,7 +1,8 @@
 /* The shared-memory stats region (layout: npualloc_shm.h, API: region.h).
  *
- * Life of a region: the first allocator call creates <dir>/npualloc.<pid>
- * (dir = $NPUALLOC_SHM_DIR or /dev/shm). The file is filled under a temporary
+ * Life of a region: the first allocator call creates <dir>/npualloc.<pid>,
+ * dir being this user's private region directory (region_dir.c:
+ * /dev/shm/npualloc-<euid> by default). The file is filled under a temporary
  * name and renamed into place, so a reader never sees a half-written header and
  * a leftover of an earlier process with our pid is replaced atomically. It is
  * unlinked at exit; exits that skip atexit leave a file that `npualloc ls`
@@ -38,7 +39,7 @@ enum region_state {
 npualloc_region *_Atomic npa_region_current;
 static _Atomic int g_state = REGION_UNTRIED;
 /* Serialises creation, removal and config updates; never taken on the hot
- * path. A leaf of the lock order (hook/hook.h): nothing is taken under it. */
+ * path. In the lock order (hook/hook.h) only warn.c's seen_lock is taken under it. */
 static pthread_mutex_t g_create_lock = PTHREAD_MUTEX_INITIALIZER;
 /* One poller applies a command; the others go on with their allocation.
  * Taken with no lock of ours held; under it, device locks (hook/hook.h). */
@@ -136,22 +137,33 @@ static void fill_header(npualloc_region *r)
     h->magic = NPUALLOC_SHM_MAGIC;
 }
 
+static npualloc_region *publish_region(int dir_fd, const char *name, const char *tmp);
+
 /* Creates, fills and publishes the file. */
 static npualloc_region *map_new_region(void)
 {
-    const char *dir = getenv("NPUALLOC_SHM_DIR");
-    if (!dir || !*dir)
-        dir = "/dev/shm";
-    char tmp[sizeof g_path];
-    int pid = (int)getpid();
-    if ((size_t)snprintf(g_path, sizeof g_path, "%s/npualloc.%d", dir, pid) >= sizeof g_path ||
-        (size_t)snprintf(tmp, sizeof tmp, "%s/.npualloc.%d.tmp", dir, pid) >= sizeof tmp) {
-        warn_once("NPUALLOC_SHM_DIR is too long", NULL, 0);
+    char dir[sizeof g_path - 32];
+    int dir_fd = npa_region_dir_open(dir, sizeof dir);
+    if (dir_fd < 0) {
+        warn_once("cannot make a private region directory in", npa_region_base(), errno);
         return NULL;
     }
-    int fd = npa_create_private_file(tmp, O_RDWR);
+    char name[32], tmp[32];
+    int pid = (int)getpid();
+    snprintf(name, sizeof name, "npualloc.%d", pid);
+    snprintf(tmp, sizeof tmp, ".npualloc.%d.tmp", pid);
+    snprintf(g_path, sizeof g_path, "%s/%s", dir, name);
+    npualloc_region *r = publish_region(dir_fd, name, tmp);
+    close(dir_fd);
+    return r;
+}
+
+/* Creates, fills and renames into place name in dir_fd (ours: region_dir.c). */
+static npualloc_region *publish_region(int dir_fd, const char *name, const char *tmp)
+{
+    int fd = npa_create_private_file_at(dir_fd, tmp, O_RDWR);
     if (fd < 0) {
-        warn_once("cannot create", tmp, errno);
+        warn_once("cannot create", g_path, errno);
         return NULL;
     }
     /* fallocate, not ftruncate: on a full tmpfs touching a sparse page would
@@ -163,15 +175,15 @@ static npualloc_region *map_new_region(void)
         err = errno;
     close(fd);
     if (err) {
-        warn_once("cannot size or map", tmp, err);
-        unlink(tmp);
+        warn_once("cannot size or map", g_path, err);
+        unlinkat(dir_fd, tmp, 0);
         return NULL;
     }
     fill_header(r);
-    if (rename(tmp, g_path)) {
+    if (renameat(dir_fd, tmp, dir_fd, name)) {
         warn_once("cannot publish", g_path, errno);
         munmap(r, sizeof(npualloc_region));
-        unlink(tmp);
+        unlinkat(dir_fd, tmp, 0);
         return NULL;
     }
     return r;
@@ -220,7 +232,8 @@ npualloc_region *npa_region_get(void)
     return r;
 }
 
-npualloc_device_stats *npa_region_device_stats(int device)
+/* The region, with device counted in header.device_count; NULL when none. */
+static npualloc_region *region_for_device(int device)
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NULL;
@@ -233,7 +246,19 @@ npualloc_device_stats *npa_region_device_stats(int device)
            !__atomic_compare_exchange_n(&r->header.device_count, &seen, wanted, 0, __ATOMIC_RELAXED,
                                         __ATOMIC_RELAXED))
         ;
-    return &r->devices[device];
+    return r;
+}
+
+npualloc_device_stats *npa_region_device_stats(int device)
+{
+    npualloc_region *r = region_for_device(device);
+    return r ? &r->devices[device] : NULL;
+}
+
+npualloc_saver_stats *npa_region_saver_stats(int device)
+{
+    npualloc_region *r = region_for_device(device);
+    return r ? &r->saver[device] : NULL;
 }
 
 void npa_region_set_config(const char *canonical)

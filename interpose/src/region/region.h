@@ -13,6 +13,8 @@
 npualloc_region *npa_region_get(void);
 /* Where the core should keep a device's stats: inside the region, or NULL. */
 npualloc_device_stats *npa_region_device_stats(int device);
+/* Where saver.c publishes a device's memory_saver figures, or NULL. */
+npualloc_saver_stats *npa_region_saver_stats(int device);
 /* Records the config in force (canonical text) in the header. */
 void npa_region_set_config(const char *canonical);
 /* The region once created; NULL before, after a fork, or when there is none. */
@@ -48,6 +50,15 @@ static inline void npa_region_poll(npa_allocator *allocator)
  * Returns the fd, or -1 with errno set. For the temporary name of a file that
  * is filled and then renamed into place, so readers see all of it or none. */
 int npa_create_private_file(const char *path, int access);
+/* The same, path relative to the directory dir_fd (openat's rules). */
+int npa_create_private_file_at(int dir_fd, const char *path, int access);
+/* Opens this user's private region directory (region_dir.c), making it when
+ * needed, and writes its path to path; a name another user took is warned
+ * about once and replaced by a directory of our own. -1 with errno set when
+ * no directory of ours can be had. */
+int npa_region_dir_open(char *path, size_t len);
+/* Where the users' region directories are: $NPUALLOC_SHM_DIR or /dev/shm. */
+const char *npa_region_base(void);
 /* At exit: unlink the file. */
 void npa_region_remove(void);
 /* In a forked child: forget the parent's region without touching its file. */

@@ -45,10 +45,19 @@ uint64_t aclsim_executor_violations(void);
  * executor at phase 1). Default: NPUSIM_OP_US. */
 void aclsim_set_op_duration_us(uint64_t us);
 uint64_t aclsim_op_duration_us(void);
+/* Microseconds of driver latency (NPUSIM_MALLOC_US, NPUSIM_FREE_US) the
+ * calling thread has spent inside the runtime's calls that have returned. */
+uint64_t aclsim_thread_latency_us(void);
+/* Microseconds the ops that finished have lasted on the stream workers,
+ * each its executor's duration. */
+uint64_t aclsim_op_time_us(void);
 
 /* Makes the next n raw device allocations fail with 207001. */
 void aclsim_fail_next_mallocs(uint32_t n);
-/* Raw device allocations failed on purpose so far (all injection kinds). */
+/* After `skip` calls of api ("aclrtUnmapMem" or "aclrtFreePhysical") that
+ * succeed, the next n fail with 207002 and change nothing. -1 for another name. */
+int aclsim_fail_release(const char *api, uint32_t skip, uint32_t n);
+/* Calls failed on purpose so far (all injection kinds). */
 uint64_t aclsim_injected_failures(void);
 
 #ifdef __cplusplus

@@ -2,8 +2,15 @@
  * aclrtMallocPhysical): the Nth one (NPUSIM_FAIL_NTH_MALLOC), each with a
  * probability from a seeded generator (NPUSIM_FAIL_PROB, NPUSIM_FAIL_SEED, so a
  * failing run can be replayed), and the next n on request of a test. Called
- * with the lock held, so the sequence is deterministic for a given call order. */
+ * with the lock held, so the sequence is deterministic for a given call order.
+ *
+ * Releases of virtual memory (aclrtUnmapMem, aclrtFreePhysical) fail on
+ * request of a test (aclsim_fail_release): after `skip` calls that succeed,
+ * the next n fail with 207002 (ACL_ERROR_RT_MEMORY_FREE, the runtime's code
+ * for a release the driver refused) and change nothing: the mapping stays
+ * mapped, the handle stays live, as a failed driver call leaves them. */
 #include <stdatomic.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -11,6 +18,9 @@ static uint64_t attempts;
 static uint64_t rng_state;
 static int rng_seeded;
 static uint32_t forced_failures;
+static struct {
+    uint32_t skip, fail;
+} release_failures[2]; /* sim_lock; [0] aclrtUnmapMem, [1] aclrtFreePhysical */
 static _Atomic uint64_t injected;
 
 /* splitmix64: small, fast, and good enough to decide coin flips. */
@@ -55,3 +65,29 @@ SIM_EXPORT void aclsim_fail_next_mallocs(uint32_t n)
 }
 
 SIM_EXPORT uint64_t aclsim_injected_failures(void) { return atomic_load(&injected); }
+
+int sim_inject_release_failure(enum sim_api api)
+{
+    uint32_t i = api == SIM_API_aclrtUnmapMem ? 0 : 1;
+    if (release_failures[i].skip > 0) {
+        release_failures[i].skip--;
+        return 0;
+    }
+    if (release_failures[i].fail == 0)
+        return 0;
+    release_failures[i].fail--;
+    atomic_fetch_add(&injected, 1);
+    return 1;
+}
+
+SIM_EXPORT int aclsim_fail_release(const char *api, uint32_t skip, uint32_t n)
+{
+    int i = api == NULL ? -1 : strcmp(api, "aclrtUnmapMem") == 0 ? 0 : strcmp(api, "aclrtFreePhysical") == 0 ? 1 : -1;
+    if (i < 0)
+        return -1;
+    pthread_mutex_lock(&sim_lock);
+    release_failures[i].skip = skip;
+    release_failures[i].fail = n;
+    pthread_mutex_unlock(&sim_lock);
+    return 0;
+}

@@ -47,11 +47,15 @@ void sim_note_executor_violation(void);
 void sim_reset_violations(void);
 
 /* ---- latency model (latency.c) ---- */
+/* A driver call's latency, busy-waited on the calling thread. */
 void sim_spend_us(uint64_t us);
+/* An op's duration, slept on its stream worker. */
 void sim_sleep_us(uint64_t us);
 
 /* ---- fault injection (fault.c): decides whether this raw allocation fails ---- */
 int sim_inject_alloc_failure(void);
+/* ... and whether this aclrtUnmapMem / aclrtFreePhysical fails (sim_lock held). */
+int sim_inject_release_failure(enum sim_api api);
 
 /* ---- lifecycle (lifecycle.c) ---- */
 aclError sim_require_init(void);       /* ACL_ERROR_UNINITIALIZE unless between aclInit and aclFinalize */

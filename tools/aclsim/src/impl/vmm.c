@@ -197,7 +197,7 @@ SIM_EXPORT aclError simrt_FreePhysical(aclrtDrvMemHandle handle)
     sim_spend_us(sim_config()->free_us);
     pthread_mutex_lock(&sim_lock);
     struct sim_physical *h = handle;
-    if (!is_live_physical(h) || h->maps > 0) {
+    if (!is_live_physical(h) || h->maps > 0 || sim_inject_release_failure(SIM_API_aclrtFreePhysical)) {
         pthread_mutex_unlock(&sim_lock);
         return is_live_physical(h) ? ACL_ERROR_RT_MEMORY_FREE : ACL_ERROR_INVALID_PARAM;
     }
@@ -263,6 +263,10 @@ SIM_EXPORT aclError simrt_UnmapMem(void *virPtr)
     while (link != NULL && *link != NULL && (*link)->va != (char *)virPtr)
         link = &(*link)->next;
     struct sim_mapping *m = link != NULL ? *link : NULL;
+    if (m != NULL && sim_inject_release_failure(SIM_API_aclrtUnmapMem)) {
+        pthread_mutex_unlock(&sim_lock);
+        return ACL_ERROR_RT_MEMORY_FREE; /* injected: still mapped */
+    }
     if (m != NULL) {
         /* Put the reservation's PROT_NONE back, so later touches fault-check as unmapped. */
         mmap(m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);

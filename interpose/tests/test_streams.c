@@ -1,0 +1,354 @@
+/* The stream-aware entry (npa_malloc_stream, npa_free_stream,
+ * npa_record_stream): a block freed on its own stream is reusable at once
+ * for that stream and for no other; a block recorded on other streams waits
+ * for one event per such stream, per batch; the plain entry keeps its
+ * fences; the stats stay exact. Stream handles are small ints here (the
+ * fake backend's streams 0 .. FAKE_STREAMS-1). */
+#include <stdint.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+/* A backend with fences on (reuse_policy safe: plain frees wait) and
+ * per-stream fences. */
+static void fixture_streams(fixture *fx) {
+    fake_init(&fx->fake, GiB, false);
+    fx->fake.fences = true;
+    fx->fake.stream_fences = true;
+    fixture_start(fx, NULL);
+}
+
+static void *alloc_on(fixture *fx, uintptr_t stream, size_t size) {
+    void *p = NULL;
+    CHECK_EQ(npa_malloc_stream(fx->a, 0, size, NPA_ENTRY_EXACT, stream, &p), NPA_OK);
+    return p;
+}
+
+static void test_same_stream_reuse_is_immediate(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
+    for (int i = 0; i < 100; i++) { /* a steady loop: the same block, no fence, no device call */
+        void *q = alloc_on(&fx, 1, 4096);
+        CHECK(q == p);
+        CHECK_EQ(npa_free_stream(fx.a, q, 1, 0, NULL), NPA_FREE_OK);
+    }
+    CHECK_EQ(fx.fake.fence_records, 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_cache_hits, 100);
+    CHECK_EQ(s.num_cache_misses, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 101);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, 101);
+
+    /* The plain entry's frees still wait for the policy's fence. */
+    void *plain = alloc_exact(&fx, 0, 4096);
+    CHECK(plain != p);
+    CHECK_EQ(npa_free(fx.a, plain, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    void *plain2 = alloc_exact(&fx, 0, 4096);
+    CHECK(plain2 != plain);
+    CHECK_EQ(fx.fake.fence_records, 1);
+    fixture_destroy(&fx);
+}
+
+static void test_no_reuse_across_streams(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    /* Stream 2 may run ahead of stream 1's work on p: it never gets p's
+     * segment, nor does the plain entry. */
+    void *q = alloc_on(&fx, 2, 4096);
+    void *r = alloc_exact(&fx, 0, 4096);
+    CHECK(q != p && r != p && q != r);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 3); /* a segment per pool */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_SMALL].current, 3);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 6 * MiB);
+    /* p's whole segment is free in stream 1's pool: the largest free block
+     * counts the pools of every stream. */
+    CHECK_EQ(s.largest_free_block, 2 * MiB);
+    /* Stream 0 is a stream like any other (the default stream's handle). */
+    void *d0 = alloc_on(&fx, 0, 4096);
+    CHECK(d0 != p && d0 != q && d0 != r);
+    fixture_destroy(&fx);
+}
+
+static void test_free_on_another_stream_is_a_use(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_free_stream(fx.a, p, 3, 0, NULL), NPA_FREE_OK); /* ordered on stream 3 */
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    void *q = alloc_on(&fx, 1, 4096);
+    CHECK(q != p);
+    CHECK_EQ(fx.fake.stream_fence_records, 1);
+    CHECK_EQ(fx.fake.stream_events, 1);
+    CHECK_EQ(fx.fake.stream_recorded[3], 1);
+    fake_complete_stream(&fx.fake, 3);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_recorded_block_waits_for_the_other_stream(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_on(&fx, 1, 4096);
+    void *keep = alloc_on(&fx, 1, 4096); /* keeps p's segment split, so p stays p */
+    CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_OK);
+    CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_OK); /* a set: recorded once */
+    CHECK_EQ(npa_record_stream(fx.a, p, 1, 0), NPA_OK); /* its own stream: nothing to wait for */
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 1); /* the allocation ended... */
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 2);     /* ...the block is still in use */
+    CHECK_EQ(shape_of(&fx, 0).pending_blocks, 1);
+
+    /* The next malloc records one event, on stream 2 only, and does not reuse p. */
+    void *q = alloc_on(&fx, 1, 4096);
+    CHECK(q != p);
+    CHECK_EQ(fx.fake.stream_fence_records, 1);
+    CHECK_EQ(fx.fake.stream_events, 1);
+    CHECK_EQ(fx.fake.stream_recorded[1], 0);
+    CHECK_EQ(fx.fake.stream_recorded[2], 1);
+    CHECK_EQ(fx.fake.fence_records, 1); /* that one; no plain fence */
+
+    /* Stream 1 finishing proves nothing about stream 2. */
+    fake_complete_stream(&fx.fake, 1);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    CHECK_EQ(npa_free_stream(fx.a, q, 1, 0, NULL), NPA_FREE_OK);
+    void *again = alloc_on(&fx, 1, 4096);
+    CHECK(again == q); /* q was never recorded elsewhere: reused at once */
+    CHECK(again != p);
+
+    fake_complete_stream(&fx.fake, 2);
+    npa_process_pending(fx.a, 0);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 2);
+    CHECK_EQ(fake_live_fences(&fx.fake), 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    void *reused = alloc_on(&fx, 1, 4096);
+    CHECK(reused == p);
+    /* Reused, p starts a new life with no uses: freed, it is reusable at once. */
+    CHECK_EQ(npa_free_stream(fx.a, reused, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    CHECK_EQ(npa_free_stream(fx.a, keep, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, again, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).active[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_one_event_per_stream_per_batch(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *blocks[6];
+    for (int i = 0; i < 6; i++) {
+        blocks[i] = alloc_on(&fx, 1, 4096);
+        CHECK_EQ(npa_record_stream(fx.a, blocks[i], 2, 0), NPA_OK);
+        if (i % 2) CHECK_EQ(npa_record_stream(fx.a, blocks[i], 3, 0), NPA_OK);
+    }
+    for (int i = 0; i < 6; i++) CHECK_EQ(npa_free_stream(fx.a, blocks[i], 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 6);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_fence_records, 1);
+    CHECK_EQ(fx.fake.stream_events, 2); /* streams 2 and 3, once each, for six blocks */
+    fake_complete_stream(&fx.fake, 2);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 6); /* stream 3 still runs */
+    fake_complete_stream(&fx.fake, 3);
+    npa_process_pending(fx.a, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0); /* all merged back into one segment */
+    CHECK_EQ(s.largest_free_block, 2 * MiB);
+    fixture_destroy(&fx);
+}
+
+static void test_stats_exact(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *a = alloc_on(&fx, 1, 1000);
+    void *b = alloc_on(&fx, 2, 3 * MiB);
+    void *c = alloc_exact(&fx, 0, 2000);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 3);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_SMALL].current, 2);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_LARGE].current, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 1024 + 3 * MiB + 2048);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 1000 + 3 * MiB + 2000);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 3);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB + 20 * MiB + 2 * MiB);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3);
+    CHECK_EQ(npa_record_stream(fx.a, b, 1, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, a, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, b, 2, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, c, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 2); /* b and c wait, a does not */
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 3 * MiB + 2048);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 3 * MiB + 2000);
+    CHECK_EQ(s.num_pending_frees, 2);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* a's segment is whole again */
+    npa_process_pending(fx.a, 0); /* records the plain fence and one event on stream 1 (b's use) */
+    CHECK_EQ(fx.fake.stream_recorded[1], 1);
+    CHECK_EQ(fx.fake.stream_recorded[2], 0);
+    fake_complete_stream(&fx.fake, 1);
+    npa_process_pending(fx.a, 0);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 1); /* c still waits for the plain fence */
+    CHECK_EQ(s.num_pending_frees, 1);
+    fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 3);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, 3);
+    CHECK_EQ(s.largest_free_block, 20 * MiB);
+
+    /* empty_cache synchronizes and gives back every pool's segments. */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.num_device_free, 3);
+    CHECK_EQ(s.largest_free_block, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    fixture_destroy(&fx);
+}
+
+static void test_bad_pointers(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, (char *)p + 512, 2, 0), NPA_ERR_INVALID_PARAM); /* interior */
+    int outside = 0;
+    CHECK_EQ(npa_record_stream(fx.a, &outside, 2, 0), NPA_ERR_INVALID_PARAM);         /* not ours */
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_INVALID);                 /* double free */
+    CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_ERR_INVALID_PARAM);                /* freed */
+    CHECK_EQ(npa_free_stream(fx.a, &outside, 1, 0, NULL), NPA_FREE_NOT_OURS);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_invalid_frees, 1);
+    CHECK_EQ(s.num_foreign_frees, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    /* A plain block recorded on a stream needs nothing more than its fence. */
+    void *plain = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, plain, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free(fx.a, plain, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_fence_records, 0);
+    CHECK_EQ(fx.fake.fence_records, 1);
+    fixture_destroy(&fx);
+}
+
+/* A backend without per-stream fences: a recorded block waits for a
+ * synchronize instead, counted as one. */
+static void test_without_stream_fences_a_synchronize_stands_in(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fixture_start(&fx, NULL);
+    void *p = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    void *q = alloc_on(&fx, 1, 4096);
+    CHECK(q == p);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_sync_all_streams, 1);
+    CHECK_EQ(s.num_pending_frees, 0);
+
+    /* A synchronize that fails proves nothing: the block stays pending. */
+    CHECK_EQ(npa_record_stream(fx.a, q, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, q, 1, 0, NULL), NPA_FREE_OK);
+    fx.fake.fail_next_syncs = 1;
+    void *r = alloc_on(&fx, 1, 4096);
+    CHECK(r != q);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
+/* A failed stream fence (the device cannot be entered) keeps the blocks
+ * pending until a later poll records one. */
+static void test_failed_stream_fence_keeps_blocks_pending(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    fx.fake.fail_next_fences = 1;
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_fence_records, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    fake_complete_fences(&fx.fake); /* nothing was recorded: proves nothing */
+    npa_process_pending(fx.a, 0);   /* records now */
+    CHECK_EQ(fx.fake.stream_fence_records, 1);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    fake_complete_stream(&fx.fake, 2);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
+/* GC never synchronizes, so it leaves a stream's cached segments alone
+ * (work queued on the stream may still use them); the OOM path's
+ * synchronize gives them back. */
+static void test_gc_leaves_stream_pools_to_the_oom_path(void) {
+    fixture fx;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.garbage_collection_threshold = 0.5;
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.fences = true;
+    fx.fake.stream_fences = true;
+    fixture_start(&fx, &config);
+    void *p = alloc_on(&fx, 1, 60 * MiB);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    void *q = alloc_on(&fx, 2, 12 * MiB); /* reserved 60 > 50: GC runs, and may not take p */
+    CHECK(q != NULL);
+    CHECK_EQ(fx.fake.raw_free_calls, 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    void *r = alloc_on(&fx, 2, 30 * MiB); /* does not fit beside p: the OOM path frees it after a sync */
+    CHECK(r != NULL);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.num_ooms, 0);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_same_stream_reuse_is_immediate);
+    RUN(test_no_reuse_across_streams);
+    RUN(test_free_on_another_stream_is_a_use);
+    RUN(test_recorded_block_waits_for_the_other_stream);
+    RUN(test_one_event_per_stream_per_batch);
+    RUN(test_stats_exact);
+    RUN(test_bad_pointers);
+    RUN(test_without_stream_fences_a_synchronize_stands_in);
+    RUN(test_failed_stream_fence_keeps_blocks_pending);
+    RUN(test_gc_leaves_stream_pools_to_the_oom_path);
+    return check_report();
+}

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from region_helpers import Workload, assert_one_line_error, region_bytes, run_cli, write_region
+from region_helpers import Workload, assert_one_line_error, region_bytes, region_file, run_cli, write_region
 
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
@@ -118,7 +118,8 @@ def test_fifo_planted_at_the_region_name_hangs_nobody(tmp_path: Path, sleeper: i
     (run_cli's timeout fails the test if anything blocks on it)."""
     if owner == "nobody" and os.geteuid() != 0:
         pytest.skip("needs root to plant a file owned by another user")
-    fifo = tmp_path / f"npualloc.{sleeper}"
+    fifo = region_file(tmp_path, sleeper)
+    fifo.parent.mkdir(mode=0o700)
     os.mkfifo(fifo, 0o666)
     os.chmod(fifo, 0o666)
     if owner == "nobody":

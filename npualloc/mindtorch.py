@@ -18,6 +18,8 @@ from types import ModuleType
 from typing import Any
 
 from . import memory
+from ._ffi import ffi, loaded_library
+from .errors import NotUnderNpuallocError
 
 ALLOCATOR_MODULE = "mindtorch_v2._backends.npu.allocator"
 
@@ -42,47 +44,62 @@ def _warn_once(message: str) -> None:
 
 class _Runtime:
     """The seam between the pass-through and the device: allocation, free and
-    stream ordering in one place. Today through pyACL, so through the
-    preloaded aclrtMalloc/aclrtFree; record_stream relies on npualloc's
-    reuse_policy (`safe`, what `auto` becomes once MindTorch creates its
-    streams: a freed block is reused only after events recorded on every live
-    stream after the free have completed, which covers any stream the block
-    was used on). A stream-aware npualloc entry point replaces these three
-    methods and nothing else."""
+    stream ordering in one place, through npualloc's stream-aware entry
+    (npualloc.h: npualloc_malloc_stream, npualloc_free_stream,
+    npualloc_record_stream), as in torch: a tensor freed on the stream it was
+    allocated on is reusable at once for that stream (whatever that stream
+    runs next runs after the work that used it), never for another; a tensor
+    MindTorch records on other streams (Tensor.record_stream) waits, once
+    freed, for one event on each of them. Streams are MindTorch's pyACL
+    handles (ints).
+
+    One difference from torch's contract: MindTorch fills new tensors with
+    synchronous acl.rt.memcpy (host to device, device to device), which runs
+    at once, ahead of anything still queued on the stream. A block handed out
+    again while work queued before its free still reads it would be
+    overwritten under that work (tests/test_mindtorch_train.py saw the losses
+    drift). So its blocks are allocated NPUALLOC_STREAM_HOST_WRITES: a free
+    waits for one event on its own stream too, batched per stream, never a
+    synchronize and never a raw device call."""
 
     def __init__(self, device_id: int) -> None:
         from mindtorch_v2._backends.npu import runtime as npu_runtime
+        from mindtorch_v2._backends.npu import state as npu_state
         self._npu_runtime = npu_runtime
+        self._npu_state = npu_state
         self._device_id = device_id
+        lib = loaded_library()
+        if lib is None:
+            raise NotUnderNpuallocError("npualloc is not loaded in this process")
+        self._lib = lib
 
-    def _activate(self) -> Any:
-        runtime = self._npu_runtime.get_runtime(self._device_id)
-        runtime.activate()
-        return self._npu_runtime.acl
+    def current_stream(self) -> int:
+        """The stream MindTorch's own allocator orders a call on when it is given none."""
+        return int(self._npu_state.current_stream(self._device_id).stream)
 
-    def malloc(self, size: int, stream: object) -> int:
-        del stream  # npualloc's pools are per device; ordering is reuse_policy's
-        acl = self._activate()
-        ptr, ret = acl.rt.malloc(size, self._npu_runtime.ACL_MEM_MALLOC_HUGE_FIRST)
+    def malloc(self, size: int, stream: int) -> int:
+        self._npu_runtime.get_runtime(self._device_id).activate()   # npualloc allocates on the current device
+        out = ffi.new("void **")
+        ret = self._lib.npualloc_malloc_stream(out, size, ffi.cast("void *", stream),
+                                               self._lib.NPUALLOC_STREAM_HOST_WRITES)
         if ret != 0:
-            raise RuntimeError(f"acl.rt.malloc({size}) failed: {ret}")
-        return int(ptr)
+            raise RuntimeError(f"npualloc_malloc_stream({size}) failed: {ret}")
+        return int(ffi.cast("uintptr_t", out[0]))
 
-    def free(self, ptr: int, stream: object) -> None:
-        del stream
-        acl = self._npu_runtime.acl
-        if acl is None:  # the runtime is gone (interpreter exit): nothing to give back to
-            return
-        ret = acl.rt.free(ptr)
+    def free(self, ptr: int, stream: int) -> None:
+        ret = self._lib.npualloc_free_stream(ffi.cast("void *", ptr), ffi.cast("void *", stream))
+        # After aclFinalize (interpreter exit) the runtime refuses: nothing is left to give back to.
         if ret != 0 and not sys.is_finalizing():
-            raise RuntimeError(f"acl.rt.free({ptr:#x}) failed: {ret}")
+            raise RuntimeError(f"npualloc_free_stream({ptr:#x}) failed: {ret}")
 
-    def record_stream(self, ptr: int, stream: object) -> None:
-        del ptr, stream  # covered by the safe reuse policy's fences (see the class comment)
+    def record_stream(self, ptr: int, stream: int) -> None:
+        ret = self._lib.npualloc_record_stream(ffi.cast("void *", ptr), ffi.cast("void *", stream))
+        if ret != 0:
+            raise RuntimeError(f"npualloc_record_stream({ptr:#x}) failed: {ret}")
 
     def synchronize(self) -> None:
-        acl = self._activate()
-        ret = acl.rt.synchronize_device()
+        self._npu_runtime.get_runtime(self._device_id).activate()
+        ret = self._npu_runtime.acl.rt.synchronize_device()
         if ret != 0:
             raise RuntimeError(f"acl.rt.synchronize_device failed: {ret}")
 
@@ -93,23 +110,25 @@ class PassThroughAllocator:
     def __init__(self, device_id: int) -> None:
         self.device_id = int(device_id)
         self._runtime = _Runtime(self.device_id)
-        self._live: set[int] = set()
+        self._live: dict[int, int] = {}   # pointer -> the stream it was allocated on
 
-    def malloc(self, size: int, stream: object = None) -> int:
-        ptr = self._runtime.malloc(int(size), stream)
-        self._live.add(ptr)
+    def malloc(self, size: int, stream: int | None = None) -> int:
+        on = self._runtime.current_stream() if stream is None else int(stream)
+        ptr = self._runtime.malloc(int(size), on)
+        self._live[ptr] = on
         return ptr
 
-    def free(self, ptr: int, stream: object = None) -> None:
+    def free(self, ptr: int, stream: int | None = None) -> None:
         ptr = int(ptr)
-        if ptr not in self._live:  # as NpuAllocator: a pointer it does not own is ignored
+        own = self._live.pop(ptr, None)
+        if own is None:  # as NpuAllocator: a pointer it does not own is ignored
             return
-        self._live.discard(ptr)
-        self._runtime.free(ptr, stream)
+        # As NpuAllocator: no stream means the one it was allocated on.
+        self._runtime.free(ptr, own if stream is None else int(stream))
 
-    def record_stream(self, ptr: int, stream: object) -> None:
+    def record_stream(self, ptr: int, stream: int) -> None:
         if int(ptr) in self._live:
-            self._runtime.record_stream(int(ptr), stream)
+            self._runtime.record_stream(int(ptr), int(stream))
 
     def synchronize(self) -> None:
         self._runtime.synchronize()

@@ -64,9 +64,14 @@ int npualloc_get_saver_stats(int device, npualloc_saver_stats *out);
  * freed on the stream it was allocated on is reusable at once, for that
  * stream only: the caller promises it is used on that stream alone, or
  * names the other streams with npualloc_record_stream; those frees wait for
- * one event per such stream. A free ordered on another stream counts as a
- * use of it. aclrtMalloc/aclrtFree callers keep reuse_policy's fences. */
-int npualloc_malloc_stream(void **ptr, size_t size, void *stream);
+ * one event per such stream, per batch of frees. A free ordered on another
+ * stream counts as a use of it. aclrtMalloc/aclrtFree callers keep
+ * reuse_policy's fences. flags: 0, or NPUALLOC_STREAM_HOST_WRITES when the
+ * caller may write a new block from the host (aclrtMemcpy, aclrtMemset: no
+ * stream orders those) before the stream's earlier work is done: then its
+ * free also waits for an event on its own stream. */
+#define NPUALLOC_STREAM_HOST_WRITES 1
+int npualloc_malloc_stream(void **ptr, size_t size, void *stream, int flags);
 int npualloc_free_stream(void *ptr, void *stream);
 /* 0, or ACL_ERROR_INVALID_PARAM (100000) when ptr is no live allocation of
  * npualloc's (warned once). */

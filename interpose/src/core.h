@@ -184,8 +184,16 @@ npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *devi
  * for one event per such stream. The caller promises torch's contract: the
  * block is used on its stream only, or the other streams are recorded.
  * stream: an opaque handle (0 is valid: the device's default stream). */
+typedef enum npa_stream_flags {
+    NPA_STREAM_ORDERED = 0,     /* every use of the block is ordered on its stream (torch's contract) */
+    /* The caller may also write the block from the host (a synchronous
+     * memcpy or memset, which no stream orders) as soon as it has it: a free
+     * then waits for an event on the block's own stream too, so the block is
+     * not handed out while work queued before the free may still read it. */
+    NPA_STREAM_HOST_WRITES = 1,
+} npa_stream_flags;
 npa_error npa_malloc_stream(npa_allocator *a, int device, size_t size, npa_entry entry, uintptr_t stream,
-                            void **ptr);
+                            npa_stream_flags flags, void **ptr);
 /* Frees ptr, ordered on stream: a stream other than the block's own counts
  * as a use (as if recorded). A block of the plain entry freed here is
  * freed as npa_free frees it (the reuse policy's fences). */

@@ -19,10 +19,14 @@ static void fixture_streams(fixture *fx) {
     fixture_start(fx, NULL);
 }
 
-static void *alloc_on(fixture *fx, uintptr_t stream, size_t size) {
+static void *alloc_flags(fixture *fx, uintptr_t stream, size_t size, npa_stream_flags flags) {
     void *p = NULL;
-    CHECK_EQ(npa_malloc_stream(fx->a, 0, size, NPA_ENTRY_EXACT, stream, &p), NPA_OK);
+    CHECK_EQ(npa_malloc_stream(fx->a, 0, size, NPA_ENTRY_EXACT, stream, flags, &p), NPA_OK);
     return p;
+}
+
+static void *alloc_on(fixture *fx, uintptr_t stream, size_t size) {
+    return alloc_flags(fx, stream, size, NPA_STREAM_ORDERED);
 }
 
 static void test_same_stream_reuse_is_immediate(void) {
@@ -203,7 +207,9 @@ static void test_stats_exact(void) {
     CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 3 * MiB + 2048);
     CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 3 * MiB + 2000);
     CHECK_EQ(s.num_pending_frees, 2);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* a's segment is whole again */
+    /* a, freed on its own stream, waits whole in the recent cache beside
+     * its segment's tail (recent_blocks:0 would merge them). */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 4);
     npa_process_pending(fx.a, 0); /* records the plain fence and one event on stream 1 (b's use) */
     CHECK_EQ(fx.fake.stream_recorded[1], 1);
     CHECK_EQ(fx.fake.stream_recorded[2], 0);
@@ -219,7 +225,7 @@ static void test_stats_exact(void) {
     CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.num_pending_frees, 0);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* a and its tail */
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 3);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, 3);
     CHECK_EQ(s.largest_free_block, 20 * MiB);
@@ -257,6 +263,39 @@ static void test_bad_pointers(void) {
     npa_process_pending(fx.a, 0);
     CHECK_EQ(fx.fake.stream_fence_records, 0);
     CHECK_EQ(fx.fake.fence_records, 1);
+    fixture_destroy(&fx);
+}
+
+/* A caller that writes new blocks from the host (a synchronous memcpy runs
+ * at once, whatever its stream still has queued): the free waits for an
+ * event on the block's own stream, one per stream per batch. */
+static void test_host_writes_wait_for_their_own_stream(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *p = alloc_flags(&fx, 1, 4096, NPA_STREAM_HOST_WRITES);
+    void *q = alloc_flags(&fx, 1, 4096, NPA_STREAM_HOST_WRITES);
+    void *r = alloc_flags(&fx, 1, 4096, NPA_STREAM_HOST_WRITES);
+    CHECK_EQ(npa_record_stream(fx.a, q, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, q, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2);
+    void *s = alloc_flags(&fx, 1, 4096, NPA_STREAM_HOST_WRITES);
+    CHECK(s != p && s != q);
+    CHECK_EQ(fx.fake.stream_fence_records, 1);
+    CHECK_EQ(fx.fake.stream_events, 2); /* streams 1 and 2, once each */
+    fake_complete_stream(&fx.fake, 1);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2); /* q's stream 2 still runs: the batch waits */
+    fake_complete_stream(&fx.fake, 2);
+    void *again = alloc_flags(&fx, 1, 4096, NPA_STREAM_ORDERED);
+    CHECK(again == p);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    /* The flag is the allocation's: allocated ordered, p is reusable at once. */
+    CHECK_EQ(npa_free_stream(fx.a, again, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    CHECK_EQ(npa_free_stream(fx.a, r, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, s, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2);
     fixture_destroy(&fx);
 }
 
@@ -347,6 +386,7 @@ int main(void) {
     RUN(test_one_event_per_stream_per_batch);
     RUN(test_stats_exact);
     RUN(test_bad_pointers);
+    RUN(test_host_writes_wait_for_their_own_stream);
     RUN(test_without_stream_fences_a_synchronize_stands_in);
     RUN(test_failed_stream_fence_keeps_blocks_pending);
     RUN(test_gc_leaves_stream_pools_to_the_oom_path);

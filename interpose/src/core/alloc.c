@@ -44,6 +44,7 @@ static bool must_wait_before_release(const npa_device *d) {
 }
 
 static npa_error release_locked(npa_allocator *a, npa_device *d) {
+    npa_recent_flush(d);
     if (must_wait_before_release(d) && !npa_synchronize_and_drain(a, d)) return NPA_ERR_FREE;
     npa_release_cached_segments(a, d);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
@@ -140,6 +141,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     pthread_mutexattr_destroy(&attr);
     d->id = id;
     d->plain.small.is_small = true;
+    d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     d->batches_tail = &d->batches;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
@@ -155,12 +157,9 @@ static npa_device *device_create(npa_allocator *a, int id) {
     return d;
 }
 
-npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
-    npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);
-    if (d || !create) return d;
+npa_device *npa_device_create_slow(npa_allocator *a, int device) {
     pthread_mutex_lock(&a->init_lock);
-    d = a->devices[device];
+    npa_device *d = a->devices[device];
     if (!d) {
         d = device_create(a, device);
         if (d) __atomic_store_n(&a->devices[device], d, __ATOMIC_RELEASE);
@@ -281,7 +280,7 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
 }
 
 static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa_entry entry, bool on_stream,
-                                  uintptr_t stream, void **ptr) {
+                                  uintptr_t stream, npa_stream_flags flags, void **ptr) {
     if (!ptr) return NPA_ERR_INVALID_PARAM;
     *ptr = NULL;
     if (!a || size == 0 || (unsigned)entry > NPA_ENTRY_EXACT) return NPA_ERR_INVALID_PARAM;
@@ -300,7 +299,12 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;
         if (!pair) pair = &d->plain;
         npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
-        b = get_free_block(&a->config, pool, rounded);
+        if (pool->is_small && d->recent.count) b = npa_recent_take(d, pool, rounded);
+        if (!b) b = get_free_block(&a->config, pool, rounded);
+        if (!b && pool->is_small && d->recent.count) { /* merged, the held blocks may fit it */
+            npa_recent_flush(d);
+            b = get_free_block(&a->config, pool, rounded);
+        }
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
     }
@@ -313,6 +317,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         return NPA_ERR_OOM;
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
+    b->fence_own = b->pool->on_stream && (flags & NPA_STREAM_HOST_WRITES);
     npa_history_note_alloc(a, d, b->addr, size);
     *ptr = (void *)b->addr;
     pthread_mutex_unlock(&d->lock);
@@ -320,24 +325,26 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
 }
 
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
-    return malloc_on(a, device, size, entry, false, 0, ptr);
+    return malloc_on(a, device, size, entry, false, 0, NPA_STREAM_ORDERED, ptr);
 }
 
 npa_error npa_malloc_stream(npa_allocator *a, int device, size_t size, npa_entry entry, uintptr_t stream,
-                            void **ptr) {
-    return malloc_on(a, device, size, entry, true, stream, ptr);
+                            npa_stream_flags flags, void **ptr) {
+    return malloc_on(a, device, size, entry, true, stream, flags, ptr);
 }
 
-/* torch's free_block: merge with free neighbours (the lower block survives,
- * so a segment's first block keeps its struct), back into the pool. */
-void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
-    (void)a;
+/* torch's free_block without the allocation's end: merge with free
+ * neighbours (the lower block survives, so a segment's first block keeps
+ * its struct), back into its pool. counted: b is already counted as an
+ * inactive split block (a recent block). */
+static void merge_into_pool(npa_device *d, npa_block *b, bool counted) {
     npualloc_device_stats *s = d->stats;
     npa_pool *pool = b->pool;
-    size_t original_size = b->size;
-    size_t requested = b->requested;
     int64_t inactive_blocks = 0, inactive_bytes = 0;
-    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    if (counted && npa_block_is_split(b)) {
+        inactive_blocks = -1;
+        inactive_bytes = -(int64_t)b->size;
+    }
 
     npa_block *prev = b->prev;
     if (prev && prev->phase == NPA_PHASE_FREE) {
@@ -368,9 +375,24 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     else if (inactive_blocks < 0) npa_pool_stat_decrease(s->inactive_split, b->is_small, -inactive_blocks);
     if (inactive_bytes > 0) npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, inactive_bytes);
     else if (inactive_bytes < 0) npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, -inactive_bytes);
-    npa_pool_stat_decrease(s->active, b->is_small, 1);
-    npa_pool_stat_decrease(s->active_bytes, b->is_small, (int64_t)original_size);
-    npa_pool_stat_decrease(s->requested_bytes, b->is_small, (int64_t)requested);
+    npa_stats_end(d);
+}
+
+void npa_pool_return(npa_device *d, npa_block *b) { merge_into_pool(d, b, true); }
+
+/* torch's free_block: the block stops being active and joins its pool. */
+void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
+    (void)a;
+    npualloc_device_stats *s = d->stats;
+    bool is_small = b->is_small;
+    size_t size = b->size;
+    size_t requested = b->requested;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    npa_stats_begin(d);
+    merge_into_pool(d, b, false);
+    npa_pool_stat_decrease(s->active, is_small, 1);
+    npa_pool_stat_decrease(s->active_bytes, is_small, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, is_small, (int64_t)requested);
     npa_stats_end(d);
 }
 
@@ -412,15 +434,16 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (b->pool->on_stream) {
-        if (b->uses || b->uses_unknown) npa_pending_add_uses(a, d, b);
-        else npa_free_block(a, d, b);
-    } else if (a->backend.fence_record &&
+    if (b->pool->on_stream && (b->uses || b->uses_unknown || b->fence_own)) {
+        npa_pending_add_uses(a, d, b);
+    } else if (!b->pool->on_stream && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         b->phase = NPA_PHASE_PENDING;
         b->link = d->open_batch;
         d->open_batch = b;
         s->num_pending_frees++;
+    } else if (npa_recent_takes(d, b)) { /* reusable at once: on its own stream, or eager */
+        npa_recent_put(d, b);
     } else {
         npa_free_block(a, d, b);
     }

@@ -17,6 +17,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) 
         free(b->uses);
         b->uses = NULL;
         b->uses_unknown = false;
+        b->fence_own = false;
         d->stats->num_pending_frees--;
         npa_free_block(a, d, b);
     }
@@ -70,27 +71,33 @@ void npa_pending_add_uses(npa_allocator *a, npa_device *d, npa_block *b) {
     d->stats->num_pending_frees++;
 }
 
-/* The distinct streams the open uses name, into d->fence_streams; false when
- * one block's uses are unknown or host memory ran out (a synchronize then
- * stands in for the fence). */
+/* Adds stream to d->fence_streams unless there; false when host memory ran out. */
+static bool add_fence_stream(npa_device *d, size_t *count, uintptr_t stream) {
+    size_t k = 0;
+    while (k < *count && d->fence_streams[k] != stream) k++;
+    if (k < *count) return true;
+    if (*count == d->fence_streams_capacity) {
+        size_t capacity = *count ? *count * 2 : 8;
+        uintptr_t *grown = realloc(d->fence_streams, capacity * sizeof *grown);
+        if (!grown) return false;
+        d->fence_streams = grown;
+        d->fence_streams_capacity = capacity;
+    }
+    d->fence_streams[(*count)++] = stream;
+    return true;
+}
+
+/* The distinct streams the open uses name (and the own stream of blocks
+ * written from the host), into d->fence_streams; false when one block's
+ * uses are unknown or host memory ran out (a synchronize then stands in for
+ * the fence). */
 static bool collect_use_streams(npa_device *d, size_t *count) {
     *count = 0;
     for (npa_block *b = d->open_uses; b; b = b->link) {
         if (b->uses_unknown) return false;
-        for (size_t i = 0; i < b->uses->count; i++) {
-            uintptr_t stream = b->uses->streams[i];
-            size_t k = 0;
-            while (k < *count && d->fence_streams[k] != stream) k++;
-            if (k < *count) continue;
-            if (*count == d->fence_streams_capacity) {
-                size_t capacity = *count ? *count * 2 : 8;
-                uintptr_t *grown = realloc(d->fence_streams, capacity * sizeof *grown);
-                if (!grown) return false;
-                d->fence_streams = grown;
-                d->fence_streams_capacity = capacity;
-            }
-            d->fence_streams[(*count)++] = stream;
-        }
+        if (b->fence_own && !add_fence_stream(d, count, b->pool->stream)) return false;
+        for (size_t i = 0; b->uses && i < b->uses->count; i++)
+            if (!add_fence_stream(d, count, b->uses->streams[i])) return false;
     }
     return true;
 }

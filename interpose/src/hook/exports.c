@@ -8,6 +8,7 @@
  * deferred executors), one thread-local load (the memory saver's region),
  * then the core. */
 #include "hook.h"
+#include "npualloc.h"
 #include "region/region.h"
 
 /* Policies we serve from our segments (all HUGE_FIRST). P2P, 1 GB pages and
@@ -18,10 +19,16 @@ static inline int cacheable_policy(aclrtMemMallocPolicy policy)
     return (unsigned)policy <= ACL_MEM_MALLOC_NORMAL_ONLY;
 }
 
-/* stream: NULL for the ACL entry points (no stream known: the reuse
- * policy's fences), else the stream-aware caller's stream. */
+/* The stream a stream-aware caller allocates on, and how it uses the block. */
+typedef struct stream_use {
+    uintptr_t stream;
+    npa_stream_flags flags;
+} stream_use;
+
+/* on: NULL for the ACL entry points (no stream known: the reuse policy's
+ * fences), else the stream-aware caller's stream. */
 static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPolicy policy, npa_entry entry,
-                                    npa_fn fn, const uintptr_t *stream)
+                                    npa_fn fn, const stream_use *on)
 {
     npa_allocator *a = npa_hook_allocator();
     /* NULL devPtr and size 0 are the runtime's to refuse, with its own code. */
@@ -38,8 +45,8 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                     return err;
             }
             npa_pystack_before_malloc();
-            npa_error err = stream != NULL ? npa_malloc_stream(a, device, size, entry, *stream, devPtr)
-                                           : npa_malloc(a, device, size, entry, devPtr);
+            npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
+                                       : npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))
                 npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */
             return err;
@@ -145,10 +152,13 @@ NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
  * the calling thread's device, an aclError), plus the stream torch's
  * allocator interface passes. Served like aclrtMalloc when the cache is
  * off (the runtime's own malloc and free: nothing to record). */
-NPA_EXPORT int npualloc_malloc_stream(void **ptr, size_t size, void *stream)
+NPA_EXPORT int npualloc_malloc_stream(void **ptr, size_t size, void *stream, int flags)
 {
-    uintptr_t handle = (uintptr_t)stream;
-    return malloc_entry(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc, &handle);
+    if ((flags & ~NPUALLOC_STREAM_HOST_WRITES) != 0)
+        return ACL_ERROR_INVALID_PARAM;
+    _Static_assert(NPUALLOC_STREAM_HOST_WRITES == NPA_STREAM_HOST_WRITES, "one meaning for the flag");
+    stream_use on = {(uintptr_t)stream, (npa_stream_flags)flags};
+    return malloc_entry(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc, &on);
 }
 
 NPA_EXPORT int npualloc_free_stream(void *ptr, void *stream)

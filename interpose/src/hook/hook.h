@@ -33,7 +33,9 @@
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it.
  *   5. a device lock (core internal.h npa_device.lock): one device at a
- *      time, never two (except a pause: all, ascending, under 4). Under it the core calls the backend: raw
+ *      time, never two (except a pause: all, ascending, under 4). It guards
+ *      all of the device's state, the recent cache of freed small blocks
+ *      (core recent.c) included. Under it the core calls the backend: raw
  *      malloc/free, synchronize, mem info, VMM calls (the runtime), and
  *      fences, which take
  *   6. that device's stream lock (streams.c dev_streams.lock), held across

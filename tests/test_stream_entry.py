@@ -1,0 +1,210 @@
+"""npualloc.h's stream-aware entry (npualloc_malloc_stream, npualloc_free_stream,
+npualloc_record_stream) on the simulated runtime, through cffi as the
+MindTorch pass-through calls it. A loop that allocates on a stream, launches
+on it and frees on it reuses its blocks at once with no runtime call at all
+after the first step, while its ops are still queued; a block recorded on
+another stream is held back until that stream's work is done. Misuse is
+caught by the simulator when the ops execute: an op's workspace handed to
+another op while the first still runs is a workspace clobber."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import cann_root_command, installed_python, mindtorch_env, preload_env, run_python
+
+PROGRAM = """
+import json, sys, time
+import acl
+from aclsim import aclsim
+from npualloc._ffi import ffi, loaded_library
+
+lib = loaded_library()
+assert lib is not None
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+ops = aclsim.Ops()
+s1, ret = acl.rt.create_stream(); assert ret == 0
+s2, ret = acl.rt.create_stream(); assert ret == 0
+COUNTED = ("aclrtMalloc", "aclrtFree", "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtSynchronizeDevice",
+           "aclrtSynchronizeStream", "aclrtCreateEvent")
+
+def malloc(size, stream, flags=0):
+    out = ffi.new("void **")
+    assert lib.npualloc_malloc_stream(out, size, ffi.cast("void *", stream), flags) == 0
+    return int(ffi.cast("uintptr_t", out[0]))
+
+def free(ptr, stream):
+    assert lib.npualloc_free_stream(ffi.cast("void *", ptr), ffi.cast("void *", stream)) == 0
+
+def fill(dst, size, value, stream):
+    ws_size, ex, st = ops.fill_get_workspace_size(dst, size, value); assert st == 0
+    ws = malloc(ws_size, stream)
+    assert ops.fill(ws, ws_size, ex, stream) == 0
+    free(ws, stream)   # at once, as MindTorch frees a workspace after the launch
+    return ws
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+N = 1 << 16
+if mode == "loop":
+    aclsim.set_op_duration_us(2000)   # the host runs ahead: frees come while the ops are queued
+    before, addresses = None, set()
+    for step in range(steps):
+        if step == 1:
+            before = {api: aclsim.call_count(api) for api in COUNTED}
+        buf = malloc(N, s1)
+        addresses.add((buf, fill(buf, N, step & 0xFF, s1)))
+        free(buf, s1)
+    calls = {api: aclsim.call_count(api) - before[api] for api in COUNTED}
+    assert acl.rt.synchronize_device() == 0
+    print(json.dumps({"calls_after_first_step": calls, "distinct_blocks": len(addresses),
+                      "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
+else:
+    record = mode == "record"
+    slow_us = steps
+    # A slow op on s2 uses a block allocated on s1 as its workspace.
+    dst = malloc(N, s1)
+    aclsim.set_op_duration_us(slow_us)
+    ws_size, slow, st = ops.fill_get_workspace_size(dst, N, 1); assert st == 0
+    aclsim.set_op_duration_us(0)
+    ws = malloc(ws_size, s1)
+    started, _ = acl.rt.create_event()
+    assert acl.rt.record_event(started, s2) == 0
+    assert ops.fill(ws, ws_size, slow, s2) == 0
+    assert acl.rt.synchronize_event(started) == 0
+    time.sleep(0.02)   # s2's worker has gone on into the slow op (the control below retries if not)
+    after_slow, _ = acl.rt.create_event()
+    assert acl.rt.record_event(after_slow, s2) == 0
+    if record:
+        assert lib.npualloc_record_stream(ffi.cast("void *", ws), ffi.cast("void *", s2)) == 0
+    free(ws, s1)
+    # s1 goes on: the next workspace of its size, used by a quick op on s1.
+    again = fill(dst, N, 2, s1)
+    assert acl.rt.synchronize_stream(s1) == 0
+    raced = acl.rt.query_event_status(after_slow) == (0, 0)   # s1's op ended while s2's still ran
+    assert acl.rt.synchronize_device() == 0
+    lib.npualloc_empty_cache(0)   # the recorded block is back by now: its event completed
+    stats = ffi.new("npualloc_device_stats *")
+    assert lib.npualloc_get_stats(0, stats) == 0
+    print(json.dumps({"reused": again == ws, "raced": raced, "clobbers": aclsim.workspace_clobbers(),
+                      "invalid": aclsim.invalid_accesses(), "pending": stats.num_pending_frees,
+                      "events": aclsim.call_count("aclrtRecordEvent")}))
+"""
+
+
+def run(mode: str, arg: int, policy: str = "safe") -> dict:
+    proc = run_python(PROGRAM, preload_env(PYTORCH_NPU_ALLOC_CONF=f"reuse_policy:{policy}"), args=[mode, str(arg)])
+    out = json.loads(proc.stdout)
+    out["reports"] = [line for line in proc.stderr.splitlines() if line]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["safe", "auto"])
+def test_same_stream_loop_makes_no_runtime_call_after_the_first_step(policy):
+    """Alloc on the stream, launch on it, free on it: from the second step on
+    not one raw malloc or free, event or synchronize reaches the runtime
+    (reuse_policy safe would fence every aclrtFree), the same two blocks
+    come back every step while the ops are still queued, and the simulator
+    sees no workspace reused under a running op."""
+    out = run("loop", 40, policy)
+    assert out["reports"] == []
+    assert out["calls_after_first_step"] == {api: 0 for api in out["calls_after_first_step"]}
+    assert out["distinct_blocks"] == 1
+    assert out["clobbers"] == 0 and out["invalid"] == 0
+
+
+def _raced(mode: str, caught: bool = False) -> dict:
+    """Runs until s1's quick op ended while s2's slow op still ran (a slow
+    machine retries with a longer op, never fails on time); with caught, also
+    until the simulator saw the clobber (s2's op may not have written its
+    stamp yet when s1's op ran)."""
+    for retry in range(6):
+        out = run(mode, 200_000 << retry)
+        if out.pop("raced") and (not caught or out["clobbers"] >= 1):
+            return out
+    pytest.fail("s1's op never ran while s2's was still running" + (", caught" if caught else ""))
+
+
+def test_recorded_block_waits_for_the_other_stream():
+    out = _raced("record")
+    assert out["reports"] == []
+    assert out["reused"] is False
+    assert out["clobbers"] == 0 and out["invalid"] == 0
+    assert out["pending"] == 0
+    assert out["events"] == 3   # the program's two, and npualloc's one (s2 only: not one per live stream)
+
+
+def test_unrecorded_cross_stream_use_is_caught_by_the_simulator():
+    """The control: the same program without record_stream breaks torch's
+    contract, the block goes back to s1 at once, and the simulator reports
+    the workspace clobbered under s2's running op. The test above can fail."""
+    out = _raced("unrecorded", caught=True)
+    assert out["reused"] is True
+    assert any(line.startswith("aclsim: aclnnSimFill: workspace") for line in out["reports"]), out["reports"]
+    assert out["events"] == 2   # the program's own two: npualloc recorded none
+
+
+BAD = """
+import acl
+from npualloc._ffi import ffi, loaded_library
+lib = loaded_library()
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+out = ffi.new("void **")
+assert lib.npualloc_malloc_stream(out, 4096, ffi.NULL, 2) == 100000        # unknown flag
+assert lib.npualloc_malloc_stream(out, 4096, ffi.NULL, 0) == 0              # the default stream
+p = out[0]
+assert lib.npualloc_record_stream(ffi.cast("char *", p) + 512, ffi.NULL) == 100000   # interior pointer
+assert lib.npualloc_free_stream(p, ffi.NULL) == 0
+assert lib.npualloc_free_stream(p, ffi.NULL) == 207002                      # double free
+assert lib.npualloc_record_stream(p, ffi.NULL) == 100000                    # freed
+print("ok")
+"""
+
+
+def test_bad_calls_get_clear_errors():
+    proc = run_python(BAD, preload_env())
+    assert proc.stdout.strip() == "ok"
+    warnings = [line for line in proc.stderr.splitlines() if line]
+    assert all(line.startswith("npualloc: ") for line in warnings), proc.stderr
+    assert any("npualloc_record_stream" in line for line in warnings), proc.stderr
+
+
+MINDTORCH = """
+import gc, json, sys
+import aclsim
+import mindtorch_v2 as torch
+from mindtorch_v2._backends.npu import allocator
+x = torch.ones(4096, device="npu")
+side = torch.npu.Stream()
+if sys.argv[1] == "record":
+    x.record_stream(side)
+torch.npu.synchronize()
+before = aclsim.call_count("aclrtRecordEvent")
+del x
+gc.collect()
+pending = torch.npu.memory_stats()["npualloc.pending_frees"]
+z = torch.empty(4096, device="npu")   # its malloc fences the frees since the last one
+print(json.dumps({"events": aclsim.call_count("aclrtRecordEvent") - before, "pending": pending,
+                  "allocator": type(allocator.get_allocator(0)).__name__}))
+"""
+
+
+@pytest.mark.parametrize("mode,events", [("record", 2), ("plain", 1)])
+def test_mindtorch_record_stream_reaches_npualloc(mode, events):
+    """MindTorch's Tensor.record_stream goes to npualloc_record_stream: the
+    freed tensor waits for an event on the recorded stream as well as on its
+    own (MindTorch writes new tensors with synchronous copies, so the
+    pass-through allocates NPUALLOC_STREAM_HOST_WRITES), one event per
+    stream for the whole batch of frees."""
+    python = installed_python()
+    proc = subprocess.run(cann_root_command([python, "-m", "npualloc", "run", "--", python, "-c", MINDTORCH, mode]),
+                          env=mindtorch_env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    assert "npualloc:" not in proc.stderr, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["allocator"] == "PassThroughAllocator"
+    assert out["pending"] >= 1
+    assert out["events"] == events
+

@@ -86,7 +86,7 @@ def _read_snapshot_file(path: Path) -> bytes:
     """Reads and removes the file the process wrote for us; O_NOFOLLOW and an
     owner check, though the directory is the user's own (region_dir.c)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise CorruptRegionError(f"the process acknowledged the snapshot but {path} cannot be opened: "
                                  f"{e.strerror}") from None

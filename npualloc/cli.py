@@ -135,28 +135,38 @@ def _paused_mark(state: str) -> str:
     return "" if state == "running" else f"[{state}] "
 
 
+def _ls_rows(pid: int, opened: Region) -> list[dict[str, Any]]:
+    """ls's rows of one process: one per device in use (device None: nothing allocated yet)."""
+    rows: list[dict[str, Any]] = []
+    with opened as region:
+        header = region.header()
+        command = _command_line(pid, header.cmdline)
+        devices: list[int | None] = list(region.devices_in_use()) or [None]
+        for device in devices:
+            stats = region.read_device_stats(device) if device is not None else None
+            rows.append({
+                "pid": pid,
+                "device": device,
+                "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
+                "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
+                "command": command,
+                "state": header.state,
+            })
+    return rows
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for entry, opened in live_regions():
         if isinstance(opened, OtherUserError):
             continue  # other users' processes are theirs to list
-        if isinstance(opened, NpuallocError):
-            sys.stderr.write(f"npualloc: skipping {entry.path}: {opened}\n")
-            continue
-        with opened as region:
-            header = region.header()
-            command = _command_line(entry.pid, header.cmdline)
-            devices: list[int | None] = list(region.devices_in_use()) or [None]  # None: nothing allocated yet
-            for device in devices:
-                stats = region.read_device_stats(device) if device is not None else None
-                rows.append({
-                    "pid": entry.pid,
-                    "device": device,
-                    "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
-                    "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
-                    "command": command,
-                    "state": header.state,
-                })
+        try:
+            if isinstance(opened, NpuallocError):
+                raise opened
+            rows.extend(_ls_rows(entry.pid, opened))
+        except NpuallocError as e:
+            # One damaged region must not hide the healthy processes beside it.
+            sys.stderr.write(f"npualloc: skipping process {entry.pid}: {e}\n")
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     elif not rows:

@@ -11,9 +11,9 @@ With pid=... the snapshot comes from another process: a command through its
 region makes it write <region>.snapshot.<seq> at its next allocator call,
 which is read and removed here.
 
-No stacks are recorded (every "frames" is []): history comes from C, where
-the Python frames of the allocating call are out of reach without a cost on
-every allocation.
+Frames are recorded only with record_stacks:python (or stacks="python" here,
+in this process): the library then takes the allocating thread's Python
+frames (hook/pystack.c); otherwise every "frames" is [].
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _read_snapshot_file(path: Path) -> bytes:
     """Reads and removes the file the process wrote for us; O_NOFOLLOW and an
     owner check, though the directory is the user's own (region_dir.c)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise CorruptRegionError(f"the process acknowledged the snapshot but {path} cannot be opened: "
                                  f"{e.strerror}") from None

@@ -278,9 +278,13 @@ void npa_saver_forget_after_fork(void); /* in the child, saver_lock held */
 
 /* ---- snapshot.c ----------------------------------------------------------- */
 
-/* Writes the torch snapshot pickle to path (atomically, mode 0600); 0 or an
- * errno value. Takes the device locks: call with none held. */
+/* Writes the torch snapshot pickle to path; 0 or an errno value. A new or our
+ * own regular file is written atomically (mode 0600); a FIFO or character
+ * device is written to; anything else is refused (snapshot.c says how).
+ * Takes the device locks: call with none held. */
 int npa_snapshot_write(npa_allocator *a, const char *path);
+/* The reason for npa_snapshot_write's error, for its warning. */
+const char *npa_snapshot_strerror(int err);
 /* After an OOM: the snapshot to oom_snapshot's path, if one is configured. */
 void npa_oom_snapshot(npa_allocator *a);
 

@@ -19,6 +19,8 @@ all: lib sim
 # aclsim first: the interposer's tests run on the simulator and name its paths.
 include tools/aclsim/build.mk
 include interpose/build.mk
+include interpose/reader.mk
+include interpose/aarch64.mk
 include tools/replay/build.mk
 
 # A venv of our own, so nothing has to be installed by hand on a fresh
@@ -43,10 +45,10 @@ include tools/bench.mk
 pytest: all $(VENV_STAMP)
 	$(VENV)/bin/python -m pytest -q tests $(PYTEST_ARGS)
 
-# C tests (plain, ASan, TSan) may run side by side; pytest runs after them so
+# C tests (plain, ASan, TSan, aarch64 under qemu) may run side by side; pytest runs after them so
 # its summary closes the log.
 test:
-	$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan
+	$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan ctest-aarch64
 	$(MAKE) --no-print-directory pytest
 
 # What `pip install .` ships (setup.py runs this): the preload library and

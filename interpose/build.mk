@@ -22,9 +22,13 @@ $(BUILD)/obj/interpose/%.o: interpose/%.c
 # always optimised for sibling calls, in every build tree.
 $(BUILD)/obj/interpose/src/hook/dlsym.o: NPA_CFLAGS += -fno-sanitize=all -O2 -foptimize-sibling-calls -fno-lto
 
+# Links libnpualloc.so from the objects in $^ (the bench links a variant too).
+NPA_LINK_LIB = $(CC) -shared -Wl,-soname,libnpualloc.so -Wl,-z,nodelete $(CFLAGS_BASE) -fvisibility=hidden $(NPA_LTO) \
+               $(SANFLAGS) $(LDFLAGS_BASE) -o $@ $^ -ldl
+
 $(NPA_LIB): $(NPA_CORE_OBJS) $(NPA_HOOK_OBJS)
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libnpualloc.so -Wl,-z,nodelete $(CFLAGS_BASE) -fvisibility=hidden $(NPA_LTO) $(SANFLAGS) $(LDFLAGS_BASE) -o $@ $^ -ldl
+	$(NPA_LINK_LIB)
 
 # The Python package finds the library and the region header beside itself,
 # both in a checkout and once installed (setup.py runs `make lib`).
@@ -51,8 +55,10 @@ $(BUILD)/ctest/%: interpose/tests/%.c $(NPA_CTEST_SUPPORT) $(NPA_CORE_OBJS)
 	$(CC) $(NPA_CFLAGS) -Iinterpose/tests -o $@ $^ $(LDFLAGS_BASE) -lm
 
 ctest-build: $(NPA_CTEST_BINS)
+# CTEST_RUNNER runs each binary: empty here, qemu-aarch64 for a cross-built
+# tree (interpose/aarch64.mk).
 ctest-core: $(NPA_CTEST_BINS)
-	@set -e; for t in $(NPA_CTEST_BINS); do echo "== $$t"; $$t; done
+	@set -e; for t in $(NPA_CTEST_BINS); do echo "== $(CTEST_RUNNER) $$t"; $(CTEST_RUNNER) $$t; done
 
 # The exported entry points under threads: a C program on the simulated
 # runtime with this tree's libnpualloc.so preloaded (interpose/tests/preload).
@@ -64,12 +70,16 @@ $(NPA_EXPORTS_STRESS): interpose/tests/preload/exports_stress.c $(SIM_LIB64)/lib
 	$(CC) $(NPA_CFLAGS) -o $@ $< -L$(SIM_LIB64) -lascendcl -Wl,-rpath,$(abspath $(SIM_LIB64)) -ldl $(LDFLAGS_BASE)
 
 NPA_SAN_RUNTIME = $(if $(SANLIB),$(shell $(CC) -print-file-name=$(SANLIB)))
+# How a test binary gets libraries preloaded: through the environment here;
+# through qemu's -E in a cross-built tree (aarch64.mk), so that the x86-64
+# qemu binary itself is not handed aarch64 libraries.
+CTEST_PRELOAD ?= LD_PRELOAD=
 # Twice: plain segments, then expandable ones (the hook layer's VMM calls).
 exports-stress: $(NPA_LIB) $(NPA_EXPORTS_STRESS)
 	@set -e; for conf in "" expandable_segments:True; do \
 	    echo "== $(NPA_EXPORTS_STRESS) $$conf"; \
-	    PYTORCH_NPU_ALLOC_CONF="$$conf" LD_PRELOAD="$(NPA_SAN_RUNTIME) $(abspath $(NPA_LIB))" \
-	        NPUSIM_MALLOC_US=0 NPUSIM_FREE_US=0 $(NPA_EXPORTS_STRESS) $(STRESS_OPS); \
+	    PYTORCH_NPU_ALLOC_CONF="$$conf" NPUSIM_MALLOC_US=0 NPUSIM_FREE_US=0 \
+	        $(CTEST_PRELOAD)"$(NPA_SAN_RUNTIME) $(abspath $(NPA_LIB))" $(NPA_EXPORTS_STRESS) $(STRESS_OPS); \
 	done
 
 ctest: ctest-core exports-stress

@@ -47,6 +47,8 @@ def _cffi_section(name: str, required: bool) -> str:
 
 ffi = cffi.FFI()
 ffi.cdef(_cffi_section("npualloc_shm.h", required=True))
+# How other processes' regions are read and commanded (libnpualloc_reader.so).
+ffi.cdef(_cffi_section("npualloc_reader.h", required=True))
 # npualloc.h only declares functions; without it the in-process API is missing
 # but reading regions of other processes still works.
 _API_CDEF = _cffi_section("npualloc.h", required=False)
@@ -59,8 +61,21 @@ ffi.cdef(_RUNTIME_CDEF)
 constants: Any = ffi.dlopen(None)
 
 REGION_SIZE: int = ffi.sizeof("npualloc_region")
-DEVICE_STATS_SIZE: int = ffi.sizeof("npualloc_device_stats")
-SAVER_STATS_SIZE: int = ffi.sizeof("npualloc_saver_stats")
+
+_reader: list[Any] = []
+
+
+def reader_library() -> Any:
+    """This package's libnpualloc_reader.so: reads and commands the regions of
+    other processes with the memory ordering their writers expect (C11
+    atomics; Python has no load fence for aarch64)."""
+    if not _reader:
+        path = PACKAGE_DIR / "lib" / "libnpualloc_reader.so"
+        try:
+            _reader.append(ffi.dlopen(str(path)))
+        except OSError as e:
+            raise NpuallocError(f"cannot load {path} ({e}): build it with `make lib` (or reinstall npualloc)") from None
+    return _reader[0]
 
 
 def _mapped_library() -> str | None:

@@ -22,6 +22,7 @@ import psutil
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
+from .files import write_user_file
 from .region import Region, live_regions, region_base
 
 CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -135,28 +136,38 @@ def _paused_mark(state: str) -> str:
     return "" if state == "running" else f"[{state}] "
 
 
+def _ls_rows(pid: int, opened: Region) -> list[dict[str, Any]]:
+    """ls's rows of one process: one per device in use (device None: nothing allocated yet)."""
+    rows: list[dict[str, Any]] = []
+    with opened as region:
+        header = region.header()
+        command = _command_line(pid, header.cmdline)
+        devices: list[int | None] = list(region.devices_in_use()) or [None]
+        for device in devices:
+            stats = region.read_device_stats(device) if device is not None else None
+            rows.append({
+                "pid": pid,
+                "device": device,
+                "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
+                "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
+                "command": command,
+                "state": header.state,
+            })
+    return rows
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for entry, opened in live_regions():
         if isinstance(opened, OtherUserError):
             continue  # other users' processes are theirs to list
-        if isinstance(opened, NpuallocError):
-            sys.stderr.write(f"npualloc: skipping {entry.path}: {opened}\n")
-            continue
-        with opened as region:
-            header = region.header()
-            command = _command_line(entry.pid, header.cmdline)
-            devices: list[int | None] = list(region.devices_in_use()) or [None]  # None: nothing allocated yet
-            for device in devices:
-                stats = region.read_device_stats(device) if device is not None else None
-                rows.append({
-                    "pid": entry.pid,
-                    "device": device,
-                    "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
-                    "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
-                    "command": command,
-                    "state": header.state,
-                })
+        try:
+            if isinstance(opened, NpuallocError):
+                raise opened
+            rows.extend(_ls_rows(entry.pid, opened))
+        except NpuallocError as e:
+            # One damaged region must not hide the healthy processes beside it.
+            sys.stderr.write(f"npualloc: skipping process {entry.pid}: {e}\n")
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     elif not rows:
@@ -244,11 +255,7 @@ def cmd_set_gc_threshold(args: argparse.Namespace) -> int:
 def cmd_snapshot(args: argparse.Namespace) -> int:
     data = snapshot.snapshot_bytes(args.pid, timeout=args.timeout)
     taken = snapshot.loads(data)  # also proves the file loads before it is handed on
-    try:
-        with open(args.output, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise NpuallocError(f"cannot write {args.output}: {e.strerror or e}") from None
+    write_user_file(args.output, data)
     events = sum(len(trace) for trace in taken["device_traces"])
     sys.stdout.write(f"process {args.pid}: snapshot written to {args.output} ({len(taken['segments'])} segments, "
                      f"{events} trace events)\n")

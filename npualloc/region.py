@@ -3,21 +3,23 @@
 Nothing in a region file is trusted before it is validated: the file size
 first, then magic, version and the header's size field, all through a mapping
 of exactly sizeof(npualloc_region) bytes, so a truncated or crafted file can
-never make the reader touch memory outside it.
+never make the reader touch memory outside it. Opening, the seqlocked copies
+and the command slot are libnpualloc_reader.so's (interpose/src/reader): C11
+atomics give the orderings the writer's seqlock and command protocol need on
+aarch64 as on x86-64; this module decides what each outcome means to a user.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
-import mmap
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ._ffi import DEVICE_STATS_SIZE, REGION_SIZE, SAVER_STATS_SIZE, constants, ffi
+from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
 
@@ -31,8 +33,10 @@ REGION_DIR_NAME = re.compile(r"npualloc-(\d+)(?:\.[A-Za-z0-9]{6})?")
 # writing (the region's own, and a snapshot's).
 LEFTOVER_NAME = re.compile(r"\.npualloc\.(\d+)\.tmp|npualloc\.(\d+)\.snapshot\.\d+(?:\.tmp\.\d+)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
-# odd this long belongs to a writer that died mid-update.
+# odd this long belongs to a writer that died mid-update. The C copy tries
+# SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat until then.
 SEQLOCK_TIMEOUT_S = 1.0
+SEQLOCK_ATTEMPTS = 100
 COMMAND_TIMEOUT_S = 5.0
 
 _ACK_ERRORS = {
@@ -43,6 +47,22 @@ _ACK_ERRORS = {
                                          "(start it with --conf expandable_segments:True); it runs on untouched",
     constants.NPUALLOC_CMD_ENOTPAUSED: "the process is not paused",
     constants.NPUALLOC_CMD_EPAUSED: "the process is paused: resume it first",
+}
+# What npualloc_reader_open's other verdicts mean to a user: the error and its
+# message, formatted with what the reader saw (Region._refusal).
+_OPEN_REFUSALS: dict[int, tuple[type[NpuallocError], str]] = {
+    constants.NPUALLOC_OPEN_NOT_REGULAR: (CorruptRegionError, "{path} is not a regular file"),
+    constants.NPUALLOC_OPEN_OTHER_OWNER: (OtherUserError,
+                                          "{path} belongs to another user (uid {uid}, the process's is {owner})"),
+    constants.NPUALLOC_OPEN_TRUNCATED: (CorruptRegionError, "{path} is truncated: {size} bytes, a region has {region_size}"),
+    constants.NPUALLOC_OPEN_MAP_FAILED: (CorruptRegionError, "cannot map {path}: {strerror}"),
+    constants.NPUALLOC_OPEN_BAD_MAGIC: (CorruptRegionError, "{path} is not an npualloc region (bad magic)"),
+    constants.NPUALLOC_OPEN_BAD_VERSION: (IncompatibleRegionError,
+                                          "{path} has region layout version {version}; this npualloc reads version "
+                                          "{our_version} (use the npualloc the process was started with)"),
+    constants.NPUALLOC_OPEN_BAD_SIZE: (CorruptRegionError, "{path} declares a {declared_size}-byte region, expected "
+                                                           "{region_size}"),
+    constants.NPUALLOC_OPEN_BAD_DEVICES: (CorruptRegionError, "{path} has an inconsistent header"),
 }
 PAUSE_STATES = {constants.NPUALLOC_RUNNING: "running", constants.NPUALLOC_PAUSING: "pausing",
                 constants.NPUALLOC_PAUSED: "paused", constants.NPUALLOC_RESUMING: "resuming"}
@@ -167,50 +187,39 @@ class Region:
 
     def _open_validated(self, directory: tuple[Path, int], start_time: int) -> None:
         self.path = directory[0] / f"npualloc.{self.pid}"
-        self._fd = self._open(directory[1])
+        file = ffi.new("npualloc_region_file *")
+        verdict = reader_library().npualloc_reader_open(directory[1], self.path.name.encode(), self._uid,
+                                                         int(self._writable), file)
+        if verdict != constants.NPUALLOC_OPEN_OK:
+            raise self._refusal(verdict, file)
+        self._file = file
+        self._region: Any = file.region
         try:
-            self._map = self._map_validated()
-            self._region: Any = ffi.from_buffer("npualloc_region *", self._map)
             self._check_header(start_time)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, dir_fd: int) -> int:
-        flags = (os.O_RDWR if self._writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            return os.open(self.path.name, flags, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise NotUnderNpuallocError(
-                f"process {self.pid} is not running under npualloc (no region {self.path}: not preloaded, "
-                "NPUALLOC_STATS=0, or nothing allocated yet)") from None
-        except PermissionError:
-            raise OtherUserError(f"process {self.pid} belongs to another user ({self.path} is not readable)") from None
-        except OSError as e:  # ELOOP: a symlink planted where the region should be
-            raise CorruptRegionError(f"cannot open {self.path}: {e.strerror}") from None
-
-    def _map_validated(self) -> mmap.mmap:
-        info = os.fstat(self._fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptRegionError(f"{self.path} is not a regular file")
-        if info.st_uid != self._uid:
-            raise OtherUserError(f"{self.path} belongs to another user (uid {info.st_uid}, the process's is {self._uid})")
-        if info.st_size < REGION_SIZE:
-            raise CorruptRegionError(f"{self.path} is truncated: {info.st_size} bytes, a region has {REGION_SIZE}")
-        access = mmap.ACCESS_WRITE if self._writable else mmap.ACCESS_READ
-        return mmap.mmap(self._fd, REGION_SIZE, access=access)
+    def _refusal(self, verdict: int, file: Any) -> NpuallocError:
+        """The error for what npualloc_reader_open found (file: what it saw)."""
+        if verdict == constants.NPUALLOC_OPEN_ERRNO:
+            if file.error == errno.ENOENT:
+                return NotUnderNpuallocError(
+                    f"process {self.pid} is not running under npualloc (no region {self.path}: not preloaded, "
+                    "NPUALLOC_STATS=0, or nothing allocated yet)")
+            if file.error in (errno.EACCES, errno.EPERM):
+                return OtherUserError(f"process {self.pid} belongs to another user ({self.path} is not readable)")
+            # ELOOP: a symlink planted where the region should be
+            return CorruptRegionError(f"cannot open {self.path}: {os.strerror(file.error)}")
+        error, message = _OPEN_REFUSALS[verdict]
+        return error(message.format(path=self.path, uid=file.uid, owner=self._uid, size=file.size,
+                                    region_size=REGION_SIZE, strerror=os.strerror(file.error), version=file.version,
+                                    our_version=constants.NPUALLOC_SHM_VERSION, declared_size=file.declared_size))
 
     def _check_header(self, start_time: int) -> None:
+        """What the file alone cannot tell: whether it is this process's."""
         header = self._region.header
-        if header.magic != constants.NPUALLOC_SHM_MAGIC:
-            raise CorruptRegionError(f"{self.path} is not an npualloc region (bad magic)")
-        if header.version != constants.NPUALLOC_SHM_VERSION:
-            raise IncompatibleRegionError(
-                f"{self.path} has region layout version {header.version}; this npualloc reads version "
-                f"{constants.NPUALLOC_SHM_VERSION} (use the npualloc the process was started with)")
-        if header.size != REGION_SIZE:
-            raise CorruptRegionError(f"{self.path} declares a {header.size}-byte region, expected {REGION_SIZE}")
-        if header.pid != self.pid or header.device_count > constants.NPUALLOC_MAX_DEVICES:
+        if header.pid != self.pid:
             raise CorruptRegionError(f"{self.path} has an inconsistent header")
         if header.uid != self._uid:
             raise OtherUserError(f"{self.path} names another user (uid {header.uid}, the process's is {self._uid})")
@@ -220,15 +229,10 @@ class Region:
                 "earlier process with the same pid)")
 
     def close(self) -> None:
-        region = self.__dict__.pop("_region", None)
-        if region is not None:
-            ffi.release(region)
-        mapping = self.__dict__.pop("_map", None)
-        if mapping is not None:
-            mapping.close()
-        fd = self.__dict__.pop("_fd", None)
-        if fd is not None:
-            os.close(fd)
+        self.__dict__.pop("_region", None)
+        file = self.__dict__.pop("_file", None)
+        if file is not None:
+            reader_library().npualloc_reader_close(file)
 
     def __enter__(self) -> Region:
         return self
@@ -252,37 +256,28 @@ class Region:
 
     def read_device_stats(self, device: int) -> Any:
         """A consistent copy of one device's stats (npualloc_device_stats *)."""
-        return self._read_seqlocked(self._region.devices, "npualloc_device_stats *", DEVICE_STATS_SIZE, device,
+        return self._read_seqlocked(reader_library().npualloc_reader_stats, "npualloc_device_stats *", device,
                                     "stats")
 
     def read_saver_stats(self, device: int) -> Any:
         """A consistent copy of one device's memory_saver figures (npualloc_saver_stats *)."""
-        return self._read_seqlocked(self._region.saver, "npualloc_saver_stats *", SAVER_STATS_SIZE, device,
+        return self._read_seqlocked(reader_library().npualloc_reader_saver_stats, "npualloc_saver_stats *", device,
                                     "memory_saver figures")
 
-    def _read_seqlocked(self, array: Any, ctype: str, size: int, device: int, what: str) -> Any:
-        """Copy between two reads of an even, unchanged seq. The three reads
-        stay in program order on x86-64 (loads are not reordered with loads);
-        Python has no load fence for weaker CPUs such as aarch64."""
+    def _read_seqlocked(self, read: Any, ctype: str, device: int, what: str) -> Any:
         if not 0 <= device < constants.NPUALLOC_MAX_DEVICES:
             raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
-        source = array + device
         copy = ffi.new(ctype)
         deadline = time.monotonic() + SEQLOCK_TIMEOUT_S
-        while True:
-            before = source.seq
-            if before % 2 == 0:
-                ffi.memmove(copy, source, size)
-                if source.seq == before and copy.seq == before:
-                    return copy
+        while read(self._region, device, SEQLOCK_ATTEMPTS, copy) != constants.NPUALLOC_READ_OK:
             if time.monotonic() > deadline:
                 raise CorruptRegionError(f"{self.path}: device {device} {what} stayed mid-update for "
                                          f"{SEQLOCK_TIMEOUT_S:g}s (writer died inside its seqlock?)")
-            os.sched_yield()
+        return copy
 
     def command_seq(self) -> int:
         """The sequence number of the last command posted to the process."""
-        return int(self._region.command.request_seq)
+        return int(reader_library().npualloc_reader_request_seq(self._region))
 
     def post_command(self, code: int, device: int = -1, arg: float = 0.0,
                      timeout: float = COMMAND_TIMEOUT_S) -> int:
@@ -291,28 +286,40 @@ class Region:
         process applies it at its next allocator call, so an idle process times out."""
         if not self._writable:
             raise NpuallocError("region opened read-only")
-        # Serialises requesters (two CLIs at once); the process never takes it.
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        reader = reader_library()
+        seq = ffi.new("uint64_t *")
+        status = ffi.new("int32_t *")
+        deadline = time.monotonic() + timeout
+        self._lock_requesters(deadline)
         try:
-            command = self._region.command
-            command.code = code
-            command.device = device
-            command.arg = arg
-            target = command.request_seq + 1
-            command.request_seq = target  # publishes the fields above (stored after them)
-            deadline = time.monotonic() + timeout
-            while command.ack_seq < target:
+            if reader.npualloc_reader_post(self._file, code, device, arg, seq) == constants.NPUALLOC_POST_SEQ_EXHAUSTED:
+                # A process counts one command at a time from 0: no real
+                # process gets here, a damaged or crafted region does.
+                raise CorruptRegionError(f"{self.path}: command sequence number is at its maximum "
+                                         f"({self.command_seq()}): not a region a process wrote")
+            while not reader.npualloc_reader_acked(self._region, seq[0], status):
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
                         f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is applied at "
                         "its next allocator call (it stays posted; is the process idle?)")
                 time.sleep(0.005)
-            status = command.ack_status
         finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        if status != constants.NPUALLOC_CMD_OK:
-            raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status, f'status {status}')}")
-        return int(target)
+            fcntl.flock(self._file.fd, fcntl.LOCK_UN)
+        if status[0] != constants.NPUALLOC_CMD_OK:
+            raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status[0], f'status {status[0]}')}")
+        return int(seq[0])
+
+    def _lock_requesters(self, deadline: float) -> None:
+        """Serialises requesters (two CLIs at once); the process never takes
+        it. Bounded: a requester that hangs holding it cannot hang us."""
+        while True:
+            try:
+                fcntl.flock(self._file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CommandTimeoutError(f"another requester holds {self.path}'s command lock") from None
+                time.sleep(0.005)
 
 
 @dataclass(frozen=True)

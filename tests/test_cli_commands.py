@@ -14,6 +14,7 @@ from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, re
 import pytest
 
 import npualloc
+from npualloc._ffi import REGION_SIZE, ffi
 from npualloc.cli import human_bytes
 
 MiB = 1 << 20
@@ -97,6 +98,21 @@ def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> Non
         assert header.split() == ["PID", "DEV", "ALLOCATED", "RESERVED", "COMMAND"]
         assert sorted(int(line.split()[0]) for line in lines) == sorted([first.pid, second.pid])
     assert run_cli(["ls"], tmp_path).stdout == "no process is running under npualloc\n"
+
+
+def test_ls_lists_healthy_processes_beside_a_region_stuck_mid_update(tmp_path: Path, sleeper: int) -> None:
+    stuck = ffi.new("npualloc_region *")
+    ffi.memmove(stuck, region_bytes(sleeper, device_count=1), REGION_SIZE)
+    stuck.devices[0].in_use = 1
+    stuck.devices[0].seq = 7  # odd: a writer inside, forever
+    stuck_path = write_region(tmp_path, sleeper, bytes(ffi.buffer(stuck)))
+    with Workload(tmp_path) as healthy:
+        healthy.call("malloc(4096)")
+        proc = run_cli(["ls", "--json"], tmp_path)
+        assert proc.returncode == 0
+        assert [row["pid"] for row in json.loads(proc.stdout)] == [healthy.pid]
+        assert proc.stderr == f"npualloc: skipping process {sleeper}: {stuck_path}: device 0 stats stayed " \
+                              "mid-update for 1s (writer died inside its seqlock?)\n"
 
 
 def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_path: Path) -> None:

@@ -103,3 +103,108 @@ def test_auto_stays_safe_when_the_first_stream_comes_after_an_eager_free():
     stream created must not let that block reach work on the new stream while
     default-stream work queued before the free still reads it."""
     assert hazard("auto", "late") == {"reused": True, "corrupted": False}
+
+
+# The runtime fails the calls a fence depends on (issue 11 item 6), through the
+# exported symbols: a block freed under reuse_policy:safe must stay pending,
+# never handed out again nor its segment given back, until a fence or a
+# synchronize succeeds. Error codes: the reference's 500000
+# (ACL_ERROR_INTERNAL_ERROR) and 207004 (ACL_ERROR_RT_NO_DEVICE).
+FAULTS = """
+import json, sys
+import acl
+from aclsim import aclsim
+import npualloc
+INTERNAL, NO_DEVICE = 500000, 207004
+SIZE = 4096
+# Plain frees share a fence: a poll records one once this many are open
+# (NPA_FENCE_BATCH_BLOCKS, interpose/src/core/pending.c), so the plain
+# scenario frees that many to have every malloc try the fence.
+FENCE_BATCH = 128
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+def malloc():
+    p, ret = acl.rt.malloc(SIZE, 0); assert ret == 0, ret
+    return p
+def pending(device=0):
+    return npualloc.memory_stats(device)["npualloc.pending_frees"]
+def calls(api):
+    return aclsim.call_count(api)
+out = {}
+if sys.argv[1] == "uses":
+    # npualloc.h's stream entry: a block used on another stream waits for an
+    # event on that stream (the uses batch), or a synchronize.
+    from npualloc._ffi import ffi, loaded_library
+    lib = loaded_library()
+    s1, ret = acl.rt.create_stream(); assert ret == 0
+    s2, ret = acl.rt.create_stream(); assert ret == 0
+    def malloc():
+        out = ffi.new("void **")
+        assert lib.npualloc_malloc_stream(out, SIZE, ffi.cast("void *", s1), 0) == 0
+        return int(ffi.cast("uintptr_t", out[0]))
+    p = malloc()
+    assert lib.npualloc_record_stream(ffi.cast("void *", p), ffi.cast("void *", s2)) == 0
+    assert lib.npualloc_free_stream(ffi.cast("void *", p), ffi.cast("void *", s1)) == 0
+    freed = [p]
+elif sys.argv[1] == "fence":
+    freed = [malloc() for _ in range(FENCE_BATCH)]
+    for q in freed:
+        assert acl.rt.free(q) == 0
+    p = freed[0]
+else:
+    p = malloc()
+    assert acl.rt.free(p) == 0
+    freed = [p]
+out["freed"] = len(freed)
+assert pending() == len(freed)
+if sys.argv[1] in ("fence", "uses"):
+    # Neither an event can be recorded nor the device synchronized.
+    aclsim.fail_next_calls("aclrtRecordEvent", 1 << 20, INTERNAL)
+    aclsim.fail_next_calls("aclrtSynchronizeDevice", 1 << 20, INTERNAL)
+    records, syncs, raw = calls("aclrtRecordEvent"), calls("aclrtSynchronizeDevice"), aclsim.live_allocations(0)
+    handed = [malloc() for _ in range(5)]   # each malloc polls, and tries the fence again
+    npualloc.empty_cache()                  # must synchronize first: cannot
+    out["faulty"] = {"reused": any(q in handed for q in freed), "pending": pending(),
+                     "raw_kept": aclsim.live_allocations(0) == raw,
+                     "fence_tries": calls("aclrtRecordEvent") - records,
+                     "sync_tries": calls("aclrtSynchronizeDevice") - syncs}
+    aclsim.fail_next_calls("aclrtRecordEvent", 0, 0)
+    aclsim.fail_next_calls("aclrtSynchronizeDevice", 0, 0)
+    first = malloc()                        # records the fence now (done already if the stream was quick)
+    assert acl.rt.synchronize_device() == 0 # done now
+    second = malloc()
+    out["cleared"] = {"handed_out": [first, second].count(p), "pending": pending()}
+else:
+    # This thread moves to device 1; device 0 cannot be entered to synchronize it.
+    assert acl.rt.set_device(1) == 0
+    aclsim.fail_next_calls("aclrtSetDevice", 1 << 20, NO_DEVICE)
+    enters, raw = calls("aclrtSetDevice"), aclsim.live_allocations(0)
+    npualloc.empty_cache()
+    out["faulty"] = {"pending": pending(), "raw_kept": aclsim.live_allocations(0) == raw,
+                     "enter_tries": calls("aclrtSetDevice") - enters}
+    aclsim.fail_next_calls("aclrtSetDevice", 0, 0)
+    npualloc.empty_cache()
+    out["cleared"] = {"pending": pending(), "raw_left": aclsim.live_allocations(0)}
+print(json.dumps(out))
+"""
+
+
+def faults_run(scenario):
+    proc = run_python(FAULTS, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"), args=[scenario])
+    return json.loads(proc.stdout), proc.stderr
+
+
+@pytest.mark.parametrize("scenario", ["fence", "uses"])
+def test_a_fence_that_cannot_be_recorded_nor_replaced_keeps_the_block_pending(scenario):
+    out, _ = faults_run(scenario)
+    faulty = out["faulty"]
+    assert not faulty["reused"] and faulty["pending"] == out["freed"] and faulty["raw_kept"]
+    assert faulty["fence_tries"] >= 5 and faulty["sync_tries"] >= 5  # tried at every poll, failed each time
+    # Once the runtime answers again the block is fenced, then handed out.
+    assert out["cleared"] == {"handed_out": 1, "pending": 0}
+
+
+def test_a_device_that_cannot_be_entered_keeps_its_blocks_pending():
+    out, stderr = faults_run("enter")
+    assert out["faulty"]["enter_tries"] >= 1
+    assert out["faulty"]["pending"] == out["freed"] == 1 and out["faulty"]["raw_kept"]
+    assert out["cleared"] == {"pending": 0, "raw_left": 0}

@@ -25,6 +25,8 @@ def test_pip_install_ships_a_working_library(tmp_path):
     assert exports == "True True"
     assert (target / "npualloc" / "include" / "npualloc_shm.h").exists()
     assert (target / "npualloc" / "include" / "npualloc.h").exists()
+    assert (target / "npualloc" / "include" / "npualloc_reader.h").exists()
+    assert (target / "npualloc" / "lib" / "libnpualloc_reader.so").exists()
 
     # replay needs no checkout: the replayer and the simulator come with the package.
     env = {"PYTHONPATH": str(target), "PATH": os.environ["PATH"]}
@@ -36,9 +38,15 @@ def test_pip_install_ships_a_working_library(tmp_path):
 
     # No NPU: one command runs a pyACL script under npualloc on the shipped simulator.
     script = tmp_path / "script.py"
-    script.write_text("import acl, npualloc\n"
+    # It also reads its own region the way `npualloc stats <pid>` reads another
+    # process's: through the shipped libnpualloc_reader.so.
+    script.write_text("import acl, npualloc, os\n"
+                      "from npualloc.region import Region\n"
                       "assert acl.init() == 0 and acl.rt.set_device(0) == 0\n"
                       "ptr, ret = acl.rt.malloc(1 << 20, 0)\n"
+                      "with Region(os.getpid()) as region:\n"
+                      "    shared = region.read_device_stats(0).allocated_bytes[0].current\n"
+                      "assert shared == npualloc.memory_allocated(), shared\n"
                       "print(acl.__file__, ret, npualloc.memory_allocated())\n")
     sim = subprocess.run([sys.executable, "-m", "npualloc", "run", "--sim", "--", sys.executable, str(script)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from conftest import SIM_LIB, preload_env
 from region_helpers import Workload, assert_one_line_error, region_bytes, run_cli
 
 import npualloc
@@ -167,3 +168,62 @@ def test_root_reads_every_users_regions_and_commands_only_its_own(base: Path) ->
     finally:
         theirs.kill()
         theirs.wait()
+
+
+VICTIM = r"""
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdio.h>
+int main(int argc, char **argv)
+{
+    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (!runtime)
+        return 2;
+    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
+    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
+    /* The global lookup finds the preloaded npualloc first, as a program's own call would. */
+    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
+    void *p = NULL;
+    if (init(NULL) != 0 || set_device(0) != 0 || npu_malloc(&p, 1 << 20, 0) != 0)
+        return 3;
+    printf("ready\n");
+    fflush(stdout);
+    getchar(); /* held until the test is done */
+    return 0;
+}
+"""
+
+
+def test_a_user_squatted_by_another_user_keeps_stats_that_root_reads(base: Path) -> None:
+    """Neither side root: uid 1 (daemon) takes the name of uid 65534's region
+    directory; 65534's process keeps its stats and root sees them."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    victim = base / "victim"
+    subprocess.run([cc, "-O1", "-o", str(victim), "-x", "c", "-", "-ldl"], input=VICTIM, text=True, check=True)
+    victim.chmod(0o755)
+    squatter = 1
+    as_user(squatter, lambda: (base / f"npualloc-{ATTACKER}").mkdir(mode=0o755))
+    env = preload_env(NPUALLOC_SHM_DIR=str(base))
+    env.pop("NPUSIM_SHARED_DIR", None)  # the test's device accounting is root's alone
+    proc = subprocess.Popen([str(victim), str(SIM_LIB / "libascendcl.so")], env=env, user=ATTACKER, group=ATTACKER,
+                            extra_groups=[], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout and proc.stdout.readline() == "ready\n", proc.communicate(timeout=30)
+        assert npualloc.memory_allocated(pid=proc.pid) >= 1 << 20
+        home = Region(proc.pid).path.parent
+        info = home.lstat()
+        assert home.name.startswith(f"npualloc-{ATTACKER}.") and info.st_uid == ATTACKER
+        assert stat.S_IMODE(info.st_mode) == 0o700
+        listed = run_cli(["ls", "--json"], base)
+        assert [row["pid"] for row in json.loads(listed.stdout)] == [proc.pid], listed.stderr
+        assert_one_line_error(run_cli(["empty-cache", str(proc.pid)], base), 5, "another user")
+        assert os.listdir(base / f"npualloc-{ATTACKER}") == []
+    finally:
+        _, stderr = proc.communicate(input="\n", timeout=30)
+    assert proc.returncode == 0, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("npualloc: "), stderr
+    assert f"npualloc-{ATTACKER} " in lines[0] and f"uid {squatter} ({pwd.getpwuid(squatter).pw_name})" in lines[0]

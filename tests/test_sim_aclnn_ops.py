@@ -321,7 +321,7 @@ def test_bad_arguments_and_absent_ops():
         assert phase1_status("Mul", A, tensor(np.ones((4,), np.float32)), empty((2, 3), np.float32)) == 161002
         assert phase1_status("Mul", A, 0, empty((2, 3), np.float32)) == 161001
         assert phase1_status("Cast", A, c_int32(1), empty((2, 3), np.float32)) == 161002  # dtype vs out
-        assert not hasattr(opapi, "aclnnTopkGetWorkspaceSize")  # not simulated: absent, not a stub
+        assert not hasattr(opapi, "aclnnNonzeroGetWorkspaceSize")  # not simulated: absent, not a stub
         for lib in ("libaclnn_ops_infer.so", "libaclnn_math.so"):
             assert hasattr(ctypes.CDLL(lib), "aclnnAddGetWorkspaceSize")   # resolves to libopapi.so's
     """)
@@ -502,4 +502,120 @@ def test_layer_norm_with_and_without_affine():
         close(out.numpy(), want, np.float32)
         assert phase1_status("LayerNorm", tensor(a), int_array([3]), None, None, ctypes.c_double(1e-5),
                              out, None, None) == 161002
+    """)
+
+
+def test_topk_maxdim_mindim_cummax_against_numpy():
+    sim("""
+        a = rng.integers(-3, 4, (4, 6)).astype(np.float32)      # small integers: ties in every row
+        A = T(dev_array(np.ascontiguousarray(a.T)), (4, 6), (1, 4), np.float32)   # a, read transposed
+        for k, largest in ((3, True), (2, False), (6, True)):
+            values, indices = empty((4, k), np.float32), empty((4, k), np.int64)
+            call("Topk", A, c_int64(k), c_int64(-1), c_bool(largest), c_bool(True), values, indices)
+            order = np.argsort(-a if largest else a, axis=1, kind="stable")[:, :k]   # ties: lower index first
+            assert (indices.numpy() == order).all(), (k, largest)
+            assert (values.numpy() == np.take_along_axis(a, order, axis=1)).all()
+        for name, pick in (("MaxDim", np.argmax), ("MinDim", np.argmin)):   # the first of equal values
+            for keepdim in (False, True):
+                shape = (1, 6) if keepdim else (6,)
+                out, idx = empty(shape, np.float32), empty(shape, np.int64)
+                call(name, A, c_int64(0), c_bool(keepdim), out, idx)
+                assert (idx.numpy().reshape(-1) == pick(a, axis=0)).all(), (name, keepdim)
+                assert (out.numpy().reshape(-1) == np.take_along_axis(a, pick(a, axis=0)[None], 0)[0]).all()
+        values, indices = empty((4, 6), np.float32), empty((4, 6), np.int64)
+        call("Cummax", A, c_int64(1), values, indices)
+        assert (values.numpy() == np.maximum.accumulate(a, axis=1)).all()
+        want = np.array([[max(j for j in range(i + 1) if row[j] == row[:i + 1].max()) for i in range(6)] for row in a])
+        assert (indices.numpy() == want).all()                  # ties: the latest index, as torch
+        assert phase1_status("Topk", A, c_int64(7), c_int64(1), c_bool(True), c_bool(True),
+                             empty((4, 7), np.float32), empty((4, 7), np.int64)) == 161002   # k > the dim
+        assert phase1_status("MaxDim", A, c_int64(0), c_bool(False), empty((6,), np.float32), 0) == 161001
+    """)
+
+
+def test_roll_repeat_pad_diag_interleave_isclose_against_numpy():
+    sim("""
+        a = rng.standard_normal((3, 4)).astype(np.float32)
+        A = T(dev_array(np.ascontiguousarray(a.T)), (3, 4), (1, 3), np.float32)   # a, read transposed
+        def run(name, shape, *args, dtype=np.float32):
+            out = empty(shape, dtype)
+            call(name, A, *args, out)
+            return out.numpy()
+        assert (run("Roll", (3, 4), int_array([1, -3]), int_array([0, 1])) == np.roll(a, (1, -3), (0, 1))).all()
+        assert (run("Roll", (3, 4), int_array([5]), int_array([])) == np.roll(a, 5)).all()       # flattened
+        assert (run("Repeat", (2, 6, 8), int_array([2, 2, 2])) == np.tile(a, (2, 2, 2))).all()
+        # pads from the last dim: (left 1, right 2) on dim 1, (crop 1, right 1) on dim 0
+        assert (run("ConstantPadNd", (3, 7), int_array([1, 2, -1, 1]), scalar(0.5))
+                == np.pad(a[1:], ((0, 1), (1, 2)), constant_values=0.5)).all()
+        for d in (0, 2, -1):
+            assert (run("Diag", (np.diag(a, d).size,), c_int64(d)) == np.diag(a, d)).all(), d
+        v = a[0]
+        V = tensor(v)
+        for d in (1, -2):
+            out = empty((4 + abs(d),) * 2, np.float32)
+            call("Diag", V, c_int64(d), out)
+            assert (out.numpy() == np.diag(v, d)).all(), d
+        assert (run("RepeatInterleaveIntWithDim", (3, 8), c_int64(2), c_int64(1), c_int64(8))
+                == np.repeat(a, 2, axis=1)).all()
+        assert (run("RepeatInterleaveInt", (36,), c_int64(3), c_int64(36)) == np.repeat(a, 3)).all()
+        assert phase1_status("RepeatInterleaveInt", A, c_int64(3), c_int64(35), empty((36,), np.float32)) == 161002
+        assert phase1_status("Repeat", A, int_array([2]), empty((6, 4), np.float32)) == 161002   # fewer than dims
+        assert phase1_status("ConstantPadNd", A, int_array([1, 1]), 0, empty((3, 6), np.float32)) == 161001
+        x = np.array([1.0, np.nan, np.inf, -np.inf, 2e-3, 5e-4, 5.0], np.float32)
+        y = np.array([1.0 + 1e-7, np.nan, np.inf, np.inf, 0.0, 0.0, 5.1], np.float32)
+        for equal_nan in (False, True):
+            out = empty((7,), np.bool_)
+            call("IsClose", tensor(x), tensor(y), ctypes.c_double(1e-5), ctypes.c_double(1e-3), c_bool(equal_nan), out)
+            assert (out.numpy() == np.isclose(x, y, rtol=1e-5, atol=1e-3, equal_nan=equal_nan)).all(), equal_nan
+    """)
+
+
+def test_batch_norm_training_and_eval_against_numpy():
+    sim("""
+        x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+        X = tensor(x)
+        w, b = rng.standard_normal(3).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+        rm0, rv0 = rng.standard_normal(3).astype(np.float32), (rng.random(3) + 0.5).astype(np.float32)
+        RM, RV = tensor(rm0), tensor(rv0)
+        out, save_mean, save_invstd = empty(x.shape, np.float32), empty((3,), np.float32), empty((3,), np.float32)
+        assert call("BatchNorm", X, tensor(w), tensor(b), RM, RV, c_bool(True), ctypes.c_double(0.1),
+                    ctypes.c_double(1e-5), out, save_mean, save_invstd) > 0
+        xd = x.astype(np.float64)
+        mean, var = xd.mean(axis=(0, 2, 3)), xd.var(axis=(0, 2, 3))
+        c = lambda v: v[None, :, None, None]   # noqa: E731
+        close(out.numpy(), (xd - c(mean)) / np.sqrt(c(var) + 1e-5) * c(w) + c(b), np.float32)
+        close(save_mean.numpy(), mean, np.float32)
+        close(save_invstd.numpy(), 1 / np.sqrt(var + 1e-5), np.float32)
+        close(RM.numpy(), 0.9 * rm0 + 0.1 * mean, np.float32)                  # running stats updated,
+        close(RV.numpy(), 0.9 * rv0 + 0.1 * xd.var(axis=(0, 2, 3), ddof=1), np.float32)   # variance unbiased
+        rm, rv = RM.numpy().astype(np.float64), RV.numpy().astype(np.float64)
+        out = empty(x.shape, np.float32)
+        call("BatchNorm", X, 0, 0, RM, RV, c_bool(False), ctypes.c_double(0.1), ctypes.c_double(1e-5), out, 0, 0)
+        close(out.numpy(), (xd - c(rm)) / np.sqrt(c(rv) + 1e-5), np.float32)    # eval: the running stats
+        assert (RM.numpy() == rm.astype(np.float32)).all()                      # and they stay
+        assert phase1_status("BatchNorm", X, 0, 0, 0, 0, c_bool(False), ctypes.c_double(0.1), ctypes.c_double(1e-5),
+                             empty(x.shape, np.float32), 0, 0) == 161001          # eval needs running stats
+        assert phase1_status("BatchNorm", X, tensor(w[:2]), 0, 0, 0, c_bool(True), ctypes.c_double(0.1),
+                             ctypes.c_double(1e-5), empty(x.shape, np.float32), 0, 0) == 161002   # not C long
+    """)
+
+
+def test_random_fills_repeat_per_seed_and_offset_and_have_their_distribution():
+    sim("""
+        def fill(name, a, b, seed, offset, n=20000):
+            t = empty((n,), np.float32)
+            arg_type = ctypes.c_float if name == "InplaceNormal" else ctypes.c_double
+            call(name, t, arg_type(a), arg_type(b), c_int64(seed), c_int64(offset))
+            return t.numpy().astype(np.float64)
+        normal = fill("InplaceNormal", 2.0, 3.0, 42, 0)
+        assert abs(normal.mean() - 2.0) < 0.1 and abs(normal.std() - 3.0) < 0.1
+        assert (fill("InplaceNormal", 2.0, 3.0, 42, 0) == normal).all()        # same seed and offset: same values
+        assert (fill("InplaceNormal", 2.0, 3.0, 42, 1) != normal).mean() > 0.99   # a new offset: new values
+        assert (fill("InplaceNormal", 2.0, 3.0, 7, 0) != normal).mean() > 0.99
+        uniform = fill("InplaceUniform", -1.0, 3.0, 42, 0)
+        assert uniform.min() >= -1.0 and uniform.max() < 3.0
+        assert abs(uniform.mean() - 1.0) < 0.05
+        assert np.histogram(uniform, bins=8, range=(-1, 3))[0].min() > 2000     # flat: 2500 a bin expected
+        t = empty((4,), np.float32)
+        assert phase1_status("InplaceUniform", t, ctypes.c_double(1.0), ctypes.c_double(0.0), c_int64(0), c_int64(0)) == 161002
     """)

@@ -8,7 +8,7 @@ import textwrap
 from conftest import run_python, sim_env
 
 PRELUDE = """\
-import ctypes, threading
+import ctypes, os, threading
 import acl, aclsim
 def ok(ret):
     assert ret == 0, ret
@@ -170,6 +170,49 @@ def test_fail_next_mallocs_on_request():
         aclsim.fail_next_mallocs(2)
         assert [acl.rt.malloc(64, 0)[1] for _ in range(3)] == [207001, 207001, 0]
         assert aclsim.injected_failures() == 2
+    """)
+
+
+def test_fail_next_calls_on_request():
+    """A device that cannot be entered, work that cannot be waited for or
+    fenced: the call fails with the code asked for and has no effect."""
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        stream, ret = acl.rt.create_stream(); ok(ret)
+        event, ret = acl.rt.create_event(); ok(ret)
+        aclsim.fail_next_calls("aclrtSetDevice", 1, 207004)
+        assert acl.rt.set_device(1) == 207004
+        assert acl.rt.get_device() == (0, 0)                    # still on device 0
+        assert acl.rt.set_device(99) == 107001                  # parameter checks come first, and take no failure
+        ok(acl.rt.set_device(1)); ok(acl.rt.set_device(0))      # one failure asked for, one given
+        aclsim.fail_next_calls("aclrtRecordEvent", 2, 500000)
+        aclsim.set_op_duration_us(60_000_000)                   # a copy that never ends within the test
+        p, ret = acl.rt.malloc(64, 0); ok(ret)
+        ops = aclsim.Ops()
+        ws, ret = acl.rt.malloc(ops.WORKSPACE_BYTES, 0); ok(ret)
+        n, ex, st = ops.fill_get_workspace_size(p, 64, 1); ok(st)
+        ok(ops.fill(ws, n, ex, stream))
+        assert acl.rt.record_event(event, stream) == 500000
+        assert acl.rt.query_event_status(event) == (1, 0)      # not recorded: complete, as a never-recorded event
+        assert acl.rt.record_event(event, 0) == 500000
+        aclsim.fail_next_calls("aclrtSynchronizeStream", 1, 500000)
+        aclsim.fail_next_calls("aclrtSynchronizeDevice", 1, 500000)
+        assert acl.rt.synchronize_stream(stream) == 500000      # returns at once: the fill still runs
+        assert acl.rt.synchronize_device() == 500000
+        ok(acl.rt.record_event(event, stream))
+        assert acl.rt.query_event_status(event) == (0, 0)      # behind the fill: the failures waited for nothing
+        assert aclsim.injected_failures() == 5
+        assert aclsim.call_count("aclrtRecordEvent") == 3 and aclsim.call_count("aclrtSetDevice") == 5
+        aclsim.fail_next_calls("aclrtSetDevice", 1 << 20, 207004)
+        aclsim.fail_next_calls("aclrtSetDevice", 0, 0)          # cleared
+        ok(acl.rt.set_device(0))
+        for bad in [("aclrtMalloc", 1, 207001), ("aclrtNoSuchThing", 1, 1), ("aclrtSetDevice", 1, 0)]:
+            try:
+                aclsim.fail_next_calls(*bad)
+                raise AssertionError(f"{bad} accepted")
+            except KeyError:
+                pass
+        os._exit(0)                                             # the fill never ends: leave without waiting for it
     """)
 
 

@@ -27,6 +27,7 @@ typedef struct npa_config {
     bool record_stacks;             /* alloc events carry the Python frames of the caller */
     char oom_snapshot[256];         /* path written on OOM, "" : none */
     bool expandable_segments;       /* never with max_split_size or a GC threshold (torch_npu's rule) */
+    unsigned recent_blocks;         /* freed small blocks a device keeps whole for reuse, 0: none (torch) */
 } npa_config;
 
 /* Called once per problem with a one-line message naming the key and why. */

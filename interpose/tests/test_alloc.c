@@ -9,8 +9,9 @@
 #include "test_util.h"
 
 static void test_small_split_and_merge(void) {
+    npa_config config = merge_at_free_config();
     fixture fx;
-    fixture_init(&fx, GiB, NULL);
+    fixture_init(&fx, GiB, &config);
     void *p1 = alloc_exact(&fx, 0, 1000);
     void *p2 = alloc_exact(&fx, 0, 1000);
     CHECK_EQ((uintptr_t)p2, (uintptr_t)p1 + 1024); /* the remainder is the best fit, lowest address */

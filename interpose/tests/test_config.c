@@ -33,7 +33,7 @@ static void test_valid_keys(void) {
     warnings w;
     CHECK_EQ(parse("max_split_size_mb:64,max_non_split_rounding_mb:8,garbage_collection_threshold:0.6,"
                    "per_process_memory_fraction:0.75,reuse_policy:safe,record_history:1000,"
-                   "oom_snapshot:/tmp/oom.pickle,roundup_power2_divisions:4",
+                   "oom_snapshot:/tmp/oom.pickle,roundup_power2_divisions:4,recent_blocks:3",
                    &c, &w),
              0);
     CHECK_EQ(w.count, 0);
@@ -45,6 +45,9 @@ static void test_valid_keys(void) {
     CHECK_EQ(c.record_history, 1000);
     CHECK(strcmp(c.oom_snapshot, "/tmp/oom.pickle") == 0);
     for (int i = 0; i < NPA_ROUNDUP_INTERVALS; i++) CHECK_EQ(c.roundup_power2_divisions[i], 4);
+    CHECK_EQ(c.recent_blocks, 3);
+    CHECK_EQ(parse("recent_blocks:0", &c, &w), 0);
+    CHECK_EQ(c.recent_blocks, 0);
     CHECK_EQ(parse("per_process_memory_fraction:1", &c, &w), 0);
     CHECK(c.per_process_memory_fraction == 1.0);
     CHECK_EQ(parse("max_split_size_mb:20", &c, &w), 0); /* the minimum itself */
@@ -104,6 +107,8 @@ static void test_invalid_values_warn_once_and_keep_default(void) {
     expect_rejected("roundup_power2_divisions:[256]", "roundup_power2_divisions");
     expect_rejected("reuse_policy:sometimes", "reuse_policy");
     expect_rejected("record_history:many", "record_history");
+    expect_rejected("recent_blocks:17", "recent_blocks");
+    expect_rejected("recent_blocks:-1", "recent_blocks");
     expect_rejected("unknown_key:1", "unknown_key");
     expect_rejected("max_split_size_mb", "max_split_size_mb"); /* no value at all */
     char long_path[400];
@@ -185,6 +190,7 @@ static void test_format_round_trip(void) {
         "roundup_power2_divisions:8,max_non_split_rounding_mb:0,oom_snapshot:/tmp/x.pickle",
         "roundup_power2_divisions:[1:0,2:4]",
         "expandable_segments:True,per_process_memory_fraction:0.5",
+        "recent_blocks:0,reuse_policy:eager",
     };
     for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
         CHECK_EQ(parse(inputs[i], &c, &w), 0);

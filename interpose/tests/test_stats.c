@@ -8,13 +8,6 @@
 #include "fake_backend.h"
 #include "test_util.h"
 
-static void check_stat(npualloc_stat st, int64_t current, int64_t peak, int64_t allocated, int64_t freed) {
-    CHECK_EQ(st.current, current);
-    CHECK_EQ(st.peak, peak);
-    CHECK_EQ(st.allocated, allocated);
-    CHECK_EQ(st.freed, freed);
-}
-
 static void test_update_rules_per_pool(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
@@ -59,8 +52,9 @@ static void test_update_rules_per_pool(void) {
 }
 
 static void test_inactive_split_rules(void) {
+    npa_config config = merge_at_free_config();
     fixture fx;
-    fixture_init(&fx, GiB, NULL);
+    fixture_init(&fx, GiB, &config);
     void *a = alloc_exact(&fx, 0, 4096);
     void *b = alloc_exact(&fx, 0, 4096);
     /* Taking from an already split inactive block shrinks it by 4096. */
@@ -87,7 +81,8 @@ static void test_storage_and_seqlock(void) {
     fixture fx;
     fake_init(&fx.fake, GiB, false);
     fx.fake.stats[1] = &shared[1];
-    fixture_start(&fx, NULL);
+    npa_config config = merge_at_free_config(); /* the largest free block is the whole segment again */
+    fixture_start(&fx, &config);
     CHECK_EQ(shared[1].in_use, 0); /* nothing before first use */
     void *p = alloc_exact(&fx, 1, 4096);
     CHECK_EQ(shared[1].in_use, 1);

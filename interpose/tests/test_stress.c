@@ -3,7 +3,8 @@
  * then expandable segments over host mappings), fill each block with
  * its own pattern, check it before freeing, and register every live block so
  * an overlap between two live blocks is caught the moment it is handed out.
- * Frees go through fences that complete a little later, and one thread also
+ * Frees go through fences that complete a little later (or, in one run,
+ * need none, so small ones wait in the recent cache), and one thread also
  * empties caches, reads stats and walks segments meanwhile. Runs under
  * ASan and TSan (make ctest-asan / ctest-tsan); NPUALLOC_STRESS_OPS scales it. */
 #include <pthread.h>
@@ -155,12 +156,12 @@ static void *worker(void *opaque) {
     return NULL;
 }
 
-static void run_stress(bool expandable, size_t capacity) {
+static void run_stress(bool expandable, bool fenced, size_t capacity) {
     const char *env = getenv("NPUALLOC_STRESS_OPS");
     ops_per_thread = env ? atoi(env) : DEFAULT_OPS;
     fake_backend fake;
     fake_init(&fake, capacity, true);
-    fake.fences = true;
+    fake.fences = fenced;
     fake.auto_complete_polls = 2; /* a fence completes at its second query */
     fake.vmm = expandable;
     npa_config config;
@@ -214,19 +215,23 @@ static void run_stress(bool expandable, size_t capacity) {
     CHECK_EQ(fake.page_count, 0);
     CHECK_EQ(fake.va_reserves, fake.va_releases);
     CHECK(!expandable || fake.page_maps > 0);
-    fprintf(stderr, "stress%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped\n",
-           expandable ? " (expandable segments)" : "", THREADS, total.allocs, total.ooms, fake.fence_records,
-           fake.page_maps);
+    fprintf(stderr, "stress%s%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped\n",
+           expandable ? " (expandable segments)" : "", fenced ? "" : " (eager: the recent cache)", THREADS,
+           total.allocs, total.ooms, fake.fence_records, fake.page_maps);
     npa_destroy(allocator);
     fake_destroy(&fake);
 }
 
-static void test_threads_random_sizes(void) { run_stress(false, 320 * MiB); }
+static void test_threads_random_sizes(void) { run_stress(false, true, 320 * MiB); }
+/* No fences: small frees wait in the recent cache, which misses, OOM
+ * retries and the empty_cache thread keep merging back. */
+static void test_threads_random_sizes_eager(void) { run_stress(false, false, 320 * MiB); }
 /* Tighter, so OOM retries unmap pages while other threads map them. */
-static void test_threads_random_sizes_expandable(void) { run_stress(true, 160 * MiB); }
+static void test_threads_random_sizes_expandable(void) { run_stress(true, true, 160 * MiB); }
 
 int main(void) {
     RUN(test_threads_random_sizes);
+    RUN(test_threads_random_sizes_eager);
     RUN(test_threads_random_sizes_expandable);
     return check_report();
 }

@@ -84,6 +84,22 @@ static inline void *alloc_exact(fixture *fx, int device, size_t size) {
     return p;
 }
 
+/* torch's rule, every free merged at once (the recent cache off), for the
+ * tests of merging itself. */
+static inline npa_config merge_at_free_config(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.recent_blocks = 0;
+    return config;
+}
+
+static inline void check_stat(npualloc_stat st, int64_t current, int64_t peak, int64_t allocated, int64_t freed) {
+    CHECK_EQ(st.current, current);
+    CHECK_EQ(st.peak, peak);
+    CHECK_EQ(st.allocated, allocated);
+    CHECK_EQ(st.freed, freed);
+}
+
 static inline npualloc_device_stats stats_of(fixture *fx, int device) {
     npualloc_device_stats s;
     npa_get_stats(fx->a, device, &s);

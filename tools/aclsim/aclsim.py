@@ -48,6 +48,13 @@ op_time_us = _bind(_sim, "aclsim_op_time_us", _u64)
 fail_next_mallocs = _bind(_sim, "aclsim_fail_next_mallocs", None, ctypes.c_uint32)
 injected_failures = _bind(_sim, "aclsim_injected_failures", _u64)
 _fail_release = _bind(_sim, "aclsim_fail_release", ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_uint32)
+_fail_next_calls = _bind(_sim, "aclsim_fail_next_calls", ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_int32)
+
+
+def fail_next_calls(api: str, n: int, error: int) -> None:
+    """The next n calls of api fail with error (n=0: none); see aclsim.h."""
+    if _fail_next_calls(api.encode(), n, error) != 0:
+        raise KeyError(f"aclsim cannot fail {api!r} with {error}")
 
 _NO_SUCH = 2**64 - 1
 

@@ -1,7 +1,6 @@
 /* The allocator's entry points: lifetime, per-device state, malloc (best fit
  * and split) and free (merge), the cache-emptying calls. The retry path lives
  * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
-#define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +43,7 @@ static bool must_wait_before_release(const npa_device *d) {
 }
 
 static npa_error release_locked(npa_allocator *a, npa_device *d) {
+    npa_recent_flush(d);
     if (must_wait_before_release(d) && !npa_synchronize_and_drain(a, d)) return NPA_ERR_FREE;
     npa_release_cached_segments(a, d);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
@@ -51,7 +51,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
 }
 
 static void device_destroy(npa_allocator *a, npa_device *d) {
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     release_locked(a, d);
     /* Batches still waiting (the device could not be synchronized) belong to
      * work that may yet run: their blocks and segments stay with the device;
@@ -82,12 +82,11 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         free(p);
     }
     free(d->fence_streams);
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
     npa_block_map_destroy(&d->live);
     npa_slab_destroy(&d->slab);
     npa_history_reset(&d->history, 0);
     free(d->segments.items);
-    pthread_mutex_destroy(&d->lock);
     free(d);
 }
 
@@ -128,18 +127,9 @@ static npa_device *device_create(npa_allocator *a, int id) {
         free(d);
         return NULL;
     }
-    /* Adaptive (spin a bounded while, then sleep): a hit holds the lock for
-     * about a hundred nanoseconds, far less than a futex sleep and wake-up, so
-     * a second thread that finds it taken waits without sleeping. A plain
-     * mutex slept 1-5 times per 1000 pairs with two threads on one device and
-     * ran them 10x slower; adaptive, they did not sleep (make bench, sleeps). */
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
-    pthread_mutex_init(&d->lock, &attr);
-    pthread_mutexattr_destroy(&attr);
     d->id = id;
     d->plain.small.is_small = true;
+    d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     d->batches_tail = &d->batches;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
@@ -155,12 +145,9 @@ static npa_device *device_create(npa_allocator *a, int id) {
     return d;
 }
 
-npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
-    npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);
-    if (d || !create) return d;
+npa_device *npa_device_create_slow(npa_allocator *a, int device) {
     pthread_mutex_lock(&a->init_lock);
-    d = a->devices[device];
+    npa_device *d = a->devices[device];
     if (!d) {
         d = device_create(a, device);
         if (d) __atomic_store_n(&a->devices[device], d, __ATOMIC_RELEASE);
@@ -288,7 +275,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_device *d = npa_device_get(a, device, true);
     if (!d) return device < 0 || device >= NPUALLOC_MAX_DEVICES ? NPA_ERR_INVALID_PARAM : NPA_ERR_OOM;
 
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     npa_pending_poll(a, d);
     npa_block *b = NULL;
     bool cache_hit = false, cap_hit = false;
@@ -300,7 +287,12 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;
         if (!pair) pair = &d->plain;
         npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
-        b = get_free_block(&a->config, pool, rounded);
+        if (pool->is_small && d->recent.count) b = npa_recent_take(d, pool, rounded);
+        if (!b) b = get_free_block(&a->config, pool, rounded);
+        if (!b && pool->is_small && d->recent.count) { /* merged, the held blocks may fit it */
+            npa_recent_flush(d);
+            b = get_free_block(&a->config, pool, rounded);
+        }
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             npa_pending_flush(a, d);
             b = get_free_block(&a->config, pool, rounded);
@@ -311,7 +303,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     if (!b) {
         char msg[512];
         npa_oom_report(a, d, size, rounded, cap_hit, msg, sizeof msg);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
         ssize_t unused = write(STDERR_FILENO, msg, strlen(msg));
         (void)unused;
         return NPA_ERR_OOM;
@@ -320,7 +312,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     b->fence_own = b->pool->on_stream && (flags & NPA_STREAM_HOST_WRITES);
     npa_history_note_alloc(a, d, b->addr, size);
     *ptr = (void *)b->addr;
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
     return NPA_OK;
 }
 
@@ -333,16 +325,18 @@ npa_error npa_malloc_stream(npa_allocator *a, int device, size_t size, npa_entry
     return malloc_on(a, device, size, entry, true, stream, flags, ptr);
 }
 
-/* torch's free_block: merge with free neighbours (the lower block survives,
- * so a segment's first block keeps its struct), back into the pool. */
-void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
-    (void)a;
+/* torch's free_block without the allocation's end: merge with free
+ * neighbours (the lower block survives, so a segment's first block keeps
+ * its struct), back into its pool. counted: b is already counted as an
+ * inactive split block (a recent block). */
+static void merge_into_pool(npa_device *d, npa_block *b, bool counted) {
     npualloc_device_stats *s = d->stats;
     npa_pool *pool = b->pool;
-    size_t original_size = b->size;
-    size_t requested = b->requested;
     int64_t inactive_blocks = 0, inactive_bytes = 0;
-    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    if (counted && npa_block_is_split(b)) {
+        inactive_blocks = -1;
+        inactive_bytes = -(int64_t)b->size;
+    }
 
     npa_block *prev = b->prev;
     if (prev && prev->phase == NPA_PHASE_FREE) {
@@ -373,9 +367,24 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     else if (inactive_blocks < 0) npa_pool_stat_decrease(s->inactive_split, b->is_small, -inactive_blocks);
     if (inactive_bytes > 0) npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, inactive_bytes);
     else if (inactive_bytes < 0) npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, -inactive_bytes);
-    npa_pool_stat_decrease(s->active, b->is_small, 1);
-    npa_pool_stat_decrease(s->active_bytes, b->is_small, (int64_t)original_size);
-    npa_pool_stat_decrease(s->requested_bytes, b->is_small, (int64_t)requested);
+    npa_stats_end(d);
+}
+
+void npa_pool_return(npa_device *d, npa_block *b) { merge_into_pool(d, b, true); }
+
+/* torch's free_block: the block stops being active and joins its pool. */
+void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
+    (void)a;
+    npualloc_device_stats *s = d->stats;
+    bool is_small = b->is_small;
+    size_t size = b->size;
+    size_t requested = b->requested;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    npa_stats_begin(d);
+    merge_into_pool(d, b, false);
+    npa_pool_stat_decrease(s->active, is_small, 1);
+    npa_pool_stat_decrease(s->active_bytes, is_small, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, is_small, (int64_t)requested);
     npa_stats_end(d);
 }
 
@@ -417,12 +426,13 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (b->pool->on_stream) {
-        if (b->uses || b->uses_unknown || b->fence_own) npa_pending_add_uses(a, d, b);
-        else npa_free_block(a, d, b);
-    } else if (a->backend.fence_record &&
+    if (b->pool->on_stream && (b->uses || b->uses_unknown || b->fence_own)) {
+        npa_pending_add_uses(a, d, b);
+    } else if (!b->pool->on_stream && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         npa_pending_add(d, b);
+    } else if (npa_recent_takes(d, b)) { /* reusable at once: on its own stream, or eager */
+        npa_recent_put(d, b);
     } else {
         npa_free_block(a, d, b);
     }
@@ -435,7 +445,7 @@ typedef enum block_op { OP_FREE, OP_FREE_ON_STREAM, OP_RECORD } block_op;
 /* Which device owns ptr: 1 done, 0 not in this device, -1 inside one of its
  * segments but not a live block start. */
 static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_op op, uintptr_t stream) {
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     int result = 0;
     npa_block *b = op == OP_RECORD ? npa_block_map_find(&d->live, addr) : npa_block_map_take(&d->live, addr);
     if (b) {
@@ -450,7 +460,7 @@ static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_o
         }
         result = -1;
     }
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
     return result;
 }
 
@@ -473,11 +483,11 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
     }
     npa_device *hint = hint_valid && op != OP_RECORD ? npa_device_get(a, hint_device, false) : NULL;
     if (hint) {
-        pthread_mutex_lock(&hint->lock);
+        npa_lock_acquire(&hint->lock);
         npa_stats_begin(hint);
         hint->stats->num_foreign_frees++;
         npa_stats_end(hint);
-        pthread_mutex_unlock(&hint->lock);
+        npa_lock_release(&hint->lock);
     }
     return NPA_FREE_NOT_OURS;
 }
@@ -502,9 +512,9 @@ static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *
         if (device >= 0 && i != device) continue;
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         fn(a, d);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
     }
 }
 
@@ -514,9 +524,9 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
         if (device >= 0 && i != device) continue;
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         npa_error err = release_locked(a, d);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
         if (first == NPA_OK) first = err;
     }
     return first;

@@ -207,6 +207,18 @@ static bool set_expandable_segments(npa_config *c, span v, char *why) {
     return true;
 }
 
+/* npualloc's recent cache (core/recent.c): how many freed small blocks each
+ * device keeps whole for the next malloc of their size; 0 merges every free
+ * at once, as torch does, for programs that compare inactive_split or
+ * snapshot shapes with torch's exactly. */
+static bool set_recent_blocks(npa_config *c, span v, char *why) {
+    uint64_t n;
+    if (!parse_uint(v, &n) || n > NPA_RECENT_MAX)
+        return snprintf(why, WHY_LEN, "must be a number of blocks from 0 to %d", NPA_RECENT_MAX), false;
+    c->recent_blocks = (unsigned)n;
+    return true;
+}
+
 /* torch's stacks= of _record_memory_history: "python" (or "all": npualloc
  * has no C++ frames to add) records the Python frames of each allocation. */
 static bool set_record_stacks(npa_config *c, span v, char *why) {
@@ -233,6 +245,7 @@ static const known_key known_keys[] = {
     {"record_stacks", set_record_stacks},
     {"oom_snapshot", set_oom_snapshot},
     {"expandable_segments", set_expandable_segments},
+    {"recent_blocks", set_recent_blocks},
 };
 
 /* torch / torch_npu keys npualloc accepts without implementing; a value that
@@ -312,6 +325,7 @@ void npa_config_defaults(npa_config *config) {
     config->garbage_collection_threshold = 0.0;
     config->per_process_memory_fraction = 1.0;
     config->reuse_policy = NPA_REUSE_AUTO;
+    config->recent_blocks = NPA_RECENT_MAX;
 }
 
 int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn warn, void *arg) {
@@ -423,6 +437,10 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     }
     if (c->expandable_segments) {
         out_printf(&o, "%sexpandable_segments:True", sep);
+        sep = ",";
+    }
+    if (c->recent_blocks != d.recent_blocks) {
+        out_printf(&o, "%srecent_blocks:%u", sep, c->recent_blocks);
         sep = ",";
     }
     if (c->oom_snapshot[0]) out_printf(&o, "%soom_snapshot:%.*s", sep, (int)sizeof c->oom_snapshot, c->oom_snapshot);

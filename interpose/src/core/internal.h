@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "core.h"
+#include "lock.h"
 
 /* torch's sizing constants (CUDACachingAllocator.cpp). */
 #define NPA_MIN_BLOCK_SIZE ((size_t)512)
@@ -36,12 +37,15 @@
  * may still be used by queued stream work: it is neither reusable nor
  * mergeable until its fence completes (torch's event-deferred free). An
  * unmapped block is address space of an expandable segment with no memory
- * behind it: in no pool, merged only with unmapped neighbours. */
+ * behind it: in no pool, merged only with unmapped neighbours. A recent
+ * block is free and reusable, held whole in the device's recent cache
+ * (recent.c) instead of its pool: not merged until it leaves the cache. */
 typedef enum npa_block_phase {
     NPA_PHASE_FREE = 0,
     NPA_PHASE_ALLOCATED = 1,
     NPA_PHASE_PENDING = 2,
     NPA_PHASE_UNMAPPED = 3,
+    NPA_PHASE_RECENT = 4,
 } npa_block_phase;
 
 typedef struct npa_block npa_block;
@@ -187,15 +191,34 @@ typedef struct npa_history {
     npa_trace_entry *entries;
 } npa_history;
 
+/* The recent cache (recent.c): small blocks freed with no fence needed,
+ * kept whole for the next malloc of the same rounded size from the same
+ * pool, so that pair skips the pool's search, split and merge. At most
+ * capacity blocks and NPA_RECENT_BYTES bytes, in no order (a slot's stamp
+ * says how old it is). Guarded by the device lock like the pools. */
+#define NPA_RECENT_MAX 16
+#define NPA_RECENT_BYTES NPA_SMALL_BUFFER
+typedef struct npa_recent {
+    unsigned capacity;       /* config recent_blocks, at most NPA_RECENT_MAX */
+    unsigned count;
+    size_t bytes;
+    size_t largest;          /* the biggest block held, for largest_free_block */
+    uint64_t clock;          /* puts so far: the next stamp */
+    size_t sizes[NPA_RECENT_MAX]; /* scanned on every small malloc: kept apart from the rest */
+    npa_block *blocks[NPA_RECENT_MAX];
+    uint64_t stamps[NPA_RECENT_MAX];
+} npa_recent;
+
 /* Lock order: hook/hook.h lists every lock of the library. For the core:
  * init_lock before any device lock, one device lock at a time. */
 typedef struct npa_device {
-    pthread_mutex_t lock;    /* adaptive: see device_create */
+    npa_lock lock;           /* lock.h */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
+    npa_recent recent;
     npa_block_map live;
     npa_segment_table segments;
     npa_slab slab;
@@ -223,9 +246,34 @@ struct npa_allocator {
 };
 
 /* alloc.c */
-npa_device *npa_device_get(npa_allocator *a, int device, bool create);
+npa_device *npa_device_create_slow(npa_allocator *a, int device);
+/* The device's state, created on first use when create is set; NULL for a
+ * bad id (or no host memory). Inline: every malloc and free starts here. */
+static inline npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
+    npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);
+    return d || !create ? d : npa_device_create_slow(a, device);
+}
 /* Completes a free: merges with free neighbours, returns it to its pool. */
 void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b);
+/* The same for a block whose allocation ended earlier (a recent block,
+ * already counted inactive): merges it into its pool. */
+void npa_pool_return(npa_device *d, npa_block *b);
+
+/* recent.c, under the device lock. */
+/* Whether a block the program frees now, reusable at once, may wait in the recent cache. */
+static inline bool npa_recent_takes(const npa_device *d, const npa_block *b) {
+    return d->recent.capacity != 0 && b->is_small && !b->in_expandable && b->size <= NPA_RECENT_BYTES;
+}
+/* Ends b's allocation into the cache (making room by returning the oldest
+ * blocks to their pools), counted as a free to the pool would be. */
+void npa_recent_put(npa_device *d, npa_block *b);
+/* A held block of pool of exactly size bytes, out of the cache (still
+ * counted inactive, as a block out of a pool), or NULL. */
+npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
+/* Every held block back to its pool (merged), so nothing waits unmerged
+ * where the pools, empty_cache or an OOM retry need it. */
+void npa_recent_flush(npa_device *d);
 /* Joins upper into lower, its address neighbour: the lower struct survives,
  * so a segment's first block keeps its struct. Neither is in a pool. */
 void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper);
@@ -332,6 +380,7 @@ static inline void npa_stats_end(npa_device *d) {
     if (--d->stats_depth == 0) {
         npualloc_device_stats *s = d->stats;
         size_t largest = npa_pair_largest(&d->plain);
+        if (d->recent.largest > largest) largest = d->recent.largest;
         for (const npa_pool_pair *p = d->streams; p; p = p->next) {
             size_t l = npa_pair_largest(p);
             if (l > largest) largest = l;

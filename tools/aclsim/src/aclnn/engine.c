@@ -1,5 +1,6 @@
 /* Building (phase 1) and running (on the stream worker) the sim's aclnn ops;
  * see engine.h. */
+#define _GNU_SOURCE /* qsort_r */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,14 @@ void sim_op_input_index(sim_op *op, int64_t dim)
         return fail(op, ACLNN_ERR_PARAM_INVALID);
     op->in_kind[op->nin] = SIM_IN_INDEX;
     op->in_value[op->nin] = (double)dim; /* resolved against out's rank by the shape check */
+    op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
+}
+
+void sim_op_input_flat_index(sim_op *op)
+{
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_kind[op->nin] = SIM_IN_FLAT_INDEX;
     op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
 }
 
@@ -217,6 +226,173 @@ static int64_t numel(const sim_view *v)
     return n;
 }
 
+/* v with a size-1 dim inserted at `dim` (stride 0); 0 when it has no room. */
+static int insert_dim(sim_view *v, uint32_t dim)
+{
+    if (v->ndim >= SIM_MAX_DIMS || dim > v->ndim)
+        return 0;
+    memmove(&v->dims[dim + 1], &v->dims[dim], (v->ndim - dim) * sizeof(int64_t));
+    memmove(&v->strides[dim + 1], &v->strides[dim], (v->ndim - dim) * sizeof(int64_t));
+    v->dims[dim] = 1, v->strides[dim] = 0, v->ndim++;
+    return 1;
+}
+
+static int same_dims(const sim_view *a, const sim_view *b)
+{
+    return a->ndim == b->ndim && memcmp(a->dims, b->dims, a->ndim * sizeof(int64_t)) == 0;
+}
+
+void sim_op_select(sim_op *op, int64_t dim, int64_t k, int largest, int dim_dropped)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    const sim_view *in = &op->in[0];
+    sim_view *values = &op->out, *indices = &op->extra_out[0];
+    if (indices->data == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    dim = normalize_dim(dim, in->ndim);
+    if (op->nin == 1 && dim >= 0 && dim < (int64_t)in->ndim && k == SIM_SELECT_WHOLE_LINE)
+        k = in->dims[dim];
+    if (op->nin != 1 || dim < 0 || dim >= (int64_t)in->ndim || k < 0 || k > in->dims[dim] ||
+        sim_dtype_is_float(indices->dtype))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    if (dim_dropped && (!insert_dim(values, (uint32_t)dim) || !insert_dim(indices, (uint32_t)dim)))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    if (values->ndim != in->ndim || indices->ndim != in->ndim)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t d = 0; d < in->ndim; d++) {
+        int64_t want = (int64_t)d == dim ? k : in->dims[d];
+        if (values->dims[d] != want || indices->dims[d] != want)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+    }
+    op->p[0] = (double)dim;
+    op->p[1] = (double)k;
+    op->p[2] = largest;
+}
+
+void sim_op_batch_norm(sim_op *op, const aclTensor *weight, const aclTensor *bias, const aclTensor *running_mean,
+                       const aclTensor *running_var, int training, double momentum, double eps)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    const sim_view *in = &op->in[0];
+    const aclTensor *channel[4] = {weight, bias, running_mean, running_var};
+    if (op->nin != 1 || in->ndim < 2 || !same_dims(in, &op->out))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    if (!training && (running_mean == NULL || running_var == NULL))
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    for (int i = 0; i < 4; i++) {
+        if (live(channel[i], SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
+            continue;
+        const sim_view *v = &channel[i]->view;
+        if (v->ndim != 1 || v->dims[0] != in->dims[1])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        op->channel[i] = *v;
+    }
+    for (int j = 0; j < 2; j++)
+        if (op->extra_out[j].data != NULL && numel(&op->extra_out[j]) != in->dims[1])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = eps;
+    op->p[1] = momentum;
+    op->p[2] = training;
+}
+
+void sim_op_remap(sim_op *op, const aclIntArray *a, const aclIntArray *b, int64_t n, int64_t dim, double fill)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    const sim_view *in = &op->in[0], *out = &op->out;
+    const char *api = op->def->kind.name;
+    int variant = op->def->variant;
+    if (op->nin != 1)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = fill;
+    if (variant != SIM_REMAP_DIAG && variant != SIM_REMAP_INTERLEAVE && live(a, SIM_INTARRAY_MAGIC, api) == NULL)
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    switch (variant) {
+    case SIM_REMAP_ROLL:
+        if (live(b, SIM_INTARRAY_MAGIC, api) == NULL)
+            return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+        if (!same_dims(in, out))
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        if (b->size == 0) { /* over the flattened tensor */
+            if (a->size != 1)
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+            op->p[1] = 1;
+            op->p[2] = (double)a->values[0];
+            return;
+        }
+        if (a->size != b->size)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        for (uint64_t i = 0; i < b->size; i++) {
+            int64_t d = normalize_dim(b->values[i], in->ndim);
+            if (d < 0 || d >= (int64_t)in->ndim)
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+            op->remap_offset[d] += a->values[i];
+        }
+        return;
+    case SIM_REMAP_REPEAT: {
+        if (a->size < in->ndim || a->size != out->ndim)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        uint32_t lead = out->ndim - in->ndim;
+        for (uint32_t d = 0; d < out->ndim; d++) {
+            int64_t base = d < lead ? 1 : in->dims[d - lead];
+            if (a->values[d] < 0 || out->dims[d] != base * a->values[d])
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+        }
+        return;
+    }
+    case SIM_REMAP_PAD:
+        /* pairs from the last dim backwards; a negative pad crops */
+        if (a->size % 2 != 0 || a->size > 2 * (uint64_t)in->ndim || out->ndim != in->ndim)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        for (uint32_t d = 0; d < in->ndim; d++) {
+            uint64_t pair = in->ndim - 1 - d;
+            int64_t lo = 2 * pair < a->size ? a->values[2 * pair] : 0;
+            int64_t hi = 2 * pair < a->size ? a->values[2 * pair + 1] : 0;
+            if (out->dims[d] != in->dims[d] + lo + hi)
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+            op->remap_offset[d] = lo;
+        }
+        return;
+    case SIM_REMAP_INTERLEAVE: {
+        /* out = in with each element repeated n times along dim (p[2] = -1: the
+         * flattened in, out 1-D) */
+        op->p[1] = (double)n;
+        if (n < 0)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        if (dim == SIM_REMAP_FLAT) {
+            op->p[2] = -1;
+            if (out->ndim != 1 || out->dims[0] != numel(in) * n)
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+            return;
+        }
+        dim = normalize_dim(dim, in->ndim);
+        if (dim < 0 || dim >= (int64_t)in->ndim || out->ndim != in->ndim)
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        op->p[2] = (double)dim;
+        for (uint32_t k = 0; k < in->ndim; k++)
+            if (out->dims[k] != ((int64_t)k == dim ? in->dims[k] * n : in->dims[k]))
+                return fail(op, ACLNN_ERR_PARAM_INVALID);
+        return;
+    }
+    case SIM_REMAP_DIAG: {
+        int64_t d = n, ad = d < 0 ? -d : d;
+        op->p[1] = (double)d;
+        if (in->ndim == 1 && out->ndim == 2 && out->dims[0] == in->dims[0] + ad && out->dims[1] == out->dims[0])
+            return;
+        if (in->ndim == 2 && out->ndim == 1) {
+            int64_t rows = in->dims[0], cols = in->dims[1];
+            int64_t len = d >= 0 ? (rows < cols - d ? rows : cols - d) : (rows + d < cols ? rows + d : cols);
+            if (out->dims[0] == (len > 0 ? len : 0))
+                return;
+        }
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    }
+    default: return fail(op, ACLNN_ERR_PARAM_INVALID);
+    }
+}
+
 /* Strides (elements) that walk `in` along out's dims: right-aligned
  * broadcasting, a size-1 or missing dim repeats (stride 0). 0 if `in` does
  * not broadcast to `out`'s first `ndim` dims. */
@@ -318,6 +494,15 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     case SIM_GATHER: st = ACLNN_SUCCESS; break; /* checked by sim_op_gather */
+    case SIM_SELECT: /* checked by sim_op_select */
+        st = ACLNN_SUCCESS;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
+    case SIM_REMAP: st = ACLNN_SUCCESS; break; /* checked by sim_op_remap */
+    case SIM_BATCH_NORM: /* checked by sim_op_batch_norm */
+        st = ACLNN_SUCCESS;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
     case SIM_LAYER_NORM:
         st = check_elementwise(op); /* weight and bias broadcast over out's trailing dims */
         ws = SIM_OP_SCRATCH_WORKSPACE;
@@ -398,11 +583,13 @@ static void run_elementwise(const sim_op *op)
     double x[SIM_OP_MAX_INPUTS];
     /* Inputs are all read before the output is written, so in-place ops
      * (out aliasing an input element for element) are safe. */
-    for (int64_t e = numel(&op->out); e > 0; e--, walk_next(&w)) {
+    int64_t total = numel(&op->out);
+    for (int64_t e = total; e > 0; e--, walk_next(&w)) {
         for (uint32_t i = 0; i < n; i++)
             x[i] = op->in_kind[i] == SIM_IN_TENSOR ? sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]))
                    : op->in_kind[i] == SIM_IN_CONST ? op->in_value[i]
-                                                     : (double)w.index[(int)op->in_value[i]];
+                   : op->in_kind[i] == SIM_IN_INDEX ? (double)w.index[(int)op->in_value[i]]
+                                                     : (double)(total - e);
         sim_store(op->out.dtype, element(&op->out, w.offs[n]), op->def->fn(x, op->p));
     }
 }
@@ -480,27 +667,30 @@ static void run_matmul(const sim_op *op)
     }
 }
 
-/* Calls row(op, in_base, out_base) for every line of in0 (and of out, same
- * dims) along dim p[0]; a line's elements are strides[dim] apart. */
-static void for_each_line(const sim_op *op, void (*line)(const sim_op *op, int64_t in_base, int64_t out_base))
+/* Calls line(op, base) for every line of in0 along dim p[0], base = the
+ * line's first element in in0, in out and in extra_out[0] (same dims but
+ * along dim); a line's elements are strides[dim] apart in each. */
+static void for_each_line(const sim_op *op, void (*line)(const sim_op *op, const int64_t *base))
 {
-    const sim_view *in = &op->in[0], *out = &op->out;
+    const sim_view *in = &op->in[0];
     uint32_t dim = (uint32_t)op->p[0];
-    int64_t line_dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    int64_t line_dims[SIM_MAX_DIMS], strides[3][SIM_MAX_DIMS];
     memcpy(line_dims, in->dims, sizeof line_dims);
     line_dims[dim] = 1;
     memcpy(strides[0], in->strides, sizeof strides[0]);
-    memcpy(strides[1], out->strides, sizeof strides[1]);
+    memcpy(strides[1], op->out.strides, sizeof strides[1]);
+    memcpy(strides[2], op->extra_out[0].strides, sizeof strides[2]);
     int64_t n = in->dims[dim];
     walker w;
-    walk_start(&w, in->ndim, line_dims, 2, strides);
+    walk_start(&w, in->ndim, line_dims, 3, strides);
     for (int64_t r = n > 0 ? numel(in) / n : 0; r > 0; r--, walk_next(&w))
-        line(op, w.offs[0], w.offs[1]);
+        line(op, w.offs);
 }
 
 /* out = exp(x - max) / sum along the line, or its log */
-static void softmax_line(const sim_op *op, int64_t ib, int64_t ob)
+static void softmax_line(const sim_op *op, const int64_t *base)
 {
+    int64_t ib = base[0], ob = base[1];
     const sim_view *in = &op->in[0], *out = &op->out;
     uint32_t dim = (uint32_t)op->p[0];
     int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
@@ -516,8 +706,9 @@ static void softmax_line(const sim_op *op, int64_t ib, int64_t ob)
 }
 
 /* running sum (or product) along the line */
-static void scan_line(const sim_op *op, int64_t ib, int64_t ob)
+static void scan_line(const sim_op *op, const int64_t *base)
 {
+    int64_t ib = base[0], ob = base[1];
     const sim_view *in = &op->in[0], *out = &op->out;
     uint32_t dim = (uint32_t)op->p[0];
     int64_t n = in->dims[dim], si = in->strides[dim], so = out->strides[dim];
@@ -526,6 +717,198 @@ static void scan_line(const sim_op *op, int64_t ib, int64_t ob)
         double v = sim_load(in->dtype, element(in, ib + i * si));
         acc = op->def->variant ? acc * v : acc + v;
         sim_store(out->dtype, element(out, ob + i * so), acc);
+    }
+}
+
+typedef struct ranked {
+    double value;
+    int64_t index;
+} ranked;
+
+/* Ascending (descending when *largest), NaN above every number as in torch;
+ * ties in index order, so MaxDim/MinDim give the first of equal values. */
+static int compare_ranked(const void *x, const void *y, void *largest)
+{
+    const ranked *a = x, *b = y;
+    int a_nan = isnan(a->value) != 0, b_nan = isnan(b->value) != 0;
+    int order = a_nan || b_nan ? a_nan - b_nan : (a->value > b->value) - (a->value < b->value);
+    if (*(const int *)largest)
+        order = -order;
+    return order != 0 ? order : (a->index > b->index) - (a->index < b->index);
+}
+
+/* the line's p[1] largest (p[2] != 0) or smallest values, sorted, and their indices */
+static void topk_line(const sim_op *op, const int64_t *base)
+{
+    const sim_view *in = &op->in[0], *out = &op->out, *indices = &op->extra_out[0];
+    uint32_t dim = (uint32_t)op->p[0];
+    int64_t n = in->dims[dim], k = (int64_t)op->p[1];
+    int largest = op->p[2] != 0;
+    ranked *line = malloc((size_t)n * sizeof *line);
+    if (line == NULL)
+        return;
+    for (int64_t i = 0; i < n; i++)
+        line[i] = (ranked){sim_load(in->dtype, element(in, base[0] + i * in->strides[dim])), i};
+    qsort_r(line, (size_t)n, sizeof *line, compare_ranked, &largest);
+    for (int64_t i = 0; i < k; i++) {
+        sim_store(out->dtype, element(out, base[1] + i * out->strides[dim]), line[i].value);
+        sim_store(indices->dtype, element(indices, base[2] + i * indices->strides[dim]), (double)line[i].index);
+    }
+    free(line);
+}
+
+/* running max and the index it came from: a later equal value, or a NaN
+ * (which then stays), takes over, as in torch */
+static void cummax_line(const sim_op *op, const int64_t *base)
+{
+    const sim_view *in = &op->in[0], *out = &op->out, *indices = &op->extra_out[0];
+    uint32_t dim = (uint32_t)op->p[0];
+    double best = 0;
+    int64_t at = 0;
+    for (int64_t i = 0; i < in->dims[dim]; i++) {
+        double v = sim_load(in->dtype, element(in, base[0] + i * in->strides[dim]));
+        if (i == 0 || isnan(v) || (!isnan(best) && v >= best))
+            best = v, at = i;
+        sim_store(out->dtype, element(out, base[1] + i * out->strides[dim]), best);
+        sim_store(indices->dtype, element(indices, base[2] + i * indices->strides[dim]), (double)at);
+    }
+}
+
+static int64_t wrap(int64_t i, int64_t n) { return n > 0 ? ((i % n) + n) % n : 0; }
+
+/* in0's element offset for out's index o; 0 where out takes the fill p[0]. */
+static int remap_source(const sim_op *op, const int64_t *o, int64_t *offset)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    int64_t at[SIM_MAX_DIMS] = {0};
+    int64_t d = (int64_t)op->p[1];
+    switch (op->def->variant) {
+    case SIM_REMAP_ROLL:
+        if (op->p[1] != 0) { /* flattened: the row-major index moves by the shift */
+            int64_t flat = 0;
+            for (uint32_t k = 0; k < out->ndim; k++)
+                flat = flat * out->dims[k] + o[k];
+            flat = wrap(flat - (int64_t)op->p[2], numel(in));
+            for (int k = (int)in->ndim - 1; k >= 0; k--)
+                at[k] = flat % in->dims[k], flat /= in->dims[k];
+        } else {
+            for (uint32_t k = 0; k < in->ndim; k++)
+                at[k] = wrap(o[k] - op->remap_offset[k], in->dims[k]);
+        }
+        break;
+    case SIM_REMAP_REPEAT:
+        for (uint32_t k = 0, lead = out->ndim - in->ndim; k < in->ndim; k++)
+            at[k] = o[k + lead] % in->dims[k];
+        break;
+    case SIM_REMAP_PAD:
+        for (uint32_t k = 0; k < in->ndim; k++) {
+            at[k] = o[k] - op->remap_offset[k];
+            if (at[k] < 0 || at[k] >= in->dims[k])
+                return 0;
+        }
+        break;
+    case SIM_REMAP_INTERLEAVE:
+        if (op->p[2] < 0) { /* flattened: out[i] = the (i / n)th element of in, row-major */
+            int64_t flat = o[0] / (int64_t)op->p[1];
+            for (int k = (int)in->ndim - 1; k >= 0; k--)
+                at[k] = flat % in->dims[k], flat /= in->dims[k];
+        } else {
+            for (uint32_t k = 0; k < in->ndim; k++)
+                at[k] = (int64_t)k == (int64_t)op->p[2] ? o[k] / (int64_t)op->p[1] : o[k];
+        }
+        break;
+    case SIM_REMAP_DIAG:
+        if (in->ndim == 1) { /* out[r][c] = in[min(r, c)] on the diagonal c - r = d */
+            if (o[1] - o[0] != d)
+                return 0;
+            at[0] = d >= 0 ? o[0] : o[1];
+        } else {
+            at[0] = d >= 0 ? o[0] : o[0] - d;
+            at[1] = d >= 0 ? o[0] + d : o[0];
+        }
+        break;
+    default: return 0;
+    }
+    *offset = 0;
+    for (uint32_t k = 0; k < in->ndim; k++)
+        *offset += at[k] * in->strides[k];
+    return 1;
+}
+
+static void run_remap(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    walker w;
+    walk_start(&w, out->ndim, out->dims, 1, (int64_t(*)[SIM_MAX_DIMS])out->strides);
+    for (int64_t e = numel(out); e > 0; e--, walk_next(&w)) {
+        int64_t from;
+        double v = remap_source(op, w.index, &from) ? sim_load(in->dtype, element(in, from)) : op->p[0];
+        sim_store(out->dtype, element(out, w.offs[0]), v);
+    }
+}
+
+static double channel_at(const sim_view *v, int64_t c, double absent)
+{
+    return v->data != NULL ? sim_load(v->dtype, element(v, c * v->strides[0])) : absent;
+}
+
+static void channel_store(const sim_view *v, int64_t c, double value)
+{
+    if (v->data != NULL)
+        sim_store(v->dtype, element(v, c * (v->ndim > 0 ? v->strides[v->ndim - 1] : 0)), value);
+}
+
+/* Per channel c (dim 1): the elements of in with that channel, walked with
+ * dim 1 held at c. Training: the batch's mean and biased variance normalise,
+ * the running stats move by momentum (variance unbiased, as torch); eval: the
+ * running stats normalise. */
+static void run_batch_norm(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    const sim_view *weight = &op->channel[0], *bias = &op->channel[1], *rmean = &op->channel[2],
+                   *rvar = &op->channel[3];
+    double eps = op->p[0], momentum = op->p[1];
+    int training = op->p[2] != 0;
+    int64_t dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    memcpy(dims, in->dims, sizeof dims);
+    dims[1] = 1;
+    memcpy(strides[0], in->strides, sizeof strides[0]);
+    memcpy(strides[1], out->strides, sizeof strides[1]);
+    int64_t count = in->dims[1] > 0 ? numel(in) / in->dims[1] : 0;
+    for (int64_t c = 0; c < in->dims[1]; c++) {
+        int64_t ib = c * in->strides[1], ob = c * out->strides[1];
+        walker w;
+        double mean, var;
+        if (training) {
+            double sum = 0, sq = 0;
+            walk_start(&w, in->ndim, dims, 1, strides);
+            for (int64_t e = 0; e < count; e++, walk_next(&w))
+                sum += sim_load(in->dtype, element(in, ib + w.offs[0]));
+            mean = count > 0 ? sum / (double)count : 0;
+            walk_start(&w, in->ndim, dims, 1, strides);
+            for (int64_t e = 0; e < count; e++, walk_next(&w)) {
+                double d = sim_load(in->dtype, element(in, ib + w.offs[0])) - mean;
+                sq += d * d;
+            }
+            var = count > 0 ? sq / (double)count : 0;
+            if (rmean->data != NULL)
+                sim_store(rmean->dtype, element(rmean, c * rmean->strides[0]),
+                          (1 - momentum) * channel_at(rmean, c, 0) + momentum * mean);
+            if (rvar->data != NULL && count > 1)
+                sim_store(rvar->dtype, element(rvar, c * rvar->strides[0]),
+                          (1 - momentum) * channel_at(rvar, c, 0) + momentum * sq / (double)(count - 1));
+        } else {
+            mean = channel_at(rmean, c, 0);
+            var = channel_at(rvar, c, 1);
+        }
+        double invstd = 1.0 / sqrt(var + eps), scale = channel_at(weight, c, 1), shift = channel_at(bias, c, 0);
+        walk_start(&w, in->ndim, dims, 2, strides);
+        for (int64_t e = 0; e < count; e++, walk_next(&w)) {
+            double v = (sim_load(in->dtype, element(in, ib + w.offs[0])) - mean) * invstd;
+            sim_store(out->dtype, element(out, ob + w.offs[1]), v * scale + shift);
+        }
+        channel_store(&op->extra_out[0], c, mean);
+        channel_store(&op->extra_out[1], c, invstd);
     }
 }
 
@@ -627,17 +1010,23 @@ static void compute(void *ctx)
     case SIM_SCAN: for_each_line(op, scan_line); break;
     case SIM_GATHER: run_gather(op); break;
     case SIM_LAYER_NORM: run_layer_norm(op); break;
+    case SIM_SELECT: for_each_line(op, op->def->variant == SIM_SELECT_CUMMAX ? cummax_line : topk_line); break;
+    case SIM_REMAP: run_remap(op); break;
+    case SIM_BATCH_NORM: run_batch_norm(op); break;
     }
 }
 
 void sim_op_finish(const void *params)
 {
     const sim_op *op = params;
-    simrt_range ranges[SIM_OP_MAX_INPUTS + 3];
+    simrt_range ranges[SIM_OP_MAX_INPUTS + 3 + 4];
     size_t n = 0;
     for (uint32_t i = 0; i < op->nin; i++)
         if (op->in_kind[i] == SIM_IN_TENSOR)
             ranges[n++] = extent(&op->in[i]);
+    for (int i = 0; i < 4; i++)
+        if (op->channel[i].data != NULL)
+            ranges[n++] = extent(&op->channel[i]);
     ranges[n++] = extent(&op->out);
     for (int j = 0; j < 2; j++)
         if (op->extra_out[j].data != NULL)
@@ -681,13 +1070,9 @@ aclnnStatus sim_cat_create(const sim_op_def *def, const aclTensorList *tensors, 
             goto done;
         }
         sim_view v = t->view;
-        if (stack) { /* a new size-1 dim at `dim` */
-            if (v.ndim + 1 != c->out.ndim)
-                goto done;
-            memmove(&v.dims[dim + 1], &v.dims[dim], (v.ndim - dim) * sizeof(int64_t));
-            memmove(&v.strides[dim + 1], &v.strides[dim], (v.ndim - dim) * sizeof(int64_t));
-            v.dims[dim] = 1, v.strides[dim] = 0, v.ndim++;
-        }
+        /* Stack: a new size-1 dim at `dim` */
+        if (stack && (v.ndim + 1 != c->out.ndim || !insert_dim(&v, (uint32_t)dim)))
+            goto done;
         /* torch.cat skips 1-D empty tensors */
         if (v.ndim == 1 && v.dims[0] == 0 && c->out.ndim != 1)
             v = (sim_view){.dtype = v.dtype, .ndim = c->out.ndim, .dims = {0}};

@@ -17,6 +17,16 @@
  *                plus in2; mean and 1/std of each row to the extra outputs
  *   gather       out[i] = in0 at walk.i + in1[i] * stride of the indexed dim
  *                (Gather, Embedding: in1 is an integer index tensor)
+ *   select       each line of in0 along one dim: its k largest (or smallest)
+ *                values sorted (Topk, MaxDim/MinDim as k = 1), or its running
+ *                max (Cummax); the values to out, their indices along the dim
+ *                to extra_out[0]
+ *   batch norm   in0 (N, C, ...) normalised per channel (dim 1) with the
+ *                batch's statistics (training, which also updates the running
+ *                ones) or the running ones; per-channel affine
+ *   remap        out[i] = in0 at an index computed from i (Roll, Repeat,
+ *                RepeatInterleave, ConstantPadNd, Diag), or the constant p[0]
+ *                where it has none
  */
 #ifndef ACLSIM_ACLNN_ENGINE_H
 #define ACLSIM_ACLNN_ENGINE_H
@@ -29,7 +39,13 @@
 /* Workspace the sim asks for where real CANN asks for one (reductions, matmul). */
 #define SIM_OP_SCRATCH_WORKSPACE 1024u
 
-enum sim_op_shape { SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER, SIM_LAYER_NORM };
+enum sim_op_shape {
+    SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER, SIM_LAYER_NORM, SIM_SELECT, SIM_REMAP,
+    SIM_BATCH_NORM
+};
+/* sim_op_def.variant of SIM_SELECT and SIM_REMAP */
+enum { SIM_SELECT_TOPK, SIM_SELECT_CUMMAX };
+enum { SIM_REMAP_ROLL, SIM_REMAP_REPEAT, SIM_REMAP_PAD, SIM_REMAP_DIAG, SIM_REMAP_INTERLEAVE };
 
 /* x: the inputs of one element, p: the op's parameters (alpha, threshold...). */
 typedef double (*sim_elem_fn)(const double *x, const double *p);
@@ -38,17 +54,17 @@ typedef struct sim_op_def {
     simrt_op_kind kind; /* first: the executor hands finish() the sim_op, whose first field points here */
     enum sim_op_shape shape;
     sim_elem_fn fn;     /* elementwise only */
-    int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax; scan: 1 = product */
+    int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax; scan: 1 = product; select, remap: above */
 } sim_op_def;
 
-enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX };
+enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX, SIM_IN_FLAT_INDEX };
 
 typedef struct sim_op {
     const sim_op_def *def;
     aclnnStatus error; /* first problem found while building; reported by sim_op_create */
     uint32_t nin;
     uint32_t reduce_mask;
-    uint8_t in_kind[SIM_OP_MAX_INPUTS]; /* SIM_IN_TENSOR, SIM_IN_CONST or SIM_IN_INDEX */
+    uint8_t in_kind[SIM_OP_MAX_INPUTS]; /* SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX or SIM_IN_FLAT_INDEX */
     double in_value[SIM_OP_MAX_INPUTS];
     double p[SIM_OP_MAX_PARAMS];
     sim_view in[SIM_OP_MAX_INPUTS];
@@ -58,6 +74,10 @@ typedef struct sim_op {
     /* gather: in0's strides along out's dims, and the indexed dim of in0 */
     int64_t gather_walk[SIM_MAX_DIMS];
     int64_t gather_stride, gather_size;
+    /* batch norm: weight, bias, running mean, running var (1-D, C each); data NULL = absent */
+    sim_view channel[4];
+    /* remap: per dim of out, Roll's shift or ConstantPadNd's leading pad */
+    int64_t remap_offset[SIM_MAX_DIMS];
 } sim_op;
 
 void sim_op_begin(sim_op *op, const sim_op_def *def);
@@ -67,6 +87,8 @@ void sim_op_input_scalar(sim_op *op, const aclScalar *s);
 void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback);
 /* The element's index along out's dim `dim` (negative counts from the end). */
 void sim_op_input_index(sim_op *op, int64_t dim);
+/* The element's row-major index in out (the random fills' counter). */
+void sim_op_input_flat_index(sim_op *op);
 /* Input i, a 1-D per-channel tensor, broadcasts along out's dim 1 (NCHW's C). */
 void sim_op_channel_input(sim_op *op, uint32_t i);
 /* Reverses in0 along the listed dims (a view with negated strides). */
@@ -89,6 +111,24 @@ void sim_op_softmax_dim(sim_op *op, int64_t dim);
  * `dim` replaced by in1's value. Embedding: in0 a [rows, cols] table and out
  * = in1's dims + [cols] (embedding = 1). */
 void sim_op_gather(sim_op *op, int64_t dim, int embedding);
+/* Select only, after the input and both outputs (values, then indices): lines
+ * along `dim`; Topk keeps the k largest (largest) or smallest, sorted, and
+ * Cummax passes k = SIM_SELECT_WHOLE_LINE. A reduction without keepdim
+ * (dim_dropped) gets the dim back in its outputs as a size-1 dim. */
+#define SIM_SELECT_WHOLE_LINE (-1)
+void sim_op_select(sim_op *op, int64_t dim, int64_t k, int largest, int dim_dropped);
+/* Remap only, after the input and output. Roll: a = shifts, b = dims (empty:
+ * over the flattened tensor). Repeat: a = repeats. ConstantPadNd: a = pads
+ * (last dim first, leading then trailing), fill = the value. Diag: n = the
+ * diagonal. RepeatInterleave: n = repeats of each element along dim
+ * (SIM_REMAP_FLAT: of the flattened tensor). */
+#define SIM_REMAP_FLAT INT64_MIN
+void sim_op_remap(sim_op *op, const aclIntArray *a, const aclIntArray *b, int64_t n, int64_t dim, double fill);
+/* Batch norm only, after the input, output and extra outputs (save mean, save
+ * 1/std): the per-channel tensors (any may be NULL; eval needs the running
+ * ones). */
+void sim_op_batch_norm(sim_op *op, const aclTensor *weight, const aclTensor *bias, const aclTensor *running_mean,
+                       const aclTensor *running_var, int training, double momentum, double eps);
 /* Validates shapes, then creates the executor (phase 1's result). */
 aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor);
 

@@ -695,3 +695,230 @@ PHASE2(Embedding)
     PHASE2(Name)
 CAT(Cat, 0)
 CAT(Stack, 1)
+
+/* (self, other, rtol, atol, equalNan, out): |self - other| <= atol + rtol * |other|,
+ * equal infinities close, NaN close to NaN only with equalNan */
+ELEM_FN(IsClose, isnan(x[0]) || isnan(x[1]) ? p[2] != 0 && isnan(x[0]) && isnan(x[1])
+                 : x[0] == x[1] ? 1 : isinf(x[0]) || isinf(x[1]) ? 0 : fabs(x[0] - x[1]) <= p[1] + p[0] * fabs(x[1]))
+DEF(IsClose, SIM_ELEMENTWISE, fn_IsClose, 0)
+EXPORT aclnnStatus aclnnIsCloseGetWorkspaceSize(const aclTensor *self, const aclTensor *other, double rtol,
+                                                double atol, bool equalNan, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_IsClose);
+    sim_op_input(&op, self);
+    sim_op_input(&op, other);
+    sim_op_param(&op, 0, rtol);
+    sim_op_param(&op, 1, atol);
+    sim_op_param(&op, 2, equalNan);
+    sim_op_output(&op, out);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(IsClose)
+
+/* ---- per line along a dim: values and their indices ---- */
+static aclnnStatus select_op(const sim_op_def *def, const aclTensor *self, int64_t dim, int64_t k, int largest,
+                             int dim_dropped, aclTensor *values, aclTensor *indices, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input(&op, self);
+    sim_op_output(&op, values);
+    sim_op_extra_output(&op, 0, indices);
+    sim_op_select(&op, dim, k, largest, dim_dropped);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+/* (self, k, dim, largest, sorted, valuesOut, indicesOut); always sorted */
+DEF(Topk, SIM_SELECT, NULL, SIM_SELECT_TOPK)
+EXPORT aclnnStatus aclnnTopkGetWorkspaceSize(const aclTensor *self, int64_t k, int64_t dim, bool largest,
+                                             bool sorted, aclTensor *valuesOut, aclTensor *indicesOut, WS_ARGS)
+{
+    (void)sorted;
+    if (k < 0)
+        return ACLNN_ERR_PARAM_INVALID;
+    return select_op(&def_Topk, self, dim, k, largest, 0, valuesOut, indicesOut, workspaceSize, executor);
+}
+PHASE2(Topk)
+
+/* (self, dim, keepdim, out, indices): the first largest (smallest) value of each line */
+#define MAX_DIM(Name, largest)                                                                       \
+    DEF(Name, SIM_SELECT, NULL, SIM_SELECT_TOPK)                                                     \
+    EXPORT aclnnStatus aclnn##Name##GetWorkspaceSize(const aclTensor *self, int64_t dim, bool keepdim, \
+                                                     aclTensor *out, aclTensor *indices, WS_ARGS)    \
+    {                                                                                                \
+        return select_op(&def_##Name, self, dim, 1, largest, !keepdim, out, indices, workspaceSize, executor); \
+    }                                                                                                \
+    PHASE2(Name)
+MAX_DIM(MaxDim, 1)
+MAX_DIM(MinDim, 0)
+
+/* (self, dim, valuesOut, indicesOut): running max along dim */
+DEF(Cummax, SIM_SELECT, NULL, SIM_SELECT_CUMMAX)
+EXPORT aclnnStatus aclnnCummaxGetWorkspaceSize(const aclTensor *self, int64_t dim, aclTensor *valuesOut,
+                                               aclTensor *indicesOut, WS_ARGS)
+{
+    return select_op(&def_Cummax, self, dim, SIM_SELECT_WHOLE_LINE, 1, 0, valuesOut, indicesOut, workspaceSize, executor);
+}
+PHASE2(Cummax)
+
+/* ---- out[i] = self at an index computed from i ---- */
+static aclnnStatus remap_op(const sim_op_def *def, const aclTensor *self, const aclIntArray *a,
+                            const aclIntArray *b, int64_t n, int64_t dim, const aclScalar *fill, aclTensor *out,
+                            WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input(&op, self);
+    sim_op_output(&op, out);
+    if (fill != NULL)
+        sim_op_param_scalar(&op, 1, fill); /* read (and checked) here, handed to remap as its fill */
+    sim_op_remap(&op, a, b, n, dim, fill != NULL ? op.p[1] : 0);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+/* (self, shifts, dims, out); empty dims: over the flattened tensor */
+DEF(Roll, SIM_REMAP, NULL, SIM_REMAP_ROLL)
+EXPORT aclnnStatus aclnnRollGetWorkspaceSize(const aclTensor *self, const aclIntArray *shifts,
+                                             const aclIntArray *dims, aclTensor *out, WS_ARGS)
+{
+    return remap_op(&def_Roll, self, shifts, dims, 0, 0, NULL, out, workspaceSize, executor);
+}
+PHASE2(Roll)
+
+/* (self, repeats, out): torch's Tensor.repeat */
+DEF(Repeat, SIM_REMAP, NULL, SIM_REMAP_REPEAT)
+EXPORT aclnnStatus aclnnRepeatGetWorkspaceSize(const aclTensor *self, const aclIntArray *repeats, aclTensor *out,
+                                               WS_ARGS)
+{
+    return remap_op(&def_Repeat, self, repeats, NULL, 0, 0, NULL, out, workspaceSize, executor);
+}
+PHASE2(Repeat)
+
+/* (self, pad, value, out) */
+DEF(ConstantPadNd, SIM_REMAP, NULL, SIM_REMAP_PAD)
+EXPORT aclnnStatus aclnnConstantPadNdGetWorkspaceSize(const aclTensor *self, const aclIntArray *pad,
+                                                      const aclScalar *value, aclTensor *out, WS_ARGS)
+{
+    if (value == NULL)
+        return ACLNN_ERR_PARAM_NULLPTR;
+    return remap_op(&def_ConstantPadNd, self, pad, NULL, 0, 0, value, out, workspaceSize, executor);
+}
+PHASE2(ConstantPadNd)
+
+/* (self, diagonal, out): a 1-D self onto a diagonal of a square matrix, or a 2-D self's diagonal */
+DEF(Diag, SIM_REMAP, NULL, SIM_REMAP_DIAG)
+EXPORT aclnnStatus aclnnDiagGetWorkspaceSize(const aclTensor *self, int64_t diagonal, aclTensor *out, WS_ARGS)
+{
+    return remap_op(&def_Diag, self, NULL, NULL, diagonal, 0, NULL, out, workspaceSize, executor);
+}
+PHASE2(Diag)
+
+/* (self, repeats, outputSize, out): each element of the flattened self
+ * repeated; WithDim: (self, repeats, dim, outputSize, out) along dim */
+static aclnnStatus repeat_interleave(const sim_op_def *def, const aclTensor *self, int64_t repeats, int64_t dim,
+                                     int64_t outputSize, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input(&op, self);
+    sim_op_output(&op, out);
+    sim_op_remap(&op, NULL, NULL, repeats, dim, 0);
+    if (op.error == ACLNN_SUCCESS && op.out.dims[op.p[2] < 0 ? 0 : (int)op.p[2]] != outputSize)
+        return ACLNN_ERR_PARAM_INVALID;
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+DEF(RepeatInterleaveInt, SIM_REMAP, NULL, SIM_REMAP_INTERLEAVE)
+EXPORT aclnnStatus aclnnRepeatInterleaveIntGetWorkspaceSize(const aclTensor *self, int64_t repeats,
+                                                            int64_t outputSize, aclTensor *out, WS_ARGS)
+{
+    return repeat_interleave(&def_RepeatInterleaveInt, self, repeats, SIM_REMAP_FLAT, outputSize, out,
+                             workspaceSize, executor);
+}
+PHASE2(RepeatInterleaveInt)
+
+DEF(RepeatInterleaveIntWithDim, SIM_REMAP, NULL, SIM_REMAP_INTERLEAVE)
+EXPORT aclnnStatus aclnnRepeatInterleaveIntWithDimGetWorkspaceSize(const aclTensor *self, int64_t repeats, int64_t dim,
+                                                                   int64_t outputSize, aclTensor *out, WS_ARGS)
+{
+    return repeat_interleave(&def_RepeatInterleaveIntWithDim, self, repeats, dim, outputSize, out, workspaceSize,
+                             executor);
+}
+PHASE2(RepeatInterleaveIntWithDim)
+
+/* ---- random fills: (selfRef, a, b, seed, offset) ----
+ * Each element's value is a function of (seed, offset, its row-major index):
+ * the same call fills the same values, a new offset new ones. The generator is
+ * a counter hash (splitmix64), not CANN's Philox: the values differ from a
+ * real NPU's, their distribution does not. */
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in (0, 1) from the key p[2] (the seed and offset hashed) and a counter */
+static double unit(double key, double counter, uint64_t stream)
+{
+    uint64_t bits = mix64((uint64_t)key ^ mix64((uint64_t)counter * 2 + stream));
+    return ((double)(bits >> 11) + 0.5) * 0x1.0p-53;
+}
+
+/* uniform [p0, p1); normal: Box-Muller, mean p0, std p1 */
+ELEM_FN(InplaceUniform, p[0] + (p[1] - p[0]) * unit(p[2], x[0], 0))
+ELEM_FN(InplaceNormal, p[0] + p[1] * sqrt(-2.0 * log(unit(p[2], x[0], 0))) * cos(2.0 * M_PI * unit(p[2], x[0], 1)))
+
+static aclnnStatus random_fill(const sim_op_def *def, aclTensor *selfRef, double a, double b, int64_t seed,
+                               int64_t offset, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input_flat_index(&op);
+    sim_op_param(&op, 0, a);
+    sim_op_param(&op, 1, b);
+    /* 53 bits, so the key survives the double it is kept in */
+    sim_op_param(&op, 2, (double)(mix64((uint64_t)seed ^ mix64((uint64_t)offset)) >> 11));
+    sim_op_output(&op, selfRef);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+DEF(InplaceUniform, SIM_ELEMENTWISE, fn_InplaceUniform, 0)
+EXPORT aclnnStatus aclnnInplaceUniformGetWorkspaceSize(aclTensor *selfRef, double from, double to, int64_t seed,
+                                                       int64_t offset, WS_ARGS)
+{
+    if (!(from <= to))
+        return ACLNN_ERR_PARAM_INVALID;
+    return random_fill(&def_InplaceUniform, selfRef, from, to, seed, offset, workspaceSize, executor);
+}
+PHASE2(InplaceUniform)
+
+DEF(InplaceNormal, SIM_ELEMENTWISE, fn_InplaceNormal, 0)
+EXPORT aclnnStatus aclnnInplaceNormalGetWorkspaceSize(aclTensor *selfRef, float mean, float std, int64_t seed,
+                                                      int64_t offset, WS_ARGS)
+{
+    if (!(std >= 0))
+        return ACLNN_ERR_PARAM_INVALID;
+    return random_fill(&def_InplaceNormal, selfRef, mean, std, seed, offset, workspaceSize, executor);
+}
+PHASE2(InplaceNormal)
+
+/* (input, weight, bias, runningMean, runningVar, training, momentum, eps, output, saveMean, saveInvstd);
+ * weight, bias, and in training the running stats and save outputs, may be NULL */
+DEF(BatchNorm, SIM_BATCH_NORM, NULL, 0)
+EXPORT aclnnStatus aclnnBatchNormGetWorkspaceSize(const aclTensor *input, const aclTensor *weight, const aclTensor *bias,
+                                                  aclTensor *runningMean, aclTensor *runningVar, bool training,
+                                                  double momentum, double eps, aclTensor *output, aclTensor *saveMean,
+                                                  aclTensor *saveInvstd, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_BatchNorm);
+    sim_op_input(&op, input);
+    sim_op_output(&op, output);
+    sim_op_extra_output(&op, 0, saveMean);
+    sim_op_extra_output(&op, 1, saveInvstd);
+    sim_op_batch_norm(&op, weight, bias, runningMean, runningVar, training, momentum, eps);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(BatchNorm)

@@ -13,7 +13,7 @@ void sim_count(enum sim_api api)
     atomic_fetch_add_explicit(&api_calls[api], 1, memory_order_relaxed);
 }
 
-static int api_index(const char *name)
+int sim_api_index(const char *name)
 {
     for (int i = 0; name != NULL && i < SIM_API_COUNT; i++)
         if (strcmp(api_names[i], name) == 0)
@@ -23,14 +23,14 @@ static int api_index(const char *name)
 
 SIM_EXPORT void simrt_CountCall(const char *api)
 {
-    int i = api_index(api);
+    int i = sim_api_index(api);
     if (i >= 0)
         sim_count((enum sim_api)i);
 }
 
 SIM_EXPORT uint64_t aclsim_call_count(const char *api)
 {
-    int i = api_index(api);
+    int i = sim_api_index(api);
     return i < 0 ? UINT64_MAX : atomic_load(&api_calls[i]);
 }
 

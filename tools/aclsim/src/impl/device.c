@@ -89,6 +89,8 @@ SIM_EXPORT aclError simrt_SetDevice(int32_t deviceId)
 {
     struct sim_device *d;
     aclError ret = enter_device_call(SIM_API_aclrtSetDevice, deviceId, &d);
+    if (ret == ACL_SUCCESS)
+        ret = sim_inject_call_failure(SIM_API_aclrtSetDevice);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
@@ -248,6 +250,8 @@ aclError sim_synchronize_current_device(enum sim_api api)
     sim_count(api);
     int32_t id;
     aclError ret = sim_current_device(&id);
+    if (ret == ACL_SUCCESS)
+        ret = sim_inject_call_failure(api);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);

@@ -107,6 +107,8 @@ static aclError queue_event_task(aclrtEvent event, aclrtStream stream, enum sim_
 {
     struct sim_stream *s;
     aclError ret = sim_stream_resolve(stream, &s);
+    if (ret == ACL_SUCCESS && kind == TASK_EVENT_RECORD)
+        ret = sim_inject_call_failure(SIM_API_aclrtRecordEvent);
     if (ret != ACL_SUCCESS)
         return ret;
     struct sim_task *t = calloc(1, sizeof *t);

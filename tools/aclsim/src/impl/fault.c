@@ -4,13 +4,19 @@
  * failing run can be replayed), and the next n on request of a test. Called
  * with the lock held, so the sequence is deterministic for a given call order.
  *
- * Releases of virtual memory (aclrtUnmapMem, aclrtFreePhysical) fail on
- * request of a test (aclsim_fail_release): after `skip` calls that succeed,
- * the next n fail with 207002 (ACL_ERROR_RT_MEMORY_FREE, the runtime's code
- * for a release the driver refused) and change nothing: the mapping stays
- * mapped, the handle stays live, as a failed driver call leaves them. */
+ * Other calls fail on request of a test, one table for all of them: after
+ * `skip` calls that succeed, the next n fail with an error and change
+ * nothing, as a failed driver call leaves things.
+ * - Releases of virtual memory (aclrtUnmapMem, aclrtFreePhysical;
+ *   aclsim_fail_release): 207002 (ACL_ERROR_RT_MEMORY_FREE, the runtime's code
+ *   for a release the driver refused): the mapping stays mapped, the handle live.
+ * - The calls stream-safe reuse depends on (aclsim_fail_next_calls): a device
+ *   that cannot be entered (aclrtSetDevice), work that cannot be waited for
+ *   (aclrtSynchronizeDevice, aclrtSynchronizeStream) or fenced
+ *   (aclrtRecordEvent), with the code the test names (e.g. 207004
+ *   ACL_ERROR_RT_NO_DEVICE for a device that is gone, 500000
+ *   ACL_ERROR_INTERNAL_ERROR). */
 #include <stdatomic.h>
-#include <string.h>
 
 #include "internal.h"
 
@@ -18,9 +24,15 @@ static uint64_t attempts;
 static uint64_t rng_state;
 static int rng_seeded;
 static uint32_t forced_failures;
+static const enum sim_api failable_calls[] = {SIM_API_aclrtUnmapMem, SIM_API_aclrtFreePhysical,
+                                              SIM_API_aclrtSetDevice, SIM_API_aclrtSynchronizeDevice,
+                                              SIM_API_aclrtSynchronizeStream, SIM_API_aclrtRecordEvent};
+#define FAILABLE_CALLS (sizeof failable_calls / sizeof *failable_calls)
+#define RELEASES 2 /* the first entries: aclsim_fail_release's */
 static struct {
     uint32_t skip, fail;
-} release_failures[2]; /* sim_lock; [0] aclrtUnmapMem, [1] aclrtFreePhysical */
+    aclError error;
+} call_failures[FAILABLE_CALLS]; /* sim_lock */
 static _Atomic uint64_t injected;
 
 /* splitmix64: small, fast, and good enough to decide coin flips. */
@@ -66,28 +78,64 @@ SIM_EXPORT void aclsim_fail_next_mallocs(uint32_t n)
 
 SIM_EXPORT uint64_t aclsim_injected_failures(void) { return atomic_load(&injected); }
 
-int sim_inject_release_failure(enum sim_api api)
+static int failable_index(const char *api, size_t first, size_t end)
 {
-    uint32_t i = api == SIM_API_aclrtUnmapMem ? 0 : 1;
-    if (release_failures[i].skip > 0) {
-        release_failures[i].skip--;
-        return 0;
+    int index = api == NULL ? -1 : sim_api_index(api);
+    for (size_t i = first; index >= 0 && i < end; i++)
+        if ((int)failable_calls[i] == index)
+            return (int)i;
+    return -1;
+}
+
+aclError sim_inject_call_failure_locked(enum sim_api api)
+{
+    for (size_t i = 0; i < FAILABLE_CALLS; i++) {
+        if (failable_calls[i] != api)
+            continue;
+        if (call_failures[i].skip > 0) {
+            call_failures[i].skip--;
+            return ACL_SUCCESS;
+        }
+        if (call_failures[i].fail == 0)
+            return ACL_SUCCESS;
+        call_failures[i].fail--;
+        atomic_fetch_add(&injected, 1);
+        return call_failures[i].error;
     }
-    if (release_failures[i].fail == 0)
-        return 0;
-    release_failures[i].fail--;
-    atomic_fetch_add(&injected, 1);
-    return 1;
+    return ACL_SUCCESS;
+}
+
+aclError sim_inject_call_failure(enum sim_api api)
+{
+    pthread_mutex_lock(&sim_lock);
+    aclError error = sim_inject_call_failure_locked(api);
+    pthread_mutex_unlock(&sim_lock);
+    return error;
+}
+
+static void set_call_failures(int i, uint32_t skip, uint32_t n, aclError error)
+{
+    pthread_mutex_lock(&sim_lock);
+    call_failures[i].skip = skip;
+    call_failures[i].fail = n;
+    call_failures[i].error = error;
+    pthread_mutex_unlock(&sim_lock);
 }
 
 SIM_EXPORT int aclsim_fail_release(const char *api, uint32_t skip, uint32_t n)
 {
-    int i = api == NULL ? -1 : strcmp(api, "aclrtUnmapMem") == 0 ? 0 : strcmp(api, "aclrtFreePhysical") == 0 ? 1 : -1;
+    int i = failable_index(api, 0, RELEASES);
     if (i < 0)
         return -1;
-    pthread_mutex_lock(&sim_lock);
-    release_failures[i].skip = skip;
-    release_failures[i].fail = n;
-    pthread_mutex_unlock(&sim_lock);
+    set_call_failures(i, skip, n, ACL_ERROR_RT_MEMORY_FREE);
+    return 0;
+}
+
+SIM_EXPORT int aclsim_fail_next_calls(const char *api, uint32_t n, int32_t error)
+{
+    int i = failable_index(api, RELEASES, FAILABLE_CALLS);
+    if (i < 0 || (error == ACL_SUCCESS && n > 0))
+        return -1;
+    set_call_failures(i, 0, n, error);
     return 0;
 }

@@ -37,6 +37,8 @@ extern pthread_cond_t sim_progress;
 #define SIM_API_ENUM(name) SIM_API_##name,
 enum sim_api { SIM_API_LIST(SIM_API_ENUM) SIM_API_COUNT };
 void sim_count(enum sim_api api);
+/* The API of a public name; -1 for a name the sim does not know. */
+int sim_api_index(const char *name);
 
 /* ---- violation counters and stderr reports (report.c) ---- */
 void sim_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -54,8 +56,11 @@ void sim_sleep_us(uint64_t us);
 
 /* ---- fault injection (fault.c): decides whether this raw allocation fails ---- */
 int sim_inject_alloc_failure(void);
-/* ... and whether this aclrtUnmapMem / aclrtFreePhysical fails (sim_lock held). */
-int sim_inject_release_failure(enum sim_api api);
+/* The error a test asked this call of api to fail with (aclsim_fail_release,
+ * aclsim_fail_next_calls), or ACL_SUCCESS: the call goes on. The first takes
+ * sim_lock, the second is called with it held. */
+aclError sim_inject_call_failure(enum sim_api api);
+aclError sim_inject_call_failure_locked(enum sim_api api);
 
 /* ---- lifecycle (lifecycle.c) ---- */
 aclError sim_require_init(void);       /* ACL_ERROR_UNINITIALIZE unless between aclInit and aclFinalize */

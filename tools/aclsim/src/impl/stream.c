@@ -204,6 +204,8 @@ SIM_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream)
     sim_count(SIM_API_aclrtSynchronizeStream);
     struct sim_stream *s;
     aclError ret = sim_stream_resolve(stream, &s);
+    if (ret == ACL_SUCCESS)
+        ret = sim_inject_call_failure(SIM_API_aclrtSynchronizeStream);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);

@@ -197,7 +197,7 @@ SIM_EXPORT aclError simrt_FreePhysical(aclrtDrvMemHandle handle)
     sim_spend_us(sim_config()->free_us);
     pthread_mutex_lock(&sim_lock);
     struct sim_physical *h = handle;
-    if (!is_live_physical(h) || h->maps > 0 || sim_inject_release_failure(SIM_API_aclrtFreePhysical)) {
+    if (!is_live_physical(h) || h->maps > 0 || sim_inject_call_failure_locked(SIM_API_aclrtFreePhysical) != ACL_SUCCESS) {
         pthread_mutex_unlock(&sim_lock);
         return is_live_physical(h) ? ACL_ERROR_RT_MEMORY_FREE : ACL_ERROR_INVALID_PARAM;
     }
@@ -263,7 +263,7 @@ SIM_EXPORT aclError simrt_UnmapMem(void *virPtr)
     while (link != NULL && *link != NULL && (*link)->va != (char *)virPtr)
         link = &(*link)->next;
     struct sim_mapping *m = link != NULL ? *link : NULL;
-    if (m != NULL && sim_inject_release_failure(SIM_API_aclrtUnmapMem)) {
+    if (m != NULL && sim_inject_call_failure_locked(SIM_API_aclrtUnmapMem) != ACL_SUCCESS) {
         pthread_mutex_unlock(&sim_lock);
         return ACL_ERROR_RT_MEMORY_FREE; /* injected: still mapped */
     }

@@ -1,0 +1,88 @@
+/* Reading another process's stats region and posting it commands: the C side
+ * of `npualloc stats/ls/empty-cache/...` and of the Python API's pid= calls
+ * (libnpualloc_reader.so, loaded by npualloc/region.py through cffi).
+ *
+ * It exists for the memory ordering: the allocator publishes with C11
+ * release stores and fences (core/internal.h's seqlock, region.c's command
+ * slot), and only C atomics give the matching acquire loads on CPUs that
+ * reorder loads, such as the aarch64 (Kunpeng) hosts of Ascend NPUs.
+ * Everything between the cffi markers must stay parseable by cffi's cdef,
+ * after npualloc_shm.h's section. */
+#ifndef NPUALLOC_READER_H
+#define NPUALLOC_READER_H
+
+#include <stdint.h>
+
+#include "npualloc_shm.h"
+
+#pragma GCC visibility push(default)
+/* cffi:begin */
+/* What npualloc_reader_open found; the caller words each one for its user. */
+#define NPUALLOC_OPEN_OK 0
+#define NPUALLOC_OPEN_ERRNO 1          /* open(2) failed: .error (ENOENT, EACCES, ELOOP for a link ...) */
+#define NPUALLOC_OPEN_NOT_REGULAR 2    /* a FIFO, device, directory ...: .mode, .uid; never read */
+#define NPUALLOC_OPEN_OTHER_OWNER 3    /* the file's owner (.uid) is not the process's user */
+#define NPUALLOC_OPEN_TRUNCATED 4      /* .size < sizeof(npualloc_region) */
+#define NPUALLOC_OPEN_MAP_FAILED 5     /* fstat or mmap failed: .error */
+#define NPUALLOC_OPEN_BAD_MAGIC 6
+#define NPUALLOC_OPEN_BAD_VERSION 7    /* .version: another npualloc's layout */
+#define NPUALLOC_OPEN_BAD_SIZE 8       /* .declared_size != sizeof(npualloc_region) */
+#define NPUALLOC_OPEN_BAD_DEVICES 9    /* header.device_count > NPUALLOC_MAX_DEVICES */
+
+/* npualloc_reader_stats results. */
+#define NPUALLOC_READ_OK 0
+#define NPUALLOC_READ_BUSY 1           /* every attempt met a writer inside its seqlock */
+#define NPUALLOC_READ_BAD_DEVICE 2
+
+/* npualloc_reader_post results. */
+#define NPUALLOC_POST_OK 0
+#define NPUALLOC_POST_READ_ONLY 1      /* the file was opened read-only */
+#define NPUALLOC_POST_SEQ_EXHAUSTED 2  /* request_seq is at 2^64-1: no process counts that far */
+
+/* One opened region file. The mapping covers exactly sizeof(npualloc_region)
+ * bytes and exists only once every check passed. */
+typedef struct npualloc_region_file {
+    int32_t fd;                /* -1 once closed; the requesters' flock is taken on it */
+    int32_t error;             /* errno of a failed open, fstat or mmap */
+    uint32_t mode;             /* fstat: st_mode */
+    uint32_t uid;              /* fstat: st_uid */
+    int64_t size;              /* fstat: st_size */
+    uint32_t version;          /* header.version found (NPUALLOC_OPEN_BAD_VERSION) */
+    int32_t writable;
+    uint64_t declared_size;    /* header.size found (NPUALLOC_OPEN_BAD_SIZE) */
+    npualloc_region *region;   /* NULL unless NPUALLOC_OPEN_OK */
+} npualloc_region_file;
+
+/* Opens name in the directory dir_fd (AT_FDCWD: the current one; the
+ * caller checked the directory) with O_NONBLOCK | O_NOFOLLOW, so a planted
+ * FIFO cannot block us and a link cannot lead elsewhere; fstats the
+ * descriptor before any read; then checks owner (owner_uid: the process's
+ * user), size, magic, version, header size and device count, in that order.
+ * Returns an NPUALLOC_OPEN_* code; on failure nothing stays open. */
+int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_uid, int32_t writable,
+                             npualloc_region_file *file);
+/* Unmaps and closes; idempotent. */
+void npualloc_reader_close(npualloc_region_file *file);
+
+/* A consistent copy of one device's stats: copied between two reads of an
+ * even, unchanged seq, at most `attempts` times (a yield between two). BUSY
+ * when every attempt met a writer inside; *out is then unspecified. */
+int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
+                              npualloc_device_stats *out);
+/* The same for one device's memory_saver figures (their own seqlock). */
+int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
+                                    npualloc_saver_stats *out);
+
+/* The sequence number of the last command posted to the process. */
+uint64_t npualloc_reader_request_seq(const npualloc_region *region);
+/* Stores code, device and arg, then publishes them by request_seq + 1 with
+ * release ordering; *seq gets the new number. The caller serialises
+ * requesters (flock on file->fd). */
+int32_t npualloc_reader_post(npualloc_region_file *file, int32_t code, int32_t device, double arg, uint64_t *seq);
+/* 1 once the process acknowledged seq (ack_seq >= seq), *status then holds
+ * its NPUALLOC_CMD_* answer; 0 while it has not. */
+int32_t npualloc_reader_acked(const npualloc_region *region, uint64_t seq, int32_t *status);
+/* cffi:end */
+#pragma GCC visibility pop
+
+#endif

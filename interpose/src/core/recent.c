@@ -1,0 +1,83 @@
+/* The recent cache: programs free and allocate the same small sizes over and
+ * over (a step's activations, workspaces), so a small block freed with no
+ * fence needed is held whole for the next malloc of its rounded size. That
+ * pair skips the pool's best-fit search, the split, the merge and the block
+ * structs they move: the hit path becomes a scan of a few sizes.
+ *
+ * A held block is free for every purpose but reuse by another size: the
+ * stats count it as the pool counts a free block that merged with nothing
+ * (reserved, not allocated, not active; an inactive split block when its
+ * segment is split), largest_free_block sees it, snapshots show it
+ * inactive, history records its free as completed. Only the merge waits,
+ * so inactive_split can read up to capacity blocks more than torch's would
+ * (recent_blocks:0 turns the cache off). Whatever needs merged free space
+ * returns every held block to its pool first: a small-pool miss before it
+ * asks the device for memory, the OOM retry, empty_cache, reset. A free
+ * that needs a fence or a stream's event (stream-safe reuse) never comes
+ * here; a block freed on its own stream does, and serves only that stream's
+ * pool again. */
+#include "internal.h"
+
+/* Unlinks slot i; the last slot moves into it. */
+static npa_block *remove_at(npa_recent *r, unsigned i) {
+    npa_block *b = r->blocks[i];
+    size_t size = r->sizes[i];
+    unsigned last = --r->count;
+    r->sizes[i] = r->sizes[last];
+    r->blocks[i] = r->blocks[last];
+    r->stamps[i] = r->stamps[last];
+    r->bytes -= size;
+    if (size == r->largest) {
+        r->largest = 0;
+        for (unsigned k = 0; k < r->count; k++)
+            if (r->sizes[k] > r->largest) r->largest = r->sizes[k];
+    }
+    return b;
+}
+
+static unsigned oldest(const npa_recent *r) {
+    unsigned at = 0;
+    for (unsigned i = 1; i < r->count; i++)
+        if (r->stamps[i] < r->stamps[at]) at = i;
+    return at;
+}
+
+void npa_recent_put(npa_device *d, npa_block *b) {
+    npa_recent *r = &d->recent;
+    while (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_pool_return(d, remove_at(r, oldest(r)));
+
+    npualloc_device_stats *s = d->stats;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
+    npa_stats_begin(d);
+    if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
+        npa_pool_stat_increase(s->inactive_split, true, 1);
+        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);
+    }
+    npa_pool_stat_decrease(s->active, true, 1);
+    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)b->size);
+    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)b->requested);
+    b->phase = NPA_PHASE_RECENT;
+    b->requested = 0;
+    r->sizes[r->count] = b->size;
+    r->blocks[r->count] = b;
+    r->stamps[r->count] = r->clock++;
+    r->count++;
+    r->bytes += b->size;
+    if (b->size > r->largest) r->largest = b->size;
+    npa_stats_end(d);
+}
+
+npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size) {
+    npa_recent *r = &d->recent;
+    for (unsigned i = 0; i < r->count; i++)
+        if (r->sizes[i] == size && r->blocks[i]->pool == pool) return remove_at(r, i);
+    return NULL;
+}
+
+void npa_recent_flush(npa_device *d) {
+    npa_recent *r = &d->recent;
+    if (r->count == 0) return;
+    npa_stats_begin(d);
+    while (r->count > 0) npa_pool_return(d, remove_at(r, oldest(r)));
+    npa_stats_end(d);
+}

@@ -1,0 +1,38 @@
+/* The requester's side of the command slot (npualloc_shm.h). The process
+ * (region.c's npa_region_poll_slow, pause.c) loads request_seq with acquire,
+ * then reads code, device and arg, and answers by storing ack_status and then
+ * ack_seq with release. So here: the fields first, request_seq last with
+ * release; ack_seq with acquire before ack_status. On x86-64 program order
+ * gives both; on aarch64 only these orderings do. */
+#include "npualloc_reader.h"
+
+uint64_t npualloc_reader_request_seq(const npualloc_region *region)
+{
+    return __atomic_load_n(&region->command.request_seq, __ATOMIC_RELAXED);
+}
+
+int32_t npualloc_reader_post(npualloc_region_file *file, int32_t code, int32_t device, double arg, uint64_t *seq)
+{
+    if (!file->writable)
+        return NPUALLOC_POST_READ_ONLY;
+    npualloc_command *command = &file->region->command;
+    /* Requesters are serialised by the caller, and the process never writes
+     * request_seq: nobody else moves it between this load and the store. */
+    uint64_t last = __atomic_load_n(&command->request_seq, __ATOMIC_RELAXED);
+    if (last == UINT64_MAX)
+        return NPUALLOC_POST_SEQ_EXHAUSTED;
+    __atomic_store_n(&command->code, code, __ATOMIC_RELAXED);
+    __atomic_store_n(&command->device, device, __ATOMIC_RELAXED);
+    __atomic_store(&command->arg, &arg, __ATOMIC_RELAXED);
+    *seq = last + 1;
+    __atomic_store_n(&command->request_seq, *seq, __ATOMIC_RELEASE);
+    return NPUALLOC_POST_OK;
+}
+
+int32_t npualloc_reader_acked(const npualloc_region *region, uint64_t seq, int32_t *status)
+{
+    if (__atomic_load_n(&region->command.ack_seq, __ATOMIC_ACQUIRE) < seq)
+        return 0;
+    *status = __atomic_load_n(&region->command.ack_status, __ATOMIC_RELAXED);
+    return 1;
+}

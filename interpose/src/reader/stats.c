@@ -1,0 +1,70 @@
+/* The reading side of the per-device seqlocks: the device stats, whose
+ * writer is npa_stats_begin/npa_stats_end (core/internal.h), and the
+ * memory_saver figures (hook/saver.c's publish). Both writers make seq odd,
+ * fence (release), store the figures, then make seq even with a release
+ * store. Here: seq with acquire, the copy, an acquire fence, seq again. The
+ * acquire fence keeps the copy's loads before the second seq load; on
+ * aarch64 nothing else would (x86-64 never reorders loads with loads). */
+#include "npualloc_reader.h"
+
+#include <sched.h>
+#include <stddef.h>
+#include <string.h>
+
+_Static_assert(offsetof(npualloc_device_stats, seq) == 0 && offsetof(npualloc_saver_stats, seq) == 0,
+               "each seqlocked struct starts with its seq");
+_Static_assert(sizeof(npualloc_device_stats) % sizeof(uint64_t) == 0 &&
+                   sizeof(npualloc_saver_stats) % sizeof(uint64_t) == 0,
+               "the copy moves whole words");
+
+/* Word by word with relaxed atomic loads: a copy that races a writer is
+ * thrown away, but each load still has to be a single, untorn access.
+ * ThreadSanitizer cannot model this (the core's stores are plain, made under
+ * its device mutex, and the fences are invisible to it), so the copy is left
+ * uninstrumented; the seq loads around it stay checked. */
+__attribute__((no_sanitize("thread")))
+static void copy_words(void *out, const void *source, size_t size)
+{
+    const uint64_t *from = source;
+    unsigned char *to = out;
+    for (size_t i = 0; i < size / sizeof(uint64_t); i++) {
+        uint64_t word = __atomic_load_n(&from[i], __ATOMIC_RELAXED);
+        memcpy(to + i * sizeof word, &word, sizeof word);
+    }
+}
+
+/* source and out start with their uint64_t seq. */
+static int32_t seqlock_copy(const void *source, void *out, size_t size, uint32_t attempts)
+{
+    const uint64_t *seq = source;
+    for (uint32_t attempt = 0; attempt < attempts; attempt++) {
+        if (attempt > 0)
+            sched_yield(); /* let a writer that was preempted inside finish */
+        uint64_t before = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
+        if (before & 1)
+            continue;
+        copy_words(out, source, size);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(seq, __ATOMIC_RELAXED) == before) {
+            memcpy(out, &before, sizeof before);
+            return NPUALLOC_READ_OK;
+        }
+    }
+    return NPUALLOC_READ_BUSY;
+}
+
+int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
+                              npualloc_device_stats *out)
+{
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+        return NPUALLOC_READ_BAD_DEVICE;
+    return seqlock_copy(&region->devices[device], out, sizeof *out, attempts);
+}
+
+int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
+                                    npualloc_saver_stats *out)
+{
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+        return NPUALLOC_READ_BAD_DEVICE;
+    return seqlock_copy(&region->saver[device], out, sizeof *out, attempts);
+}

@@ -1,0 +1,385 @@
+/* libnpualloc_reader (interpose/src/reader): opening crafted region files,
+ * the seqlock copy, the command slot, and both against concurrent writers: the
+ * real core publishing into a region while reader threads copy it, and a
+ * process-side thread answering commands while a requester posts them.
+ * `make ctest-aarch64` runs this under qemu-aarch64 too. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "npualloc_reader.h"
+#include "test_util.h"
+
+static char dir[] = "/tmp/npualloc-test-reader.XXXXXX";
+
+static void region_template(npualloc_region *r) {
+    memset(r, 0, sizeof *r);
+    r->header.magic = NPUALLOC_SHM_MAGIC;
+    r->header.version = NPUALLOC_SHM_VERSION;
+    r->header.size = sizeof *r;
+    r->header.pid = (int32_t)getpid();
+    r->header.uid = (uint32_t)geteuid();
+}
+
+/* Writes len bytes of data as <dir>/name (replacing it); returns its path. */
+static const char *write_file(const char *name, const void *data, size_t len) {
+    static char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    unlink(path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    CHECK(fd >= 0);
+    CHECK_EQ(write(fd, data, len), (long long)len);
+    close(fd);
+    return path;
+}
+
+static int32_t open_path(const char *path, int32_t writable, npualloc_region_file *file) {
+    return npualloc_reader_open(AT_FDCWD, path, (uint32_t)geteuid(), writable, file);
+}
+
+/* Opens a region file made from the template after `damage`, expecting `verdict`. */
+static npualloc_region_file open_damaged(void (*damage)(npualloc_region *), size_t len, int32_t verdict) {
+    static npualloc_region r;
+    region_template(&r);
+    if (damage) damage(&r);
+    npualloc_region_file file;
+    CHECK_EQ(open_path(write_file("region", &r, len), 0, &file), verdict);
+    if (verdict != NPUALLOC_OPEN_OK) {
+        CHECK(file.region == NULL);
+        CHECK_EQ(file.fd, -1);
+    }
+    return file;
+}
+
+static void bad_magic(npualloc_region *r) { r->header.magic ^= 1; }
+static void newer_version(npualloc_region *r) { r->header.version = NPUALLOC_SHM_VERSION + 1; }
+static void wrong_size(npualloc_region *r) { r->header.size = sizeof *r + 8; }
+static void too_many_devices(npualloc_region *r) { r->header.device_count = NPUALLOC_MAX_DEVICES + 1; }
+
+static void test_open_validates_in_order(void) {
+    npualloc_region_file file = open_damaged(NULL, sizeof(npualloc_region), NPUALLOC_OPEN_OK);
+    CHECK(file.region != NULL);
+    CHECK_EQ(file.region->header.pid, getpid());
+    CHECK_EQ(file.size, sizeof(npualloc_region));
+    npualloc_reader_close(&file);
+    npualloc_reader_close(&file); /* idempotent */
+    CHECK_EQ(file.fd, -1);
+
+    file = open_damaged(NULL, sizeof(npualloc_region) - 1, NPUALLOC_OPEN_TRUNCATED);
+    CHECK_EQ(file.size, sizeof(npualloc_region) - 1);
+    open_damaged(NULL, 0, NPUALLOC_OPEN_TRUNCATED);
+    open_damaged(bad_magic, sizeof(npualloc_region), NPUALLOC_OPEN_BAD_MAGIC);
+    file = open_damaged(newer_version, sizeof(npualloc_region), NPUALLOC_OPEN_BAD_VERSION);
+    CHECK_EQ(file.version, NPUALLOC_SHM_VERSION + 1);
+    file = open_damaged(wrong_size, sizeof(npualloc_region), NPUALLOC_OPEN_BAD_SIZE);
+    CHECK_EQ(file.declared_size, sizeof(npualloc_region) + 8);
+    open_damaged(too_many_devices, sizeof(npualloc_region), NPUALLOC_OPEN_BAD_DEVICES);
+}
+
+static void test_open_refuses_what_is_not_our_regular_file(void) {
+    char path[256], target[256];
+    npualloc_region_file file;
+    snprintf(path, sizeof path, "%s/planted", dir);
+
+    /* A FIFO nobody writes to: the open must neither block nor read it. */
+    CHECK_EQ(mkfifo(path, 0666), 0);
+    CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_NOT_REGULAR);
+    CHECK(S_ISFIFO(file.mode));
+    CHECK_EQ(open_path(path, 1, &file), NPUALLOC_OPEN_NOT_REGULAR);
+    unlink(path);
+
+    /* A link to a well-formed region is not followed. */
+    npualloc_region r;
+    region_template(&r);
+    snprintf(target, sizeof target, "%s", write_file("target", &r, sizeof r));
+    CHECK_EQ(symlink(target, path), 0);
+    CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_ERRNO);
+    CHECK_EQ(file.error, ELOOP);
+    unlink(path);
+
+    CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_ERRNO);
+    CHECK_EQ(file.error, ENOENT);
+    CHECK_EQ(open_path(dir, 0, &file), NPUALLOC_OPEN_NOT_REGULAR);
+
+    /* Relative to a directory descriptor, as the package opens regions;
+     * owned by someone else than the process it should belong to: refused. */
+    int dir_fd = open(dir, O_RDONLY | O_DIRECTORY);
+    CHECK_EQ(npualloc_reader_open(dir_fd, "target", (uint32_t)geteuid(), 0, &file), NPUALLOC_OPEN_OK);
+    npualloc_reader_close(&file);
+    CHECK_EQ(npualloc_reader_open(dir_fd, "target", (uint32_t)geteuid() + 1, 0, &file), NPUALLOC_OPEN_OTHER_OWNER);
+    CHECK_EQ(file.uid, geteuid());
+    close(dir_fd);
+    unlink(target);
+}
+
+static void test_stats_copy_is_bounded(void) {
+    static npualloc_region r;
+    region_template(&r);
+    npualloc_device_stats out;
+    r.devices[3].seq = 8;
+    r.devices[3].num_cache_hits = 42;
+    CHECK_EQ(npualloc_reader_stats(&r, 3, 1, &out), NPUALLOC_READ_OK);
+    CHECK_EQ(out.seq, 8);
+    CHECK_EQ(out.num_cache_hits, 42);
+    CHECK(memcmp(&out, &r.devices[3], sizeof out) == 0);
+
+    r.devices[3].seq = 9; /* a writer inside, for good: the attempts run out */
+    CHECK_EQ(npualloc_reader_stats(&r, 3, 50, &out), NPUALLOC_READ_BUSY);
+    CHECK_EQ(npualloc_reader_stats(&r, 3, 0, &out), NPUALLOC_READ_BUSY);
+    CHECK_EQ(npualloc_reader_stats(&r, -1, 1, &out), NPUALLOC_READ_BAD_DEVICE);
+    CHECK_EQ(npualloc_reader_stats(&r, NPUALLOC_MAX_DEVICES, 1, &out), NPUALLOC_READ_BAD_DEVICE);
+
+    npualloc_saver_stats saver;
+    r.saver[1].seq = 2;
+    r.saver[1].paused_bytes = 4 * MiB;
+    CHECK_EQ(npualloc_reader_saver_stats(&r, 1, 1, &saver), NPUALLOC_READ_OK);
+    CHECK(memcmp(&saver, &r.saver[1], sizeof saver) == 0);
+    r.saver[1].seq = 3;
+    CHECK_EQ(npualloc_reader_saver_stats(&r, 1, 50, &saver), NPUALLOC_READ_BUSY);
+    CHECK_EQ(npualloc_reader_saver_stats(&r, NPUALLOC_MAX_DEVICES, 1, &saver), NPUALLOC_READ_BAD_DEVICE);
+}
+
+static void test_post_and_ack(void) {
+    npualloc_region r;
+    region_template(&r);
+    npualloc_region_file file = open_damaged(NULL, sizeof r, NPUALLOC_OPEN_OK); /* read-only */
+    uint64_t seq = 0;
+    int32_t status = -1;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_EMPTY_CACHE, -1, 0.0, &seq), NPUALLOC_POST_READ_ONLY);
+    CHECK_EQ(file.region->command.request_seq, 0);
+    npualloc_reader_close(&file);
+
+    CHECK_EQ(open_path(write_file("region", &r, sizeof r), 1, &file), NPUALLOC_OPEN_OK);
+    npualloc_command *c = &file.region->command;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_SET_GC_THRESHOLD, 2, 0.75, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(seq, 1);
+    CHECK_EQ(npualloc_reader_request_seq(file.region), 1);
+    CHECK(c->code == NPUALLOC_CMD_SET_GC_THRESHOLD && c->device == 2 && c->arg == 0.75);
+    CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 0);
+    c->ack_status = NPUALLOC_CMD_EINVAL;
+    c->ack_seq = 1;
+    CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 1);
+    CHECK_EQ(status, NPUALLOC_CMD_EINVAL);
+
+    /* A crafted region at the end of the counter: refused, nothing stored. */
+    c->request_seq = UINT64_MAX;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_SNAPSHOT, 0, 1.0, &seq), NPUALLOC_POST_SEQ_EXHAUSTED);
+    CHECK_EQ(c->request_seq, UINT64_MAX);
+    CHECK_EQ(c->code, NPUALLOC_CMD_SET_GC_THRESHOLD);
+    npualloc_reader_close(&file);
+}
+
+/* --- the seqlock against the real writer ------------------------------- */
+
+#define READERS 2
+#define CHECKPOINTS 40
+#define OPS_PER_CHECKPOINT 400
+
+static const char *const pooled_names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                                           "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                                           "requested_bytes"};
+
+/* What every state the core publishes satisfies (no reset runs here): each
+ * per-pool stat is the sum of its two pools, and current = allocated - freed.
+ * A copy torn across an update breaks one of them. Returns the violations. */
+static int inconsistencies(const npualloc_device_stats *s) {
+    const npualloc_stat *pooled[] = {s->allocation, s->segment, s->active, s->inactive_split, s->allocated_bytes,
+                                     s->reserved_bytes, s->active_bytes, s->inactive_split_bytes,
+                                     s->requested_bytes};
+    int bad = 0;
+    for (size_t i = 0; i < sizeof pooled / sizeof *pooled; i++) {
+        const npualloc_stat *st = pooled[i];
+        for (int pool = 0; pool < NPUALLOC_POOL_COUNT; pool++)
+            if (st[pool].current != st[pool].allocated - st[pool].freed || st[pool].current > st[pool].peak) bad++;
+        if (st[0].current != st[1].current + st[2].current || st[0].allocated != st[1].allocated + st[2].allocated ||
+            st[0].freed != st[1].freed + st[2].freed) {
+            if (bad++ == 0) fprintf(stderr, "inconsistent %s\n", pooled_names[i]);
+        }
+    }
+    /* torch's order: a free lowers allocated at once, active once the block is really free. */
+    if (!(s->allocated_bytes[0].current <= s->active_bytes[0].current &&
+          s->active_bytes[0].current <= s->reserved_bytes[0].current))
+        bad++;
+    if (s->segment[0].current != s->num_device_alloc - s->num_device_free) bad++;
+    if (s->num_cache_hits + s->num_cache_misses != s->allocation[0].allocated) bad++;
+    if (s->seq % 2 != 0) bad++;
+    return bad;
+}
+
+static struct {
+    npualloc_region *region;
+    _Atomic int checkpoint;            /* the writer's; a reader's snapshot after it covers its updates */
+    _Atomic int reader_checkpoint[READERS];
+    _Atomic int writer_done;
+} race;
+
+typedef struct reader_result {
+    long snapshots, busy, inconsistent, went_back, distinct;
+} reader_result;
+
+static void *reader_thread(void *arg) {
+    int index = (int)(intptr_t)arg;
+    reader_result *result = calloc(1, sizeof *result);
+    uint64_t last_seq = 0;
+    for (;;) {
+        int done = atomic_load(&race.writer_done);
+        int checkpoint = atomic_load(&race.checkpoint);
+        npualloc_device_stats copy;
+        if (npualloc_reader_stats(race.region, 0, 1000, &copy) != NPUALLOC_READ_OK) {
+            result->busy++;
+            continue;
+        }
+        result->snapshots++;
+        if (inconsistencies(&copy)) result->inconsistent++;
+        if (copy.seq < last_seq) result->went_back++;
+        if (copy.seq != last_seq) result->distinct++;
+        last_seq = copy.seq;
+        atomic_store(&race.reader_checkpoint[index], checkpoint);
+        if (done) break;
+    }
+    return result;
+}
+
+/* Random mallocs and frees of small and large blocks, so every pool stat and
+ * segment allocations and releases move; a checkpoint every
+ * OPS_PER_CHECKPOINT waits until each reader has copied since, so the readers
+ * see the run's states whatever the scheduling. */
+static void run_writer(fixture *fx) {
+    void *live[64] = {0};
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    for (int checkpoint = 1; checkpoint <= CHECKPOINTS; checkpoint++) {
+        for (int op = 0; op < OPS_PER_CHECKPOINT; op++) {
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+            void **slot = &live[rng % 64];
+            if (*slot) {
+                CHECK_EQ(npa_free(fx->a, *slot, 0, NULL), NPA_FREE_OK);
+                *slot = NULL;
+            } else {
+                size_t size = (rng >> 8) % 4 == 0 ? (rng >> 16) % (24 * MiB) + 1 : (rng >> 16) % (512 * KiB) + 1;
+                *slot = alloc_exact(fx, 0, size);
+            }
+            if (op % 97 == 0) npa_empty_cache(fx->a, 0); /* segments go back: reserved and segment stats fall */
+        }
+        atomic_store(&race.checkpoint, checkpoint);
+        for (int i = 0; i < READERS; i++)
+            while (atomic_load(&race.reader_checkpoint[i]) < checkpoint) sched_yield();
+    }
+    for (int i = 0; i < 64; i++)
+        if (live[i]) CHECK_EQ(npa_free(fx->a, live[i], 0, NULL), NPA_FREE_OK);
+}
+
+static void test_snapshots_stay_consistent_under_a_writer(void) {
+    race.region = calloc(1, sizeof *race.region);
+    atomic_store(&race.checkpoint, 0);
+    atomic_store(&race.writer_done, 0);
+    fixture fx;
+    fake_init(&fx.fake, 64 * GiB, false);
+    fx.fake.stats[0] = &race.region->devices[0];
+    fixture_start(&fx, NULL);
+    pthread_t readers[READERS];
+    for (int i = 0; i < READERS; i++) {
+        atomic_store(&race.reader_checkpoint[i], 0);
+        CHECK_EQ(pthread_create(&readers[i], NULL, reader_thread, (void *)(intptr_t)i), 0);
+    }
+    run_writer(&fx);
+    atomic_store(&race.writer_done, 1);
+    for (int i = 0; i < READERS; i++) {
+        reader_result *result;
+        pthread_join(readers[i], (void **)&result);
+        printf("reader %d: %ld snapshots, %ld distinct, %ld gave up after 1000 attempts\n", i, result->snapshots,
+               result->distinct, result->busy);
+        CHECK_EQ(result->inconsistent, 0);
+        CHECK_EQ(result->went_back, 0);
+        CHECK(result->distinct >= CHECKPOINTS); /* it copied at least once after every checkpoint */
+        free(result);
+    }
+    /* The writer's last state, read quietly, is its own copy. */
+    npualloc_device_stats copy, own = stats_of(&fx, 0);
+    CHECK_EQ(npualloc_reader_stats(race.region, 0, 1, &copy), NPUALLOC_READ_OK);
+    CHECK(memcmp(&copy, &own, sizeof copy) == 0);
+    CHECK_EQ(inconsistencies(&copy), 0);
+    CHECK(copy.num_device_free > 0 && copy.allocation[0].allocated > CHECKPOINTS * OPS_PER_CHECKPOINT / 3);
+    fixture_destroy(&fx);
+    free(race.region);
+}
+
+/* --- the command slot against a process-side thread --------------------- */
+
+#define COMMANDS 3000
+
+/* What the requester posts as command seq; the process side checks it got it. */
+static int32_t code_for(uint64_t seq) { return (int32_t)(seq % 8) + 1; }
+static int32_t device_for(uint64_t seq) { return (int32_t)(seq % 17) - 1; }
+static double arg_for(uint64_t seq) { return (double)seq * 0.5; }
+
+/* The process's side as npa_region_poll_slow does it: request_seq with
+ * acquire, the fields, then ack_status and ack_seq with release; the status
+ * says whether the fields were the ones posted with that seq. */
+static void *process_thread(void *arg) {
+    npualloc_command *c = &((npualloc_region *)arg)->command;
+    uint64_t acked = 0;
+    while (acked < COMMANDS) {
+        uint64_t requested = __atomic_load_n(&c->request_seq, __ATOMIC_ACQUIRE);
+        if (requested == acked) {
+            sched_yield();
+            continue;
+        }
+        int32_t code = __atomic_load_n(&c->code, __ATOMIC_RELAXED);
+        int32_t device = __atomic_load_n(&c->device, __ATOMIC_RELAXED);
+        double value;
+        __atomic_load(&c->arg, &value, __ATOMIC_RELAXED);
+        int ok = code == code_for(requested) && device == device_for(requested) && value == arg_for(requested);
+        __atomic_store_n(&c->ack_status, ok ? NPUALLOC_CMD_OK : NPUALLOC_CMD_EINVAL, __ATOMIC_RELAXED);
+        __atomic_store_n(&c->ack_seq, requested, __ATOMIC_RELEASE);
+        acked = requested;
+    }
+    return NULL;
+}
+
+static void test_commands_arrive_whole(void) {
+    npualloc_region r;
+    region_template(&r);
+    npualloc_region_file file;
+    CHECK_EQ(open_path(write_file("region", &r, sizeof r), 1, &file), NPUALLOC_OPEN_OK);
+    pthread_t process;
+    CHECK_EQ(pthread_create(&process, NULL, process_thread, file.region), 0);
+    long rejected = 0, answered = 0;
+    for (uint64_t next = 1; next <= COMMANDS; next++) {
+        uint64_t seq = 0;
+        CHECK_EQ(npualloc_reader_post(&file, code_for(next), device_for(next), arg_for(next), &seq), NPUALLOC_POST_OK);
+        CHECK_EQ(seq, next);
+        int32_t status;
+        while (!npualloc_reader_acked(file.region, seq, &status)) sched_yield();
+        answered++;
+        if (status != NPUALLOC_CMD_OK) rejected++;
+    }
+    pthread_join(process, NULL);
+    CHECK_EQ(answered, COMMANDS);
+    CHECK_EQ(rejected, 0);
+    npualloc_reader_close(&file);
+}
+
+int main(void) {
+    CHECK(mkdtemp(dir) != NULL);
+    RUN(test_open_validates_in_order);
+    RUN(test_open_refuses_what_is_not_our_regular_file);
+    RUN(test_stats_copy_is_bounded);
+    RUN(test_post_and_ack);
+    RUN(test_snapshots_stay_consistent_under_a_writer);
+    RUN(test_commands_arrive_whole);
+    char path[256];
+    snprintf(path, sizeof path, "%s/region", dir);
+    unlink(path);
+    rmdir(dir);
+    return check_report();
+}

@@ -1,0 +1,206 @@
+/* The recent cache (core/recent.c): a small block freed with no fence
+ * needed waits whole for the next malloc of its size. Its stats are a free
+ * block's, a miss, an OOM retry and empty_cache get it back merged, a double
+ * free of it is refused, a fenced free never enters it, and recent_blocks
+ * bounds it (0: torch's merge at every free). */
+#include <stdint.h>
+#include <string.h>
+
+#include "check.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+static void test_same_size_reuses_the_block_whole(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p1 = alloc_exact(&fx, 0, 1000);
+    void *p2 = alloc_exact(&fx, 0, 3000);
+    CHECK_EQ(npa_free(fx.a, p1, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    /* A free block that merged with nothing: not allocated, not active,
+     * inactive split, reserved as before. */
+    check_stat(s.allocation[NPUALLOC_POOL_SMALL], 1, 2, 2, 1);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 3072, 4096, 4096, 1024);
+    check_stat(s.active[NPUALLOC_POOL_ALL], 1, 2, 2, 1);
+    check_stat(s.active_bytes[NPUALLOC_POOL_SMALL], 3072, 4096, 4096, 1024);
+    check_stat(s.requested_bytes[NPUALLOC_POOL_ALL], 3000, 4000, 4000, 1000);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 2); /* p1's block and the tail */
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB - 3072);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB);
+    CHECK_EQ(s.largest_free_block, 2 * MiB - 4096);
+    segment_shape shape = shape_of(&fx, 0);
+    CHECK_EQ(shape.blocks, 3);
+    CHECK_EQ(shape.inactive_bytes, 2 * MiB - 3072); /* snapshots show it inactive */
+
+    void *again = alloc_exact(&fx, 0, 1000); /* the same rounded size */
+    CHECK(again == p1);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_cache_hits, 2); /* p1's first malloc grew the pool */
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 4096, 4096, 5120, 1024);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 1);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB - 4096);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    CHECK_EQ(npa_free(fx.a, again, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, p2, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).allocation[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_double_free_of_a_held_block_is_refused(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_INVALID);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_invalid_frees, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
+/* A small request the pool cannot serve merges the held blocks back before
+ * asking the device: the segment they free serves it, no new segment. */
+static void test_a_miss_merges_held_blocks_before_growing(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *quarter[4];
+    for (int i = 0; i < 4; i++) quarter[i] = alloc_exact(&fx, 0, MiB / 2); /* one whole 2 MiB segment */
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    CHECK_EQ(npa_free(fx.a, quarter[1], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, quarter[2], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2); /* held, not merged */
+    void *whole = alloc_exact(&fx, 0, MiB); /* no block of 1 MiB until the two merge */
+    CHECK(whole == quarter[1]);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 0);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_SMALL].current, 0);
+    CHECK_EQ(s.num_cache_hits, 4);
+    fixture_destroy(&fx);
+}
+
+static void test_empty_cache_returns_held_memory(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 1000);
+    void *q = alloc_exact(&fx, 0, 1000);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.largest_free_block, 0);
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    fixture_destroy(&fx);
+}
+
+/* A device whose small segments are cached, one of them held in the recent
+ * cache: a large request's OOM retry gets it back and releases it too. */
+static void test_oom_retry_releases_held_blocks(void) {
+    fixture fx;
+    fixture_init(&fx, 12 * MiB, NULL);
+    void *p[4];
+    for (int i = 0; i < 4; i++) p[i] = alloc_exact(&fx, 0, MiB); /* two small segments, two blocks each */
+    CHECK_EQ(fx.fake.raw_malloc_calls, 2);
+    /* 2 MiB of room: p[2] and p[3] stay held, p[0] and p[1] go back merged. */
+    for (int i = 0; i < 4; i++) CHECK_EQ(npa_free(fx.a, p[i], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2);
+    void *big = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, 10 * MiB, NPA_ENTRY_EXACT, &big), NPA_OK); /* 8 MiB free until both go */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_SMALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    fixture_destroy(&fx);
+}
+
+/* A free that needs a fence waits for it, as without the cache. */
+static void test_fenced_frees_do_not_enter(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fixture_start(&fx, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    void *q = alloc_exact(&fx, 0, 4096); /* p is pending: another block */
+    CHECK(q != p);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 1);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 2);
+    fixture_destroy(&fx);
+}
+
+/* A block freed on its own stream is held too, and serves that stream only. */
+static void test_held_blocks_serve_their_own_stream_only(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.stream_fences = true;
+    fixture_start(&fx, NULL);
+    void *a = NULL, *b = NULL, *c = NULL;
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, NPA_STREAM_ORDERED, &a), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, a, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2); /* held whole */
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 2, NPA_STREAM_ORDERED, &b), NPA_OK);
+    CHECK(b != a);
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, NPA_STREAM_ORDERED, &c), NPA_OK);
+    CHECK(c == a);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
+/* At most recent_blocks blocks: the oldest goes back to its pool, merged. */
+static void test_bounded_by_recent_blocks(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    CHECK_EQ(config.recent_blocks, 16);
+    config.recent_blocks = 2;
+    fixture fx;
+    fixture_init(&fx, GiB, &config);
+    void *p[4];
+    for (int i = 0; i < 4; i++) p[i] = alloc_exact(&fx, 0, 512 * (size_t)(i + 1));
+    void *keep = alloc_exact(&fx, 0, 512); /* p[3] is not next to the tail */
+    for (int i = 0; i < 4; i++) CHECK_EQ(npa_free(fx.a, p[i], 0, NULL), NPA_FREE_OK);
+    /* p[0] went back when p[2] came, then p[1] when p[3] came: merged into one. */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 4);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_SMALL].current, 2 * MiB - 512);
+    CHECK_EQ(shape_of(&fx, 0).blocks, 5);
+    CHECK(alloc_exact(&fx, 0, 512 * 4) == p[3]);
+    CHECK(alloc_exact(&fx, 0, 512 * 3) == p[2]);
+    CHECK(alloc_exact(&fx, 0, 512) == p[0]); /* from the pool: the merged block of p[0] and p[1] */
+    (void)keep;
+    fixture_destroy(&fx);
+}
+
+/* recent_blocks:0 is torch's rule: every free merges at once. */
+static void test_off_merges_every_free(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    CHECK_EQ(npa_config_parse(&config, "recent_blocks:0", NULL, NULL), 0);
+    fixture fx;
+    fixture_init(&fx, GiB, &config);
+    void *p = alloc_exact(&fx, 0, 1000);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.largest_free_block, 2 * MiB);
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_same_size_reuses_the_block_whole);
+    RUN(test_double_free_of_a_held_block_is_refused);
+    RUN(test_a_miss_merges_held_blocks_before_growing);
+    RUN(test_empty_cache_returns_held_memory);
+    RUN(test_oom_retry_releases_held_blocks);
+    RUN(test_fenced_frees_do_not_enter);
+    RUN(test_held_blocks_serve_their_own_stream_only);
+    RUN(test_bounded_by_recent_blocks);
+    RUN(test_off_merges_every_free);
+    return check_report();
+}

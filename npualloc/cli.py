@@ -21,11 +21,11 @@ import psutil
 
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
+from .conf_env import with_conf
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
 from .files import write_user_file
 from .region import Region, live_regions, region_base
 
-CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXIT_USAGE = 2
 
 
@@ -190,9 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()
     env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
     if args.conf is not None:
-        key = next((k for k in CONF_KEYS if k in env), CONF_KEYS[0])
-        env[key] = args.conf
-        env["NPUALLOC_CONF_FROM_RUN"] = "1"  # the library's config warnings then name --conf
+        env = with_conf(env, args.conf, "run")
     try:
         os.execvpe(command[0], command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:

@@ -534,7 +534,7 @@ def main() -> int:
     args = parser.parse_args()
     build = (ROOT / args.build).resolve()
     os.environ["BUILD"] = str(build)
-    for key in launch.ALLOC_CONF_KEYS:   # the bench measures the defaults, whatever the shell has set
+    for key in launch.CONF_VARIABLES:   # the bench measures the defaults, whatever the shell has set
         os.environ.pop(key, None)
     started = time.perf_counter()
     m = machine()

@@ -22,9 +22,13 @@ $(BUILD)/obj/interpose/%.o: interpose/%.c
 # always optimised for sibling calls, in every build tree.
 $(BUILD)/obj/interpose/src/hook/dlsym.o: NPA_CFLAGS += -fno-sanitize=all -O2 -foptimize-sibling-calls -fno-lto
 
+# Links libnpualloc.so from the objects in $^ (the bench links a variant too).
+NPA_LINK_LIB = $(CC) -shared -Wl,-soname,libnpualloc.so -Wl,-z,nodelete $(CFLAGS_BASE) -fvisibility=hidden $(NPA_LTO) \
+               $(SANFLAGS) $(LDFLAGS_BASE) -o $@ $^ -ldl
+
 $(NPA_LIB): $(NPA_CORE_OBJS) $(NPA_HOOK_OBJS)
 	@mkdir -p $(dir $@)
-	$(CC) -shared -Wl,-soname,libnpualloc.so -Wl,-z,nodelete $(CFLAGS_BASE) -fvisibility=hidden $(NPA_LTO) $(SANFLAGS) $(LDFLAGS_BASE) -o $@ $^ -ldl
+	$(NPA_LINK_LIB)
 
 # The Python package finds the library and the region header beside itself,
 # both in a checkout and once installed (setup.py runs `make lib`).

@@ -11,9 +11,9 @@ With pid=... the snapshot comes from another process: a command through its
 region makes it write <region>.snapshot.<seq> at its next allocator call,
 which is read and removed here.
 
-No stacks are recorded (every "frames" is []): history comes from C, where
-the Python frames of the allocating call are out of reach without a cost on
-every allocation.
+Frames are recorded only with record_stacks:python (or stacks="python" here,
+in this process): the library then takes the allocating thread's Python
+frames (hook/pystack.c); otherwise every "frames" is [].
 """
 from __future__ import annotations
 

@@ -126,9 +126,25 @@ def pending(device=0):
 def calls(api):
     return aclsim.call_count(api)
 out = {}
-p = malloc()
-assert acl.rt.free(p) == 0 and pending() == 1
-if sys.argv[1] == "fence":
+if sys.argv[1] == "uses":
+    # npualloc.h's stream entry: a block used on another stream waits for an
+    # event on that stream (the uses batch), or a synchronize.
+    from npualloc._ffi import ffi, loaded_library
+    lib = loaded_library()
+    s1, ret = acl.rt.create_stream(); assert ret == 0
+    s2, ret = acl.rt.create_stream(); assert ret == 0
+    def malloc():
+        out = ffi.new("void **")
+        assert lib.npualloc_malloc_stream(out, SIZE, ffi.cast("void *", s1), 0) == 0
+        return int(ffi.cast("uintptr_t", out[0]))
+    p = malloc()
+    assert lib.npualloc_record_stream(ffi.cast("void *", p), ffi.cast("void *", s2)) == 0
+    assert lib.npualloc_free_stream(ffi.cast("void *", p), ffi.cast("void *", s1)) == 0
+else:
+    p = malloc()
+    assert acl.rt.free(p) == 0
+assert pending() == 1
+if sys.argv[1] in ("fence", "uses"):
     # Neither an event can be recorded nor the device synchronized.
     aclsim.fail_next_calls("aclrtRecordEvent", 1 << 20, INTERNAL)
     aclsim.fail_next_calls("aclrtSynchronizeDevice", 1 << 20, INTERNAL)
@@ -164,11 +180,12 @@ def faults_run(scenario):
     return json.loads(proc.stdout), proc.stderr
 
 
-def test_a_fence_that_cannot_be_recorded_nor_replaced_keeps_the_block_pending():
-    out, _ = faults_run("fence")
+@pytest.mark.parametrize("scenario", ["fence", "uses"])
+def test_a_fence_that_cannot_be_recorded_nor_replaced_keeps_the_block_pending(scenario):
+    out, _ = faults_run(scenario)
     faulty = out["faulty"]
-    assert faulty["fence_tries"] >= 5 and faulty["sync_tries"] >= 5  # tried at every poll, failed each time
     assert not faulty["reused"] and faulty["pending"] == 1 and faulty["raw_kept"]
+    assert faulty["fence_tries"] >= 5 and faulty["sync_tries"] >= 5  # tried at every poll, failed each time
     # Once the runtime answers again the block is fenced, then handed out.
     assert out["cleared"] == {"handed_out": 1, "pending": 0}
 

@@ -4,7 +4,9 @@ NpuAllocator when run plainly, npualloc's pass-through under `npualloc run`.
 `make bench` runs it per trace in a fresh process (tools/bench/mindtorch.py),
 alone and under npualloc, both through tools/aclsim/cann-root.
 
-Per trace: allocator time per event (malloc/free calls only, from Python),
+Per trace: allocator time per event (malloc/free calls only, from Python:
+wall time, and the calling thread's CPU time, which a machine shared with
+other work does not inflate),
 raw device mallocs and frees reaching the runtime (aclsim's counters), peak
 device memory held (aclsim: aclrtMalloc'd plus VMM physical, sampled after
 every event) over the trace's peak requested bytes. Calls pass MindTorch's
@@ -45,23 +47,27 @@ def replay(name: str, max_events: int) -> dict:
     trace = snapshot["device_traces"][busiest_device(snapshot)][:max_events]
     live: dict[int, tuple[int, int]] = {}
     requested = peak_requested = peak_device = events = 0
-    spent = 0.0
+    spent = [0.0, 0.0]  # wall, this thread's CPU
+
+    def timed(call, *args):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        result = call(*args)
+        spent[1] += time.thread_time() - cpu
+        spent[0] += time.perf_counter() - wall
+        return result
+
     mallocs0, frees0 = aclsim.call_count("aclrtMalloc"), aclsim.call_count("aclrtFree")
     for entry in trace:
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc" and addr not in live:
             size = int(entry["size"])
-            start = time.perf_counter()
-            ptr = alloc.malloc(size, stream=stream)
-            spent += time.perf_counter() - start
+            ptr = timed(alloc.malloc, size, stream)
             live[addr] = (ptr, size)
             requested += size
             peak_requested = max(peak_requested, requested)
         elif action in ("free_requested", "free") and addr in live:
             ptr, size = live.pop(addr)
-            start = time.perf_counter()
-            alloc.free(ptr, stream=stream)
-            spent += time.perf_counter() - start
+            timed(alloc.free, ptr, stream)
             requested -= size
         else:
             continue
@@ -71,7 +77,8 @@ def replay(name: str, max_events: int) -> dict:
         alloc.free(ptr, stream=stream)
     alloc.synchronize()
     alloc.empty_cache()
-    return {"trace": name, "events": events, "us_per_event": spent / events * 1e6,
+    return {"trace": name, "events": events, "us_per_event": spent[0] / events * 1e6,
+            "cpu_us_per_event": spent[1] / events * 1e6,
             "raw_mallocs": aclsim.call_count("aclrtMalloc") - mallocs0,
             "raw_frees": aclsim.call_count("aclrtFree") - frees0,
             "peak_device": peak_device, "peak_requested": peak_requested,

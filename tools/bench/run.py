@@ -79,27 +79,31 @@ def machine() -> dict[str, str]:
 def run_hotpath(build: Path, allocator: str, threads: int, reuse: str | None = None, group: int = 1,
                 batches: int = HOTPATH_BATCHES, pairs: int = HOTPATH_PAIRS) -> dict[str, Any]:
     """One run of the harness: allocator "npualloc" (aclrtMalloc with
-    libnpualloc.so preloaded, reuse_policy REUSE), "core" (npa_malloc/npa_free
-    linked in, no ACL) or "glibc"."""
+    libnpualloc.so preloaded, reuse_policy REUSE), "bare" (the same with the
+    library built without the tests for unused memory_saver / record_stacks,
+    tools/bench.mk), "core" (npa_malloc/npa_free linked in, no ACL) or "glibc"."""
     env = launch.sim_environment(build)
-    if allocator == "npualloc":
-        env["LD_PRELOAD"] = str(build / "lib" / "libnpualloc.so")
+    preloaded = allocator in PRELOADED
+    if preloaded:
+        env["LD_PRELOAD"] = str(build / PRELOADED[allocator])
         env["PYTORCH_NPU_ALLOC_CONF"] = f"reuse_policy:{reuse}"
     pairs = pairs // group * group
-    cmd = [str(build / "bench" / "npualloc-bench-hotpath"), "--allocator", "acl" if allocator == "npualloc" else allocator,
+    cmd = [str(build / "bench" / "npualloc-bench-hotpath"), "--allocator", "acl" if preloaded else allocator,
            "--threads", str(threads), "--batches", str(batches), "--pairs", str(pairs), "--group", str(group),
            str(SIZES)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
     result = json.loads(proc.stdout)
-    if result["npualloc_loaded"] != (allocator == "npualloc"):
+    if result["npualloc_loaded"] != preloaded:
         raise RuntimeError(f"hot path harness: npualloc_loaded is {result['npualloc_loaded']} for {allocator}")
     return result
 
 
+PRELOADED = {"npualloc": Path("lib") / "libnpualloc.so", "bare": Path("bench") / "bare" / "libnpualloc.so"}
 HOTPATH_CASES = (   # (key, label, allocator, threads, reuse, group)
     ("eager1", "npualloc eager", "npualloc", 1, "eager", 1),
+    ("bare1", "npualloc eager, built without the memory_saver and record_stacks tests", "bare", 1, "eager", 1),
     ("core1", "the core alone (no ACL, no dynamic linker)", "core", 1, None, 1),
     ("glibc1", "glibc malloc/free", "glibc", 1, None, 1),
     ("eager2", "npualloc eager", "npualloc", 2, "eager", 1),
@@ -137,7 +141,7 @@ def hot_path(build: Path) -> dict[str, Any]:
 
     rows = []
     for key, label, allocator, threads, reuse, group in HOTPATH_CASES:
-        single = "glibc1" if allocator == "glibc" else "core1" if allocator == "core" else "eager1"
+        single = {"glibc": "glibc1", "core": "core1", "bare": "bare1"}.get(allocator, "eager1")
         ns = spread([r["median_ns"] for r in runs[key]])
         rows.append({"key": key, "label": label, "allocator": allocator, "threads": threads, "reuse": reuse,
                      "group": group, "ns": ns, "median_ns": ns["median"],
@@ -157,12 +161,14 @@ def hot_path(build: Path) -> dict[str, Any]:
 
     return {"rows": rows, "rounds": HOTPATH_ROUNDS,
             "ratios": {key: ratio(*key.split("/"))
-                       for key in ("eager1/glibc1", "core1/glibc1", "core1/eager1", "safe16/eager1", "safe1/eager1")}}
+                       for key in ("eager1/glibc1", "core1/glibc1", "core1/eager1", "safe16/eager1", "safe1/eager1",
+                                   "eager1/bare1")}}
 
 
 RATIO_NAMES = {"eager1/glibc1": "exported pair / glibc", "core1/glibc1": "core alone / glibc",
                "core1/eager1": "core alone / exported pair", "safe16/eager1": "safe, fence per 16 frees / eager",
-               "safe1/eager1": "safe, fence per free / eager"}
+               "safe1/eager1": "safe, fence per free / eager",
+               "eager1/bare1": "with / without the tests for unused memory_saver and record_stacks"}
 
 
 def hot_path_markdown(h: dict[str, Any]) -> list[str]:
@@ -175,7 +181,7 @@ def hot_path_markdown(h: dict[str, Any]) -> list[str]:
                      f"{'—' if r['threads'] == 1 else fmt_spread(r['loss_vs_1_thread'], '.0%')} | "
                      f"{fmt_spread(r['cpu_share'], '.0%')} | "
                      f"{r['sleeps_per_1k_pairs']:.1f} | "
-                     f"{r['raw_mallocs_while_timed'] if r['allocator'] == 'npualloc' else '—'} |")
+                     f"{r['raw_mallocs_while_timed'] if r['allocator'] in PRELOADED else '—'} |")
     lines += ["", f"Ratios taken within a round (both sides under the same load), median [min-max] over "
               f"{h['rounds']} rounds, 1 thread:", ""]
     lines += [f"- {RATIO_NAMES[key]}: {fmt_spread(value)}" for key, value in h["ratios"].items()]
@@ -334,6 +340,10 @@ def hot_path_goals(h: dict[str, Any]) -> list[tuple[str, bool, str]]:
          f"{fmt_spread(row['glibc4']['loss_vs_1_thread'], '.0%')}"),
         ("the fence path (safe, a fence per 16 frees) within 2x of eager", ratios["safe16/eager1"]["median"] <= 2.0,
          f"ratio {fmt_spread(ratios['safe16/eager1'])}; a fence per free: {fmt_spread(ratios['safe1/eager1'])}"),
+        ("memory_saver and record_stacks available but unused cost nothing measurable: the ratio to a build "
+         "without their tests spans 1 over the rounds (the difference is within this run's noise)",
+         ratios["eager1/bare1"]["min"] <= 1.0 <= ratios["eager1/bare1"]["max"],
+         f"ratio {fmt_spread(ratios['eager1/bare1'], '.3f')}"),
     ]
 
 

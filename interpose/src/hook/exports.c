@@ -39,12 +39,14 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
             npa_exec_poll();
+#ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
             if (NPA_UNLIKELY(npa_saver_region >= 0)) { /* inside npualloc.memory_saver.region() */
                 int err = npa_saver_malloc(device, size, devPtr);
                 if (err >= 0)
                     return err;
             }
             npa_pystack_before_malloc();
+#endif
             npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
                                        : npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))

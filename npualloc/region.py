@@ -289,15 +289,14 @@ class Region:
         reader = reader_library()
         seq = ffi.new("uint64_t *")
         status = ffi.new("int32_t *")
-        # Serialises requesters (two CLIs at once); the process never takes it.
-        fcntl.flock(self._file.fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + timeout
+        self._lock_requesters(deadline)
         try:
             if reader.npualloc_reader_post(self._file, code, device, arg, seq) == constants.NPUALLOC_POST_SEQ_EXHAUSTED:
                 # A process counts one command at a time from 0: no real
                 # process gets here, a damaged or crafted region does.
                 raise CorruptRegionError(f"{self.path}: command sequence number is at its maximum "
                                          f"({self.command_seq()}): not a region a process wrote")
-            deadline = time.monotonic() + timeout
             while not reader.npualloc_reader_acked(self._region, seq[0], status):
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
@@ -309,6 +308,18 @@ class Region:
         if status[0] != constants.NPUALLOC_CMD_OK:
             raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status[0], f'status {status[0]}')}")
         return int(seq[0])
+
+    def _lock_requesters(self, deadline: float) -> None:
+        """Serialises requesters (two CLIs at once); the process never takes
+        it. Bounded: a requester that hangs holding it cannot hang us."""
+        while True:
+            try:
+                fcntl.flock(self._file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CommandTimeoutError(f"another requester holds {self.path}'s command lock") from None
+                time.sleep(0.005)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, re
 import pytest
 
 import npualloc
+from npualloc._ffi import REGION_SIZE, ffi
 from npualloc.cli import human_bytes
 
 MiB = 1 << 20
@@ -42,6 +43,36 @@ def test_stats_table_and_json_match_the_process(tmp_path: Path) -> None:
         snapshot = json.loads(as_json.stdout)
         assert snapshot["pid"] == w.pid and list(snapshot["devices"]) == ["0"]
         assert snapshot["devices"]["0"] == inside
+
+
+def test_stats_of_a_device_the_process_never_used_says_so(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")  # device 0 only
+        table = run_cli(["stats", str(w.pid), "--device", "1"], tmp_path)
+        assert table.returncode == 0 and table.stderr == "", table.stderr
+        assert "NPU 1: unused by this process (nothing allocated on it through npualloc)" in table.stdout
+        assert "  reserved" not in table.stdout and "0 B free of 0 B" not in table.stdout
+        as_json = json.loads(run_cli(["stats", str(w.pid), "--device", "1", "--json"], tmp_path).stdout)
+        assert as_json["devices"] == {} and as_json["unused_devices"] == [1]
+        both = json.loads(run_cli(["stats", str(w.pid), "--json"], tmp_path).stdout)
+        assert list(both["devices"]) == ["0"] and both["unused_devices"] == []
+
+
+def test_stats_watch_of_a_process_that_exits_says_it_ended(tmp_path: Path) -> None:
+    w = Workload(tmp_path)
+    try:
+        w.call("malloc(4096)")
+        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.05"],
+                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert watcher.stdout is not None
+        for line in watcher.stdout:  # one frame shown: the process is being watched
+            if line.startswith("  reserved"):
+                break
+        assert w.close() == 0
+        _, err = watcher.communicate(timeout=60)
+    finally:
+        w.close()
+    assert watcher.returncode == 0 and err == f"npualloc: process {w.pid} ended\n", err
 
 
 def test_stats_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
@@ -97,6 +128,21 @@ def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> Non
         assert header.split() == ["PID", "DEV", "ALLOCATED", "RESERVED", "COMMAND"]
         assert sorted(int(line.split()[0]) for line in lines) == sorted([first.pid, second.pid])
     assert run_cli(["ls"], tmp_path).stdout == "no process is running under npualloc\n"
+
+
+def test_ls_lists_healthy_processes_beside_a_region_stuck_mid_update(tmp_path: Path, sleeper: int) -> None:
+    stuck = ffi.new("npualloc_region *")
+    ffi.memmove(stuck, region_bytes(sleeper, device_count=1), REGION_SIZE)
+    stuck.devices[0].in_use = 1
+    stuck.devices[0].seq = 7  # odd: a writer inside, forever
+    stuck_path = write_region(tmp_path, sleeper, bytes(ffi.buffer(stuck)))
+    with Workload(tmp_path) as healthy:
+        healthy.call("malloc(4096)")
+        proc = run_cli(["ls", "--json"], tmp_path)
+        assert proc.returncode == 0
+        assert [row["pid"] for row in json.loads(proc.stdout)] == [healthy.pid]
+        assert proc.stderr == f"npualloc: skipping process {sleeper}: {stuck_path}: device 0 stats stayed " \
+                              "mid-update for 1s (writer died inside its seqlock?)\n"
 
 
 def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_path: Path) -> None:

@@ -2,14 +2,16 @@
 exit code, no traceback."""
 from __future__ import annotations
 
+import fcntl
 import os
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
-from region_helpers import Workload, assert_one_line_error, region_bytes, run_cli, write_region
+from region_helpers import Workload, assert_one_line_error, region_bytes, region_file, run_cli, write_region
 
-from npualloc._ffi import REGION_SIZE, constants
+from npualloc._ffi import REGION_SIZE, constants, ffi
 
 
 
@@ -95,3 +97,45 @@ def test_bad_device_and_gc_value(tmp_path: Path, sleeper: int) -> None:
 
 def test_run_command_not_found(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")
+
+
+def test_command_sequence_at_its_maximum(tmp_path: Path, sleeper: int) -> None:
+    """A region whose request_seq is 2^64-1: the next number does not fit."""
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper), REGION_SIZE)
+    region.command.request_seq = (1 << 64) - 1
+    write_region(tmp_path, sleeper, bytes(ffi.buffer(region)))
+    for args in (["empty-cache", str(sleeper), "--timeout", "0.3"], ["snapshot", str(sleeper), "-o",
+                                                                      str(tmp_path / "s.pickle")]):
+        assert_one_line_error(run_cli(args, tmp_path), 7, "sequence number")
+    assert not (tmp_path / "s.pickle").exists()
+
+
+@pytest.mark.parametrize("owner", ["us", "nobody"])
+def test_fifo_planted_at_the_region_name_hangs_nobody(tmp_path: Path, sleeper: int, owner: str) -> None:
+    """A FIFO (mode 0666, nobody writing) at a live pid's region name: the
+    readers open it non-blocking, see it is no regular file and refuse it
+    (run_cli's timeout fails the test if anything blocks on it)."""
+    if owner == "nobody" and os.geteuid() != 0:
+        pytest.skip("needs root to plant a file owned by another user")
+    fifo = region_file(tmp_path, sleeper)
+    fifo.parent.mkdir(mode=0o700)
+    os.mkfifo(fifo, 0o666)
+    os.chmod(fifo, 0o666)
+    if owner == "nobody":
+        os.chown(fifo, 65534, 65534)
+    for args in (["stats", str(sleeper)], ["stats", str(sleeper), "--json"],
+                 ["empty-cache", str(sleeper), "--timeout", "0.3"]):
+        assert_one_line_error(run_cli(args, tmp_path, timeout=30), 7, "is not a regular file")
+    listing = run_cli(["ls"], tmp_path, timeout=30)
+    assert listing.returncode == 0
+    assert listing.stdout == "no process is running under npualloc\n"
+    assert listing.stderr.startswith(f"npualloc: skipping process {sleeper}: ") and "not a regular file" in listing.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left as it was
+
+
+def test_requester_holding_the_command_lock_delays_us_only_until_the_timeout(tmp_path: Path, sleeper: int) -> None:
+    path = write_region(tmp_path, sleeper, region_bytes(sleeper))
+    with open(path, "rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert_one_line_error(run_cli(["empty-cache", str(sleeper), "--timeout", "0.3"], tmp_path), 8, "command lock")

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import select
 import stat
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +274,89 @@ def test_loads_refuses_objects() -> None:
     with pytest.raises(npualloc.NpuallocError, match="holds no objects"):
         loads(pickle.dumps({"segments": [], "f": Path("/")}))
     assert loads(pickle.dumps({"segments": [], "device_traces": []}))["segments"] == []
+
+
+def _oom_with_snapshot_to(tmp_path: Path, path: Path) -> str:
+    """Makes a process OOM with oom_snapshot:path; its stderr."""
+    with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
+        assert w.call(f"acl.rt.malloc({100 * MiB}, 0)[1]") == 207001
+        return w.stderr()
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mknod and files of another user")
+
+
+@needs_root
+def test_oom_snapshot_to_a_character_device_writes_into_it(tmp_path: Path) -> None:
+    """oom_snapshot:/dev/null as torch means it (written to, not replaced),
+    on a null device of our own (never the machine's /dev/null)."""
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    stderr = _oom_with_snapshot_to(tmp_path, null)
+    assert f"npualloc: out of memory: snapshot written to {null}" in stderr
+    info = os.lstat(null)
+    assert stat.S_ISCHR(info.st_mode) and info.st_rdev == os.makedev(1, 3)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("null")) == ["null"]
+
+
+def test_oom_snapshot_never_follows_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / "oom.pickle"
+    link.symlink_to(victim)
+    stderr = _oom_with_snapshot_to(tmp_path, link)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {link}: it is a symbolic link") == 1
+    assert link.is_symlink() and os.readlink(link) == str(victim) and victim.read_text() == "precious\n"
+
+
+def test_oom_snapshot_to_a_fifo_without_reader_does_not_block(tmp_path: Path) -> None:
+    fifo = tmp_path / "oom.fifo"
+    os.mkfifo(fifo, 0o666)
+    stderr = _oom_with_snapshot_to(tmp_path, fifo)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {fifo}: a FIFO with no reader") == 1
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_oom_snapshot_to_a_fifo_with_a_reader_is_streamed_to_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "oom.fifo"
+    os.mkfifo(fifo, 0o600)
+    # A reader of our own, opened before any writer: poll() reports neither
+    # data nor hang-up until the writer has come (and gone).
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    received = bytearray()
+    with ThreadPoolExecutor(1) as pool:
+        def read_until_the_writer_closes() -> None:
+            poller = select.poll()
+            poller.register(reader, select.POLLIN)
+            while True:
+                assert poller.poll(60_000), "the writer never came or never finished"
+                chunk = os.read(reader, 1 << 16)
+                if not chunk:
+                    return
+                received.extend(chunk)
+
+        reading = pool.submit(read_until_the_writer_closes)
+        try:
+            _oom_with_snapshot_to(tmp_path, fifo)
+            reading.result(timeout=120)  # re-raises a failure of the reader thread
+        finally:
+            os.close(reader)
+    assert isinstance(loads(bytes(received))["segments"], list)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@needs_root
+def test_oom_snapshot_never_replaces_another_users_file(tmp_path: Path) -> None:
+    theirs = tmp_path / "oom.pickle"
+    theirs.write_text("theirs\n")
+    os.chown(theirs, 65534, 65534)
+    stderr = _oom_with_snapshot_to(tmp_path, theirs)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {theirs}: it belongs to another user") == 1
+    assert theirs.read_text() == "theirs\n" and theirs.stat().st_uid == 65534
+
+
+def test_oom_snapshot_replaces_our_own_file(tmp_path: Path) -> None:
+    ours = tmp_path / "oom.pickle"
+    ours.write_text("an older snapshot\n")
+    _oom_with_snapshot_to(tmp_path, ours)
+    assert isinstance(npualloc.snapshot.load(ours)["segments"], list)

@@ -2,7 +2,8 @@
  * pages at the end of a pool's one reserved range, merging with the free
  * block there, reuse, best fit that spares the growable block, unmapping of
  * free pages by empty_cache and by the OOM retry (each after one counted
- * synchronize), torch's stats, frees inside the reserved range, snapshot
+ * synchronize; a page whose release is refused stays mapped), torch's
+ * stats, frees inside the reserved range, snapshot
  * views and trace events, and plain segments when the backend has no VMM.
  *
  * Device of 100 MiB: a range is 1 1/8 of it in whole pages, so the large
@@ -201,6 +202,35 @@ static void test_empty_cache_unmaps_free_pages(void) {
     fixture_destroy(&fx);
 }
 
+/* A page the runtime refuses to release stays mapped, counted and free:
+ * the hole ends before it, and the pages come back to use and go later. */
+static void test_a_page_whose_release_is_refused_stays_mapped(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, true);
+    char *a = alloc_exact(&fx, 0, 50 * MiB); /* three 20 MiB pages */
+    free_ok(&fx, a);
+    fx.fake.fail_after_unmaps = 1;           /* the first page goes, the second is refused */
+    fx.fake.fail_next_unmaps = 1;
+    npa_empty_cache(fx.a, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 40 * MiB);
+    CHECK_EQ(s.num_device_free, 1);
+    CHECK_EQ(fake_used(&fx.fake, 0), 40 * MiB);
+    CHECK(strstr(fx.fake.last_warning, "stays mapped") != NULL);
+    long maps = fx.fake.page_maps;
+    char *b = alloc_exact(&fx, 0, 50 * MiB);  /* the first page mapped again, joined to the two still there */
+    CHECK(b == a);
+    CHECK_EQ(fx.fake.page_maps, maps + 1);
+    memset(b, 1, 50 * MiB);                  /* every page really mapped (an unmapped one would fault) */
+    free_ok(&fx, b);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fx.fake.page_count, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
 /* The small pool's free pages are what the large pool needs: the OOM retry
  * synchronizes, unmaps them and maps again. */
 static void test_oom_retry_unmaps_free_pages(void) {
@@ -312,6 +342,7 @@ int main(void) {
     RUN(test_small_pool_pages);
     RUN(test_best_fit_spares_growable_block);
     RUN(test_empty_cache_unmaps_free_pages);
+    RUN(test_a_page_whose_release_is_refused_stays_mapped);
     RUN(test_oom_retry_unmaps_free_pages);
     RUN(test_frees_inside_the_range);
     RUN(test_trace_records_map_and_unmap);

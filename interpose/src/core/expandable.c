@@ -14,6 +14,7 @@
  * num_device_free count pages (one physical allocation each) where torch
  * counts map and unmap calls, so that they match the runtime's count of
  * physical allocations and balance once everything is unmapped. */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -88,17 +89,34 @@ static npa_block *find_candidate(npa_block *first, size_t size) {
     return NULL;
 }
 
-/* Maps pages [begin, end): all or none. */
+/* Unmaps page i; one the runtime refuses to release stays mapped, its
+ * handle kept (the backend's contract: an error changes nothing), and is
+ * used again by the next map_pages over it. */
+static bool unmap_page(npa_allocator *a, npa_device *d, npa_expandable *es, size_t i) {
+    npa_error err = a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size),
+                                          es->page_size, es->pages[i]);
+    if (err == NPA_OK) {
+        es->pages[i] = NULL;
+        return true;
+    }
+    if (a->backend.warn) {
+        char message[160];
+        snprintf(message, sizeof message, "releasing a %zu-byte page of device %d failed (error %d): it stays mapped",
+                 es->page_size, d->id, err);
+        a->backend.warn(a->backend.ctx, message);
+    }
+    return false;
+}
+
+/* Maps pages [begin, end): all or none. A page still mapped (its release
+ * was refused) is already there. */
 static bool map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_t begin, size_t end) {
     for (size_t i = begin; i < end; i++) {
         void *addr = (void *)(es->base + i * es->page_size);
-        if (a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size, &es->pages[i]) == NPA_OK) continue;
+        if (es->pages[i] || a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size, &es->pages[i]) == NPA_OK)
+            continue;
         es->pages[i] = NULL;
-        while (i-- > begin) {
-            a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->page_size,
-                                  es->pages[i]);
-            es->pages[i] = NULL;
-        }
+        while (i-- > begin) unmap_page(a, d, es, i);
         return false;
     }
     return true;
@@ -212,24 +230,27 @@ static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *e
     if (!whole_pages(es, b, &begin, &end)) return b;
     uintptr_t start = es->base + begin * es->page_size, stop = es->base + end * es->page_size;
     uintptr_t b_end = b->addr + b->size;
-    bool keep_before = start > b->addr, keep_after = stop < b_end;
+    bool keep_before = start > b->addr;
+    /* The piece after the hole is needed when the pages end before b does,
+     * or when the runtime refuses to release one (the hole ends there). */
     npa_block *hole = keep_before ? npa_slab_get(&d->slab) : b;
-    npa_block *after = keep_after ? npa_slab_get(&d->slab) : NULL;
-    if (!hole || (keep_after && !after)) { /* no host memory for the pieces: leave it mapped */
+    npa_block *after = npa_slab_get(&d->slab);
+    size_t unmapped = begin;
+    while (hole && after && unmapped < end && unmap_page(a, d, es, unmapped)) unmapped++;
+    if (unmapped == begin) { /* no host memory for the pieces, or nothing released: it stays mapped */
         if (keep_before && hole) npa_slab_put(&d->slab, hole);
         if (after) npa_slab_put(&d->slab, after);
         return b;
     }
+    end = unmapped;
+    stop = es->base + end * es->page_size;
+    bool keep_after = stop < b_end;
+    if (!keep_after) npa_slab_put(&d->slab, after);
     npa_pool *pool = b->pool;
     npualloc_device_stats *s = d->stats;
     npa_stats_begin(d);
     npa_pool_remove(pool, b);
     npa_stats_end(d);
-    for (size_t i = begin; i < end; i++) {
-        a->backend.page_unmap(a->backend.ctx, d->id, (void *)(es->base + i * es->page_size), es->page_size,
-                                  es->pages[i]);
-        es->pages[i] = NULL;
-    }
     npa_stats_begin(d);
     if (keep_after) npa_pool_insert(pool, linked_after(b, after, stop, b_end - stop, NPA_PHASE_FREE));
     if (keep_before) {

@@ -32,7 +32,8 @@
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it.
- *   5. a device lock (core internal.h npa_device.lock): one device at a
+ *   5. a device lock (core internal.h npa_device.lock, a futex word:
+ *      core lock.h; any thread may release it): one device at a
  *      time, never two (except a pause: all, ascending, under 4). It guards
  *      all of the device's state, the recent cache of freed small blocks
  *      (core recent.c) included. Under it the core calls the backend: raw
@@ -278,9 +279,13 @@ void npa_saver_forget_after_fork(void); /* in the child, saver_lock held */
 
 /* ---- snapshot.c ----------------------------------------------------------- */
 
-/* Writes the torch snapshot pickle to path (atomically, mode 0600); 0 or an
- * errno value. Takes the device locks: call with none held. */
+/* Writes the torch snapshot pickle to path; 0 or an errno value. A new or our
+ * own regular file is written atomically (mode 0600); a FIFO or character
+ * device is written to; anything else is refused (snapshot.c says how).
+ * Takes the device locks: call with none held. */
 int npa_snapshot_write(npa_allocator *a, const char *path);
+/* The reason for npa_snapshot_write's error, for its warning. */
+const char *npa_snapshot_strerror(int err);
 /* After an OOM: the snapshot to oom_snapshot's path, if one is configured. */
 void npa_oom_snapshot(npa_allocator *a);
 

@@ -3,20 +3,61 @@
  * content is torch's _snapshot() dict as a pickle (core/snapshot_pickle.c),
  * so the file is what torch.cuda.memory._dump_snapshot would have written.
  * Never called with a device lock held: building the snapshot takes them. */
+#define _GNU_SOURCE /* renameat2 */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "hook.h"
 #include "region/region.h"
 
-/* Written under a temporary name and renamed into place, so a reader sees a
- * whole file or none; O_EXCL|O_NOFOLLOW so a planted file or link is never
- * written through. */
-static int write_whole(const char *path, const void *data, size_t size)
+/* A FIFO whose reader stops reading is given up after this long without progress. */
+#define WRITE_STALL_MS 5000
+
+static int write_all(int fd, const char *p, size_t size)
+{
+    while (size > 0) {
+        ssize_t n = write(fd, p, size);
+        if (n > 0) {
+            p += n;
+            size -= (size_t)n;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            struct pollfd ready = {.fd = fd, .events = POLLOUT};
+            if (poll(&ready, 1, WRITE_STALL_MS) == 0)
+                return ETIMEDOUT;
+        } else if (n < 0 && errno != EINTR) {
+            return errno;
+        }
+    }
+    return 0;
+}
+
+/* Places the temporary file at path: replacing only when path held our own
+ * regular file (checked by the caller), never replacing anything else. */
+static int place(const char *tmp, const char *path, bool replace)
+{
+    if (replace)
+        return rename(tmp, path) == 0 ? 0 : errno;
+    if (renameat2(AT_FDCWD, tmp, AT_FDCWD, path, RENAME_NOREPLACE) == 0)
+        return 0;
+    if (errno != EINVAL && errno != ENOSYS)
+        return errno;
+    /* A file system without RENAME_NOREPLACE: link() never replaces either. */
+    if (link(tmp, path) != 0)
+        return errno;
+    unlink(tmp);
+    return 0;
+}
+
+/* A new file under a temporary name (O_EXCL|O_NOFOLLOW, 0600) moved into
+ * place, so a reader sees a whole file or none. */
+static int write_new(const char *path, const void *data, size_t size, bool replace)
 {
     char tmp[4096];
     if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= sizeof(tmp))
@@ -24,23 +65,64 @@ static int write_whole(const char *path, const void *data, size_t size)
     int fd = npa_create_private_file(tmp, O_WRONLY);
     if (fd < 0)
         return errno;
-    int err = 0;
-    for (const char *p = data; size > 0 && err == 0;) {
-        ssize_t n = write(fd, p, size);
-        if (n > 0) {
-            p += n;
-            size -= (size_t)n;
-        } else if (n < 0 && errno != EINTR) {
-            err = errno;
-        }
-    }
+    int err = write_all(fd, data, size);
     if (close(fd) != 0 && err == 0)
         err = errno;
-    if (err == 0 && rename(tmp, path) != 0)
-        err = errno;
+    if (err == 0)
+        err = place(tmp, path, replace);
     if (err != 0)
         unlink(tmp);
     return err;
+}
+
+/* What torch does with such a path: open it and write. Non-blocking, so a
+ * FIFO without a reader is ENXIO rather than a hang, and the descriptor must
+ * be the very file lstat saw (not something swapped in meanwhile). */
+static int write_into(const char *path, const struct stat *seen, const void *data, size_t size)
+{
+    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0)
+        return errno;
+    struct stat opened;
+    int err = fstat(fd, &opened) != 0 ? errno
+              : opened.st_dev != seen->st_dev || opened.st_ino != seen->st_ino ? EEXIST
+              : write_all(fd, data, size);
+    close(fd);
+    return err;
+}
+
+/* Where a snapshot goes, without ever destroying what is at the name:
+ * nothing there: a new file; our own regular file: replaced by a new one;
+ * a FIFO or a character device (/dev/null): written to, as torch would;
+ * anything else (a link, another user's file, a directory, a block device,
+ * a socket): refused, left as it is. */
+static int write_snapshot_file(const char *path, const void *data, size_t size)
+{
+    struct stat seen;
+    if (lstat(path, &seen) != 0)
+        return errno == ENOENT ? write_new(path, data, size, false) : errno;
+    if (S_ISLNK(seen.st_mode))
+        return ELOOP;
+    if (S_ISFIFO(seen.st_mode) || S_ISCHR(seen.st_mode))
+        return write_into(path, &seen, data, size);
+    if (!S_ISREG(seen.st_mode))
+        return S_ISDIR(seen.st_mode) ? EISDIR : EINVAL;
+    if (seen.st_uid != geteuid())
+        return EPERM;
+    return write_new(path, data, size, true);
+}
+
+const char *npa_snapshot_strerror(int err)
+{
+    switch (err) {
+    case ELOOP: return "it is a symbolic link (never followed; left as it is)";
+    case EPERM: return "it belongs to another user (left as it is)";
+    case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
+    case ENXIO: return "a FIFO with no reader (nothing written)";
+    case ETIMEDOUT: return "the FIFO's reader stopped reading (snapshot incomplete)";
+    case EEXIST: return "another file appeared at the name meanwhile (left as it is)";
+    default: return strerror(err);
+    }
 }
 
 int npa_snapshot_write(npa_allocator *a, const char *path)
@@ -49,7 +131,7 @@ int npa_snapshot_write(npa_allocator *a, const char *path)
     void *data = npa_snapshot_pickle(a, npa_hook_config(), &size);
     if (data == NULL)
         return ENOMEM;
-    int err = write_whole(path, data, size);
+    int err = write_snapshot_file(path, data, size);
     free(data);
     return err;
 }
@@ -61,7 +143,7 @@ void npa_oom_snapshot(npa_allocator *a)
         return;
     int err = npa_snapshot_write(a, path);
     if (err != 0)
-        npa_warn_once("oom_snapshot: cannot write %s: %s", path, strerror(err));
+        npa_warn_once("oom_snapshot: cannot write %s: %s", path, npa_snapshot_strerror(err));
     else
         npa_warn_once("out of memory: snapshot written to %s (python -m npualloc plot %s -o oom.png)", path, path);
 }

@@ -286,7 +286,7 @@ static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
         return NPUALLOC_CMD_EFAILED;
     int err = npa_snapshot_write(a, path);
     if (err != 0) {
-        npa_warn_once("snapshot for another process: cannot write %s: %s", path, strerror(err));
+        npa_warn_once("snapshot for another process: cannot write %s: %s", path, npa_snapshot_strerror(err));
         return NPUALLOC_CMD_EFAILED;
     }
     return NPUALLOC_CMD_OK;

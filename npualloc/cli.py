@@ -22,6 +22,7 @@ import psutil
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .errors import CommandRejectedError, NpuallocError, OtherUserError
+from .files import write_user_file
 from .region import Region, live_regions, region_base
 
 CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -254,11 +255,7 @@ def cmd_set_gc_threshold(args: argparse.Namespace) -> int:
 def cmd_snapshot(args: argparse.Namespace) -> int:
     data = snapshot.snapshot_bytes(args.pid, timeout=args.timeout)
     taken = snapshot.loads(data)  # also proves the file loads before it is handed on
-    try:
-        with open(args.output, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise NpuallocError(f"cannot write {args.output}: {e.strerror or e}") from None
+    write_user_file(args.output, data)
     events = sum(len(trace) for trace in taken["device_traces"])
     sys.stdout.write(f"process {args.pid}: snapshot written to {args.output} ({len(taken['segments'])} segments, "
                      f"{events} trace events)\n")

@@ -72,9 +72,28 @@ def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
     assert single["loss_vs_1_thread"] == {"median": 0.0, "min": 0.0, "max": 0.0}
     goals = bench.hot_path_goals(h)
     assert any("1.3x of glibc" in text for text, _met, _detail in goals)
-    assert all(isinstance(met, bool) and detail for _text, met, detail in goals)
+    assert all(met in (True, False, None) and detail for _text, met, detail in goals)
     text = "\n".join(bench.hot_path_markdown(h))
     assert "exported pair / glibc" in text and "core alone / exported pair" in text
+    four = next(r for r in h["rows"] if r["key"] == "eager4")
+    assert len(four["thread_shares"]) == 4 and all(0 < share <= 1.01 for share in four["thread_shares"])
+
+
+def test_thread_goals_are_unjudgeable_on_a_loaded_machine(monkeypatch):
+    """A thread-scaling figure counts only when each thread had nearly the
+    CPU share an idle machine gives it: else UNJUDGEABLE, never MET."""
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+
+    def row(threads: int, share: float) -> dict:
+        return {"threads": threads, "cpu_share": {"median": share, "min": share, "max": share}}
+
+    assert bench.judged(row(2, 0.34), True) is None
+    assert bench.judged(row(2, 0.34), False) is None
+    assert bench.judged(row(2, 0.95), True) is True
+    assert bench.judged(row(2, 0.95), False) is False
+    assert bench.judged(row(4, 0.47), False) is False   # half a core each is all 4 threads get on 2 cores
+    assert bench.judged(row(4, 0.22), True) is None
+    assert "loaded" in bench.unjudgeable_note(row(2, 0.34)) and bench.unjudgeable_note(row(2, 0.95)) == ""
 
 
 def test_hotpath_harness_rejects_bad_usage():

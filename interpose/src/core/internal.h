@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "core.h"
+#include "lock.h"
 
 /* torch's sizing constants (CUDACachingAllocator.cpp). */
 #define NPA_MIN_BLOCK_SIZE ((size_t)512)
@@ -210,7 +211,7 @@ typedef struct npa_recent {
 /* Lock order: hook/hook.h lists every lock of the library. For the core:
  * init_lock before any device lock, one device lock at a time. */
 typedef struct npa_device {
-    pthread_mutex_t lock;    /* adaptive: see device_create */
+    npa_lock lock;           /* lock.h */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     npa_history history;     /* beside the lock: in cache whenever the device is */

@@ -45,6 +45,21 @@ def test_hotpath_goes_through_npualloc_and_hits_the_cache(reuse, group):
     assert all({"pairs_per_s", "wall_s", "cpu_s", "sleeps"} <= set(t) and t["sleeps"] >= 0 for t in r["per_thread"])
 
 
+def test_hotpath_stream_entry_makes_no_runtime_call_once_warm():
+    """The stream-aware entry on each thread's own stream: every timed pair a
+    cache hit, and not one raw malloc, event, query or synchronize. With the
+    pass-through's host-writes flag each batch of frees costs one event."""
+    r = bench.run_hotpath(BUILD, "stream", threads=2, reuse="safe", batches=20, pairs=100)
+    assert r["allocator"] == "stream" and r["npualloc_loaded"] and not r["failed"]
+    assert r["cache_hits_while_timed"] == 2 * 20 * 100 and r["cache_misses_while_timed"] == 0
+    assert r["runtime_calls_while_timed"] == {api: 0 for api in r["runtime_calls_while_timed"]}
+    assert set(r["runtime_calls_while_timed"]) >= {"aclrtMalloc", "aclrtRecordEvent", "aclrtQueryEventStatus"}
+    fenced = bench.run_hotpath(BUILD, "stream-host-writes", threads=1, reuse="safe", group=16, batches=10, pairs=160)
+    calls = fenced["runtime_calls_while_timed"]
+    assert calls["aclrtRecordEvent"] == 10 * 160 // 16        # one event per batch of 16 frees, on the one stream
+    assert calls["aclrtSynchronizeDevice"] == 0
+
+
 def test_hotpath_glibc_baseline_runs_without_npualloc():
     r = bench.run_hotpath(BUILD, "glibc", threads=1, batches=10, pairs=100)
     assert not r["npualloc_loaded"] and not r["failed"] and r["median_ns"] > 0

@@ -293,6 +293,10 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             npa_recent_flush(d);
             b = get_free_block(&a->config, pool, rounded);
         }
+        if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
+            npa_pending_flush(a, d);
+            b = get_free_block(&a->config, pool, rounded);
+        }
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
     }
@@ -426,10 +430,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
         npa_pending_add_uses(a, d, b);
     } else if (!b->pool->on_stream && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
-        b->phase = NPA_PHASE_PENDING;
-        b->link = d->open_batch;
-        d->open_batch = b;
-        s->num_pending_frees++;
+        npa_pending_add(d, b);
     } else if (npa_recent_takes(d, b)) { /* reusable at once: on its own stream, or eager */
         npa_recent_put(d, b);
     } else {
@@ -531,4 +532,4 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
     return first;
 }
 
-void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_poll); }
+void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_flush); }

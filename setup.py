@@ -15,6 +15,7 @@ import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,4 +35,15 @@ class BuildWithLibrary(build_py):
         return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, STARTUP_PTH)]
 
 
-setup(cmdclass={"build_py": BuildWithLibrary})
+class CompiledDistribution(Distribution):
+    """The package carries code compiled here: libnpualloc.so, the reader and
+    the replayer for this machine, and the simulator's `acl` module for this
+    Python. So its wheel is tagged for this interpreter and platform (e.g.
+    cp311-cp311-linux_x86_64), as wheels with extension modules are, never
+    py3-none-any, which pip would install on an aarch64 host or another Python."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(cmdclass={"build_py": BuildWithLibrary}, distclass=CompiledDistribution)

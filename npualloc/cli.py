@@ -21,10 +21,11 @@ import psutil
 
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
-from .errors import CommandRejectedError, NpuallocError, OtherUserError
+from .conf_env import with_conf
+from .errors import CommandRejectedError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError
+from .files import write_user_file
 from .region import Region, live_regions, region_base
 
-CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXIT_USAGE = 2
 
 
@@ -90,7 +91,10 @@ def _device_table(device: int, s: dict[str, Any]) -> list[str]:
 def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
     with Region(pid) as region:
         header = region.header()
-        devices = [memory.device_index(device)] if device is not None else region.devices_in_use()
+        in_use = region.devices_in_use()
+        asked = [memory.device_index(device)] if device is not None else in_use
+        # A device the process never allocated on has no figures, not zeros (out of range stays an error).
+        unused = [d for d in asked if d not in in_use and 0 <= d < constants.NPUALLOC_MAX_DEVICES]
         return {
             "pid": pid,
             "command": _command_line(pid, header.cmdline),
@@ -100,7 +104,8 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
             "state": header.state,
             "paused_bytes": header.paused_bytes,
             "backup_bytes": header.backup_bytes,
-            "devices": {str(d): memory.region_stats(region, d) for d in devices},
+            "devices": {str(d): memory.region_stats(region, d) for d in asked if d not in unused},
+            "unused_devices": unused,
         }
 
 
@@ -111,16 +116,27 @@ def _render(snapshot: dict[str, Any]) -> str:
     if snapshot["state"] != "running":
         lines[-1:-1] = [f"state: {snapshot['state']} · {human_bytes(snapshot['paused_bytes'])} of device memory "
                         f"released · {human_bytes(snapshot['backup_bytes'])} host backup"]
-    if not snapshot["devices"]:
+    if not snapshot["devices"] and not snapshot["unused_devices"]:
         lines.append("no device has allocated through npualloc yet")
+    for device in snapshot["unused_devices"]:
+        lines += [f"NPU {device}: unused by this process (nothing allocated on it through npualloc)", ""]
     for device, stats in snapshot["devices"].items():
         lines += _device_table(int(device), stats) + [""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    watched = False
     while True:
-        snapshot = _snapshot(args.pid, args.device)
+        try:
+            snapshot = _snapshot(args.pid, args.device)
+        except (NoSuchProcessError, NotUnderNpuallocError):
+            if not watched:
+                raise
+            # Its region is removed only at exit: a process watched until now ended.
+            sys.stderr.write(f"npualloc: process {args.pid} ended\n")
+            return 0
+        watched = True
         text = json.dumps(snapshot, indent=2) + "\n" if args.json else _render(snapshot)
         if args.watch and sys.stdout.isatty():
             text = "\033[H\033[2J" + text
@@ -189,9 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()
     env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
     if args.conf is not None:
-        key = next((k for k in CONF_KEYS if k in env), CONF_KEYS[0])
-        env[key] = args.conf
-        env["NPUALLOC_CONF_FROM_RUN"] = "1"  # the library's config warnings then name --conf
+        env = with_conf(env, args.conf, "run")
     try:
         os.execvpe(command[0], command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:
@@ -254,11 +268,7 @@ def cmd_set_gc_threshold(args: argparse.Namespace) -> int:
 def cmd_snapshot(args: argparse.Namespace) -> int:
     data = snapshot.snapshot_bytes(args.pid, timeout=args.timeout)
     taken = snapshot.loads(data)  # also proves the file loads before it is handed on
-    try:
-        with open(args.output, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise NpuallocError(f"cannot write {args.output}: {e.strerror or e}") from None
+    write_user_file(args.output, data)
     events = sum(len(trace) for trace in taken["device_traces"])
     sys.stdout.write(f"process {args.pid}: snapshot written to {args.output} ({len(taken['segments'])} segments, "
                      f"{events} trace events)\n")

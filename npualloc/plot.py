@@ -11,12 +11,14 @@ counted in requested bytes, as torch's trace records them.
 """
 from __future__ import annotations
 
+import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import NpuallocError
+from .files import write_user_file
 from .snapshot import Snapshot, load
 
 MIB = 1 << 20
@@ -162,12 +164,12 @@ def plot_snapshot(snapshot: Snapshot, output: str | Path) -> None:
     _plot_timelines(top, snapshot)
     _plot_segments(bottom, snapshot)
     fig.tight_layout()
+    png = io.BytesIO()
     try:
-        fig.savefig(output, dpi=100, format="png")
-    except OSError as e:
-        raise NpuallocError(f"cannot write {output}: {e.strerror or e}") from None
+        fig.savefig(png, dpi=100, format="png")
     finally:
         plt.close(fig)
+    write_user_file(output, png.getvalue())
 
 
 def cmd_plot(args: Any) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import simulator
+from .conf_env import with_conf
 from .snapshot import load as load_any_snapshot
 from .errors import NpuallocError
 
@@ -41,7 +42,9 @@ EVENT_FILE_HEADER = struct.Struct("<8sIIQ")
 EVENT = struct.Struct("<QII")
 OP_ALLOC, OP_FREE, OP_ITERATION_END = 0, 1, 2
 
-CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# The exit status of a replay that hit an OOM at --hbm when no smallest-HBM
+# search was asked for (with the search, the report answers what fits).
+EXIT_DID_NOT_FIT = 10
 MIB = 1 << 20
 DEFAULT_HBM = "64G"
 # The smallest-HBM search stops once its bracket is this narrow: 1% of the
@@ -214,14 +217,12 @@ def replay_env(tools: Toolchain, hbm_bytes: int, conf: str | None, preload: bool
         env["NPUSIM_FREE_US"] = "0"
     if preload:
         env["LD_PRELOAD"] = str(tools.library)
-    if conf is not None:
-        for key in CONF_KEYS:
-            env.pop(key, None)
-        env["PYTORCH_NPU_ALLOC_CONF"] = conf
-    return env
+    # The library parses --conf, as under `npualloc run --conf`: one parser, the same warnings.
+    return with_conf(env, conf, "replay") if conf is not None else env
 
 
-def run_replayer(tools: Toolchain, event_file: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_replayer(tools: Toolchain, event_file: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The replayer's result and the library's warnings (its `npualloc:` lines on stderr)."""
     proc = subprocess.run([str(tools.replayer), str(event_file)], env=env, capture_output=True, text=True)
     try:
         result = json.loads(proc.stdout)
@@ -231,7 +232,7 @@ def run_replayer(tools: Toolchain, event_file: Path, env: dict[str, str]) -> dic
     if result.get("acl_error") not in (None, 207001):
         raise ReplayError(f"the replayer stopped at event {result['failed_event']}: "
                           f"aclError {result['acl_error']}")
-    return result
+    return result, [line for line in proc.stderr.splitlines() if line.startswith("npualloc:")]
 
 
 def fits(result: dict[str, Any]) -> bool:
@@ -246,7 +247,8 @@ def smallest_hbm(tools: Toolchain, event_file: Path, env: dict[str, str], peak_r
     def try_size(size: int) -> bool:
         nonlocal runs
         runs += 1
-        return fits(run_replayer(tools, event_file, dict(env, NPUSIM_HBM_MB=str(size // MIB))))
+        # Its warnings are the first replay's (same config); its OOMs are the search's own.
+        return fits(run_replayer(tools, event_file, dict(env, NPUSIM_HBM_MB=str(size // MIB)))[0])
 
     runs = 0
     low = max(0, peak_requested // MIB - 1) * MIB     # does not fit
@@ -275,7 +277,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hbm", default=DEFAULT_HBM, help=f"simulated HBM size (default {DEFAULT_HBM})")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the report")
     parser.add_argument("--device", type=int, help="which device's trace (default: the one with most allocs)")
-    parser.add_argument("--no-search", action="store_true", help="skip the smallest-HBM search")
+    parser.add_argument("--no-search", action="store_true", help="skip the smallest-HBM search (then a replay "
+                        f"that does not fit in --hbm exits {EXIT_DID_NOT_FIT})")
     parser.add_argument("--raw", action="store_true",
                         help="replay on the runtime alone, without npualloc (for comparison)")
     parser.add_argument("--sim-latency", action="store_true",
@@ -300,7 +303,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         event_file = Path(tmp) / "events.bin"
         written = write_event_file(snapshot, event_file, args.device)
         env = replay_env(tools, hbm, args.conf, not args.raw, args.sim_latency)
-        result = run_replayer(tools, event_file, env)
+        result, warnings = run_replayer(tools, event_file, env)
         if not args.raw and not result["npualloc_loaded"]:
             raise ReplayError(f"{tools.library} was preloaded but its stats API is not visible")
         report: dict[str, Any] = {
@@ -308,7 +311,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             "allocs": written.allocs, "frees": written.frees, "iterations": written.iterations,
             "skipped_frees": written.skipped_frees, "skipped_allocs": written.skipped_allocs,
             "conf": args.conf, "npualloc": not args.raw, "hbm_bytes": hbm // MIB * MIB,
-            "replay": result, "fits": fits(result),
+            "replay": result, "fits": fits(result), "warnings": warnings,
         }
         peak_requested = result["peak_requested_bytes"]
         peak_reserved = result["peak_reserved_bytes"]
@@ -375,8 +378,9 @@ def run(args: argparse.Namespace) -> int:
     except ReplayError as e:
         sys.stderr.write(f"npualloc: {e}\n")
         return 1
+    sys.stderr.write("".join(f"{line}\n" for line in report["warnings"]))
     sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else render(report))
-    return 0
+    return EXIT_DID_NOT_FIT if not report["fits"] and args.no_search else 0
 
 
 def main(argv: list[str] | None = None) -> int:

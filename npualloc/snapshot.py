@@ -21,12 +21,12 @@ import gzip
 import io
 import os
 import pickle
-import stat
 from pathlib import Path
 from typing import Any
 
 from ._ffi import constants, ffi
 from .errors import CorruptRegionError, NpuallocError
+from .files import FileRefusedError, read_regular_file, write_user_file
 from .memory import _in_process, _library, set_config
 from .region import COMMAND_TIMEOUT_S, Region
 
@@ -60,10 +60,7 @@ def loads(data: bytes) -> Snapshot:
 
 def load(path: str | Path) -> Snapshot:
     """A snapshot file: ours, torch's _dump_snapshot, or either gzip-compressed."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise NpuallocError(f"{path}: {e.strerror or e}") from None
+    data = read_regular_file(path)
     try:
         return loads(data)
     except NpuallocError as e:
@@ -83,21 +80,12 @@ def _in_process_bytes() -> bytes:
 
 
 def _read_snapshot_file(path: Path) -> bytes:
-    """Reads and removes the file the process wrote for us; O_NOFOLLOW and an
-    owner check, though the directory is the user's own (region_dir.c)."""
+    """Reads and removes the file the process wrote for us; never through a
+    link and only our own regular file, though the directory is the user's own (region_dir.c)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise CorruptRegionError(f"the process acknowledged the snapshot but {path} cannot be opened: "
-                                 f"{e.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise CorruptRegionError(f"{path} is not a snapshot file of ours")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read()
-    finally:
-        os.close(fd)
+        data = read_regular_file(path, owner=os.geteuid())
+    except FileRefusedError as e:
+        raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
     path.unlink(missing_ok=True)
     return data
 
@@ -121,8 +109,10 @@ def memory_snapshot(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) 
 
 def dump_snapshot(filename: str | Path = "dump_snapshot.pickle", pid: int | None = None,
                   timeout: float = COMMAND_TIMEOUT_S) -> None:
-    """torch.cuda.memory._dump_snapshot(): the snapshot pickled to filename."""
-    Path(filename).write_bytes(snapshot_bytes(pid, timeout))
+    """torch.cuda.memory._dump_snapshot(): the snapshot pickled to filename,
+    which is never followed if a link nor replaced if not our regular file
+    (files.write_user_file)."""
+    write_user_file(filename, snapshot_bytes(pid, timeout))
 
 
 def record_memory_history(enabled: str | None = "all", context: str | None = "all", stacks: str = "all",

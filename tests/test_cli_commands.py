@@ -45,6 +45,36 @@ def test_stats_table_and_json_match_the_process(tmp_path: Path) -> None:
         assert snapshot["devices"]["0"] == inside
 
 
+def test_stats_of_a_device_the_process_never_used_says_so(tmp_path: Path) -> None:
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")  # device 0 only
+        table = run_cli(["stats", str(w.pid), "--device", "1"], tmp_path)
+        assert table.returncode == 0 and table.stderr == "", table.stderr
+        assert "NPU 1: unused by this process (nothing allocated on it through npualloc)" in table.stdout
+        assert "  reserved" not in table.stdout and "0 B free of 0 B" not in table.stdout
+        as_json = json.loads(run_cli(["stats", str(w.pid), "--device", "1", "--json"], tmp_path).stdout)
+        assert as_json["devices"] == {} and as_json["unused_devices"] == [1]
+        both = json.loads(run_cli(["stats", str(w.pid), "--json"], tmp_path).stdout)
+        assert list(both["devices"]) == ["0"] and both["unused_devices"] == []
+
+
+def test_stats_watch_of_a_process_that_exits_says_it_ended(tmp_path: Path) -> None:
+    w = Workload(tmp_path)
+    try:
+        w.call("malloc(4096)")
+        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.05"],
+                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert watcher.stdout is not None
+        for line in watcher.stdout:  # one frame shown: the process is being watched
+            if line.startswith("  reserved"):
+                break
+        assert w.close() == 0
+        _, err = watcher.communicate(timeout=60)
+    finally:
+        w.close()
+    assert watcher.returncode == 0 and err == f"npualloc: process {w.pid} ended\n", err
+
+
 def test_stats_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
     """Frames are counted as they arrive (never a wait of some seconds), and a
     change made in the process shows in a later frame."""

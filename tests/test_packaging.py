@@ -6,14 +6,29 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
+import zipfile
 
 from conftest import ROOT
 
 
 def test_pip_install_ships_a_working_library(tmp_path):
+    # Built as a wheel first, as pip does for `pip install .`, to see its tag.
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--wheel-dir", str(wheels), str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+    [wheel] = wheels.glob("npualloc-*.whl")
+    # It carries .so files compiled for this machine and this Python: tagged for both, never py3-none-any.
+    python = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    assert wheel.name == f"npualloc-0.1.0-{python}-{python}-{platform}.whl", wheel.name
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read("npualloc-0.1.0.dist-info/WHEEL").decode()
+    assert "Root-Is-Purelib: false" in metadata and f"Tag: {python}-{python}-{platform}" in metadata, metadata
+
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True, text=True, timeout=300)
+                    "--target", str(target), str(wheel)], check=True, capture_output=True, text=True, timeout=300)
     probe = subprocess.run(
         [sys.executable, "-c",
          "import ctypes, npualloc; p = npualloc.library_path(); print(p); "

@@ -35,7 +35,11 @@ def run_replay(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def replay_json(trace: Path, *args: str) -> dict:
-    return json.loads(run_replay(str(trace), "--build", str(BUILD), "--json", *args).stdout)
+    """The report; a replay that does not fit (exit EXIT_DID_NOT_FIT with --no-search) still gives one."""
+    proc = run_replay(str(trace), "--build", str(BUILD), "--json", *args, check=False)
+    if proc.returncode not in (0, replay.EXIT_DID_NOT_FIT):
+        pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return json.loads(proc.stdout)
 
 
 def block(request: int) -> int:
@@ -229,3 +233,42 @@ def test_crafted_pickle_runs_no_code(tmp_path, compress):
     with pytest.raises(replay.ReplayError):
         replay.load_snapshot(crafted)
     assert not victim.exists()
+
+
+@pytest.mark.parametrize("conf", ["foo:1", "expandable_segments:True,max_split_size_mb:128",
+                                  "max_split_size_mb:banana"])
+def test_replay_conf_warns_as_run_conf_does(tmp_path, conf):
+    """One parser (the library's), the same warnings: replay --conf and run
+    --conf print the same lines, each naming its own command."""
+    allocate = "import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)"
+    ran = subprocess.run([sys.executable, "-m", "npualloc", "run", "--conf", conf, "--", sys.executable, "-c",
+                          allocate], env=sim_env(NPUALLOC_SHM_DIR=str(tmp_path)), capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    warnings = ran.stderr.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("npualloc: npualloc run --conf: "), ran.stderr
+    for json_flag in ([], ["--json"]):
+        replayed = run_replay(str(TINY), "--build", str(BUILD), "--no-search", "--conf", conf, *json_flag)
+        assert replayed.stderr.splitlines() == [w.replace("npualloc run --conf", "npualloc replay --conf")
+                                                for w in warnings]
+    assert json.loads(replayed.stdout)["warnings"] == replayed.stderr.splitlines()
+
+
+def test_replay_conf_that_is_valid_warns_nothing():
+    replayed = run_replay(str(TINY), "--build", str(BUILD), "--no-search", "--conf", "expandable_segments:True")
+    assert replayed.stderr == ""
+
+
+def test_an_oom_nobody_searched_for_exits_non_zero():
+    """--no-search: the replay answers "does it fit in --hbm?", no is exit 10
+    (the report is still printed). With the search the OOMs are the search's
+    own and the report answers what fits: exit 0."""
+    proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "40M", "--no-search", check=False)
+    assert proc.returncode == replay.EXIT_DID_NOT_FIT, proc.stderr
+    assert "fits in 40.00 MiB  no: OOM at event 4" in proc.stdout
+    proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "40M", "--no-search", "--json", check=False)
+    assert proc.returncode == replay.EXIT_DID_NOT_FIT and not json.loads(proc.stdout)["fits"]
+    searched = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "40M", "--json")
+    report = json.loads(searched.stdout)
+    assert not report["fits"] and report["smallest_hbm_bytes"] == 41 * MIB
+    assert run_replay(str(TINY), "--build", str(BUILD), "--no-search").returncode == 0

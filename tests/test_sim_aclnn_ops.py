@@ -568,3 +568,54 @@ def test_roll_repeat_pad_diag_interleave_isclose_against_numpy():
             call("IsClose", tensor(x), tensor(y), ctypes.c_double(1e-5), ctypes.c_double(1e-3), c_bool(equal_nan), out)
             assert (out.numpy() == np.isclose(x, y, rtol=1e-5, atol=1e-3, equal_nan=equal_nan)).all(), equal_nan
     """)
+
+
+def test_batch_norm_training_and_eval_against_numpy():
+    sim("""
+        x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+        X = tensor(x)
+        w, b = rng.standard_normal(3).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+        rm0, rv0 = rng.standard_normal(3).astype(np.float32), (rng.random(3) + 0.5).astype(np.float32)
+        RM, RV = tensor(rm0), tensor(rv0)
+        out, save_mean, save_invstd = empty(x.shape, np.float32), empty((3,), np.float32), empty((3,), np.float32)
+        assert call("BatchNorm", X, tensor(w), tensor(b), RM, RV, c_bool(True), ctypes.c_double(0.1),
+                    ctypes.c_double(1e-5), out, save_mean, save_invstd) > 0
+        xd = x.astype(np.float64)
+        mean, var = xd.mean(axis=(0, 2, 3)), xd.var(axis=(0, 2, 3))
+        c = lambda v: v[None, :, None, None]   # noqa: E731
+        close(out.numpy(), (xd - c(mean)) / np.sqrt(c(var) + 1e-5) * c(w) + c(b), np.float32)
+        close(save_mean.numpy(), mean, np.float32)
+        close(save_invstd.numpy(), 1 / np.sqrt(var + 1e-5), np.float32)
+        close(RM.numpy(), 0.9 * rm0 + 0.1 * mean, np.float32)                  # running stats updated,
+        close(RV.numpy(), 0.9 * rv0 + 0.1 * xd.var(axis=(0, 2, 3), ddof=1), np.float32)   # variance unbiased
+        rm, rv = RM.numpy().astype(np.float64), RV.numpy().astype(np.float64)
+        out = empty(x.shape, np.float32)
+        call("BatchNorm", X, 0, 0, RM, RV, c_bool(False), ctypes.c_double(0.1), ctypes.c_double(1e-5), out, 0, 0)
+        close(out.numpy(), (xd - c(rm)) / np.sqrt(c(rv) + 1e-5), np.float32)    # eval: the running stats
+        assert (RM.numpy() == rm.astype(np.float32)).all()                      # and they stay
+        assert phase1_status("BatchNorm", X, 0, 0, 0, 0, c_bool(False), ctypes.c_double(0.1), ctypes.c_double(1e-5),
+                             empty(x.shape, np.float32), 0, 0) == 161001          # eval needs running stats
+        assert phase1_status("BatchNorm", X, tensor(w[:2]), 0, 0, 0, c_bool(True), ctypes.c_double(0.1),
+                             ctypes.c_double(1e-5), empty(x.shape, np.float32), 0, 0) == 161002   # not C long
+    """)
+
+
+def test_random_fills_repeat_per_seed_and_offset_and_have_their_distribution():
+    sim("""
+        def fill(name, a, b, seed, offset, n=20000):
+            t = empty((n,), np.float32)
+            arg_type = ctypes.c_float if name == "InplaceNormal" else ctypes.c_double
+            call(name, t, arg_type(a), arg_type(b), c_int64(seed), c_int64(offset))
+            return t.numpy().astype(np.float64)
+        normal = fill("InplaceNormal", 2.0, 3.0, 42, 0)
+        assert abs(normal.mean() - 2.0) < 0.1 and abs(normal.std() - 3.0) < 0.1
+        assert (fill("InplaceNormal", 2.0, 3.0, 42, 0) == normal).all()        # same seed and offset: same values
+        assert (fill("InplaceNormal", 2.0, 3.0, 42, 1) != normal).mean() > 0.99   # a new offset: new values
+        assert (fill("InplaceNormal", 2.0, 3.0, 7, 0) != normal).mean() > 0.99
+        uniform = fill("InplaceUniform", -1.0, 3.0, 42, 0)
+        assert uniform.min() >= -1.0 and uniform.max() < 3.0
+        assert abs(uniform.mean() - 1.0) < 0.05
+        assert np.histogram(uniform, bins=8, range=(-1, 3))[0].min() > 2000     # flat: 2500 a bin expected
+        t = empty((4,), np.float32)
+        assert phase1_status("InplaceUniform", t, ctypes.c_double(1.0), ctypes.c_double(0.0), c_int64(0), c_int64(0)) == 161002
+    """)

@@ -58,6 +58,7 @@ static void test_same_stream_reuse_is_immediate(void) {
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
     void *plain2 = alloc_exact(&fx, 0, 4096);
     CHECK(plain2 != plain);
+    npa_process_pending(fx.a, 0);
     CHECK_EQ(fx.fake.fence_records, 1);
     fixture_destroy(&fx);
 }

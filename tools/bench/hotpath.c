@@ -1,13 +1,16 @@
 /* The hot path as a program sees it: ns per aclrtMalloc + aclrtFree pair
  * through the exported symbols, bound by the dynamic linker (run it with
  * LD_PRELOAD=libnpualloc.so to measure npualloc; without, every call would be
- * a raw runtime call); the allocator core alone (npa_malloc + npa_free linked
- * in, over a no-op backend: what the hook layer adds is the difference); or
- * glibc malloc/free. All three walk the same size sequence in the same
- * pattern, so their figures compare.
+ * a raw runtime call); npualloc's stream-aware entry (npualloc_malloc_stream
+ * + npualloc_free_stream on a stream of the thread's own, as MindTorch's
+ * pass-through calls them; --host-writes passes NPUALLOC_STREAM_HOST_WRITES);
+ * the allocator core alone (npa_malloc + npa_free linked in, over a no-op
+ * backend: what the hook layer adds is the difference); or glibc
+ * malloc/free. All walk the same size sequence in the same pattern, so
+ * their figures compare.
  *
- *     npualloc-bench-hotpath [--allocator acl|core|glibc] [--threads N] [--batches B]
- *                            [--pairs P] [--group G] SIZES_FILE
+ *     npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] [--threads N]
+ *                            [--batches B] [--pairs P] [--group G] SIZES_FILE
  *
  * Each thread walks the size list from its own offset, so threads ask for
  * different sizes at the same moment. A step allocates G blocks and then
@@ -15,7 +18,8 @@
  * with clock_gettime, and its cost per pair is one sample. Every thread first
  * runs its whole sequence once untimed, so the timed batches are cache hits
  * (the JSON says how many raw device mallocs and cache misses happened while
- * timing, so a reader can check). All threads use device 0.
+ * timing, and every runtime call of the kinds a steady loop should not make,
+ * so a reader can check). All threads use device 0.
  *
  * Prints one JSON object on stdout; exits 1 on any ACL error. */
 #define _GNU_SOURCE
@@ -37,10 +41,11 @@
 #define MAX_THREADS 64
 #define MAX_GROUP 256
 
-typedef enum allocator_kind { ALLOCATOR_ACL, ALLOCATOR_CORE, ALLOCATOR_GLIBC } allocator_kind;
+typedef enum allocator_kind { ALLOCATOR_ACL, ALLOCATOR_STREAM, ALLOCATOR_CORE, ALLOCATOR_GLIBC } allocator_kind;
 
 typedef struct options {
     allocator_kind allocator;
+    int host_writes;    /* ALLOCATOR_STREAM: NPUALLOC_STREAM_HOST_WRITES */
     int threads;
     int batches;
     int pairs;          /* per batch, a multiple of group */
@@ -63,9 +68,14 @@ typedef struct worker {
     int failed;
 } worker;
 
-static options opts = {ALLOCATOR_ACL, 1, 1000, 1000, 1, NULL};
+static options opts = {ALLOCATOR_ACL, 0, 1, 1000, 1000, 1, NULL};
 static sizes seq;
 static npa_allocator *core;   /* ALLOCATOR_CORE */
+/* ALLOCATOR_STREAM: the preloaded library's entry (looked up, not linked),
+ * and each thread's stream. */
+static int (*malloc_stream)(void **, size_t, void *, int);
+static int (*free_stream)(void *, void *);
+static __thread aclrtStream thread_stream;
 
 /* The core's backend: device memory is a bump of fake addresses (never
  * touched), frees and synchronizes do nothing, no fences (eager reuse). */
@@ -106,6 +116,8 @@ static int alloc_block(void **p, size_t size) {
         return *p ? 0 : ENOMEM;
     case ALLOCATOR_CORE:
         return npa_malloc(core, 0, size, NPA_ENTRY_MALLOC, p);
+    case ALLOCATOR_STREAM:
+        return malloc_stream(p, size, thread_stream, opts.host_writes ? NPUALLOC_STREAM_HOST_WRITES : 0);
     case ALLOCATOR_ACL:
     default:
         return aclrtMalloc(p, size, ACL_MEM_MALLOC_HUGE_FIRST);
@@ -119,6 +131,8 @@ static int free_block(void *p) {
         return 0;
     case ALLOCATOR_CORE:
         return npa_free(core, p, 0, NULL) == NPA_FREE_OK ? 0 : EINVAL;
+    case ALLOCATOR_STREAM:
+        return free_stream(p, thread_stream);
     case ALLOCATOR_ACL:
     default:
         return aclrtFree(p);
@@ -145,9 +159,13 @@ static int run_steps(int steps, size_t *next) {
 static void *work(void *arg) {
     worker *w = arg;
     size_t next = seq.count * (size_t)w->index / (size_t)opts.threads;
-    if (opts.allocator == ALLOCATOR_ACL) {
+    if (opts.allocator == ALLOCATOR_ACL || opts.allocator == ALLOCATOR_STREAM) {
         aclError err = aclrtSetDevice(0);
         if (err) fprintf(stderr, "hotpath: aclrtSetDevice: %d\n", err), w->failed = 1;
+    }
+    if (opts.allocator == ALLOCATOR_STREAM && !w->failed) {
+        aclError err = aclrtCreateStream(&thread_stream);
+        if (err) fprintf(stderr, "hotpath: aclrtCreateStream: %d\n", err), w->failed = 1;
     }
     /* One untimed pass over the whole sequence fills the cache. */
     if (!w->failed && run_steps((int)(seq.count / (size_t)opts.group), &next)) w->failed = 1;
@@ -202,8 +220,8 @@ static int load_sizes(const char *path) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|core|glibc] [--threads N] [--batches B] "
-                    "[--pairs P] [--group G] SIZES_FILE\n");
+    fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] "
+                    "[--threads N] [--batches B] [--pairs P] [--group G] SIZES_FILE\n");
     return 2;
 }
 
@@ -212,9 +230,13 @@ static int parse_options(int argc, char **argv) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--allocator") && value) {
             if (!strcmp(value, "acl")) opts.allocator = ALLOCATOR_ACL;
+            else if (!strcmp(value, "stream")) opts.allocator = ALLOCATOR_STREAM;
             else if (!strcmp(value, "core")) opts.allocator = ALLOCATOR_CORE;
             else if (!strcmp(value, "glibc")) opts.allocator = ALLOCATOR_GLIBC;
             else return -1;
+        } else if (!strcmp(argv[i], "--host-writes")) {
+            opts.host_writes = 1;
+            continue;
         } else if (!strcmp(argv[i], "--threads") && value) {
             opts.threads = atoi(value);
         } else if (!strcmp(argv[i], "--batches") && value) {
@@ -237,10 +259,17 @@ static int parse_options(int argc, char **argv) {
     return 0;
 }
 
-/* Raw device mallocs as the simulator counts them (npualloc's own calls to
- * the runtime included, the program's calls into npualloc not). */
-static uint64_t raw_mallocs(void) {
-    return opts.allocator == ALLOCATOR_ACL ? aclsim_call_count("aclrtMalloc") : 0;
+/* Runtime calls as the simulator counts them (npualloc's own calls to the
+ * runtime included, the program's calls into npualloc not): those a steady
+ * loop of cache hits should not need. */
+static const char *const COUNTED[] = {"aclrtMalloc", "aclrtFree", "aclrtRecordEvent", "aclrtQueryEventStatus",
+                                      "aclrtSynchronizeDevice"};
+#define N_COUNTED (sizeof COUNTED / sizeof COUNTED[0])
+
+static void runtime_calls(uint64_t out[N_COUNTED]) {
+    for (size_t i = 0; i < N_COUNTED; i++)
+        out[i] = opts.allocator == ALLOCATOR_ACL || opts.allocator == ALLOCATOR_STREAM ? aclsim_call_count(COUNTED[i])
+                                                                                          : 0;
 }
 
 /* npualloc's cache counters: the linked core's, or the preloaded library's
@@ -255,7 +284,13 @@ static int npualloc_stats(npualloc_device_stats *out) {
 int main(int argc, char **argv) {
     if (parse_options(argc, argv)) return usage();
     if (load_sizes(opts.sizes_path)) return 2;
-    if (opts.allocator == ALLOCATOR_ACL) {
+    if (opts.allocator == ALLOCATOR_STREAM) {
+        malloc_stream = (int (*)(void **, size_t, void *, int))dlsym(RTLD_DEFAULT, "npualloc_malloc_stream");
+        free_stream = (int (*)(void *, void *))dlsym(RTLD_DEFAULT, "npualloc_free_stream");
+        if (!malloc_stream || !free_stream)
+            return fprintf(stderr, "hotpath: --allocator stream needs libnpualloc.so preloaded\n"), 2;
+    }
+    if (opts.allocator == ALLOCATOR_ACL || opts.allocator == ALLOCATOR_STREAM) {
         aclError err = aclInit(NULL);
         if (err) return fprintf(stderr, "hotpath: aclInit: %d\n", err), 1;
     } else if (opts.allocator == ALLOCATOR_CORE) {
@@ -277,10 +312,11 @@ int main(int argc, char **argv) {
     pthread_barrier_wait(&warmed_up);
     npualloc_device_stats before = {0}, after = {0};
     int have_stats = npualloc_stats(&before);
-    uint64_t raw_before = raw_mallocs();
+    uint64_t calls_before[N_COUNTED], calls_after[N_COUNTED];
+    runtime_calls(calls_before);
     pthread_barrier_wait(&counted);
     pthread_barrier_wait(&timing_done);
-    uint64_t raw_during = raw_mallocs() - raw_before;
+    runtime_calls(calls_after);
     have_stats = have_stats && npualloc_stats(&after);
     for (int t = 0; t < opts.threads; t++) pthread_join(workers[t].thread, NULL);
 
@@ -290,7 +326,11 @@ int main(int argc, char **argv) {
     int failed = 0;
     printf("{\"allocator\": \"%s\", \"threads\": %d, \"batches\": %d, \"pairs_per_batch\": %d, \"group\": %d, "
            "\"sizes\": %zu, \"npualloc_loaded\": %s, \"per_thread\": [",
-           opts.allocator == ALLOCATOR_ACL ? "acl" : opts.allocator == ALLOCATOR_CORE ? "core" : "glibc", opts.threads, opts.batches, opts.pairs, opts.group,
+           opts.allocator == ALLOCATOR_ACL      ? "acl"
+           : opts.allocator == ALLOCATOR_STREAM ? "stream"
+           : opts.allocator == ALLOCATOR_CORE   ? "core"
+                                                : "glibc",
+           opts.threads, opts.batches, opts.pairs, opts.group,
            seq.count, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false");
     for (int t = 0; t < opts.threads; t++) {
         worker *w = &workers[t];
@@ -305,7 +345,11 @@ int main(int argc, char **argv) {
     qsort(all, samples, sizeof *all, compare_double);
     printf("], \"median_ns\": %.2f, \"p10_ns\": %.2f, \"p90_ns\": %.2f, \"raw_mallocs_while_timed\": %llu",
            percentile(all, samples, 0.5), percentile(all, samples, 0.1), percentile(all, samples, 0.9),
-           (unsigned long long)raw_during);
+           (unsigned long long)(calls_after[0] - calls_before[0]));
+    printf(", \"runtime_calls_while_timed\": {");
+    for (size_t i = 0; i < N_COUNTED; i++)
+        printf("%s\"%s\": %llu", i ? ", " : "", COUNTED[i], (unsigned long long)(calls_after[i] - calls_before[i]));
+    printf("}");
     if (have_stats)
         printf(", \"cache_hits_while_timed\": %lld, \"cache_misses_while_timed\": %lld",
                (long long)(after.num_cache_hits - before.num_cache_hits),

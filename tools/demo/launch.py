@@ -20,9 +20,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the checkout's npualloc: `make demo` does not install it
+from npualloc.conf_env import CONF_VARIABLES  # noqa: E402
 from npualloc.simulator import simulated_env  # noqa: E402
+
 TRAIN_STEP = ROOT / "tools" / "demo" / "train_step.py"
-ALLOC_CONF_KEYS = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def build_dir() -> Path:
@@ -33,7 +34,7 @@ def sim_environment(build: Path | None = None) -> dict[str, str]:
     """The caller's environment, pointed at the build tree's simulator, with
     nothing preloaded and no allocator config inherited."""
     build = build or build_dir()
-    drop = ("NPUSIM_", "NPUALLOC_", "LD_PRELOAD") + ALLOC_CONF_KEYS
+    drop = ("NPUSIM_", "NPUALLOC_", "LD_PRELOAD") + CONF_VARIABLES
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools")])
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,7 +1,6 @@
 /* The allocator's entry points: lifetime, per-device state, malloc (best fit
  * and split) and free (merge), the cache-emptying calls. The retry path lives
  * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
-#define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,7 +51,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
 }
 
 static void device_destroy(npa_allocator *a, npa_device *d) {
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     release_locked(a, d);
     /* Batches still waiting (the device could not be synchronized) belong to
      * work that may yet run: their blocks and segments stay with the device;
@@ -83,12 +82,11 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         free(p);
     }
     free(d->fence_streams);
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
     npa_block_map_destroy(&d->live);
     npa_slab_destroy(&d->slab);
     npa_history_reset(&d->history, 0);
     free(d->segments.items);
-    pthread_mutex_destroy(&d->lock);
     free(d);
 }
 
@@ -129,16 +127,6 @@ static npa_device *device_create(npa_allocator *a, int id) {
         free(d);
         return NULL;
     }
-    /* Adaptive (spin a bounded while, then sleep): a hit holds the lock for
-     * about a hundred nanoseconds, far less than a futex sleep and wake-up, so
-     * a second thread that finds it taken waits without sleeping. A plain
-     * mutex slept 1-5 times per 1000 pairs with two threads on one device and
-     * ran them 10x slower; adaptive, they did not sleep (make bench, sleeps). */
-    pthread_mutexattr_t attr;
-    pthread_mutexattr_init(&attr);
-    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
-    pthread_mutex_init(&d->lock, &attr);
-    pthread_mutexattr_destroy(&attr);
     d->id = id;
     d->plain.small.is_small = true;
     d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
@@ -287,7 +275,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_device *d = npa_device_get(a, device, true);
     if (!d) return device < 0 || device >= NPUALLOC_MAX_DEVICES ? NPA_ERR_INVALID_PARAM : NPA_ERR_OOM;
 
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     npa_pending_poll(a, d);
     npa_block *b = NULL;
     bool cache_hit = false, cap_hit = false;
@@ -305,13 +293,17 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             npa_recent_flush(d);
             b = get_free_block(&a->config, pool, rounded);
         }
+        if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
+            npa_pending_flush(a, d);
+            b = get_free_block(&a->config, pool, rounded);
+        }
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
     }
     if (!b) {
         char msg[512];
         npa_oom_report(a, d, size, rounded, cap_hit, msg, sizeof msg);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
         ssize_t unused = write(STDERR_FILENO, msg, strlen(msg));
         (void)unused;
         return NPA_ERR_OOM;
@@ -320,7 +312,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     b->fence_own = b->pool->on_stream && (flags & NPA_STREAM_HOST_WRITES);
     npa_history_note_alloc(a, d, b->addr, size);
     *ptr = (void *)b->addr;
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
     return NPA_OK;
 }
 
@@ -438,10 +430,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
         npa_pending_add_uses(a, d, b);
     } else if (!b->pool->on_stream && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
-        b->phase = NPA_PHASE_PENDING;
-        b->link = d->open_batch;
-        d->open_batch = b;
-        s->num_pending_frees++;
+        npa_pending_add(d, b);
     } else if (npa_recent_takes(d, b)) { /* reusable at once: on its own stream, or eager */
         npa_recent_put(d, b);
     } else {
@@ -456,7 +445,7 @@ typedef enum block_op { OP_FREE, OP_FREE_ON_STREAM, OP_RECORD } block_op;
 /* Which device owns ptr: 1 done, 0 not in this device, -1 inside one of its
  * segments but not a live block start. */
 static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_op op, uintptr_t stream) {
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     int result = 0;
     npa_block *b = op == OP_RECORD ? npa_block_map_find(&d->live, addr) : npa_block_map_take(&d->live, addr);
     if (b) {
@@ -471,7 +460,7 @@ static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_o
         }
         result = -1;
     }
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
     return result;
 }
 
@@ -494,11 +483,11 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
     }
     npa_device *hint = hint_valid && op != OP_RECORD ? npa_device_get(a, hint_device, false) : NULL;
     if (hint) {
-        pthread_mutex_lock(&hint->lock);
+        npa_lock_acquire(&hint->lock);
         npa_stats_begin(hint);
         hint->stats->num_foreign_frees++;
         npa_stats_end(hint);
-        pthread_mutex_unlock(&hint->lock);
+        npa_lock_release(&hint->lock);
     }
     return NPA_FREE_NOT_OURS;
 }
@@ -523,9 +512,9 @@ static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *
         if (device >= 0 && i != device) continue;
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         fn(a, d);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
     }
 }
 
@@ -535,12 +524,12 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
         if (device >= 0 && i != device) continue;
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         npa_error err = release_locked(a, d);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
         if (first == NPA_OK) first = err;
     }
     return first;
 }
 
-void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_poll); }
+void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_flush); }

@@ -54,18 +54,18 @@ int npa_set_record_history(npa_allocator *a, size_t max_entries) {
     for (int i = 0; i < NPUALLOC_MAX_DEVICES && ok; i++) {
         npa_device *d = a->devices[i];
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         ok = npa_history_reset(&d->history, max_entries);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
     }
     if (!ok) { /* all off rather than some devices recording */
         __atomic_store_n(&a->config.record_history, 0, __ATOMIC_RELAXED);
         for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
             npa_device *d = a->devices[i];
             if (!d) continue;
-            pthread_mutex_lock(&d->lock);
+            npa_lock_acquire(&d->lock);
             npa_history_reset(&d->history, 0);
-            pthread_mutex_unlock(&d->lock);
+            npa_lock_release(&d->lock);
         }
     }
     pthread_mutex_unlock(&a->init_lock);
@@ -82,8 +82,8 @@ void npa_visit_trace(npa_allocator *a, int device, npa_trace_visitor visitor, vo
         if (device >= 0 && i != device) continue;
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         npa_history_visit(d, visitor, arg);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
     }
 }

@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "core.h"
+#include "lock.h"
 
 /* torch's sizing constants (CUDACachingAllocator.cpp). */
 #define NPA_MIN_BLOCK_SIZE ((size_t)512)
@@ -170,6 +171,7 @@ struct npa_fence_batch {
     void *fence;
     npa_block *blocks;       /* chained through block->link */
     npa_fence_batch *next;
+    bool uses;               /* fenced on the streams its blocks were used on, else the policy's fence */
 };
 
 /* One recorded allocator event (torch's TraceEntry without stack or stream). */
@@ -210,7 +212,7 @@ typedef struct npa_recent {
 /* Lock order: hook/hook.h lists every lock of the library. For the core:
  * init_lock before any device lock, one device lock at a time. */
 typedef struct npa_device {
-    pthread_mutex_t lock;    /* adaptive: see device_create */
+    npa_lock lock;           /* lock.h */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     npa_history history;     /* beside the lock: in cache whenever the device is */
@@ -222,6 +224,7 @@ typedef struct npa_device {
     npa_slab slab;
     npa_block *open_batch;   /* pending frees not yet covered by a fence */
     npa_block *open_uses;    /* frees of blocks with stream uses, not yet covered by their streams' fence */
+    size_t open_blocks, open_bytes; /* in both open lists: when to close them (pending.c) */
     uintptr_t *fence_streams; /* scratch: the distinct streams of open_uses */
     size_t fence_streams_capacity;
     npa_fence_batch *batches; /* oldest first */
@@ -319,7 +322,15 @@ void npa_expandable_release_free(npa_allocator *a, npa_device *d, size_t index);
 void npa_expandable_forget(npa_expandable *es);
 
 /* pending.c */
+/* Every malloc's poll: fences the open frees once there are enough of them
+ * to share one fence (NPA_FENCE_BATCH_*), and hands back every batch
+ * whose fence completed. */
 void npa_pending_poll(npa_allocator *a, npa_device *d);
+/* The same, fencing whatever is open: before a miss grows the pool, and
+ * npa_process_pending. */
+void npa_pending_flush(npa_allocator *a, npa_device *d);
+/* A plain free waiting for the policy's fence. */
+void npa_pending_add(npa_device *d, npa_block *b);
 /* A freed block with stream uses: reusable once events recorded on those
  * streams complete (one event per stream for every such block freed
  * before the next poll). */

@@ -131,7 +131,7 @@ static npa_error map_back(npa_allocator *a, npa_paused *p, char *why, size_t len
 
 static void unlock_all(npa_allocator *a) {
     for (int i = NPUALLOC_MAX_DEVICES - 1; i >= 0; i--)
-        if (a->devices[i]) pthread_mutex_unlock(&a->devices[i]->lock);
+        if (a->devices[i]) npa_lock_release(&a->devices[i]->lock);
     pthread_mutex_unlock(&a->init_lock);
 }
 
@@ -163,7 +163,7 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
         npa_device *d = a->devices[i];
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         for (size_t s = 0; s < d->segments.count; s++) {
             if (d->segments.items[s].expandable) pages += d->segments.items[s].expandable->page_count;
             else plain++;

@@ -1,13 +1,25 @@
-/* Stream-safe reuse. Frees collect in an open batch; the next poll (every
- * malloc starts with one) records ONE fence covering the whole batch, so a
- * burst of frees costs one fence, and hands back every batch whose fence has
- * completed, without blocking. Pending blocks stay "active" in the stats.
+/* Stream-safe reuse. Plain frees collect in an open batch; a poll (every
+ * malloc starts with one) records ONE fence covering the whole batch once it
+ * holds NPA_FENCE_BATCH_BLOCKS frees or NPA_FENCE_BATCH_BYTES bytes, or at
+ * once when a malloc would otherwise miss (npa_pending_flush), and hands
+ * back every batch whose fence has completed, without blocking. A fence
+ * costs a runtime call per live stream (an event record: a task queued to
+ * the stream); shared by many frees it costs a malloc+free pair little, and
+ * recording it later than the frees only covers more work, never less.
+ * Pending blocks stay "active" in the stats.
  * Two kinds of batch: plain blocks (the reuse policy's fence over every
  * stream) and stream blocks recorded on other streams (one event on each
  * of the streams their uses name). */
 #include <stdlib.h>
 
 #include "internal.h"
+
+/* How many frees share a fence. Measured with make bench's hot path (safe,
+ * frees in groups of 16, 2-core VM under load): 64 left the event records
+ * dominant (3x eager); 256 held so much back that a warm cache missed (1% of
+ * pairs in tests/test_demo_bench.py, one run in seven); 128 did neither. */
+#define NPA_FENCE_BATCH_BLOCKS 128
+#define NPA_FENCE_BATCH_BYTES ((size_t)128 << 20)
 
 static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) {
     npa_stats_begin(d);
@@ -35,6 +47,7 @@ static void release_fence(npa_allocator *a, void *fence) {
  * batch record, the blocks stay pending in the open list: a stream may
  * still use them, and the next poll tries again. */
 static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence) {
+    bool uses = open == &d->open_uses;
     if (err != NPA_OK) return;
     if (!fence) {
         npa_block *blocks = *open;
@@ -52,6 +65,7 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     batch->fence = fence;
     batch->blocks = *open;
     batch->next = NULL;
+    batch->uses = uses;
     *open = NULL;
     *d->batches_tail = batch;
     d->batches_tail = &batch->next;
@@ -63,12 +77,24 @@ static void close_open_batch(npa_allocator *a, npa_device *d) {
     close_batch(a, d, &d->open_batch, err, fence);
 }
 
+static void open_add(npa_device *d, npa_block **open, npa_block *b) {
+    b->phase = NPA_PHASE_PENDING;
+    b->link = *open;
+    *open = b;
+    d->stats->num_pending_frees++;
+}
+
+void npa_pending_add(npa_device *d, npa_block *b) {
+    open_add(d, &d->open_batch, b);
+    d->open_blocks++;
+    d->open_bytes += b->size;
+}
+
+/* Blocks of streams are fenced at the next poll, as torch records their
+ * events at the free: their fence names only the streams they were used on. */
 void npa_pending_add_uses(npa_allocator *a, npa_device *d, npa_block *b) {
     (void)a;
-    b->phase = NPA_PHASE_PENDING;
-    b->link = d->open_uses;
-    d->open_uses = b;
-    d->stats->num_pending_frees++;
+    open_add(d, &d->open_uses, b);
 }
 
 /* Adds stream to d->fence_streams unless there; false when host memory ran out. */
@@ -114,12 +140,19 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
     close_batch(a, d, &d->open_uses, err, fence);
 }
 
-/* Unlinks every batch that is done (or every batch, when all is set). */
+/* Unlinks every batch that is done (or every batch, when all is set).
+ * Batches of one kind are asked oldest first and the first not done stops
+ * that kind: a later fence of the policy's covers the same streams and was
+ * recorded after, so it is not done either (and if it were, its blocks only
+ * wait one more poll). So a poll costs one query per kind, however many
+ * batches a busy device has queued, rather than one per batch. */
 static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
     npa_fence_batch **link = &d->batches;
+    bool waiting[2] = {false, false}; /* per kind: an older batch is not done */
     while (*link) {
         npa_fence_batch *batch = *link;
-        if (!all && !a->backend.fence_done(a->backend.ctx, batch->fence)) {
+        if (!all && (waiting[batch->uses] || !a->backend.fence_done(a->backend.ctx, batch->fence))) {
+            waiting[batch->uses] = true;
             link = &batch->next;
             continue;
         }
@@ -132,13 +165,25 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
     d->batches_tail = link;
 }
 
-void npa_pending_poll(npa_allocator *a, npa_device *d) {
-    if (d->open_batch) close_open_batch(a, d);
+static void close_open(npa_allocator *a, npa_device *d, bool plain) {
+    if (plain && d->open_batch) {
+        close_open_batch(a, d);
+        if (!d->open_batch) d->open_blocks = d->open_bytes = 0;
+    }
     if (d->open_uses) {
         npa_stats_begin(d);
         close_uses_batch(a, d);
         npa_stats_end(d);
     }
+}
+
+void npa_pending_flush(npa_allocator *a, npa_device *d) {
+    close_open(a, d, true);
+    if (d->batches) drain_batches(a, d, false);
+}
+
+void npa_pending_poll(npa_allocator *a, npa_device *d) {
+    close_open(a, d, d->open_blocks >= NPA_FENCE_BATCH_BLOCKS || d->open_bytes >= NPA_FENCE_BATCH_BYTES);
     if (d->batches) drain_batches(a, d, false);
 }
 
@@ -150,6 +195,7 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     blocks = d->open_uses;
     d->open_uses = NULL;
     complete_blocks(a, d, blocks);
+    d->open_blocks = d->open_bytes = 0;
 }
 
 bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {

@@ -62,9 +62,9 @@ void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visito
         if (device >= 0 && i != device) continue;
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         bool complete = npa_visit_device_segments(d, visitor, arg, &scratch, &capacity);
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
         if (!complete) break;
     }
     free(scratch);

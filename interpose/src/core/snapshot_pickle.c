@@ -273,7 +273,7 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
             continue;
         }
         open_list(&traces);
-        pthread_mutex_lock(&d->lock);
+        npa_lock_acquire(&d->lock);
         stacks.stack_count = stacks.seen = 0;
         if (a->backend.visit_stack) {
             npa_history_visit(d, collect_stack, &stacks);
@@ -284,7 +284,7 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
                                        &scratch, &scratch_capacity))
             segments.failed = true;
         npa_history_visit(d, trace_dict, &(trace_writer){.b = &traces, .backend = &a->backend});
-        pthread_mutex_unlock(&d->lock);
+        npa_lock_release(&d->lock);
         close_list(&traces);
         traces_end = traces.len;
     }

@@ -49,26 +49,26 @@ void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
         if (a) out->max_split_size = a->config.max_split_size == SIZE_MAX ? -1 : (int64_t)a->config.max_split_size;
         return;
     }
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     memcpy(out, d->stats, sizeof *out);
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
 }
 
 void npa_reset_peak_stats(npa_allocator *a, int device) {
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;
     if (!d) return;
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     npa_stats_begin(d);
     npualloc_stat *run = stat_run(d->stats);
     for (size_t i = 0; i < STAT_RUN_LENGTH; i++) run[i].peak = run[i].current;
     npa_stats_end(d);
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
 }
 
 void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;
     if (!d) return;
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     npa_stats_begin(d);
     npualloc_device_stats *s = d->stats;
     npualloc_stat *run = stat_run(s);
@@ -78,18 +78,18 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     s->num_cache_hits = s->num_cache_misses = 0;
     s->num_foreign_frees = s->num_invalid_frees = 0;
     npa_stats_end(d);
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
 }
 
 void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta) {
     npa_device *d = a ? npa_device_get(a, device, true) : NULL;
     if (!d) return;
-    pthread_mutex_lock(&d->lock);
+    npa_lock_acquire(&d->lock);
     npa_stats_begin(d);
     switch (counter) {
     case NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED: d->stats->num_executor_destroys_forwarded += delta; break;
     case NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED: d->stats->num_executor_destroys_skipped += delta; break;
     }
     npa_stats_end(d);
-    pthread_mutex_unlock(&d->lock);
+    npa_lock_release(&d->lock);
 }

@@ -32,7 +32,8 @@
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it.
- *   5. a device lock (core internal.h npa_device.lock): one device at a
+ *   5. a device lock (core internal.h npa_device.lock, a futex word:
+ *      core lock.h; any thread may release it): one device at a
  *      time, never two (except a pause: all, ascending, under 4). It guards
  *      all of the device's state, the recent cache of freed small blocks
  *      (core recent.c) included. Under it the core calls the backend: raw

@@ -52,6 +52,18 @@ static void config_warn(void *arg, const char *message)
     npa_warn_once("%s: %s (default kept)", config_var, message);
 }
 
+/* `npualloc run --conf` and `npualloc replay --conf` set the variable and
+ * say so (NPUALLOC_CONF_FROM=run|replay): warnings name what the user typed. */
+static const char *config_source(const char *var)
+{
+    const char *from = getenv("NPUALLOC_CONF_FROM");
+    if (from != NULL && strcmp(from, "run") == 0)
+        return "npualloc run --conf";
+    if (from != NULL && strcmp(from, "replay") == 0)
+        return "npualloc replay --conf";
+    return var;
+}
+
 static void load_config(void)
 {
     npa_config_defaults(&config);
@@ -60,9 +72,7 @@ static void load_config(void)
     for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
         const char *text = getenv(vars[i]);
         if (text != NULL) {
-            /* `npualloc run --conf` sets the variable and says so: warnings
-             * name what the user typed. */
-            config_var = env_true("NPUALLOC_CONF_FROM_RUN") ? "npualloc run --conf" : vars[i];
+            config_var = config_source(vars[i]);
             npa_config_parse(&config, text, config_warn, NULL);
             npa_pystack_enable(config.record_stacks);
             break;

@@ -73,6 +73,14 @@ void sim_op_input_index(sim_op *op, int64_t dim)
     op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
 }
 
+void sim_op_input_flat_index(sim_op *op)
+{
+    if (op->nin == SIM_OP_MAX_INPUTS)
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->in_kind[op->nin] = SIM_IN_FLAT_INDEX;
+    op->in[op->nin++] = (sim_view){.dtype = ACL_INT64};
+}
+
 void sim_op_channel_input(sim_op *op, uint32_t i)
 {
     sim_view *v = &op->in[i];
@@ -260,6 +268,33 @@ void sim_op_select(sim_op *op, int64_t dim, int64_t k, int largest, int dim_drop
     op->p[0] = (double)dim;
     op->p[1] = (double)k;
     op->p[2] = largest;
+}
+
+void sim_op_batch_norm(sim_op *op, const aclTensor *weight, const aclTensor *bias, const aclTensor *running_mean,
+                       const aclTensor *running_var, int training, double momentum, double eps)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    const sim_view *in = &op->in[0];
+    const aclTensor *channel[4] = {weight, bias, running_mean, running_var};
+    if (op->nin != 1 || in->ndim < 2 || !same_dims(in, &op->out))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    if (!training && (running_mean == NULL || running_var == NULL))
+        return fail(op, ACLNN_ERR_PARAM_NULLPTR);
+    for (int i = 0; i < 4; i++) {
+        if (live(channel[i], SIM_TENSOR_MAGIC, op->def->kind.name) == NULL)
+            continue;
+        const sim_view *v = &channel[i]->view;
+        if (v->ndim != 1 || v->dims[0] != in->dims[1])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        op->channel[i] = *v;
+    }
+    for (int j = 0; j < 2; j++)
+        if (op->extra_out[j].data != NULL && numel(&op->extra_out[j]) != in->dims[1])
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = eps;
+    op->p[1] = momentum;
+    op->p[2] = training;
 }
 
 void sim_op_remap(sim_op *op, const aclIntArray *a, const aclIntArray *b, int64_t n, int64_t dim, double fill)
@@ -464,6 +499,10 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     case SIM_REMAP: st = ACLNN_SUCCESS; break; /* checked by sim_op_remap */
+    case SIM_BATCH_NORM: /* checked by sim_op_batch_norm */
+        st = ACLNN_SUCCESS;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
     case SIM_LAYER_NORM:
         st = check_elementwise(op); /* weight and bias broadcast over out's trailing dims */
         ws = SIM_OP_SCRATCH_WORKSPACE;
@@ -544,11 +583,13 @@ static void run_elementwise(const sim_op *op)
     double x[SIM_OP_MAX_INPUTS];
     /* Inputs are all read before the output is written, so in-place ops
      * (out aliasing an input element for element) are safe. */
-    for (int64_t e = numel(&op->out); e > 0; e--, walk_next(&w)) {
+    int64_t total = numel(&op->out);
+    for (int64_t e = total; e > 0; e--, walk_next(&w)) {
         for (uint32_t i = 0; i < n; i++)
             x[i] = op->in_kind[i] == SIM_IN_TENSOR ? sim_load(op->in[i].dtype, element(&op->in[i], w.offs[i]))
                    : op->in_kind[i] == SIM_IN_CONST ? op->in_value[i]
-                                                     : (double)w.index[(int)op->in_value[i]];
+                   : op->in_kind[i] == SIM_IN_INDEX ? (double)w.index[(int)op->in_value[i]]
+                                                     : (double)(total - e);
         sim_store(op->out.dtype, element(&op->out, w.offs[n]), op->def->fn(x, op->p));
     }
 }
@@ -806,6 +847,71 @@ static void run_remap(const sim_op *op)
     }
 }
 
+static double channel_at(const sim_view *v, int64_t c, double absent)
+{
+    return v->data != NULL ? sim_load(v->dtype, element(v, c * v->strides[0])) : absent;
+}
+
+static void channel_store(const sim_view *v, int64_t c, double value)
+{
+    if (v->data != NULL)
+        sim_store(v->dtype, element(v, c * (v->ndim > 0 ? v->strides[v->ndim - 1] : 0)), value);
+}
+
+/* Per channel c (dim 1): the elements of in with that channel, walked with
+ * dim 1 held at c. Training: the batch's mean and biased variance normalise,
+ * the running stats move by momentum (variance unbiased, as torch); eval: the
+ * running stats normalise. */
+static void run_batch_norm(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    const sim_view *weight = &op->channel[0], *bias = &op->channel[1], *rmean = &op->channel[2],
+                   *rvar = &op->channel[3];
+    double eps = op->p[0], momentum = op->p[1];
+    int training = op->p[2] != 0;
+    int64_t dims[SIM_MAX_DIMS], strides[2][SIM_MAX_DIMS];
+    memcpy(dims, in->dims, sizeof dims);
+    dims[1] = 1;
+    memcpy(strides[0], in->strides, sizeof strides[0]);
+    memcpy(strides[1], out->strides, sizeof strides[1]);
+    int64_t count = in->dims[1] > 0 ? numel(in) / in->dims[1] : 0;
+    for (int64_t c = 0; c < in->dims[1]; c++) {
+        int64_t ib = c * in->strides[1], ob = c * out->strides[1];
+        walker w;
+        double mean, var;
+        if (training) {
+            double sum = 0, sq = 0;
+            walk_start(&w, in->ndim, dims, 1, strides);
+            for (int64_t e = 0; e < count; e++, walk_next(&w))
+                sum += sim_load(in->dtype, element(in, ib + w.offs[0]));
+            mean = count > 0 ? sum / (double)count : 0;
+            walk_start(&w, in->ndim, dims, 1, strides);
+            for (int64_t e = 0; e < count; e++, walk_next(&w)) {
+                double d = sim_load(in->dtype, element(in, ib + w.offs[0])) - mean;
+                sq += d * d;
+            }
+            var = count > 0 ? sq / (double)count : 0;
+            if (rmean->data != NULL)
+                sim_store(rmean->dtype, element(rmean, c * rmean->strides[0]),
+                          (1 - momentum) * channel_at(rmean, c, 0) + momentum * mean);
+            if (rvar->data != NULL && count > 1)
+                sim_store(rvar->dtype, element(rvar, c * rvar->strides[0]),
+                          (1 - momentum) * channel_at(rvar, c, 0) + momentum * sq / (double)(count - 1));
+        } else {
+            mean = channel_at(rmean, c, 0);
+            var = channel_at(rvar, c, 1);
+        }
+        double invstd = 1.0 / sqrt(var + eps), scale = channel_at(weight, c, 1), shift = channel_at(bias, c, 0);
+        walk_start(&w, in->ndim, dims, 2, strides);
+        for (int64_t e = 0; e < count; e++, walk_next(&w)) {
+            double v = (sim_load(in->dtype, element(in, ib + w.offs[0])) - mean) * invstd;
+            sim_store(out->dtype, element(out, ob + w.offs[1]), v * scale + shift);
+        }
+        channel_store(&op->extra_out[0], c, mean);
+        channel_store(&op->extra_out[1], c, invstd);
+    }
+}
+
 static double input_at(const sim_op *op, uint32_t i, int64_t off)
 {
     return op->in_kind[i] == SIM_IN_CONST ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], off));
@@ -906,17 +1012,21 @@ static void compute(void *ctx)
     case SIM_LAYER_NORM: run_layer_norm(op); break;
     case SIM_SELECT: for_each_line(op, op->def->variant == SIM_SELECT_CUMMAX ? cummax_line : topk_line); break;
     case SIM_REMAP: run_remap(op); break;
+    case SIM_BATCH_NORM: run_batch_norm(op); break;
     }
 }
 
 void sim_op_finish(const void *params)
 {
     const sim_op *op = params;
-    simrt_range ranges[SIM_OP_MAX_INPUTS + 3];
+    simrt_range ranges[SIM_OP_MAX_INPUTS + 3 + 4];
     size_t n = 0;
     for (uint32_t i = 0; i < op->nin; i++)
         if (op->in_kind[i] == SIM_IN_TENSOR)
             ranges[n++] = extent(&op->in[i]);
+    for (int i = 0; i < 4; i++)
+        if (op->channel[i].data != NULL)
+            ranges[n++] = extent(&op->channel[i]);
     ranges[n++] = extent(&op->out);
     for (int j = 0; j < 2; j++)
         if (op->extra_out[j].data != NULL)

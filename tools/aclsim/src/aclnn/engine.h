@@ -21,6 +21,9 @@
  *                values sorted (Topk, MaxDim/MinDim as k = 1), or its running
  *                max (Cummax); the values to out, their indices along the dim
  *                to extra_out[0]
+ *   batch norm   in0 (N, C, ...) normalised per channel (dim 1) with the
+ *                batch's statistics (training, which also updates the running
+ *                ones) or the running ones; per-channel affine
  *   remap        out[i] = in0 at an index computed from i (Roll, Repeat,
  *                RepeatInterleave, ConstantPadNd, Diag), or the constant p[0]
  *                where it has none
@@ -37,7 +40,8 @@
 #define SIM_OP_SCRATCH_WORKSPACE 1024u
 
 enum sim_op_shape {
-    SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER, SIM_LAYER_NORM, SIM_SELECT, SIM_REMAP
+    SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER, SIM_LAYER_NORM, SIM_SELECT, SIM_REMAP,
+    SIM_BATCH_NORM
 };
 /* sim_op_def.variant of SIM_SELECT and SIM_REMAP */
 enum { SIM_SELECT_TOPK, SIM_SELECT_CUMMAX };
@@ -53,14 +57,14 @@ typedef struct sim_op_def {
     int variant;        /* reduce: 1 = mean; softmax: 1 = log-softmax; scan: 1 = product; select, remap: above */
 } sim_op_def;
 
-enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX };
+enum { SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX, SIM_IN_FLAT_INDEX };
 
 typedef struct sim_op {
     const sim_op_def *def;
     aclnnStatus error; /* first problem found while building; reported by sim_op_create */
     uint32_t nin;
     uint32_t reduce_mask;
-    uint8_t in_kind[SIM_OP_MAX_INPUTS]; /* SIM_IN_TENSOR, SIM_IN_CONST or SIM_IN_INDEX */
+    uint8_t in_kind[SIM_OP_MAX_INPUTS]; /* SIM_IN_TENSOR, SIM_IN_CONST, SIM_IN_INDEX or SIM_IN_FLAT_INDEX */
     double in_value[SIM_OP_MAX_INPUTS];
     double p[SIM_OP_MAX_PARAMS];
     sim_view in[SIM_OP_MAX_INPUTS];
@@ -70,6 +74,8 @@ typedef struct sim_op {
     /* gather: in0's strides along out's dims, and the indexed dim of in0 */
     int64_t gather_walk[SIM_MAX_DIMS];
     int64_t gather_stride, gather_size;
+    /* batch norm: weight, bias, running mean, running var (1-D, C each); data NULL = absent */
+    sim_view channel[4];
     /* remap: per dim of out, Roll's shift or ConstantPadNd's leading pad */
     int64_t remap_offset[SIM_MAX_DIMS];
 } sim_op;
@@ -81,6 +87,8 @@ void sim_op_input_scalar(sim_op *op, const aclScalar *s);
 void sim_op_input_optional(sim_op *op, const aclTensor *t, double fallback);
 /* The element's index along out's dim `dim` (negative counts from the end). */
 void sim_op_input_index(sim_op *op, int64_t dim);
+/* The element's row-major index in out (the random fills' counter). */
+void sim_op_input_flat_index(sim_op *op);
 /* Input i, a 1-D per-channel tensor, broadcasts along out's dim 1 (NCHW's C). */
 void sim_op_channel_input(sim_op *op, uint32_t i);
 /* Reverses in0 along the listed dims (a view with negated strides). */
@@ -116,6 +124,11 @@ void sim_op_select(sim_op *op, int64_t dim, int64_t k, int largest, int dim_drop
  * (SIM_REMAP_FLAT: of the flattened tensor). */
 #define SIM_REMAP_FLAT INT64_MIN
 void sim_op_remap(sim_op *op, const aclIntArray *a, const aclIntArray *b, int64_t n, int64_t dim, double fill);
+/* Batch norm only, after the input, output and extra outputs (save mean, save
+ * 1/std): the per-channel tensors (any may be NULL; eval needs the running
+ * ones). */
+void sim_op_batch_norm(sim_op *op, const aclTensor *weight, const aclTensor *bias, const aclTensor *running_mean,
+                       const aclTensor *running_var, int training, double momentum, double eps);
 /* Validates shapes, then creates the executor (phase 1's result). */
 aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor);
 

@@ -846,3 +846,79 @@ EXPORT aclnnStatus aclnnRepeatInterleaveIntWithDimGetWorkspaceSize(const aclTens
                              executor);
 }
 PHASE2(RepeatInterleaveIntWithDim)
+
+/* ---- random fills: (selfRef, a, b, seed, offset) ----
+ * Each element's value is a function of (seed, offset, its row-major index):
+ * the same call fills the same values, a new offset new ones. The generator is
+ * a counter hash (splitmix64), not CANN's Philox: the values differ from a
+ * real NPU's, their distribution does not. */
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in (0, 1) from the key p[2] (the seed and offset hashed) and a counter */
+static double unit(double key, double counter, uint64_t stream)
+{
+    uint64_t bits = mix64((uint64_t)key ^ mix64((uint64_t)counter * 2 + stream));
+    return ((double)(bits >> 11) + 0.5) * 0x1.0p-53;
+}
+
+/* uniform [p0, p1); normal: Box-Muller, mean p0, std p1 */
+ELEM_FN(InplaceUniform, p[0] + (p[1] - p[0]) * unit(p[2], x[0], 0))
+ELEM_FN(InplaceNormal, p[0] + p[1] * sqrt(-2.0 * log(unit(p[2], x[0], 0))) * cos(2.0 * M_PI * unit(p[2], x[0], 1)))
+
+static aclnnStatus random_fill(const sim_op_def *def, aclTensor *selfRef, double a, double b, int64_t seed,
+                               int64_t offset, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, def);
+    sim_op_input_flat_index(&op);
+    sim_op_param(&op, 0, a);
+    sim_op_param(&op, 1, b);
+    /* 53 bits, so the key survives the double it is kept in */
+    sim_op_param(&op, 2, (double)(mix64((uint64_t)seed ^ mix64((uint64_t)offset)) >> 11));
+    sim_op_output(&op, selfRef);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+
+DEF(InplaceUniform, SIM_ELEMENTWISE, fn_InplaceUniform, 0)
+EXPORT aclnnStatus aclnnInplaceUniformGetWorkspaceSize(aclTensor *selfRef, double from, double to, int64_t seed,
+                                                       int64_t offset, WS_ARGS)
+{
+    if (!(from <= to))
+        return ACLNN_ERR_PARAM_INVALID;
+    return random_fill(&def_InplaceUniform, selfRef, from, to, seed, offset, workspaceSize, executor);
+}
+PHASE2(InplaceUniform)
+
+DEF(InplaceNormal, SIM_ELEMENTWISE, fn_InplaceNormal, 0)
+EXPORT aclnnStatus aclnnInplaceNormalGetWorkspaceSize(aclTensor *selfRef, float mean, float std, int64_t seed,
+                                                      int64_t offset, WS_ARGS)
+{
+    if (!(std >= 0))
+        return ACLNN_ERR_PARAM_INVALID;
+    return random_fill(&def_InplaceNormal, selfRef, mean, std, seed, offset, workspaceSize, executor);
+}
+PHASE2(InplaceNormal)
+
+/* (input, weight, bias, runningMean, runningVar, training, momentum, eps, output, saveMean, saveInvstd);
+ * weight, bias, and in training the running stats and save outputs, may be NULL */
+DEF(BatchNorm, SIM_BATCH_NORM, NULL, 0)
+EXPORT aclnnStatus aclnnBatchNormGetWorkspaceSize(const aclTensor *input, const aclTensor *weight, const aclTensor *bias,
+                                                  aclTensor *runningMean, aclTensor *runningVar, bool training,
+                                                  double momentum, double eps, aclTensor *output, aclTensor *saveMean,
+                                                  aclTensor *saveInvstd, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_BatchNorm);
+    sim_op_input(&op, input);
+    sim_op_output(&op, output);
+    sim_op_extra_output(&op, 0, saveMean);
+    sim_op_extra_output(&op, 1, saveInvstd);
+    sim_op_batch_norm(&op, weight, bias, runningMean, runningVar, training, momentum, eps);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(BatchNorm)

@@ -1,0 +1,22 @@
+"""The environment variables the library reads its config from, and how
+npualloc's commands hand a --conf to the program they start. The library
+parses it (interpose/src/hook/lifecycle.c: the first variable set wins) and
+warns on stderr about every key it refuses, so `run --conf` and
+`replay --conf` share one parser and the same warnings."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# In the order the library looks at them.
+CONF_VARIABLES = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def with_conf(env: Mapping[str, str], conf: str, command: str) -> dict[str, str]:
+    """env with conf in the variable the library will read, and
+    NPUALLOC_CONF_FROM naming the npualloc command, so the library's config
+    warnings say `npualloc <command> --conf` rather than a variable the user never set."""
+    result = dict(env)
+    key = next((k for k in CONF_VARIABLES if k in result), CONF_VARIABLES[0])
+    result[key] = conf
+    result["NPUALLOC_CONF_FROM"] = command
+    return result

@@ -1,0 +1,134 @@
+"""Files at paths a user names (`snapshot -o`, `dump_snapshot`, `plot -o`,
+the snapshots `replay` and `plot` read), which may be in shared places where
+another user planted something. The rules are the library's for
+oom_snapshot:PATH (interpose/src/hook/snapshot.c):
+
+- writing: nothing at the name, or a regular file of ours: a new file (0600)
+  written under a temporary name and moved into place; a FIFO or character
+  device (/dev/null): written to, as torch would, non-blocking; a symbolic
+  link (never followed), another user's file, a directory, a block device or
+  socket: refused and left as it is.
+- reading: opened non-blocking and never through a link, then fstat'ed; only
+  a regular file is read, so a FIFO nobody writes to never blocks.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import stat
+from pathlib import Path
+
+from .errors import NpuallocError
+
+# A FIFO whose reader stops reading is given up after this long without progress (as snapshot.c's WRITE_STALL_MS).
+WRITE_STALL_S = 5.0
+_CHUNK = 1 << 20
+
+
+class FileRefusedError(NpuallocError):
+    """What is at a path named by the user is not ours to read or write; it is left as it is."""
+
+
+def _reason(err: int) -> str:
+    return {errno.ELOOP: "it is a symbolic link (never followed; left as it is)",
+            errno.ENXIO: "a FIFO with no reader (nothing written)",
+            errno.ETIMEDOUT: "the FIFO's reader stopped reading (incomplete)",
+            errno.EEXIST: "another file appeared at the name meanwhile (left as it is)"}.get(err, os.strerror(err))
+
+
+def read_regular_file(path: str | Path, owner: int | None = None) -> bytes:
+    """The bytes of the regular file at path (of owner's, when given)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileRefusedError(f"cannot read {path}: {_reason(e.errno)}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileRefusedError(f"cannot read {path}: not a regular file (file type "
+                                   f"{stat.filemode(info.st_mode)[0]!r}; a FIFO or device is never read)")
+        if owner is not None and info.st_uid != owner:
+            raise FileRefusedError(f"cannot read {path}: it belongs to another user (uid {info.st_uid})")
+        chunks = []
+        while chunk := os.read(fd, _CHUNK):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise FileRefusedError(f"cannot read {path}: {_reason(e.errno)}") from None
+    finally:
+        os.close(fd)
+
+
+def write_user_file(path: str | Path, data: bytes) -> None:
+    """Writes data to path without ever destroying or following what is there (the rules above)."""
+    try:
+        _write(os.fspath(path), data)
+    except OSError as e:
+        raise FileRefusedError(f"cannot write {path}: {_reason(e.errno)}") from None
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        seen = os.lstat(path)
+    except FileNotFoundError:
+        _write_new(path, data, replace=False)
+        return
+    if stat.S_ISLNK(seen.st_mode):
+        raise OSError(errno.ELOOP, "")
+    if stat.S_ISFIFO(seen.st_mode) or stat.S_ISCHR(seen.st_mode):
+        _write_into(path, seen, data)
+    elif stat.S_ISDIR(seen.st_mode):
+        raise OSError(errno.EISDIR, "")
+    elif not stat.S_ISREG(seen.st_mode):
+        raise FileRefusedError(f"cannot write {path}: not a regular file, FIFO or character device "
+                               "(left as it is)")
+    elif seen.st_uid != os.geteuid():
+        raise FileRefusedError(f"cannot write {path}: it belongs to another user (left as it is)")
+    else:
+        _write_new(path, data, replace=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view[:_CHUNK]):]
+        except BlockingIOError:
+            if not select.select([], [fd], [], WRITE_STALL_S)[1]:
+                raise OSError(errno.ETIMEDOUT, "") from None
+
+
+def _write_new(path: str, data: bytes, replace: bool) -> None:
+    """A new file under a temporary name, moved into place so a reader sees a
+    whole file or none; only a file of ours (checked by the caller) is replaced."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        if replace:
+            os.rename(tmp, path)
+        else:
+            os.link(tmp, path)  # never replaces: EEXIST when something appeared meanwhile
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _write_into(path: str, seen: os.stat_result, data: bytes) -> None:
+    """What torch does with such a path: open it and write. Non-blocking, so a
+    FIFO without a reader is ENXIO rather than a hang, and the descriptor must
+    be the very file lstat saw."""
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+            raise OSError(errno.EEXIST, "")
+        _write_all(fd, data)
+    finally:
+        os.close(fd)

@@ -1,0 +1,190 @@
+"""Paths a user names, attacked (issue 11 item 1, Python side): `snapshot -o`,
+`dump_snapshot` and `plot -o` write through npualloc.files.write_user_file,
+which never follows a link and never replaces what is not our regular file;
+`replay`, `plot` and snapshot.load read through read_regular_file, which never
+blocks on a FIFO. run_cli's timeout bounds every command: a hang fails the test."""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from region_helpers import Workload, assert_one_line_error, cli_with_trigger, run_cli
+
+import npualloc
+from npualloc.files import FileRefusedError, read_regular_file, write_user_file
+from npualloc.snapshot import loads
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mknod and files of another user")
+SNAPSHOT = pickle.dumps({"segments": [], "device_traces": [[]]})
+
+
+def test_a_new_file_is_ours_and_private(tmp_path: Path) -> None:
+    target = tmp_path / "new.pickle"
+    write_user_file(target, b"data")
+    assert target.read_bytes() == b"data" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["new.pickle"]  # no temporary left behind
+
+
+def test_our_own_regular_file_is_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "old.pickle"
+    target.write_bytes(b"an older snapshot, longer than the new one")
+    write_user_file(target, b"new")
+    assert target.read_bytes() == b"new"
+
+
+def test_a_link_is_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / "out.pickle"
+    link.symlink_to(victim)
+    with pytest.raises(FileRefusedError, match="symbolic link"):
+        write_user_file(link, b"data")
+    assert link.is_symlink() and os.readlink(link) == str(victim) and victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pickle", "victim"]
+
+
+def test_a_directory_is_left_alone(tmp_path: Path) -> None:
+    with pytest.raises(FileRefusedError, match="Is a directory"):
+        write_user_file(tmp_path, b"data")
+    assert tmp_path.is_dir()
+
+
+def test_a_fifo_without_a_reader_gets_nothing_and_no_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo, 0o666)
+    with pytest.raises(FileRefusedError, match="a FIFO with no reader"):
+        write_user_file(fifo, b"data")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_a_fifo_with_a_reader_is_written_to(tmp_path: Path) -> None:
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo, 0o600)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    data = os.urandom(3 << 20)  # more than a pipe holds: the writer waits for the reader
+    received = bytearray()
+
+    def read_until_the_writer_closes() -> None:
+        poller = select.poll()
+        poller.register(reader, select.POLLIN)
+        while True:
+            assert poller.poll(60_000), "the writer never came or never finished"
+            chunk = os.read(reader, 1 << 16)
+            if not chunk:
+                return
+            received.extend(chunk)
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            reading = pool.submit(read_until_the_writer_closes)
+            write_user_file(fifo, data)
+            reading.result(timeout=120)  # re-raises a failure of the reader thread
+        finally:
+            os.close(reader)
+    assert bytes(received) == data
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@needs_root
+def test_a_character_device_is_written_to_not_replaced(tmp_path: Path) -> None:
+    """/dev/null as torch means it, on a null device of our own (never the machine's)."""
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    write_user_file(null, b"data")
+    info = os.lstat(null)
+    assert stat.S_ISCHR(info.st_mode) and info.st_rdev == os.makedev(1, 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["null"]
+
+
+@needs_root
+def test_another_users_file_is_left_alone(tmp_path: Path) -> None:
+    theirs = tmp_path / "out.pickle"
+    theirs.write_text("theirs\n")
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(FileRefusedError, match="belongs to another user"):
+        write_user_file(theirs, b"data")
+    assert theirs.read_text() == "theirs\n" and theirs.stat().st_uid == 65534
+
+
+@needs_root
+def test_a_block_device_is_left_alone(tmp_path: Path) -> None:
+    device = tmp_path / "disk"
+    os.mknod(device, 0o600 | stat.S_IFBLK, os.makedev(7, 200))
+    with pytest.raises(FileRefusedError, match="not a regular file, FIFO or character device"):
+        write_user_file(device, b"data")
+    assert stat.S_ISBLK(os.lstat(device).st_mode)
+
+
+# ---------------------------------------------------------------- every writer uses it
+
+def test_snapshot_command_refuses_a_link_and_writes_a_fifo(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / "snap.pickle"
+    link.symlink_to(victim)
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        done = cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(link)], "malloc(512)")
+        assert_one_line_error(done, 1, f"cannot write {link}: it is a symbolic link")
+        assert victim.read_text() == "precious\n" and link.is_symlink()
+        fifo = tmp_path / "snap.fifo"
+        os.mkfifo(fifo, 0o600)
+        done = cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(fifo)], "malloc(512)")
+        assert_one_line_error(done, 1, f"cannot write {fifo}: a FIFO with no reader")
+
+
+def test_dump_snapshot_refuses_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / "snap.pickle"
+    link.symlink_to(victim)
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        with pytest.raises(AssertionError, match="FileRefusedError: cannot write .*symbolic link"):
+            w.call(f"npualloc.dump_snapshot({str(link)!r})")
+        w.call(f"npualloc.dump_snapshot({str(tmp_path / 'ours.pickle')!r})")
+    assert victim.read_text() == "precious\n" and link.is_symlink()
+    assert len(npualloc.snapshot.load(tmp_path / "ours.pickle")["segments"]) == 1
+
+
+def test_plot_output_refuses_a_link(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    snap = tmp_path / "snap.pickle"
+    snap.write_bytes(SNAPSHOT)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    link = tmp_path / "plot.png"
+    link.symlink_to(victim)
+    assert_one_line_error(run_cli(["plot", str(snap), "-o", str(link)], tmp_path), 1,
+                          f"cannot write {link}: it is a symbolic link")
+    assert victim.read_text() == "precious\n"
+
+
+# ---------------------------------------------------------------- every reader uses the safe open
+
+@pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
+def test_a_fifo_nobody_writes_to_is_refused_not_waited_on(tmp_path: Path, command: list[str]) -> None:
+    fifo = tmp_path / "trace.pickle"
+    os.mkfifo(fifo, 0o666)
+    args = [a.format(path=fifo, out=tmp_path / "p.png") for a in command]
+    assert_one_line_error(run_cli(args, tmp_path, timeout=60), 1, f"cannot read {fifo}: not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and not (tmp_path / "p.png").exists()
+
+
+def test_the_loader_refuses_a_fifo_and_a_link(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo, 0o666)
+    with pytest.raises(FileRefusedError, match="not a regular file"):
+        npualloc.snapshot.load(fifo)
+    real = tmp_path / "snap.pickle"
+    real.write_bytes(SNAPSHOT)
+    link = tmp_path / "link.pickle"
+    link.symlink_to(real)
+    with pytest.raises(FileRefusedError, match="symbolic link"):
+        npualloc.snapshot.load(link)
+    assert loads(read_regular_file(real)) == npualloc.snapshot.load(real)

@@ -20,23 +20,21 @@ import pytest
 from conftest import MINDTORCH_SRC, cann_root_command, installed_python, mindtorch_env
 
 # Measured: 214 collected - the listed failures below (races counted as failing).
-PASS_FLOOR = 208
+PASS_FLOOR = 210
 SUITE = MINDTORCH_SRC.parent / "tests" / "mindtorch_v2"
 
 # Tests that reach an aclnn op the simulator does not have (MindTorch raises
-# "aclnnXxx symbols not available" / "not available"). Keyed by pytest name.
-NOT_SIMULATED = {
-    "test_npu_nonzero": "aclnnNonzero not simulated",
-    "test_npu_scatter": "aclnnScatter not simulated",
-    "test_npu_masked_select": "aclnnMaskedSelect not simulated",
-}
+# "aclnnXxx symbols not available" / "not available"), keyed by pytest name,
+# each with the op. None today: every op this suite reaches is simulated.
+NOT_SIMULATED: dict[str, str] = {}
 # Tests that monkeypatch NpuAllocator's private methods (_raw_malloc,
 # _record_event, ...) or assert its own bookkeeping: under npualloc that
 # allocator is not there, by design.
 REPLACED_INTERNALS = {
     "test_npu_storage_free_updates_allocator": "patches NpuAllocator._raw_malloc/_record_event",
 }
-# Races in MindTorch itself, which a faster host path exposes: pad_sequence
+# Flaky in MindTorch itself, accepted passing or failing. Races a faster host
+# path exposes: pad_sequence
 # fills its output with an async aclnnAdd on its stream, then copies the
 # sequences in with a synchronous acl.rt.memcpy without synchronizing the
 # stream, so the fill can land after the copies (result all padding_value).
@@ -46,6 +44,13 @@ REPLACED_INTERNALS = {
 RACES_IN_MINDTORCH = {
     "test_npu_pad_sequence_left": "MindTorch race: async fill vs synchronous memcpy (fails alone too with slow ops)",
     "test_npu_pad_sequence_right": "MindTorch race: async fill vs synchronous memcpy (fails alone too with slow ops)",
+    # Cause not found. Seen failing in 4 of 6 full-suite runs under npualloc
+    # and in 1 of 4 on MindTorch alone (passes in test_ops_npu.py alone): the
+    # op got float32 descriptors for x, whose storage holds int64 [1, 2, 3, 4]
+    # (result [1e-45, 0]: int64 1's words read as float32), so MindTorch's
+    # dtype for the tensor and the bytes it copied in disagree.
+    "test_npu_masked_select": "MindTorch: float32 descriptors over int64 bytes in some full runs, "
+                              "alone too; cause not found",
 }
 
 

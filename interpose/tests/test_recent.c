@@ -177,6 +177,60 @@ static void test_bounded_by_recent_blocks(void) {
     fixture_destroy(&fx);
 }
 
+/* What the blocks say, to hold the stats against. */
+typedef struct block_totals {
+    long long inactive_split, inactive_split_bytes, active_bytes, allocated_bytes, largest_free;
+} block_totals;
+
+static void add_segment(const npa_segment_view *v, void *arg) {
+    block_totals *t = arg;
+    for (size_t i = 0; i < v->block_count; i++) {
+        const npa_block_view *b = &v->blocks[i];
+        if (b->state == NPA_BLOCK_INACTIVE) {
+            if (v->block_count > 1) {
+                t->inactive_split++;
+                t->inactive_split_bytes += (long long)b->size;
+            }
+            if ((long long)b->size > t->largest_free) t->largest_free = (long long)b->size;
+        } else {
+            t->active_bytes += (long long)b->size;
+            if (b->state == NPA_BLOCK_ACTIVE_ALLOCATED) t->allocated_bytes += (long long)b->size;
+        }
+    }
+}
+
+/* Random mallocs and frees, the cache filling, evicting, hit and missed:
+ * after every call the stats equal what the blocks themselves say. */
+static void test_stats_match_the_blocks(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *slots[24] = {0};
+    uint64_t rng = 0x2545f4914f6cdd1dULL;
+    int mismatches = 0;
+    for (int op = 0; op < 4000; op++) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        void **slot = &slots[rng % 24];
+        if (*slot) {
+            CHECK_EQ(npa_free(fx.a, *slot, 0, NULL), NPA_FREE_OK);
+            *slot = NULL;
+        } else {
+            size_t size = (size_t)1 << (rng >> 8) % 22; /* 1 B to 2 MiB: mostly small blocks */
+            *slot = alloc_exact(&fx, 0, size + (rng >> 32) % size);
+        }
+        block_totals blocks = {0};
+        npa_visit_segments(fx.a, 0, add_segment, &blocks);
+        npualloc_device_stats s = stats_of(&fx, 0);
+        mismatches += s.inactive_split[NPUALLOC_POOL_ALL].current != blocks.inactive_split ||
+                      s.inactive_split_bytes[NPUALLOC_POOL_ALL].current != blocks.inactive_split_bytes ||
+                      s.active_bytes[NPUALLOC_POOL_ALL].current != blocks.active_bytes ||
+                      s.allocated_bytes[NPUALLOC_POOL_ALL].current != blocks.allocated_bytes ||
+                      s.largest_free_block != blocks.largest_free;
+    }
+    CHECK_EQ(mismatches, 0);
+    CHECK(stats_of(&fx, 0).num_cache_hits > 1000);
+    fixture_destroy(&fx);
+}
+
 /* recent_blocks:0 is torch's rule: every free merges at once. */
 static void test_off_merges_every_free(void) {
     npa_config config;
@@ -202,5 +256,6 @@ int main(void) {
     RUN(test_held_blocks_serve_their_own_stream_only);
     RUN(test_bounded_by_recent_blocks);
     RUN(test_off_merges_every_free);
+    RUN(test_stats_match_the_blocks);
     return check_report();
 }

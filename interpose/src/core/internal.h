@@ -2,7 +2,7 @@
  * (one concern each) and by the C unit tests. Nothing here is exported.
  *
  * Locking: every structure reached through an npa_device is guarded by that
- * device's mutex; the allocator-wide fields are immutable after npa_create
+ * device's lock (lock.h); the allocator-wide fields are immutable after npa_create
  * except the GC threshold (atomic) and the device table (published once per
  * device with release/acquire). Order: the allocator's init_lock before a
  * device's lock (record_history takes each under it); one device lock at a

@@ -1,10 +1,15 @@
 /* The recent cache (core/recent.c): a small block freed with no fence
  * needed waits whole for the next malloc of its size. Its stats are a free
- * block's, a miss, an OOM retry and empty_cache get it back merged, a double
- * free of it is refused, a fenced free never enters it, and recent_blocks
- * bounds it (0: torch's merge at every free). */
+ * block's (checked against the blocks after every call of a random run), a
+ * miss, an OOM retry and empty_cache get it back merged, a double free of it
+ * is refused, a fenced free never enters it, it belongs to the device (a
+ * thread's exit strands nothing, a forked child has its own copy), and
+ * recent_blocks bounds it (0: torch's merge at every free). */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "fake_backend.h"
@@ -177,6 +182,68 @@ static void test_bounded_by_recent_blocks(void) {
     fixture_destroy(&fx);
 }
 
+/* The cache belongs to the device, not to a thread: what a thread freed
+ * before it exited serves the next thread's malloc of that size, and
+ * empty_cache gives it back. */
+typedef struct freeing_thread {
+    fixture *fx;
+    void *blocks[3];
+} freeing_thread;
+
+static void *free_and_exit(void *arg) {
+    freeing_thread *ft = arg;
+    for (int i = 0; i < 3; i++) ft->blocks[i] = alloc_exact(ft->fx, 0, 4096 * (size_t)(i + 1));
+    for (int i = 0; i < 3; i++) CHECK_EQ(npa_free(ft->fx->a, ft->blocks[i], 0, NULL), NPA_FREE_OK);
+    return NULL;
+}
+
+static void test_a_thread_that_exits_leaves_nothing_stranded(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    freeing_thread ft = {.fx = &fx};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, free_and_exit, &ft), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK(alloc_exact(&fx, 0, 8192) == ft.blocks[1]); /* held after its thread is gone, reused here */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);       /* the other two go back to the pool, merged */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the live block keeps its segment */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);      /* merged: before it and after it */
+    fixture_destroy(&fx);
+}
+
+/* A child forked while the parent holds blocks in the cache has its own
+ * copy of them: it reuses one, and its empty_cache returns them all; the
+ * parent's are untouched. A failed check in the child fails the test. */
+static void test_fork_while_blocks_are_held(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    void *q = alloc_exact(&fx, 0, 8192);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    fflush(stderr);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        int before = check_failures;
+        CHECK(alloc_exact(&fx, 0, 4096) == p);
+        CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+        CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+        CHECK_EQ(fx.fake.raw_free_calls, 1);
+        _exit(check_failures == before ? 0 : 1);
+    }
+    int status = 0;
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the parent's cache is its own */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3);
+    CHECK(alloc_exact(&fx, 0, 8192) == q);
+    fixture_destroy(&fx);
+}
+
 /* What the blocks say, to hold the stats against. */
 typedef struct block_totals {
     long long inactive_split, inactive_split_bytes, active_bytes, allocated_bytes, largest_free;
@@ -257,5 +324,7 @@ int main(void) {
     RUN(test_bounded_by_recent_blocks);
     RUN(test_off_merges_every_free);
     RUN(test_stats_match_the_blocks);
+    RUN(test_a_thread_that_exits_leaves_nothing_stranded);
+    RUN(test_fork_while_blocks_are_held);
     return check_report();
 }

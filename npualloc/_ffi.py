@@ -1,8 +1,9 @@
 """cffi (ABI mode) view of npualloc's C headers, read from the headers themselves.
 
 The declarations between the `cffi:begin` / `cffi:end` markers of
-npualloc_shm.h (the region layout) and npualloc.h (the in-process C API) are the
-one source of truth: nothing here restates a struct. Headers are looked up in
+npualloc_shm.h (the region layout), npualloc_reader.h (reading other processes'
+regions) and npualloc.h (the in-process C API) are the one source of truth:
+nothing here restates a struct. Headers are looked up in
 npualloc/include/ (where `make lib` puts them, shipped as package data) and then
 in interpose/include/ of a source checkout.
 """

@@ -1,9 +1,10 @@
 """Reading (and posting commands to) another process's shared-memory region.
 
-Nothing in a region file is trusted before it is validated: the file size
-first, then magic, version and the header's size field, all through a mapping
-of exactly sizeof(npualloc_region) bytes, so a truncated or crafted file can
-never make the reader touch memory outside it. Opening, the seqlocked copies
+Nothing in a region file is trusted before it is validated: magic and
+version first (an older npualloc's region is an incompatible version, not a
+truncated one), then the file size, then the header's size field, all
+through a mapping of exactly sizeof(npualloc_region) bytes, so a truncated or
+crafted file can never make the reader touch memory outside it. Opening, the seqlocked copies
 and the command slot are libnpualloc_reader.so's (interpose/src/reader): C11
 atomics give the orderings the writer's seqlock and command protocol need on
 aarch64 as on x86-64; this module decides what each outcome means to a user.

@@ -67,6 +67,17 @@ def test_incompatible_version(tmp_path: Path, sleeper: int) -> None:
     assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 6, "version")
 
 
+def test_an_older_smaller_layout_is_an_incompatible_version_not_truncated(tmp_path: Path, sleeper: int) -> None:
+    """Magic, then version, then size: a region of an earlier npualloc whose layout was smaller."""
+    older = region_bytes(sleeper, version=constants.NPUALLOC_SHM_VERSION - 1)[:REGION_SIZE - 1024]
+    write_region(tmp_path, sleeper, older)
+    for args in (["stats", str(sleeper)], ["ls"]):
+        proc = run_cli(args, tmp_path)
+        assert f"layout version {constants.NPUALLOC_SHM_VERSION - 1}; this npualloc reads version" in proc.stderr
+        assert "truncated" not in proc.stderr
+    assert_one_line_error(run_cli(["stats", str(sleeper)], tmp_path), 6, "use the npualloc the process was started with")
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "magic", "size field", "garbage", "zeros"])
 def test_corrupt_or_truncated_region(tmp_path: Path, sleeper: int, damage: str) -> None:
     data = {

@@ -20,23 +20,21 @@ import pytest
 from conftest import MINDTORCH_SRC, cann_root_command, installed_python, mindtorch_env
 
 # Measured: 214 collected - the listed failures below (races counted as failing).
-PASS_FLOOR = 208
+PASS_FLOOR = 210
 SUITE = MINDTORCH_SRC.parent / "tests" / "mindtorch_v2"
 
 # Tests that reach an aclnn op the simulator does not have (MindTorch raises
-# "aclnnXxx symbols not available" / "not available"). Keyed by pytest name.
-NOT_SIMULATED = {
-    "test_npu_nonzero": "aclnnNonzero not simulated",
-    "test_npu_scatter": "aclnnScatter not simulated",
-    "test_npu_masked_select": "aclnnMaskedSelect not simulated",
-}
+# "aclnnXxx symbols not available" / "not available"), keyed by pytest name,
+# each with the op. None today: every op this suite reaches is simulated.
+NOT_SIMULATED: dict[str, str] = {}
 # Tests that monkeypatch NpuAllocator's private methods (_raw_malloc,
 # _record_event, ...) or assert its own bookkeeping: under npualloc that
 # allocator is not there, by design.
 REPLACED_INTERNALS = {
     "test_npu_storage_free_updates_allocator": "patches NpuAllocator._raw_malloc/_record_event",
 }
-# Races in MindTorch itself, which a faster host path exposes: pad_sequence
+# Flaky in MindTorch itself, accepted passing or failing. Races a faster host
+# path exposes: pad_sequence
 # fills its output with an async aclnnAdd on its stream, then copies the
 # sequences in with a synchronous acl.rt.memcpy without synchronizing the
 # stream, so the fill can land after the copies (result all padding_value).
@@ -46,6 +44,17 @@ REPLACED_INTERNALS = {
 RACES_IN_MINDTORCH = {
     "test_npu_pad_sequence_left": "MindTorch race: async fill vs synchronous memcpy (fails alone too with slow ops)",
     "test_npu_pad_sequence_right": "MindTorch race: async fill vs synchronous memcpy (fails alone too with slow ops)",
+    # Seen failing in 4 of 6 full-suite runs under npualloc and in 1 of 4 on
+    # MindTorch alone, never in test_ops_npu.py alone. Traced through the
+    # pass-through (every malloc/free logged): MindTorch frees the output's
+    # address right after the op ran, in a burst of frees before the test
+    # reads it, with no allocation of that address in between; the address
+    # had last been freed under an earlier tensor and handed out again as this
+    # output. So MindTorch frees a block it still reads; the result holds
+    # int32 [1, 0] instead of [1., 4.]. Which MindTorch path frees it, and
+    # what writes those bytes, is not traced further (open).
+    "test_npu_masked_select": "MindTorch frees the output's block before reading it in some full runs; "
+                              "alone too",
 }
 
 

@@ -54,7 +54,9 @@ def test_a_larger_file_is_read_up_to_the_layout_size(shm: Path, sleeper: int) ->
 
 @pytest.mark.parametrize("data, error, fragment", [
     (b"", CorruptRegionError, "truncated"),
-    (b"\x00" * 64, CorruptRegionError, "truncated"),
+    (b"\x00" * 64, CorruptRegionError, "bad magic"),   # magic and version are read before the size is judged
+    ("older and shorter", IncompatibleRegionError, f"layout version {constants.NPUALLOC_SHM_VERSION - 1}; "),
+    ("older and longer", IncompatibleRegionError, f"layout version {constants.NPUALLOC_SHM_VERSION - 1}; "),
     ("one byte short", CorruptRegionError, "truncated"),
     ("garbage", CorruptRegionError, "bad magic"),
     ({"magic": 0x1234}, CorruptRegionError, "bad magic"),
@@ -69,6 +71,10 @@ def test_a_larger_file_is_read_up_to_the_layout_size(shm: Path, sleeper: int) ->
 def test_damaged_regions_are_refused(shm: Path, sleeper: int, data: object, error: type, fragment: str) -> None:
     if data == "one byte short":
         data = region_bytes(sleeper)[:-1]
+    elif data == "older and shorter":  # an earlier npualloc's region, whose layout was smaller
+        data = region_bytes(sleeper, version=constants.NPUALLOC_SHM_VERSION - 1)[:REGION_SIZE // 2]
+    elif data == "older and longer":
+        data = region_bytes(sleeper, version=constants.NPUALLOC_SHM_VERSION - 1) + bytes(4096)
     elif data == "garbage":
         data = os.urandom(REGION_SIZE)
     elif isinstance(data, dict):

@@ -321,7 +321,7 @@ def test_bad_arguments_and_absent_ops():
         assert phase1_status("Mul", A, tensor(np.ones((4,), np.float32)), empty((2, 3), np.float32)) == 161002
         assert phase1_status("Mul", A, 0, empty((2, 3), np.float32)) == 161001
         assert phase1_status("Cast", A, c_int32(1), empty((2, 3), np.float32)) == 161002  # dtype vs out
-        assert not hasattr(opapi, "aclnnNonzeroGetWorkspaceSize")  # not simulated: absent, not a stub
+        assert not hasattr(opapi, "aclnnGroupNormGetWorkspaceSize")  # not simulated: absent, not a stub
         for lib in ("libaclnn_ops_infer.so", "libaclnn_math.so"):
             assert hasattr(ctypes.CDLL(lib), "aclnnAddGetWorkspaceSize")   # resolves to libopapi.so's
     """)
@@ -619,3 +619,37 @@ def test_random_fills_repeat_per_seed_and_offset_and_have_their_distribution():
         t = empty((4,), np.float32)
         assert phase1_status("InplaceUniform", t, ctypes.c_double(1.0), ctypes.c_double(0.0), c_int64(0), c_int64(0)) == 161002
     """)
+
+
+def test_nonzero_masked_select_scatter_against_numpy():
+    proc = sim("""
+        a = rng.integers(-1, 2, (3, 4)).astype(np.float32)     # about a third zeros
+        A = T(dev_array(np.ascontiguousarray(a.T)), (3, 4), (1, 3), np.float32)   # a, read transposed
+        out = empty((12, 2), np.int64)
+        assert call("Nonzero", A, out) > 0
+        want = np.argwhere(a)
+        assert (out.numpy()[:len(want)] == want).all()         # the first rows, row-major
+        mask = rng.random((1, 4)) > 0.5                        # broadcast over the rows
+        out = empty((12,), np.float32)
+        call("MaskedSelect", A, tensor(mask), out)
+        want = a[np.broadcast_to(mask, a.shape)]
+        assert (out.numpy()[:len(want)] == want).all()
+        assert phase1_status("Nonzero", A, empty((11, 2), np.int64)) == 161002   # no room for every element
+        index = np.array([[0, 2, 1, 2], [1, 0, 0, 2]], np.int64)   # rows of index may repeat a target
+        src = rng.standard_normal((2, 4)).astype(np.float32)
+        for reduce, op in ((0, None), (1, np.add), (2, np.multiply)):
+            out = empty((3, 4), np.float32)
+            call("Scatter", A, c_int64(0), tensor(index), tensor(src), c_int64(reduce), out)
+            want = a.astype(np.float64).copy()
+            for i in range(2):
+                for j in range(4):
+                    t = index[i, j]
+                    want[t, j] = src[i, j] if op is None else op(want[t, j], src[i, j])
+            close(out.numpy(), want, np.float32)
+        bad = index.copy(); bad[0, 0] = 3
+        out = empty((3, 4), np.float32)
+        call("Scatter", A, c_int64(0), tensor(bad), tensor(src), c_int64(0), out)
+        ok(acl.rt.synchronize_stream(0))
+        assert phase1_status("Scatter", A, c_int64(0), tensor(index), tensor(src), c_int64(3), empty((3, 4), np.float32)) == 161002
+    """)
+    assert "aclnnScatter: 1 index value(s) out of range" in proc.stderr   # written nowhere, reported

@@ -57,7 +57,9 @@ typedef struct npualloc_region_file {
  * caller checked the directory) with O_NONBLOCK | O_NOFOLLOW, so a planted
  * FIFO cannot block us and a link cannot lead elsewhere; fstats the
  * descriptor before any read; then checks owner (owner_uid: the process's
- * user), size, magic, version, header size and device count, in that order.
+ * user), magic and version (read first, so another layout's region is a
+ * version mismatch, not a truncated file), size, header size and device
+ * count, in that order.
  * Returns an NPUALLOC_OPEN_* code; on failure nothing stays open. */
 int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_uid, int32_t writable,
                              npualloc_region_file *file);

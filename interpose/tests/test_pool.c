@@ -38,7 +38,8 @@ static npa_block *brute_largest(npa_block *blocks, const bool *in_pool) {
 static void test_treap_matches_brute_force(void) {
     static npa_block blocks[N_BLOCKS];
     static bool in_pool[N_BLOCKS];
-    npa_pool pool = {0};
+    bool moved = false;
+    npa_pool pool = {.largest_moved = &moved};
     for (int i = 0; i < N_BLOCKS; i++) {
         blocks[i] = (npa_block){.addr = 0x10000000 + (uintptr_t)i * 512 * 64,
                                 .size = 512 * (1 + rng() % 64)}; /* many equal sizes */
@@ -71,7 +72,8 @@ static int depth(const npa_block *t) {
 static void test_treap_stays_shallow_on_sorted_input(void) {
     /* Sizes and addresses both increasing: the worst case of an unbalanced tree. */
     static npa_block blocks[N_BLOCKS];
-    npa_pool pool = {0};
+    bool moved = false;
+    npa_pool pool = {.largest_moved = &moved};
     for (int i = 0; i < N_BLOCKS; i++) {
         blocks[i] = (npa_block){.addr = 0x20000000 + (uintptr_t)i * 2 * 1024 * 1024, .size = 512 * (size_t)(i + 1)};
         npa_pool_insert(&pool, &blocks[i]);

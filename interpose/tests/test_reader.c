@@ -10,6 +10,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -63,6 +64,7 @@ static npualloc_region_file open_damaged(void (*damage)(npualloc_region *), size
 
 static void bad_magic(npualloc_region *r) { r->header.magic ^= 1; }
 static void newer_version(npualloc_region *r) { r->header.version = NPUALLOC_SHM_VERSION + 1; }
+static void older_version(npualloc_region *r) { r->header.version = NPUALLOC_SHM_VERSION - 1; }
 static void wrong_size(npualloc_region *r) { r->header.size = sizeof *r + 8; }
 static void too_many_devices(npualloc_region *r) { r->header.device_count = NPUALLOC_MAX_DEVICES + 1; }
 
@@ -84,6 +86,13 @@ static void test_open_validates_in_order(void) {
     file = open_damaged(wrong_size, sizeof(npualloc_region), NPUALLOC_OPEN_BAD_SIZE);
     CHECK_EQ(file.declared_size, sizeof(npualloc_region) + 8);
     open_damaged(too_many_devices, sizeof(npualloc_region), NPUALLOC_OPEN_BAD_DEVICES);
+
+    /* Magic and version before size: an older layout, shorter or longer, is
+     * another version; a short file of something else is not a region. */
+    file = open_damaged(older_version, sizeof(npualloc_region) / 2, NPUALLOC_OPEN_BAD_VERSION);
+    CHECK_EQ(file.version, NPUALLOC_SHM_VERSION - 1);
+    open_damaged(bad_magic, sizeof(npualloc_region) / 2, NPUALLOC_OPEN_BAD_MAGIC);
+    open_damaged(NULL, offsetof(npualloc_region_header, pad0) - 1, NPUALLOC_OPEN_TRUNCATED);
 }
 
 static void test_open_refuses_what_is_not_our_regular_file(void) {

@@ -1,10 +1,15 @@
 /* The recent cache (core/recent.c): a small block freed with no fence
  * needed waits whole for the next malloc of its size. Its stats are a free
- * block's, a miss, an OOM retry and empty_cache get it back merged, a double
- * free of it is refused, a fenced free never enters it, and recent_blocks
- * bounds it (0: torch's merge at every free). */
+ * block's (checked against the blocks after every call of a random run), a
+ * miss, an OOM retry and empty_cache get it back merged, a double free of it
+ * is refused, a fenced free never enters it, it belongs to the device (a
+ * thread's exit strands nothing, a forked child has its own copy), and
+ * recent_blocks bounds it (0: torch's merge at every free). */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "fake_backend.h"
@@ -177,6 +182,122 @@ static void test_bounded_by_recent_blocks(void) {
     fixture_destroy(&fx);
 }
 
+/* The cache belongs to the device, not to a thread: what a thread freed
+ * before it exited serves the next thread's malloc of that size, and
+ * empty_cache gives it back. */
+typedef struct freeing_thread {
+    fixture *fx;
+    void *blocks[3];
+} freeing_thread;
+
+static void *free_and_exit(void *arg) {
+    freeing_thread *ft = arg;
+    for (int i = 0; i < 3; i++) ft->blocks[i] = alloc_exact(ft->fx, 0, 4096 * (size_t)(i + 1));
+    for (int i = 0; i < 3; i++) CHECK_EQ(npa_free(ft->fx->a, ft->blocks[i], 0, NULL), NPA_FREE_OK);
+    return NULL;
+}
+
+static void test_a_thread_that_exits_leaves_nothing_stranded(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    freeing_thread ft = {.fx = &fx};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, free_and_exit, &ft), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK(alloc_exact(&fx, 0, 8192) == ft.blocks[1]); /* held after its thread is gone, reused here */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);       /* the other two go back to the pool, merged */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the live block keeps its segment */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);      /* merged: before it and after it */
+    fixture_destroy(&fx);
+}
+
+/* A child forked while the parent holds blocks in the cache has its own
+ * copy of them: it reuses one, and its empty_cache returns them all; the
+ * parent's are untouched. A failed check in the child fails the test. */
+static void test_fork_while_blocks_are_held(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    void *q = alloc_exact(&fx, 0, 8192);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    fflush(stderr);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        int before = check_failures;
+        CHECK(alloc_exact(&fx, 0, 4096) == p);
+        CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+        CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+        CHECK_EQ(fx.fake.raw_free_calls, 1);
+        _exit(check_failures == before ? 0 : 1);
+    }
+    int status = 0;
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the parent's cache is its own */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3);
+    CHECK(alloc_exact(&fx, 0, 8192) == q);
+    fixture_destroy(&fx);
+}
+
+/* What the blocks say, to hold the stats against. */
+typedef struct block_totals {
+    long long inactive_split, inactive_split_bytes, active_bytes, allocated_bytes, largest_free;
+} block_totals;
+
+static void add_segment(const npa_segment_view *v, void *arg) {
+    block_totals *t = arg;
+    for (size_t i = 0; i < v->block_count; i++) {
+        const npa_block_view *b = &v->blocks[i];
+        if (b->state == NPA_BLOCK_INACTIVE) {
+            if (v->block_count > 1) {
+                t->inactive_split++;
+                t->inactive_split_bytes += (long long)b->size;
+            }
+            if ((long long)b->size > t->largest_free) t->largest_free = (long long)b->size;
+        } else {
+            t->active_bytes += (long long)b->size;
+            if (b->state == NPA_BLOCK_ACTIVE_ALLOCATED) t->allocated_bytes += (long long)b->size;
+        }
+    }
+}
+
+/* Random mallocs and frees, the cache filling, evicting, hit and missed:
+ * after every call the stats equal what the blocks themselves say. */
+static void test_stats_match_the_blocks(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *slots[24] = {0};
+    uint64_t rng = 0x2545f4914f6cdd1dULL;
+    int mismatches = 0;
+    for (int op = 0; op < 4000; op++) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        void **slot = &slots[rng % 24];
+        if (*slot) {
+            CHECK_EQ(npa_free(fx.a, *slot, 0, NULL), NPA_FREE_OK);
+            *slot = NULL;
+        } else {
+            size_t size = (size_t)1 << (rng >> 8) % 22; /* 1 B to 2 MiB: mostly small blocks */
+            *slot = alloc_exact(&fx, 0, size + (rng >> 32) % size);
+        }
+        block_totals blocks = {0};
+        npa_visit_segments(fx.a, 0, add_segment, &blocks);
+        npualloc_device_stats s = stats_of(&fx, 0);
+        mismatches += s.inactive_split[NPUALLOC_POOL_ALL].current != blocks.inactive_split ||
+                      s.inactive_split_bytes[NPUALLOC_POOL_ALL].current != blocks.inactive_split_bytes ||
+                      s.active_bytes[NPUALLOC_POOL_ALL].current != blocks.active_bytes ||
+                      s.allocated_bytes[NPUALLOC_POOL_ALL].current != blocks.allocated_bytes ||
+                      s.largest_free_block != blocks.largest_free;
+    }
+    CHECK_EQ(mismatches, 0);
+    CHECK(stats_of(&fx, 0).num_cache_hits > 1000);
+    fixture_destroy(&fx);
+}
+
 /* recent_blocks:0 is torch's rule: every free merges at once. */
 static void test_off_merges_every_free(void) {
     npa_config config;
@@ -202,5 +323,8 @@ int main(void) {
     RUN(test_held_blocks_serve_their_own_stream_only);
     RUN(test_bounded_by_recent_blocks);
     RUN(test_off_merges_every_free);
+    RUN(test_stats_match_the_blocks);
+    RUN(test_a_thread_that_exits_leaves_nothing_stranded);
+    RUN(test_fork_while_blocks_are_held);
     return check_report();
 }

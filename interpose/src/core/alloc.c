@@ -129,6 +129,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     }
     d->id = id;
     d->plain.small.is_small = true;
+    d->plain.small.largest_moved = d->plain.large.largest_moved = &d->largest_moved;
     d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     d->batches_tail = &d->batches;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
@@ -260,8 +261,8 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     }
     npa_pool_pair *p = calloc(1, sizeof *p);
     if (!p) return NULL;
-    p->small = (npa_pool){.is_small = true, .on_stream = true, .stream = stream};
-    p->large = (npa_pool){.on_stream = true, .stream = stream};
+    p->small = (npa_pool){.is_small = true, .on_stream = true, .stream = stream, .largest_moved = &d->largest_moved};
+    p->large = (npa_pool){.on_stream = true, .stream = stream, .largest_moved = &d->largest_moved};
     p->next = d->streams;
     d->streams = p;
     return p;

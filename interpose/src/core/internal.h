@@ -2,7 +2,7 @@
  * (one concern each) and by the C unit tests. Nothing here is exported.
  *
  * Locking: every structure reached through an npa_device is guarded by that
- * device's mutex; the allocator-wide fields are immutable after npa_create
+ * device's lock (lock.h); the allocator-wide fields are immutable after npa_create
  * except the GC threshold (atomic) and the device table (published once per
  * device with release/acquire). Order: the allocator's init_lock before a
  * device's lock (record_history takes each under it); one device lock at a
@@ -78,6 +78,7 @@ typedef struct npa_expandable npa_expandable;
 struct npa_pool {
     npa_block *root;
     npa_block *largest;      /* the maximum, kept for largest_free_block */
+    bool *largest_moved;     /* its device's largest_moved, set when largest changes */
     uint64_t search_count;   /* best-fit searches so far: the GC clock */
     bool is_small;
     bool vmm_refused;        /* the device refused a reservation: plain segments from then on */
@@ -215,6 +216,7 @@ typedef struct npa_device {
     npa_lock lock;           /* lock.h */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
+    bool largest_moved;      /* a pool's or the recent cache's largest block changed: largest_free_block is stale */
     npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
@@ -376,16 +378,23 @@ static inline size_t npa_pair_largest(const npa_pool_pair *p) {
     return small > large ? small : large;
 }
 
+/* largest_free_block: the biggest block in any pool or the recent cache,
+ * recomputed only when one of their largest blocks changed. */
+static inline void npa_publish_largest(npa_device *d) {
+    d->largest_moved = false;
+    size_t largest = npa_pair_largest(&d->plain);
+    if (d->recent.largest > largest) largest = d->recent.largest;
+    for (const npa_pool_pair *p = d->streams; p; p = p->next) {
+        size_t l = npa_pair_largest(p);
+        if (l > largest) largest = l;
+    }
+    d->stats->largest_free_block = (int64_t)largest;
+}
+
 static inline void npa_stats_end(npa_device *d) {
     if (--d->stats_depth == 0) {
         npualloc_device_stats *s = d->stats;
-        size_t largest = npa_pair_largest(&d->plain);
-        if (d->recent.largest > largest) largest = d->recent.largest;
-        for (const npa_pool_pair *p = d->streams; p; p = p->next) {
-            size_t l = npa_pair_largest(p);
-            if (l > largest) largest = l;
-        }
-        s->largest_free_block = (int64_t)largest;
+        if (d->largest_moved) npa_publish_largest(d);
         __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
     }
 }

@@ -64,7 +64,10 @@ void npa_pool_insert(npa_pool *pool, npa_block *b) {
     while (*link && (*link)->priority > b->priority) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
     treap_split(*link, b, &b->left, &b->right);
     *link = b;
-    if (!pool->largest || block_less(pool->largest, b)) pool->largest = b;
+    if (!pool->largest || block_less(pool->largest, b)) {
+        pool->largest = b;
+        *pool->largest_moved = true;
+    }
 }
 
 void npa_pool_remove(npa_pool *pool, npa_block *b) {
@@ -72,7 +75,10 @@ void npa_pool_remove(npa_pool *pool, npa_block *b) {
     while (*link != b) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
     *link = treap_merge(b->left, b->right);
     b->left = b->right = NULL;
-    if (pool->largest == b) pool->largest = rightmost(pool->root);
+    if (pool->largest == b) {
+        pool->largest = rightmost(pool->root);
+        *pool->largest_moved = true;
+    }
 }
 
 npa_block *npa_pool_lower_bound(const npa_pool *pool, size_t size) {

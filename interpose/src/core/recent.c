@@ -19,7 +19,8 @@
 #include "internal.h"
 
 /* Unlinks slot i; the last slot moves into it. */
-static npa_block *remove_at(npa_recent *r, unsigned i) {
+static npa_block *remove_at(npa_device *d, unsigned i) {
+    npa_recent *r = &d->recent;
     npa_block *b = r->blocks[i];
     size_t size = r->sizes[i];
     unsigned last = --r->count;
@@ -29,6 +30,7 @@ static npa_block *remove_at(npa_recent *r, unsigned i) {
     r->bytes -= size;
     if (size == r->largest) {
         r->largest = 0;
+        d->largest_moved = true;
         for (unsigned k = 0; k < r->count; k++)
             if (r->sizes[k] > r->largest) r->largest = r->sizes[k];
     }
@@ -44,7 +46,7 @@ static unsigned oldest(const npa_recent *r) {
 
 void npa_recent_put(npa_device *d, npa_block *b) {
     npa_recent *r = &d->recent;
-    while (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_pool_return(d, remove_at(r, oldest(r)));
+    while (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_pool_return(d, remove_at(d, oldest(r)));
 
     npualloc_device_stats *s = d->stats;
     npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
@@ -63,14 +65,17 @@ void npa_recent_put(npa_device *d, npa_block *b) {
     r->stamps[r->count] = r->clock++;
     r->count++;
     r->bytes += b->size;
-    if (b->size > r->largest) r->largest = b->size;
+    if (b->size > r->largest) {
+        r->largest = b->size;
+        d->largest_moved = true;
+    }
     npa_stats_end(d);
 }
 
 npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size) {
     npa_recent *r = &d->recent;
     for (unsigned i = 0; i < r->count; i++)
-        if (r->sizes[i] == size && r->blocks[i]->pool == pool) return remove_at(r, i);
+        if (r->sizes[i] == size && r->blocks[i]->pool == pool) return remove_at(d, i);
     return NULL;
 }
 
@@ -78,6 +83,6 @@ void npa_recent_flush(npa_device *d) {
     npa_recent *r = &d->recent;
     if (r->count == 0) return;
     npa_stats_begin(d);
-    while (r->count > 0) npa_pool_return(d, remove_at(r, oldest(r)));
+    while (r->count > 0) npa_pool_return(d, remove_at(d, oldest(r)));
     npa_stats_end(d);
 }

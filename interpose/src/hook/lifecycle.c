@@ -289,6 +289,7 @@ static const npa_backend backend = {
 static npa_backend backend_for(const npa_config *c)
 {
     npa_backend b = backend;
+    b.ctx = (void *)c; /* the config in force: npa_fence_needed reads its reuse policy on every free */
     if (!c->expandable_segments)
         return b;
     static const npa_fn vmm[] = {NPA_FN_aclrtReserveMemAddress, NPA_FN_aclrtReleaseMemAddress,

@@ -193,9 +193,9 @@ npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *strea
 
 int npa_fence_needed(void *ctx, int device)
 {
-    (void)ctx;
     (void)device;
-    switch (npa_hook_config()->reuse_policy) {
+    const npa_config *config = ctx; /* backend_for's: the hook's config */
+    switch (config->reuse_policy) {
     case NPA_REUSE_EAGER:
         return 0;
     case NPA_REUSE_AUTO:

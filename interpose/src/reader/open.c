@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -33,6 +34,24 @@ static int32_t check_header(npualloc_region_file *file)
     return NPUALLOC_OPEN_OK;
 }
 
+/* Magic, then version, read before the size is judged: every layout starts
+ * with them, so another npualloc's region (of another size) is reported as an
+ * incompatible version, not as truncated. A file too short to hold them is
+ * left to the size check. */
+static int32_t check_prefix(npualloc_region_file *file)
+{
+    npualloc_region_header prefix;
+    const size_t length = offsetof(npualloc_region_header, pad0);
+    if (file->size < (off_t)length)
+        return NPUALLOC_OPEN_OK;
+    if (pread(file->fd, &prefix, length, 0) != (ssize_t)length)
+        return NPUALLOC_OPEN_TRUNCATED; /* shortened meanwhile */
+    if (prefix.magic != NPUALLOC_SHM_MAGIC)
+        return NPUALLOC_OPEN_BAD_MAGIC;
+    file->version = prefix.version;
+    return file->version == NPUALLOC_SHM_VERSION ? NPUALLOC_OPEN_OK : NPUALLOC_OPEN_BAD_VERSION;
+}
+
 int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_uid, int32_t writable,
                              npualloc_region_file *file)
 {
@@ -59,6 +78,9 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
     /* A region is its process's user's file (0600): anything else was planted. */
     if (info.st_uid != owner_uid)
         return refuse(file, NPUALLOC_OPEN_OTHER_OWNER);
+    int32_t verdict = check_prefix(file);
+    if (verdict != NPUALLOC_OPEN_OK)
+        return refuse(file, verdict);
     /* Mapping more than the file holds would fault on the first touch past its end. */
     if (info.st_size < (off_t)sizeof(npualloc_region))
         return refuse(file, NPUALLOC_OPEN_TRUNCATED);
@@ -69,7 +91,7 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
         return refuse(file, NPUALLOC_OPEN_MAP_FAILED);
     }
     file->region = map;
-    int32_t verdict = check_header(file);
+    verdict = check_header(file);
     return verdict == NPUALLOC_OPEN_OK ? verdict : refuse(file, verdict);
 }
 

@@ -297,6 +297,44 @@ void sim_op_batch_norm(sim_op *op, const aclTensor *weight, const aclTensor *bia
     op->p[2] = training;
 }
 
+static int broadcast_strides(const sim_view *in, const sim_view *out, uint32_t ndim, int64_t *eff);
+
+void sim_op_compact(sim_op *op)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    const sim_view *in = &op->in[0], *out = &op->out;
+    int64_t eff[SIM_MAX_DIMS];
+    if (op->def->variant == SIM_COMPACT_NONZERO) {
+        /* out: (rows, in's rank) of int, rows enough for every element */
+        if (op->nin != 1 || out->ndim != 2 || out->dims[0] < numel(in) || out->dims[1] != (int64_t)in->ndim ||
+            sim_dtype_is_float(out->dtype))
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+        return;
+    }
+    /* MaskedSelect: the mask broadcasts to self; out 1-D, room for every element */
+    if (op->nin != 2 || !broadcast_strides(&op->in[1], in, in->ndim, eff) || out->ndim != 1 ||
+        out->dims[0] < numel(in))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+}
+
+void sim_op_scatter(sim_op *op, int64_t dim, int64_t reduce)
+{
+    if (op->error != ACLNN_SUCCESS)
+        return;
+    const sim_view *self = &op->in[0], *index = &op->in[1], *src = &op->in[2];
+    dim = normalize_dim(dim, self->ndim);
+    if (op->nin != 3 || dim < 0 || dim >= (int64_t)self->ndim || reduce < 0 || reduce > 2 ||
+        !same_dims(self, &op->out) || index->ndim != self->ndim || src->ndim != self->ndim ||
+        sim_dtype_is_float(index->dtype))
+        return fail(op, ACLNN_ERR_PARAM_INVALID);
+    for (uint32_t k = 0; k < self->ndim; k++)
+        if (index->dims[k] > src->dims[k] || ((int64_t)k != dim && index->dims[k] > self->dims[k]))
+            return fail(op, ACLNN_ERR_PARAM_INVALID);
+    op->p[0] = (double)dim;
+    op->p[1] = (double)reduce;
+}
+
 void sim_op_remap(sim_op *op, const aclIntArray *a, const aclIntArray *b, int64_t n, int64_t dim, double fill)
 {
     if (op->error != ACLNN_SUCCESS)
@@ -499,6 +537,11 @@ aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **e
         ws = SIM_OP_SCRATCH_WORKSPACE;
         break;
     case SIM_REMAP: st = ACLNN_SUCCESS; break; /* checked by sim_op_remap */
+    case SIM_COMPACT: /* checked by sim_op_compact */
+    case SIM_SCATTER: /* checked by sim_op_scatter */
+        st = ACLNN_SUCCESS;
+        ws = SIM_OP_SCRATCH_WORKSPACE;
+        break;
     case SIM_BATCH_NORM: /* checked by sim_op_batch_norm */
         st = ACLNN_SUCCESS;
         ws = SIM_OP_SCRATCH_WORKSPACE;
@@ -912,6 +955,69 @@ static void run_batch_norm(const sim_op *op)
     }
 }
 
+static void run_compact(const sim_op *op)
+{
+    const sim_view *in = &op->in[0], *out = &op->out;
+    int nonzero = op->def->variant == SIM_COMPACT_NONZERO;
+    int64_t strides[2][SIM_MAX_DIMS] = {{0}};
+    memcpy(strides[0], in->strides, sizeof strides[0]);
+    if (!nonzero)
+        broadcast_strides(&op->in[1], in, in->ndim, strides[1]);
+    walker w;
+    walk_start(&w, in->ndim, in->dims, 2, strides);
+    int64_t row = 0;
+    for (int64_t e = numel(in); e > 0; e--, walk_next(&w)) {
+        double v = sim_load(in->dtype, element(in, w.offs[0]));
+        if (nonzero ? v == 0 : sim_load(op->in[1].dtype, element(&op->in[1], w.offs[1])) == 0)
+            continue;
+        if (nonzero)
+            for (uint32_t k = 0; k < in->ndim; k++)
+                sim_store(out->dtype, element(out, row * out->strides[0] + k * out->strides[1]), (double)w.index[k]);
+        else
+            sim_store(out->dtype, element(out, row * out->strides[0]), v);
+        row++;
+    }
+}
+
+/* Row-major over index: a later write to the same place wins (set). An index
+ * outside the dim writes nothing and is reported, as Gather's. */
+static void run_scatter(const sim_op *op)
+{
+    const sim_view *self = &op->in[0], *index = &op->in[1], *src = &op->in[2], *out = &op->out;
+    uint32_t dim = (uint32_t)op->p[0];
+    int reduce = (int)op->p[1];
+    int64_t strides[3][SIM_MAX_DIMS];
+    walker w;
+    /* out = self first (a no-op when they are the same memory) */
+    memcpy(strides[0], self->strides, sizeof strides[0]);
+    memcpy(strides[1], out->strides, sizeof strides[1]);
+    walk_start(&w, self->ndim, self->dims, 2, strides);
+    for (int64_t e = numel(self); e > 0; e--, walk_next(&w))
+        sim_store(out->dtype, element(out, w.offs[1]), sim_load(self->dtype, element(self, w.offs[0])));
+    memcpy(strides[0], index->strides, sizeof strides[0]);
+    memcpy(strides[1], src->strides, sizeof strides[1]);
+    memcpy(strides[2], out->strides, sizeof strides[2]);
+    strides[2][dim] = 0; /* out's position along dim comes from the index value */
+    walk_start(&w, index->ndim, index->dims, 3, strides);
+    int64_t bad = 0;
+    for (int64_t e = numel(index); e > 0; e--, walk_next(&w)) {
+        int64_t i = (int64_t)sim_load(index->dtype, element(index, w.offs[0]));
+        if (i < 0 || i >= out->dims[dim]) {
+            bad++;
+            continue;
+        }
+        char *at = element(out, w.offs[2] + i * out->strides[dim]);
+        double v = sim_load(src->dtype, element(src, w.offs[1]));
+        if (reduce == 1)
+            v += sim_load(out->dtype, at);
+        else if (reduce == 2)
+            v *= sim_load(out->dtype, at);
+        sim_store(out->dtype, at, v);
+    }
+    if (bad > 0)
+        fprintf(stderr, "aclsim: %s: %lld index value(s) out of range\n", op->def->kind.name, (long long)bad);
+}
+
 static double input_at(const sim_op *op, uint32_t i, int64_t off)
 {
     return op->in_kind[i] == SIM_IN_CONST ? op->in_value[i] : sim_load(op->in[i].dtype, element(&op->in[i], off));
@@ -1013,6 +1119,8 @@ static void compute(void *ctx)
     case SIM_SELECT: for_each_line(op, op->def->variant == SIM_SELECT_CUMMAX ? cummax_line : topk_line); break;
     case SIM_REMAP: run_remap(op); break;
     case SIM_BATCH_NORM: run_batch_norm(op); break;
+    case SIM_COMPACT: run_compact(op); break;
+    case SIM_SCATTER: run_scatter(op); break;
     }
 }
 

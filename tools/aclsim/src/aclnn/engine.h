@@ -24,6 +24,11 @@
  *   batch norm   in0 (N, C, ...) normalised per channel (dim 1) with the
  *                batch's statistics (training, which also updates the running
  *                ones) or the running ones; per-channel affine
+ *   compact      the elements of in0 that are nonzero (Nonzero: their indices)
+ *                or that in1 selects (MaskedSelect: their values), row-major,
+ *                into the first rows of out, sized for every element
+ *   scatter      out = in0, then out at in1's positions along a dim, the
+ *                dim's index taken from in1, = (or +=, *=) in2 there
  *   remap        out[i] = in0 at an index computed from i (Roll, Repeat,
  *                RepeatInterleave, ConstantPadNd, Diag), or the constant p[0]
  *                where it has none
@@ -41,10 +46,11 @@
 
 enum sim_op_shape {
     SIM_ELEMENTWISE, SIM_REDUCE, SIM_MATMUL, SIM_SOFTMAX, SIM_SCAN, SIM_GATHER, SIM_LAYER_NORM, SIM_SELECT, SIM_REMAP,
-    SIM_BATCH_NORM
+    SIM_BATCH_NORM, SIM_COMPACT, SIM_SCATTER
 };
 /* sim_op_def.variant of SIM_SELECT and SIM_REMAP */
 enum { SIM_SELECT_TOPK, SIM_SELECT_CUMMAX };
+enum { SIM_COMPACT_NONZERO, SIM_COMPACT_MASKED_SELECT };
 enum { SIM_REMAP_ROLL, SIM_REMAP_REPEAT, SIM_REMAP_PAD, SIM_REMAP_DIAG, SIM_REMAP_INTERLEAVE };
 
 /* x: the inputs of one element, p: the op's parameters (alpha, threshold...). */
@@ -129,6 +135,11 @@ void sim_op_remap(sim_op *op, const aclIntArray *a, const aclIntArray *b, int64_
  * ones). */
 void sim_op_batch_norm(sim_op *op, const aclTensor *weight, const aclTensor *bias, const aclTensor *running_mean,
                        const aclTensor *running_var, int training, double momentum, double eps);
+/* Compact only, after the inputs and output. */
+void sim_op_compact(sim_op *op);
+/* Scatter only, after self, index, src and out: along dim, reduce 0 (set), 1
+ * (add) or 2 (multiply). */
+void sim_op_scatter(sim_op *op, int64_t dim, int64_t reduce);
 /* Validates shapes, then creates the executor (phase 1's result). */
 aclnnStatus sim_op_create(sim_op *op, uint64_t *workspaceSize, aclOpExecutor **executor);
 

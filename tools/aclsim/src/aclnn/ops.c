@@ -922,3 +922,48 @@ EXPORT aclnnStatus aclnnBatchNormGetWorkspaceSize(const aclTensor *input, const 
     return sim_op_create(&op, workspaceSize, executor);
 }
 PHASE2(BatchNorm)
+
+/* ---- data-dependent sizes: out sized for every element, the first rows filled ---- */
+/* (self, out): out (rows, self's rank), the indices of self's nonzero elements, row-major */
+DEF(Nonzero, SIM_COMPACT, NULL, SIM_COMPACT_NONZERO)
+EXPORT aclnnStatus aclnnNonzeroGetWorkspaceSize(const aclTensor *self, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Nonzero);
+    sim_op_input(&op, self);
+    sim_op_output(&op, out);
+    sim_op_compact(&op);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Nonzero)
+
+/* (self, mask, out): self's elements where mask (broadcast to self) is nonzero */
+DEF(MaskedSelect, SIM_COMPACT, NULL, SIM_COMPACT_MASKED_SELECT)
+EXPORT aclnnStatus aclnnMaskedSelectGetWorkspaceSize(const aclTensor *self, const aclTensor *mask, aclTensor *out,
+                                                     WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_MaskedSelect);
+    sim_op_input(&op, self);
+    sim_op_input(&op, mask);
+    sim_op_output(&op, out);
+    sim_op_compact(&op);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(MaskedSelect)
+
+/* (self, dim, index, src, reduce, out): reduce 0 none, 1 add, 2 multiply */
+DEF(Scatter, SIM_SCATTER, NULL, 0)
+EXPORT aclnnStatus aclnnScatterGetWorkspaceSize(const aclTensor *self, int64_t dim, const aclTensor *index,
+                                                const aclTensor *src, int64_t reduce, aclTensor *out, WS_ARGS)
+{
+    sim_op op;
+    sim_op_begin(&op, &def_Scatter);
+    sim_op_input(&op, self);
+    sim_op_input(&op, index);
+    sim_op_input(&op, src);
+    sim_op_output(&op, out);
+    sim_op_scatter(&op, dim, reduce);
+    return sim_op_create(&op, workspaceSize, executor);
+}
+PHASE2(Scatter)

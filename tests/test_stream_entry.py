@@ -146,6 +146,7 @@ def test_unrecorded_cross_stream_use_is_caught_by_the_simulator():
 
 
 BAD = """
+import threading
 import acl
 from npualloc._ffi import ffi, loaded_library
 lib = loaded_library()
@@ -158,6 +159,17 @@ assert lib.npualloc_record_stream(ffi.cast("char *", p) + 512, ffi.NULL) == 1000
 assert lib.npualloc_free_stream(p, ffi.NULL) == 0
 assert lib.npualloc_free_stream(p, ffi.NULL) == 207002                      # double free
 assert lib.npualloc_record_stream(p, ffi.NULL) == 100000                    # freed
+# The integer forms: the same answers, the malloc's error kept per thread.
+assert lib.npualloc_malloc_stream_addr(4096, 0, 2) == 0 and lib.npualloc_malloc_stream_error() == 100000
+other = []
+thread = threading.Thread(target=lambda: other.append(lib.npualloc_malloc_stream_error()))
+thread.start(); thread.join()
+assert other == [0] and lib.npualloc_malloc_stream_error() == 100000
+addr = lib.npualloc_malloc_stream_addr(4096, 0, lib.NPUALLOC_STREAM_HOST_WRITES)
+assert addr != 0 and lib.npualloc_malloc_stream_error() == 0
+assert addr == int(ffi.cast("uintptr_t", p))                                 # the block freed above, reused
+assert lib.npualloc_free_stream_addr(addr, 0) == 0
+assert lib.npualloc_free_stream_addr(addr, 0) == 207002                     # double free
 print("ok")
 """
 

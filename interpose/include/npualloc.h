@@ -76,6 +76,17 @@ int npualloc_free_stream(void *ptr, void *stream);
 /* 0, or ACL_ERROR_INVALID_PARAM (100000) when ptr is no live allocation of
  * npualloc's (warned once). */
 int npualloc_record_stream(void *ptr, void *stream);
+/* npualloc_malloc_stream and npualloc_free_stream with addresses as
+ * integers, same contract, for bindings where making a pointer argument
+ * costs about as much as the call (cffi: ffi.new for the result and
+ * ffi.cast for each pointer, 0.1-0.2 us each; the MindTorch pass-through
+ * calls these on every tensor). The malloc returns the block's address, or
+ * 0 when it fails: npualloc_malloc_stream_error() then gives the aclError
+ * (it is the calling thread's last npualloc_malloc_stream_addr's, 0 after
+ * a success). */
+uintptr_t npualloc_malloc_stream_addr(size_t size, uintptr_t stream, int flags);
+int npualloc_malloc_stream_error(void);
+int npualloc_free_stream_addr(uintptr_t ptr, uintptr_t stream);
 /* cffi:end */
 
 #ifdef __cplusplus

@@ -153,25 +153,57 @@ NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
 /* npualloc.h's stream-aware entry: aclrtMalloc's contract (size rounding,
  * the calling thread's device, an aclError), plus the stream torch's
  * allocator interface passes. Served like aclrtMalloc when the cache is
- * off (the runtime's own malloc and free: nothing to record). */
-NPA_EXPORT int npualloc_malloc_stream(void **ptr, size_t size, void *stream, int flags)
+ * off (the runtime's own malloc and free: nothing to record). Each has two
+ * exported forms, pointers and integers (for cffi), over one body here:
+ * calling the exported one would go through the PLT. */
+static inline aclError malloc_stream(void **ptr, size_t size, uintptr_t stream, int flags)
 {
     if ((flags & ~NPUALLOC_STREAM_HOST_WRITES) != 0)
         return ACL_ERROR_INVALID_PARAM;
     _Static_assert(NPUALLOC_STREAM_HOST_WRITES == NPA_STREAM_HOST_WRITES, "one meaning for the flag");
-    stream_use on = {(uintptr_t)stream, (npa_stream_flags)flags};
+    stream_use on = {stream, (npa_stream_flags)flags};
     return malloc_entry(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST, NPA_ENTRY_MALLOC, NPA_FN_aclrtMalloc, &on);
 }
 
-NPA_EXPORT int npualloc_free_stream(void *ptr, void *stream)
+static inline aclError free_stream(void *ptr, uintptr_t stream)
 {
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (NPA_LIKELY(a != NULL && ptr != NULL)) {
         npa_region_poll(a);
         npa_exec_poll();
     }
-    uintptr_t handle = (uintptr_t)stream;
-    return free_through_cache(a, ptr, npa_tls_device, NPA_FN_aclrtFree, &handle);
+    return free_through_cache(a, ptr, npa_tls_device, NPA_FN_aclrtFree, &stream);
+}
+
+NPA_EXPORT int npualloc_malloc_stream(void **ptr, size_t size, void *stream, int flags)
+{
+    return malloc_stream(ptr, size, (uintptr_t)stream, flags);
+}
+
+NPA_EXPORT int npualloc_free_stream(void *ptr, void *stream)
+{
+    return free_stream(ptr, (uintptr_t)stream);
+}
+
+/* The error of the calling thread's last npualloc_malloc_stream_addr: a
+ * thread-local, as errno, so the address can be the return value. */
+static NPA_TLS int malloc_stream_error;
+
+NPA_EXPORT uintptr_t npualloc_malloc_stream_addr(size_t size, uintptr_t stream, int flags)
+{
+    void *ptr = NULL;
+    malloc_stream_error = malloc_stream(&ptr, size, stream, flags);
+    return malloc_stream_error == ACL_SUCCESS ? (uintptr_t)ptr : 0;
+}
+
+NPA_EXPORT int npualloc_malloc_stream_error(void)
+{
+    return malloc_stream_error;
+}
+
+NPA_EXPORT int npualloc_free_stream_addr(uintptr_t ptr, uintptr_t stream)
+{
+    return free_stream((void *)ptr, stream);
 }
 
 NPA_EXPORT int npualloc_record_stream(void *ptr, void *stream)

@@ -217,3 +217,29 @@ emit(ours=ours, theirs=theirs, synced=synced,
 """, preload_env())
     assert out == {"ours": 0, "theirs": 0, "synced": 1, "reused": True, "new_raw": 1, "forwarded": 1,
                    "double": 207002}
+
+
+def test_contexts_move_the_thread_to_their_device():
+    """aclrtCreateContext and aclrtSetCurrentContext change the thread's
+    device without aclrtSetDevice: npualloc follows, so a block allocated
+    after switching contexts is device 1's, in npualloc's stats and in the
+    simulator's (which allocates on the runtime's current device)."""
+    code = """
+import npualloc
+from npualloc._ffi import loaded_library
+lib = loaded_library()
+ctx1, ret = acl.rt.create_context(1); assert ret == 0
+seen = [lib.npualloc_current_device()]
+ctx0, ret = acl.rt.create_context(0); assert ret == 0
+seen.append(lib.npualloc_current_device())
+assert acl.rt.set_context(ctx1) == 0
+seen.append(lib.npualloc_current_device())
+p, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
+emit(seen=seen, npualloc=[npualloc.memory_stats(d)["allocated_bytes.all.current"] > 0 for d in (0, 1)],
+     runtime=[aclsim.bytes_outstanding(d) > 0 for d in (0, 1)])
+"""
+    out, proc = run(code, preload_env())
+    assert proc.stderr == ""
+    assert out["seen"] == [1, 0, 1]
+    assert out["npualloc"] == [False, True]
+    assert out["runtime"] == [False, True]

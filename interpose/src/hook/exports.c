@@ -243,6 +243,36 @@ NPA_EXPORT aclError aclrtResetDevice(int32_t deviceId)
     return err;
 }
 
+/* A context belongs to one device, and creating one or making it current
+ * makes that device the thread's current one without aclrtSetDevice: the
+ * device is asked of the runtime again, so allocations land where the
+ * runtime's would (MindTorch's pass-through trusts this record to skip
+ * re-activating a device that is already current). */
+static aclError note_context_device(aclError err)
+{
+    if (err == ACL_SUCCESS) {
+        npa_device_forget_current();
+        npa_thread_device_slow();
+    }
+    return err;
+}
+
+NPA_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
+{
+    __typeof__(&aclrtCreateContext) real = NPA_REAL(aclrtCreateContext);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtCreateContext);
+    return note_context_device(real(context, deviceId));
+}
+
+NPA_EXPORT aclError aclrtSetCurrentContext(aclrtContext context)
+{
+    __typeof__(&aclrtSetCurrentContext) real = NPA_REAL(aclrtSetCurrentContext);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtSetCurrentContext);
+    return note_context_device(real(context));
+}
+
 NPA_EXPORT aclError aclInit(const char *configPath)
 {
     __typeof__(&aclInit) real = NPA_REAL(aclInit);
@@ -306,7 +336,8 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
 }
 
 #define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
-SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtMalloc)
+SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtCreateContext)
+SELF(aclrtSetCurrentContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
 SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtCreateStreamWithConfig)
 #undef SELF

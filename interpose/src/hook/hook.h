@@ -94,6 +94,8 @@ typedef enum npa_fn {
     NPA_FN_aclFinalize,
     NPA_FN_aclrtSetDevice,
     NPA_FN_aclrtResetDevice,
+    NPA_FN_aclrtCreateContext,
+    NPA_FN_aclrtSetCurrentContext,
     NPA_FN_aclrtMalloc,
     NPA_FN_aclrtMallocAlign32,
     NPA_FN_aclrtMallocCached,

@@ -78,16 +78,20 @@ class _Runtime:
         return int(self._npu_state.current_stream(self._device_id).stream)
 
     def malloc(self, size: int, stream: int) -> int:
-        self._npu_runtime.get_runtime(self._device_id).activate()   # npualloc allocates on the current device
-        out = ffi.new("void **")
-        ret = self._lib.npualloc_malloc_stream(out, size, ffi.cast("void *", stream),
-                                               self._lib.NPUALLOC_STREAM_HOST_WRITES)
-        if ret != 0:
-            raise RuntimeError(f"npualloc_malloc_stream({size}) failed: {ret}")
-        return int(ffi.cast("uintptr_t", out[0]))
+        # npualloc allocates on the calling thread's current device. MindTorch
+        # makes its device current with runtime.activate() (SetDevice and
+        # SetCurrentContext, both seen by npualloc); npualloc's record of the
+        # thread's device says whether that is needed, and asking it costs a
+        # sixth of activate(), which this would otherwise pay on every tensor.
+        if self._lib.npualloc_current_device() != self._device_id:
+            self._npu_runtime.get_runtime(self._device_id)   # activates it
+        ptr = self._lib.npualloc_malloc_stream_addr(size, stream, self._lib.NPUALLOC_STREAM_HOST_WRITES)
+        if ptr == 0:
+            raise RuntimeError(f"npualloc_malloc_stream({size}) failed: {self._lib.npualloc_malloc_stream_error()}")
+        return ptr
 
     def free(self, ptr: int, stream: int) -> None:
-        ret = self._lib.npualloc_free_stream(ffi.cast("void *", ptr), ffi.cast("void *", stream))
+        ret = self._lib.npualloc_free_stream_addr(ptr, stream)
         # After aclFinalize (interpreter exit) the runtime refuses: nothing is left to give back to.
         if ret != 0 and not sys.is_finalizing():
             raise RuntimeError(f"npualloc_free_stream({ptr:#x}) failed: {ret}")

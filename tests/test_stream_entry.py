@@ -220,3 +220,73 @@ def test_mindtorch_record_stream_reaches_npualloc(mode, events):
     assert out["pending"] >= 1
     assert out["events"] == events
 
+
+
+DEVICES = """
+import json, threading
+import aclsim, npualloc
+import mindtorch_v2 as torch
+from mindtorch_v2._backends.npu import allocator
+from npualloc._ffi import loaded_library
+lib = loaded_library()
+torch.ones(16, device="npu")   # device 0 current on this thread, as after any NPU op
+
+def on(device):
+    return npualloc.memory_stats(device)["allocation.all.current"] == 1 and aclsim.bytes_outstanding(device) > 0
+
+def sets(call):
+    before = aclsim.call_count("aclrtSetDevice")
+    result = call()
+    return result, aclsim.call_count("aclrtSetDevice") - before
+
+out = {}
+a0, a1 = allocator.get_allocator(0), allocator.get_allocator(1)
+ptrs, out["same_device_sets"] = sets(lambda: [a0.malloc(4096) for _ in range(50)])
+for p in ptrs:
+    a0.free(p)
+p1, out["other_device_sets"] = sets(lambda: a1.malloc(4096))   # from device 0's thread
+out["p1_current"] = lib.npualloc_current_device()
+out["p1_on_1"] = on(1)
+p0, out["back_sets"] = sets(lambda: a0.malloc(4096))
+out["back_current"] = lib.npualloc_current_device()
+
+def thread(name, device):
+    if device is not None:
+        torch.npu.set_device(device)   # this thread's device, MindTorch's way
+    mine = {0: a0, 1: a1}
+    before = {d: npualloc.memory_stats(d)["allocation.all.current"] for d in (0, 1)}
+    ptrs = {d: mine[d].malloc(1 << 20) for d in (0, 1)}
+    out[name] = {d: npualloc.memory_stats(d)["allocation.all.current"] - before[d] for d in (0, 1)}
+    for d, p in ptrs.items():
+        mine[d].free(p)
+
+for name, device in (("fresh_thread", None), ("thread_on_1", 1)):
+    t = threading.Thread(target=thread, args=(name, device))
+    t.start()
+    t.join()
+a1.free(p1)
+a0.free(p0)
+torch.npu.synchronize()
+print(json.dumps(out))
+"""
+
+
+def test_mindtorch_allocations_land_on_their_device():
+    """The pass-through makes its device current only when npualloc's record
+    of the thread's device says it is another: fifty tensors on the current
+    device make no aclrtSetDevice, while an allocator of another device, a
+    thread that never set one and a thread on device 1 all allocate each
+    device's blocks on that device (npualloc's stats and the simulator's
+    raw memory per device)."""
+    python = installed_python()
+    proc = subprocess.run(cann_root_command([python, "-m", "npualloc", "run", "--", python, "-c", DEVICES]),
+                          env=mindtorch_env(), capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    assert "npualloc:" not in proc.stderr, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["same_device_sets"] == 0
+    assert out["other_device_sets"] >= 1 and out["p1_current"] == 1 and out["p1_on_1"]
+    assert out["back_sets"] >= 1 and out["back_current"] == 0
+    for name in ("fresh_thread", "thread_on_1"):
+        assert out[name] == {"0": 1, "1": 1}, (name, out[name])   # one block on each device

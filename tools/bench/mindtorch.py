@@ -51,10 +51,12 @@ def main() -> int:
         print(f"MindTorch bench skipped: {why}")
         return 0
     print(f"MindTorch v2 allocator on the shipped traces (first {args.events} entries each; "
-          "time = malloc/free calls from Python, wall and the thread's CPU time; peak = device memory held / "
+          "time = malloc/free calls from Python, wall and the thread's CPU time, timer floor = the same around a "
+          "call that does nothing, wall / CPU, included in the times; peak = device memory held / "
           "peak requested); load average at start "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()))
-    header = f"{'trace':<14} {'allocator':<48} {'events':>7} {'us/event':>9} {'cpu us':>7} {'raw mallocs':>12} " \
+    header = f"{'trace':<14} {'allocator':<48} {'events':>7} {'us/event':>9} {'cpu us':>7} {'timer floor':>12} " \
+             f"{'raw mallocs':>12} " \
              f"{'raw frees':>10} {'peak MiB':>10} {'peak/req':>9}"
     print(header)
     print("-" * len(header))
@@ -70,7 +72,9 @@ def main() -> int:
                     ours[conf].append(None)
                 continue
             ratio = r["peak_device"] / r["peak_requested"]
-            print(f"{name:<14} {label:<48} {r['events']:>7} {r['us_per_event']:>9.1f} {r['cpu_us_per_event']:>7.1f} {r['raw_mallocs']:>12} "
+            floor = f"{r['timer_us_per_event']:.1f} / {r['timer_cpu_us_per_event']:.1f}"
+            print(f"{name:<14} {label:<48} {r['events']:>7} {r['us_per_event']:>9.1f} {r['cpu_us_per_event']:>7.1f} "
+                  f"{floor:>12} {r['raw_mallocs']:>12} "
                   f"{r['raw_frees']:>10} {r['peak_device'] / MIB:>10.0f} {ratio:>9.2f}")
             if npualloc:
                 ours[conf].append((ratio, r["cpu_us_per_event"]))

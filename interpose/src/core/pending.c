@@ -1,6 +1,6 @@
 /* Stream-safe reuse. Plain frees collect in an open batch; a poll (every
  * malloc starts with one) records ONE fence covering the whole batch once it
- * holds NPA_FENCE_BATCH_BLOCKS frees or NPA_FENCE_BATCH_BYTES bytes, or at
+ * holds NPA_FENCE_BATCH_BLOCKS frees or a share of the reserved bytes, or at
  * once when a malloc would otherwise miss (npa_pending_flush), and hands
  * back every batch whose fence has completed, without blocking. A fence
  * costs a runtime call per live stream (an event record: a task queued to
@@ -19,7 +19,20 @@
  * dominant (3x eager); 256 held so much back that a warm cache missed (1% of
  * pairs in tests/test_demo_bench.py, one run in seven); 128 did neither. */
 #define NPA_FENCE_BATCH_BLOCKS 128
-#define NPA_FENCE_BATCH_BYTES ((size_t)128 << 20)
+/* And how many bytes: an open batch holds back at most a sixteenth of what
+ * the device reserves (and at least 2 MiB, one large segment's worth).
+ * Memory held back by an unfenced batch is memory the next miss must grow
+ * by: a fixed 128 MiB let make demo's 72 MiB program reserve 260 MiB (19
+ * raw mallocs) where 8 MiB gave 132 MiB (9), with the same step time; small
+ * blocks still fill the 128-block batch first. */
+#define NPA_FENCE_BATCH_MIN_BYTES ((size_t)2 << 20)
+#define NPA_FENCE_BATCH_RESERVED_SHARE 16
+
+static bool batch_full(const npa_device *d) {
+    if (d->open_blocks >= NPA_FENCE_BATCH_BLOCKS) return true;
+    size_t share = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current / NPA_FENCE_BATCH_RESERVED_SHARE;
+    return d->open_bytes >= (share > NPA_FENCE_BATCH_MIN_BYTES ? share : NPA_FENCE_BATCH_MIN_BYTES);
+}
 
 static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) {
     npa_stats_begin(d);
@@ -183,7 +196,7 @@ void npa_pending_flush(npa_allocator *a, npa_device *d) {
 }
 
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
-    close_open(a, d, d->open_blocks >= NPA_FENCE_BATCH_BLOCKS || d->open_bytes >= NPA_FENCE_BATCH_BYTES);
+    close_open(a, d, batch_full(d));
     if (d->batches) drain_batches(a, d, false);
 }
 

@@ -60,7 +60,7 @@ static void release_fence(npa_allocator *a, void *fence) {
  * batch record, the blocks stay pending in the open list: a stream may
  * still use them, and the next poll tries again. */
 static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence) {
-    bool uses = open == &d->open_uses;
+    int kind = open == &d->open_uses ? NPA_BATCH_USES : NPA_BATCH_PLAIN;
     if (err != NPA_OK) return;
     if (!fence) {
         npa_block *blocks = *open;
@@ -78,10 +78,9 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     batch->fence = fence;
     batch->blocks = *open;
     batch->next = NULL;
-    batch->uses = uses;
     *open = NULL;
-    *d->batches_tail = batch;
-    d->batches_tail = &batch->next;
+    *d->batches_tail[kind] = batch;
+    d->batches_tail[kind] = &batch->next;
 }
 
 static void close_open_batch(npa_allocator *a, npa_device *d) {
@@ -154,28 +153,23 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
 }
 
 /* Unlinks every batch that is done (or every batch, when all is set).
- * Batches of one kind are asked oldest first and the first not done stops
- * that kind: a later fence of the policy's covers the same streams and was
- * recorded after, so it is not done either (and if it were, its blocks only
- * wait one more poll). So a poll costs one query per kind, however many
- * batches a busy device has queued, rather than one per batch. */
+ * Each kind's queue is asked oldest first and the first not done stops it:
+ * a later fence of the same kind covers the same streams and was recorded
+ * after, so it is not done either (and if it were, its blocks only wait one
+ * more poll). So a poll costs at most one query per kind and never walks
+ * the batches a busy device has queued behind. */
 static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
-    npa_fence_batch **link = &d->batches;
-    bool waiting[2] = {false, false}; /* per kind: an older batch is not done */
-    while (*link) {
-        npa_fence_batch *batch = *link;
-        if (!all && (waiting[batch->uses] || !a->backend.fence_done(a->backend.ctx, batch->fence))) {
-            waiting[batch->uses] = true;
-            link = &batch->next;
-            continue;
+    for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) {
+        npa_fence_batch *batch;
+        while ((batch = d->batches[kind]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
+            d->batches[kind] = batch->next;
+            release_fence(a, batch->fence);
+            complete_blocks(a, d, batch->blocks);
+            batch->next = d->spare_batches;
+            d->spare_batches = batch;
         }
-        *link = batch->next;
-        release_fence(a, batch->fence);
-        complete_blocks(a, d, batch->blocks);
-        batch->next = d->spare_batches;
-        d->spare_batches = batch;
+        if (!d->batches[kind]) d->batches_tail[kind] = &d->batches[kind];
     }
-    d->batches_tail = link;
 }
 
 static void close_open(npa_allocator *a, npa_device *d, bool plain) {
@@ -192,12 +186,12 @@ static void close_open(npa_allocator *a, npa_device *d, bool plain) {
 
 void npa_pending_flush(npa_allocator *a, npa_device *d) {
     close_open(a, d, true);
-    if (d->batches) drain_batches(a, d, false);
+    if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
 }
 
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
     close_open(a, d, batch_full(d));
-    if (d->batches) drain_batches(a, d, false);
+    if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
 }
 
 void npa_pending_drain_all(npa_allocator *a, npa_device *d) {

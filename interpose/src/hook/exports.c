@@ -5,11 +5,12 @@
  *
  * The hit path of aclrtMalloc/aclrtFree is: one acquire load (the allocator),
  * one thread-local load (the device), two relaxed loads (region command,
- * deferred executors), one thread-local load (the memory saver's region),
- * then the core. */
+ * npa_entry_work), then the core. */
 #include "hook.h"
 #include "npualloc.h"
 #include "region/region.h"
+
+atomic_uint npa_entry_work;
 
 /* Policies we serve from our segments (all HUGE_FIRST). P2P, 1 GB pages and
  * the memory-type / read-only flags ask for memory of another kind: those
@@ -38,15 +39,20 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
             if (NPA_UNLIKELY(npa_real(NPA_FN_aclrtMalloc) == NULL))
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
-            npa_exec_poll();
+            unsigned work = npa_entry_work_load();
+            if (NPA_UNLIKELY(work != 0)) {
+                if (work & NPA_WORK_EXECUTORS)
+                    npa_exec_drain(0);
 #ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
-            if (NPA_UNLIKELY(npa_saver_region >= 0)) { /* inside npualloc.memory_saver.region() */
-                int err = npa_saver_malloc(device, size, devPtr);
-                if (err >= 0)
-                    return err;
-            }
-            npa_pystack_before_malloc();
+                if (npa_saver_region >= 0) { /* inside npualloc.memory_saver.region() */
+                    int err = npa_saver_malloc(device, size, devPtr);
+                    if (err >= 0)
+                        return err;
+                }
+                if (work & NPA_WORK_PYSTACK)
+                    npa_pystack_take();
 #endif
+            }
             npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
                                        : npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))

@@ -20,6 +20,30 @@ static inline int cacheable_policy(aclrtMemMallocPolicy policy)
     return (unsigned)policy <= ACL_MEM_MALLOC_NORMAL_ONLY;
 }
 
+/* What npa_entry_work asks of a malloc entry, out of line so that the hit
+ * path is the same code whether or not the idle features are built in.
+ * 1: the memory saver served the allocation (its result in *served). */
+static __attribute__((noinline, cold)) int entry_work(unsigned work, int device, size_t size, void **devPtr,
+                                                      aclError *served)
+{
+    if (work & NPA_WORK_EXECUTORS)
+        npa_exec_drain(0);
+#ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
+    if (npa_saver_region >= 0) { /* inside npualloc.memory_saver.region() */
+        int err = npa_saver_malloc(device, size, devPtr);
+        if (err >= 0) {
+            *served = err;
+            return 1;
+        }
+    }
+    if (work & NPA_WORK_PYSTACK)
+        npa_pystack_take();
+#else
+    (void)device, (void)size, (void)devPtr, (void)served;
+#endif
+    return 0;
+}
+
 /* The stream a stream-aware caller allocates on, and how it uses the block. */
 typedef struct stream_use {
     uintptr_t stream;
@@ -40,19 +64,9 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
             unsigned work = npa_entry_work_load();
-            if (NPA_UNLIKELY(work != 0)) {
-                if (work & NPA_WORK_EXECUTORS)
-                    npa_exec_drain(0);
-#ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
-                if (npa_saver_region >= 0) { /* inside npualloc.memory_saver.region() */
-                    int err = npa_saver_malloc(device, size, devPtr);
-                    if (err >= 0)
-                        return err;
-                }
-                if (work & NPA_WORK_PYSTACK)
-                    npa_pystack_take();
-#endif
-            }
+            aclError served = ACL_SUCCESS;
+            if (NPA_UNLIKELY(work != 0) && entry_work(work, device, size, devPtr, &served))
+                return served;
             npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
                                        : npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))

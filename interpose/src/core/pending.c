@@ -190,7 +190,7 @@ void npa_pending_flush(npa_allocator *a, npa_device *d) {
 }
 
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
-    close_open(a, d, batch_full(d));
+    if (d->open_batch || d->open_uses) close_open(a, d, d->open_batch && batch_full(d));
     if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
 }
 

@@ -20,10 +20,12 @@ static inline int cacheable_policy(aclrtMemMallocPolicy policy)
     return (unsigned)policy <= ACL_MEM_MALLOC_NORMAL_ONLY;
 }
 
-/* What npa_entry_work asks of a malloc entry, out of line so that the hit
- * path is the same code whether or not the idle features are built in.
- * 1: the memory saver served the allocation (its result in *served). */
-static __attribute__((noinline, cold)) int entry_work(unsigned work, int device, size_t size, void **devPtr,
+/* What npa_entry_work asks of a malloc entry, out of line and opaque to the
+ * caller (noipa: no inlining, and no knowledge of which registers it keeps),
+ * so that the hit path is the same machine code whether or not the idle
+ * features are built in. 1: the memory saver served the allocation (its
+ * result in *served). */
+static __attribute__((noipa, cold)) int entry_work(unsigned work, int device, size_t size, void **devPtr,
                                                       aclError *served)
 {
     if (work & NPA_WORK_EXECUTORS)

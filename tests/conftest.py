@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from npualloc.simulator import simulated_env
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tools" / "demo")]
+import devenv  # noqa: E402  (tools/ is not a package)
+import launch  # noqa: E402  (the one way to build the simulator's environment)
+
 BUILD = Path(os.environ.get("NPUALLOC_TEST_BUILD", ROOT / "build"))
 SIM_LIB = BUILD / "aclsim" / "lib64"
 SIM_PY = BUILD / "aclsim" / "python"
@@ -43,23 +45,14 @@ def sim_env(**extra: str) -> dict[str, str]:
     """Environment of a process on the simulator, latency model off (tests
     assert on behaviour, not on time), npualloc not loaded, its devices shared
     with the other processes of the same test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUSIM_", "NPUALLOC_", "LD_PRELOAD"))}
-    for key in ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-                "PYTORCH_NO_CUDA_MEMORY_CACHING"):
-        env.pop(key, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools")])
-    env = simulated_env(BUILD / "aclsim", env)
+    env = launch.sim_environment(BUILD)
     env["NPUSIM_MALLOC_US"] = "0"
     env["NPUSIM_FREE_US"] = "0"
-    env["PYTHONUNBUFFERED"] = "1"
     if _device_dir:
         env["NPUSIM_SHARED_DIR"] = _device_dir[-1]
     env.update(extra)
     return env
 
-
-sys.path.insert(0, str(ROOT / "tools"))
-import devenv  # noqa: E402  (tools/ is not a package)
 
 MINDTORCH_SRC = devenv.MINDTORCH_SRC
 CANN_ROOT = ROOT / "tools" / "aclsim" / "cann-root"

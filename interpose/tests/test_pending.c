@@ -261,9 +261,40 @@ static void test_fence_waits_for_a_full_batch_or_a_miss(void) {
     fixture_destroy(&fx);
 }
 
+/* Large frees fence sooner: an open batch holds back at most a sixteenth
+ * of the reserved bytes (at least 2 MiB), memory a miss would otherwise
+ * have to grow by. */
+static void test_fence_once_the_batch_holds_a_share_of_reserved(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.auto_complete_polls = 1;
+    fixture_start(&fx, NULL);
+    enum { BLOCKS = 64 };
+    static void *blocks[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++) blocks[i] = alloc_exact(&fx, 0, 4 * MiB);
+    size_t reserved = (size_t)stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current;
+    CHECK(reserved >= BLOCKS * 4 * MiB);
+    int below = (int)(reserved / 16 / (4 * MiB)); /* frees that stay under the share */
+    if (reserved / 16 % (4 * MiB) == 0) below--;
+    CHECK(below >= 1 && below + 1 < BLOCKS);
+    void *small = alloc_exact(&fx, 0, 512);
+    for (int i = 0; i < below; i++) CHECK_EQ(npa_free(fx.a, blocks[i], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, small, 0, NULL), NPA_FREE_OK);
+    small = alloc_exact(&fx, 0, 512); /* a hit: under the share, the batch stays open */
+    CHECK_EQ(fx.fake.fence_records, 0);
+    CHECK_EQ(npa_free(fx.a, blocks[below], 0, NULL), NPA_FREE_OK); /* reaches the share */
+    CHECK_EQ(npa_free(fx.a, small, 0, NULL), NPA_FREE_OK);
+    alloc_exact(&fx, 0, 512);
+    CHECK_EQ(fx.fake.fence_records, 1); /* far fewer than 128 frees */
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_one_fence_per_batch);
     RUN(test_fence_waits_for_a_full_batch_or_a_miss);
+    RUN(test_fence_once_the_batch_holds_a_share_of_reserved);
     RUN(test_batches_complete_independently);
     RUN(test_eager_fence_frees_at_next_poll);
     RUN(test_free_skips_the_batch_when_no_fence_is_needed);

@@ -489,7 +489,7 @@ def report(m: dict[str, str], command: str, h: dict[str, Any], trace_rows: list[
         "allocator's device lock. \"sleeps\" are the threads' voluntary context switches while timed "
         "(getrusage): a thread that finds the lock taken and sleeps on it makes one, whatever the machine's load. "
         "Safe reuse records a fence (an event on each stream: a simulated stream task) "
-        "for a batch of up to 128 frees (or 128 MiB), or sooner when a malloc would miss, and polls the oldest batch at each "
+        "for a batch of up to 128 frees (or a sixteenth of the reserved bytes, at least 2 MiB), or sooner when a malloc would miss, and polls the oldest batch at each "
         "malloc; a freed block is reusable once its batch's fence completed. The stream-aware entry "
         "(npualloc_malloc_stream/npualloc_free_stream on a stream the thread created) reuses a block freed on its "
         "own stream at once, with no event; with NPUALLOC_STREAM_HOST_WRITES (MindTorch's pass-through) each free "

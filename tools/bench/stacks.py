@@ -64,8 +64,8 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"| + record_stacks:python (12 frames) | {r['stacks']:.0f} | +{r['stacks'] - r['history']:.0f} for the stack |",
         "",
         f"{r['pairs']} pairs of acl.rt.malloc(4096)+free (cache hits), best of {r['repeats']}, each mode in its own "
-        "process (tools/bench/stacks.py). With record_stacks off the cost is one relaxed load per allocation, "
-        "inside the hot path of section 1.",
+        "process (tools/bench/stacks.py). With record_stacks off it adds nothing to the hit path: its flag shares "
+        "the word an allocation already reads (npa_entry_work); section 1 compares with a build without it.",
     ]
 
 

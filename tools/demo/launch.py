@@ -34,7 +34,7 @@ def sim_environment(build: Path | None = None) -> dict[str, str]:
     """The caller's environment, pointed at the build tree's simulator, with
     nothing preloaded and no allocator config inherited."""
     build = build or build_dir()
-    drop = ("NPUSIM_", "NPUALLOC_", "LD_PRELOAD") + CONF_VARIABLES
+    drop = ("NPUSIM_", "NPUALLOC_", "LD_PRELOAD", "PYTORCH_NO_CUDA_MEMORY_CACHING") + CONF_VARIABLES
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tools")])
     env["PYTHONUNBUFFERED"] = "1"

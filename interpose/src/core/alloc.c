@@ -56,11 +56,12 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
     /* Batches still waiting (the device could not be synchronized) belong to
      * work that may yet run: their blocks and segments stay with the device;
      * only the fences go. */
-    for (npa_fence_batch *b = d->batches, *next; b; b = next) {
-        next = b->next;
-        if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, b->fence);
-        free(b);
-    }
+    for (int kind = 0; kind < NPA_BATCH_KINDS; kind++)
+        for (npa_fence_batch *b = d->batches[kind], *next; b; b = next) {
+            next = b->next;
+            if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, b->fence);
+            free(b);
+        }
     for (npa_fence_batch *b = d->spare_batches, *next; b; b = next) {
         next = b->next;
         free(b);
@@ -131,7 +132,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     d->plain.small.is_small = true;
     d->plain.small.largest_moved = d->plain.large.largest_moved = &d->largest_moved;
     d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
-    d->batches_tail = &d->batches;
+    for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) d->batches_tail[kind] = &d->batches[kind];
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
     size_t free_bytes = 0, total_bytes = 0;

@@ -172,8 +172,10 @@ struct npa_fence_batch {
     void *fence;
     npa_block *blocks;       /* chained through block->link */
     npa_fence_batch *next;
-    bool uses;               /* fenced on the streams its blocks were used on, else the policy's fence */
 };
+
+/* The two kinds of batch, each queued oldest first (pending.c). */
+enum { NPA_BATCH_PLAIN, NPA_BATCH_USES, NPA_BATCH_KINDS };
 
 /* One recorded allocator event (torch's TraceEntry without stack or stream). */
 typedef struct npa_trace_entry {
@@ -229,8 +231,10 @@ typedef struct npa_device {
     size_t open_blocks, open_bytes; /* in both open lists: when to close them (pending.c) */
     uintptr_t *fence_streams; /* scratch: the distinct streams of open_uses */
     size_t fence_streams_capacity;
-    npa_fence_batch *batches; /* oldest first */
-    npa_fence_batch **batches_tail;
+    /* Fenced batches per kind, oldest first: PLAIN waits on the reuse
+     * policy's fence, USES on the streams its blocks were used on. */
+    npa_fence_batch *batches[NPA_BATCH_KINDS];
+    npa_fence_batch **batches_tail[NPA_BATCH_KINDS];
     npa_fence_batch *spare_batches;
     size_t total_bytes;      /* device capacity seen at init (0: unknown) */
     size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none */
@@ -344,7 +348,8 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d);
 bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
 /* Whether frees wait for a fence: open or fenced batches exist. */
 static inline bool npa_pending_any(const npa_device *d) {
-    return d->open_batch != NULL || d->open_uses != NULL || d->batches != NULL;
+    return d->open_batch != NULL || d->open_uses != NULL || d->batches[NPA_BATCH_PLAIN] != NULL ||
+           d->batches[NPA_BATCH_USES] != NULL;
 }
 
 /* gc.c */

@@ -1,6 +1,6 @@
 /* Stream-safe reuse. Plain frees collect in an open batch; a poll (every
  * malloc starts with one) records ONE fence covering the whole batch once it
- * holds NPA_FENCE_BATCH_BLOCKS frees or NPA_FENCE_BATCH_BYTES bytes, or at
+ * holds NPA_FENCE_BATCH_BLOCKS frees or a share of the reserved bytes, or at
  * once when a malloc would otherwise miss (npa_pending_flush), and hands
  * back every batch whose fence has completed, without blocking. A fence
  * costs a runtime call per live stream (an event record: a task queued to
@@ -19,7 +19,20 @@
  * dominant (3x eager); 256 held so much back that a warm cache missed (1% of
  * pairs in tests/test_demo_bench.py, one run in seven); 128 did neither. */
 #define NPA_FENCE_BATCH_BLOCKS 128
-#define NPA_FENCE_BATCH_BYTES ((size_t)128 << 20)
+/* And how many bytes: an open batch holds back at most a sixteenth of what
+ * the device reserves (and at least 2 MiB, one large segment's worth).
+ * Memory held back by an unfenced batch is memory the next miss must grow
+ * by: a fixed 128 MiB let make demo's 72 MiB program reserve 260 MiB (19
+ * raw mallocs) where 8 MiB gave 132 MiB (9), with the same step time; small
+ * blocks still fill the 128-block batch first. */
+#define NPA_FENCE_BATCH_MIN_BYTES ((size_t)2 << 20)
+#define NPA_FENCE_BATCH_RESERVED_SHARE 16
+
+static bool batch_full(const npa_device *d) {
+    if (d->open_blocks >= NPA_FENCE_BATCH_BLOCKS) return true;
+    size_t share = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current / NPA_FENCE_BATCH_RESERVED_SHARE;
+    return d->open_bytes >= (share > NPA_FENCE_BATCH_MIN_BYTES ? share : NPA_FENCE_BATCH_MIN_BYTES);
+}
 
 static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) {
     npa_stats_begin(d);
@@ -47,7 +60,7 @@ static void release_fence(npa_allocator *a, void *fence) {
  * batch record, the blocks stay pending in the open list: a stream may
  * still use them, and the next poll tries again. */
 static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence) {
-    bool uses = open == &d->open_uses;
+    int kind = open == &d->open_uses ? NPA_BATCH_USES : NPA_BATCH_PLAIN;
     if (err != NPA_OK) return;
     if (!fence) {
         npa_block *blocks = *open;
@@ -65,10 +78,9 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     batch->fence = fence;
     batch->blocks = *open;
     batch->next = NULL;
-    batch->uses = uses;
     *open = NULL;
-    *d->batches_tail = batch;
-    d->batches_tail = &batch->next;
+    *d->batches_tail[kind] = batch;
+    d->batches_tail[kind] = &batch->next;
 }
 
 static void close_open_batch(npa_allocator *a, npa_device *d) {
@@ -141,28 +153,23 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
 }
 
 /* Unlinks every batch that is done (or every batch, when all is set).
- * Batches of one kind are asked oldest first and the first not done stops
- * that kind: a later fence of the policy's covers the same streams and was
- * recorded after, so it is not done either (and if it were, its blocks only
- * wait one more poll). So a poll costs one query per kind, however many
- * batches a busy device has queued, rather than one per batch. */
+ * Each kind's queue is asked oldest first and the first not done stops it:
+ * a later fence of the same kind covers the same streams and was recorded
+ * after, so it is not done either (and if it were, its blocks only wait one
+ * more poll). So a poll costs at most one query per kind and never walks
+ * the batches a busy device has queued behind. */
 static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
-    npa_fence_batch **link = &d->batches;
-    bool waiting[2] = {false, false}; /* per kind: an older batch is not done */
-    while (*link) {
-        npa_fence_batch *batch = *link;
-        if (!all && (waiting[batch->uses] || !a->backend.fence_done(a->backend.ctx, batch->fence))) {
-            waiting[batch->uses] = true;
-            link = &batch->next;
-            continue;
+    for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) {
+        npa_fence_batch *batch;
+        while ((batch = d->batches[kind]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
+            d->batches[kind] = batch->next;
+            release_fence(a, batch->fence);
+            complete_blocks(a, d, batch->blocks);
+            batch->next = d->spare_batches;
+            d->spare_batches = batch;
         }
-        *link = batch->next;
-        release_fence(a, batch->fence);
-        complete_blocks(a, d, batch->blocks);
-        batch->next = d->spare_batches;
-        d->spare_batches = batch;
+        if (!d->batches[kind]) d->batches_tail[kind] = &d->batches[kind];
     }
-    d->batches_tail = link;
 }
 
 static void close_open(npa_allocator *a, npa_device *d, bool plain) {
@@ -179,12 +186,12 @@ static void close_open(npa_allocator *a, npa_device *d, bool plain) {
 
 void npa_pending_flush(npa_allocator *a, npa_device *d) {
     close_open(a, d, true);
-    if (d->batches) drain_batches(a, d, false);
+    if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
 }
 
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
-    close_open(a, d, d->open_blocks >= NPA_FENCE_BATCH_BLOCKS || d->open_bytes >= NPA_FENCE_BATCH_BYTES);
-    if (d->batches) drain_batches(a, d, false);
+    if (d->open_batch || d->open_uses) close_open(a, d, d->open_batch && batch_full(d));
+    if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
 }
 
 void npa_pending_drain_all(npa_allocator *a, npa_device *d) {

@@ -28,7 +28,6 @@ static size_t npending, cap_pending;
 
 /* Second in the lock order (hook.h): after init_lock, before device locks. */
 static pthread_mutex_t exec_lock = PTHREAD_MUTEX_INITIALIZER;
-atomic_int npa_exec_deferred;
 
 static size_t slot_of(const aclOpExecutor *e, size_t cap)
 {
@@ -132,7 +131,7 @@ void npa_exec_drain(int force)
         forward_destroy(d->executor, d->device);
     }
     npending = kept;
-    atomic_store_explicit(&npa_exec_deferred, (int)kept, memory_order_relaxed);
+    npa_entry_work_mark(NPA_WORK_EXECUTORS, kept != 0);
     pthread_mutex_unlock(&exec_lock);
 }
 
@@ -199,7 +198,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         cap_pending = ncap;
     }
     pending[npending++] = (deferred){executor, fence, device};
-    atomic_store_explicit(&npa_exec_deferred, (int)npending, memory_order_relaxed);
+    npa_entry_work_mark(NPA_WORK_EXECUTORS, true);
     pthread_mutex_unlock(&exec_lock);
     npa_exec_poll();
     return ACLNN_SUCCESS;
@@ -237,5 +236,5 @@ void npa_exec_forget_after_fork(void)
             set_slots[i] = NULL;
     set_used = set_live = 0;
     npending = 0;
-    atomic_store_explicit(&npa_exec_deferred, 0, memory_order_relaxed);
+    npa_entry_work_mark(NPA_WORK_EXECUTORS, false);
 }

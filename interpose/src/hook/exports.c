@@ -5,11 +5,12 @@
  *
  * The hit path of aclrtMalloc/aclrtFree is: one acquire load (the allocator),
  * one thread-local load (the device), two relaxed loads (region command,
- * deferred executors), one thread-local load (the memory saver's region),
- * then the core. */
+ * npa_entry_work), then the core. */
 #include "hook.h"
 #include "npualloc.h"
 #include "region/region.h"
+
+atomic_uint npa_entry_work;
 
 /* Policies we serve from our segments (all HUGE_FIRST). P2P, 1 GB pages and
  * the memory-type / read-only flags ask for memory of another kind: those
@@ -17,6 +18,32 @@
 static inline int cacheable_policy(aclrtMemMallocPolicy policy)
 {
     return (unsigned)policy <= ACL_MEM_MALLOC_NORMAL_ONLY;
+}
+
+/* What npa_entry_work asks of a malloc entry, out of line and opaque to the
+ * caller (noipa: no inlining, and no knowledge of which registers it keeps),
+ * so that the hit path is the same machine code whether or not the idle
+ * features are built in. 1: the memory saver served the allocation (its
+ * result in *served). */
+static __attribute__((noipa, cold)) int entry_work(unsigned work, int device, size_t size, void **devPtr,
+                                                      aclError *served)
+{
+    if (work & NPA_WORK_EXECUTORS)
+        npa_exec_drain(0);
+#ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
+    if (npa_saver_region >= 0) { /* inside npualloc.memory_saver.region() */
+        int err = npa_saver_malloc(device, size, devPtr);
+        if (err >= 0) {
+            *served = err;
+            return 1;
+        }
+    }
+    if (work & NPA_WORK_PYSTACK)
+        npa_pystack_take();
+#else
+    (void)device, (void)size, (void)devPtr, (void)served;
+#endif
+    return 0;
 }
 
 /* The stream a stream-aware caller allocates on, and how it uses the block. */
@@ -38,15 +65,10 @@ static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPo
             if (NPA_UNLIKELY(npa_real(NPA_FN_aclrtMalloc) == NULL))
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
-            npa_exec_poll();
-#ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
-            if (NPA_UNLIKELY(npa_saver_region >= 0)) { /* inside npualloc.memory_saver.region() */
-                int err = npa_saver_malloc(device, size, devPtr);
-                if (err >= 0)
-                    return err;
-            }
-            npa_pystack_before_malloc();
-#endif
+            unsigned work = npa_entry_work_load();
+            aclError served = ACL_SUCCESS;
+            if (NPA_UNLIKELY(work != 0) && entry_work(work, device, size, devPtr, &served))
+                return served;
             npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
                                        : npa_malloc(a, device, size, entry, devPtr);
             if (NPA_UNLIKELY(err == NPA_ERR_OOM))

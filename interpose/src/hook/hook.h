@@ -203,11 +203,34 @@ void npa_streams_unlock_after_fork(void);
 
 /* ---- executors.c ---------------------------------------------------------- */
 
-extern atomic_int npa_exec_deferred; /* destroys waiting for their fence */
+/* What an allocator entry must look at besides allocating, in one word, so
+ * that a program using none of it pays one relaxed load and one branch per
+ * call (make bench section 1 measures it against a build without the
+ * memory_saver and record_stacks tests): deferred executor destroys
+ * (executors.c), record_stacks switched on (pystack.c), and how many threads
+ * are inside a memory_saver region (saver.c, counted from bit 8). A bit may
+ * read set when its work is already gone (the entry then finds nothing to
+ * do); it never reads clear while its work is there. */
+#define NPA_WORK_EXECUTORS 1u
+#define NPA_WORK_PYSTACK 2u
+#define NPA_WORK_SAVER_REGION (1u << 8)
+extern atomic_uint npa_entry_work;
+static inline void npa_entry_work_mark(unsigned bit, bool on)
+{
+    if (on)
+        atomic_fetch_or_explicit(&npa_entry_work, bit, memory_order_relaxed);
+    else
+        atomic_fetch_and_explicit(&npa_entry_work, ~bit, memory_order_relaxed);
+}
+static inline unsigned npa_entry_work_load(void)
+{
+    return atomic_load_explicit(&npa_entry_work, memory_order_relaxed);
+}
+
 void npa_exec_drain(int force);       /* force: wait for every fence, then forward */
 static inline void npa_exec_poll(void)
 {
-    if (NPA_UNLIKELY(atomic_load_explicit(&npa_exec_deferred, memory_order_relaxed) != 0))
+    if (NPA_UNLIKELY(npa_entry_work_load() & NPA_WORK_EXECUTORS))
         npa_exec_drain(0);
 }
 void npa_exec_forget_after_fork(void);
@@ -301,14 +324,8 @@ void npa_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* record_stacks: at a malloc entry, with no npualloc lock held, the
  * caller's Python stack is taken for the core's capture_stack (the backend's
- * capture_stack / visit_stack). One relaxed load when off. */
-extern atomic_bool npa_pystack_on;
-void npa_pystack_take(void);
-static inline void npa_pystack_before_malloc(void)
-{
-    if (NPA_UNLIKELY(atomic_load_explicit(&npa_pystack_on, memory_order_relaxed)))
-        npa_pystack_take();
-}
+ * capture_stack / visit_stack), when npa_entry_work says it is on. */
+void npa_pystack_take(void); /* NPA_WORK_PYSTACK set: record_stacks is on */
 uint32_t npa_pystack_capture(void *ctx);
 void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
 void npa_pystack_enable(bool on);

@@ -74,7 +74,6 @@ typedef struct stack_entry {
     uint64_t hash;
 } stack_entry;
 
-atomic_bool npa_pystack_on;
 static NPA_TLS uint32_t taken;    /* this thread's stack for its malloc under way */
 static pthread_once_t api_once = PTHREAD_ONCE_INIT;
 static bool api_found;           /* written once under api_once */
@@ -93,7 +92,7 @@ static uint32_t *stack_index;    /* 2 * MAX_STACKS slots: stack id, 0 empty */
 
 void npa_pystack_enable(bool on)
 {
-    atomic_store_explicit(&npa_pystack_on, on, memory_order_relaxed);
+    npa_entry_work_mark(NPA_WORK_PYSTACK, on);
 }
 
 static void look_up_api(void)

@@ -228,6 +228,8 @@ int npa_saver_free(void *ptr, aclError *err)
 NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
 {
     if (tag == NULL) {
+        if (npa_saver_region >= 0)
+            atomic_fetch_sub_explicit(&npa_entry_work, NPA_WORK_SAVER_REGION, memory_order_relaxed);
         npa_saver_region = -1;
         return 0;
     }
@@ -236,6 +238,9 @@ NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
     pthread_mutex_unlock(&saver_lock);
     if (index < 0)
         return -1;
+    /* Counted before this thread's region is set, so its next malloc sees the word set. */
+    if (npa_saver_region < 0)
+        atomic_fetch_add_explicit(&npa_entry_work, NPA_WORK_SAVER_REGION, memory_order_relaxed);
     npa_saver_region = index * 2 + (enable_cpu_backup != 0);
     return 0;
 }

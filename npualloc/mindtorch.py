@@ -45,7 +45,8 @@ def _warn_once(message: str) -> None:
 class _Runtime:
     """The seam between the pass-through and the device: allocation, free and
     stream ordering in one place, through npualloc's stream-aware entry
-    (npualloc.h: npualloc_malloc_stream, npualloc_free_stream,
+    (npualloc.h: npualloc_malloc_stream_addr and npualloc_free_stream_addr,
+    the integer forms, which spare cffi a pointer object per argument, and
     npualloc_record_stream), as in torch: a tensor freed on the stream it was
     allocated on is reusable at once for that stream (whatever that stream
     runs next runs after the work that used it), never for another; a tensor

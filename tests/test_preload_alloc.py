@@ -243,3 +243,27 @@ emit(seen=seen, npualloc=[npualloc.memory_stats(d)["allocated_bytes.all.current"
     assert out["seen"] == [1, 0, 1]
     assert out["npualloc"] == [False, True]
     assert out["runtime"] == [False, True]
+
+
+def test_destroying_a_devices_last_context_leaves_no_cached_block_behind():
+    """Destroying the last context of a device resets it, freeing the
+    runtime's memory of npualloc's cached segments there: npualloc gives its
+    cache back first, so the next block on that device is new device memory
+    (a cached block would be an address the runtime no longer owns: the
+    simulator refuses a memset on it)."""
+    code = """
+ctx, ret = acl.rt.create_context(1); assert ret == 0
+p, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
+assert acl.rt.free(p) == 0
+mallocs = aclsim.call_count("aclrtMalloc")
+assert acl.rt.destroy_context(ctx) == 0
+ctx, ret = acl.rt.create_context(1); assert ret == 0
+q, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
+emit(new_raw=aclsim.call_count("aclrtMalloc") - mallocs, memset=acl.rt.memset(q, 1 << 20, 7, 1 << 20),
+     outstanding=aclsim.bytes_outstanding(1))
+"""
+    out, proc = run(code, preload_env())
+    assert proc.stderr == ""
+    assert out["new_raw"] == 1
+    assert out["memset"] == 0
+    assert out["outstanding"] > 0

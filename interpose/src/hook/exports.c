@@ -295,6 +295,25 @@ NPA_EXPORT aclError aclrtSetCurrentContext(aclrtContext context)
     return note_context_device(real(context));
 }
 
+/* A context holds a reference on its device, and destroying the last one
+ * resets the device, freeing every segment of ours on it: cached ones would
+ * be handed out again after it. Which device a context is on the runtime
+ * does not say without making it current, so every device's cache is given
+ * back first, as at aclFinalize (live blocks stay the program's, as at
+ * aclrtResetDevice). Contexts are destroyed at teardown, rarely: the cost is
+ * the segments mallocs made again. */
+NPA_EXPORT aclError aclrtDestroyContext(aclrtContext context)
+{
+    __typeof__(&aclrtDestroyContext) real = NPA_REAL(aclrtDestroyContext);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtDestroyContext);
+    if (!npa_hook_disabled())
+        npa_hook_before_context_destroy();
+    aclError err = real(context);
+    npa_device_forget_current(); /* the current context may have been this one */
+    return err;
+}
+
 NPA_EXPORT aclError aclInit(const char *configPath)
 {
     __typeof__(&aclInit) real = NPA_REAL(aclInit);
@@ -359,7 +378,7 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
 
 #define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
 SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtCreateContext)
-SELF(aclrtSetCurrentContext) SELF(aclrtMalloc)
+SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
 SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtCreateStreamWithConfig)
 #undef SELF

@@ -96,6 +96,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtResetDevice,
     NPA_FN_aclrtCreateContext,
     NPA_FN_aclrtSetCurrentContext,
+    NPA_FN_aclrtDestroyContext,
     NPA_FN_aclrtMalloc,
     NPA_FN_aclrtMallocAlign32,
     NPA_FN_aclrtMallocCached,
@@ -263,6 +264,7 @@ npa_allocator *npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key
 /* backend.synchronize: wait for all work queued on the device. */
 npa_error npa_hook_synchronize(int device);
 void npa_hook_before_reset(int device);
+void npa_hook_before_context_destroy(void); /* every device's cache back, under init_lock (1) */
 void npa_hook_before_finalize(void);
 void npa_hook_after_init(void);
 /* atexit and pthread_atfork, registered once the process uses the NPU

@@ -371,6 +371,14 @@ static void release_everything(npa_allocator *a)
     npa_streams_destroy_events(-1);
 }
 
+void npa_hook_before_context_destroy(void)
+{
+    pthread_mutex_lock(&init_lock);
+    if (state == ST_ACTIVE || state == ST_UNINIT)
+        release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire));
+    pthread_mutex_unlock(&init_lock);
+}
+
 /* After this nothing of ours calls the runtime: later allocator calls pass
  * straight through (the runtime answers them as it would without us), until
  * an aclInit starts a new session with a fresh cache. */

@@ -33,7 +33,7 @@ static const struct {
 #define ACL(n) [NPA_FN_##n] = {#n, LIB_ACL}
 #define NNOP(n) [NPA_FN_##n] = {#n, LIB_NNOP}
     ACL(aclInit), ACL(aclFinalize), ACL(aclrtSetDevice), ACL(aclrtResetDevice), ACL(aclrtCreateContext),
-    ACL(aclrtSetCurrentContext), ACL(aclrtMalloc),
+    ACL(aclrtSetCurrentContext), ACL(aclrtDestroyContext), ACL(aclrtMalloc),
     ACL(aclrtMallocAlign32), ACL(aclrtMallocCached), ACL(aclrtFree), ACL(aclrtFreeWithDevSync),
     ACL(aclrtCreateStream), ACL(aclrtDestroyStream), ACL(aclrtCreateStreamWithConfig), NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
     NNOP(aclDestroyAclOpExecutor), ACL(aclrtGetDevice), ACL(aclrtSynchronizeDevice), ACL(aclrtGetMemInfo),
@@ -48,7 +48,7 @@ static const struct {
  * through the GOT and could name whatever the global scope resolves. */
 #define SELF(n) extern __typeof__(n) npa_self_##n NPA_HIDDEN;
 SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtCreateContext)
-SELF(aclrtSetCurrentContext) SELF(aclrtMalloc)
+SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
 SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtCreateStreamWithConfig) SELF(aclnnFinalize)
 SELF(aclSetAclOpExecutorRepeatable) SELF(aclDestroyAclOpExecutor)

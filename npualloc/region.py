@@ -45,7 +45,8 @@ _ACK_ERRORS = {
     constants.NPUALLOC_CMD_EINVAL: "the process rejected the argument",
     constants.NPUALLOC_CMD_EFAILED: "the process failed to apply it (its stderr says why)",
     constants.NPUALLOC_CMD_ENOTPAUSABLE: "the process cannot be paused: it holds memory outside expandable segments "
-                                         "(start it with --conf expandable_segments:True); it runs on untouched",
+                                         "(give it expandable_segments:True, with --conf or set_config, before that "
+                                         "memory is allocated); it runs on untouched",
     constants.NPUALLOC_CMD_ENOTPAUSED: "the process is not paused",
     constants.NPUALLOC_CMD_EPAUSED: "the process is paused: resume it first",
 }

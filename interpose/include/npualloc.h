@@ -26,7 +26,9 @@ void npualloc_reset_accumulated_stats(int device);
 /* The config in force, canonical "key:value,..." text; returns its length. */
 size_t npualloc_get_config(char *buf, size_t len);
 /* Applies the keys that can change at run time (garbage_collection_threshold,
- * record_history); returns the number of rejected keys (each warned once). */
+ * record_history, record_stacks, expandable_segments: how pools grow from
+ * now on, the segments already made staying as they are); returns the number
+ * of rejected keys (each warned once). */
 int npualloc_set_config(const char *text);
 /* aclrtGetMemInfo(ACL_HBM_MEM) for a device, through the real runtime; an aclError. */
 int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);

@@ -36,6 +36,16 @@ typedef void (*npa_config_warn_fn)(void *arg, const char *message);
 void npa_config_defaults(npa_config *config);
 /* Applies every valid key of text over *config; returns the number of problems. */
 int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn warn, void *arg);
+/* torch_npu's rule: expandable segments are refused beside max_split_size_mb
+ * or a garbage_collection_threshold. Whether config has either key set. */
+bool npa_config_excludes_expandable(const npa_config *config);
+/* Run-time changes of the two sides of that rule (npualloc_set_config): each
+ * is refused, with a warning and config unchanged (false), when it would put
+ * expandable segments beside a GC threshold or max_split_size_mb. Stores are
+ * atomic (an allocator's config is read by threads that allocate); the
+ * caller serializes the check and the store against each other. */
+bool npa_config_set_expandable(npa_config *config, bool on, npa_config_warn_fn warn, void *arg);
+bool npa_config_set_gc_threshold(npa_config *config, double threshold, npa_config_warn_fn warn, void *arg);
 /* The config in force as canonical "key:value,..." text; returns the length written. */
 size_t npa_config_format(const npa_config *config, char *buf, size_t len);
 

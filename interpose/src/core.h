@@ -222,8 +222,17 @@ void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out);
 void npa_reset_peak_stats(npa_allocator *a, int device);
 void npa_reset_accumulated_stats(npa_allocator *a, int device);
 
-/* Change the GC threshold at run time (0 turns GC off). */
+/* Change the GC threshold at run time (0 turns GC off). -1, warned through
+ * the backend, when a threshold is asked for while expandable segments are
+ * on (torch_npu's rule). */
 int npa_set_gc_threshold(npa_allocator *a, double threshold);
+/* expandable_segments at run time, as torch's _set_allocator_settings: how
+ * pools grow from now on (pages mapped into one range per pool, or plain
+ * segments); the segments already made stay as they are. -1, warned through
+ * the backend and nothing changed, when on is refused: max_split_size_mb or
+ * a GC threshold is in force (torch_npu's rule), or the backend has no VMM
+ * calls. */
+int npa_set_expandable_segments(npa_allocator *a, bool on);
 const npa_config *npa_get_config(const npa_allocator *a);
 /* Change record_history at run time: every device's trace restarts with room
  * for max_entries events (0 turns recording off). -1, with recording left

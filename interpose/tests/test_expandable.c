@@ -4,7 +4,8 @@
  * free pages by empty_cache and by the OOM retry (each after one counted
  * synchronize; a page whose release is refused stays mapped), torch's
  * stats, frees inside the reserved range, snapshot
- * views and trace events, and plain segments when the backend has no VMM.
+ * views and trace events, plain segments when the backend has no VMM, and
+ * expandable_segments switched at run time (pools holding both kinds).
  *
  * Device of 100 MiB: a range is 1 1/8 of it in whole pages, so the large
  * pool reserves ceil(112.5 / 20) = 6 pages of 20 MiB, the small pool
@@ -52,6 +53,8 @@ static view_log views_of(fixture *fx) {
     npa_visit_segments(fx->a, 0, log_view, &log);
     return log;
 }
+
+static void count_expandable(const npa_segment_view *v, void *arg) { *(size_t *)arg += v->is_expandable != 0; }
 
 static void test_growth_by_pages_merges_with_tail(void) {
     fixture fx;
@@ -319,13 +322,175 @@ static void test_trace_records_map_and_unmap(void) {
     fixture_destroy(&fx);
 }
 
-/* No VMM in the backend: expandable_segments asks in vain, plain segments. */
+static size_t expandable_views(fixture *fx) {
+    size_t expandable = 0;
+    npa_visit_segments(fx->a, 0, count_expandable, &expandable);
+    return expandable;
+}
+
+static bool config_says_expandable(fixture *fx) {
+    char text[512];
+    npa_config_format(npa_get_config(fx->a), text, sizeof text);
+    return strstr(text, "expandable_segments:True") != NULL;
+}
+
+/* expandable_segments at run time: a pool grown plain, then switched on,
+ * grows by pages while its plain segment stays; switched off again, it grows
+ * plain segments and still reuses the mapped space it has, without mapping
+ * more. Stats stay exact across both switches, and empty_cache gives back
+ * both kinds. Device of 200 MiB. */
+static void test_switched_at_run_time(void) {
+    fixture fx;
+    fake_init(&fx.fake, 200 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, NULL);
+    CHECK(!npa_get_config(fx.a)->expandable_segments);
+    char *a = alloc_exact(&fx, 0, 5 * MiB); /* a plain 20 MiB segment */
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    CHECK_EQ(fx.fake.va_reserves, 0);
+
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    CHECK(npa_get_config(fx.a)->expandable_segments);
+    CHECK(config_says_expandable(&fx));
+    /* 30 MiB fits neither the plain segment's 15 MiB tail nor anything
+     * else: the pool reserves its range and maps two 20 MiB pages. */
+    char *b = alloc_exact(&fx, 0, 30 * MiB);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    CHECK_EQ(fx.fake.va_reserves, 1);
+    CHECK_EQ(fx.fake.page_maps, 2);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_LARGE].current, 60 * MiB);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 1); /* torch counts the plain one only */
+    CHECK_EQ(s.num_device_alloc, 3);
+
+    CHECK_EQ(npa_set_expandable_segments(fx.a, false), 0);
+    CHECK(!config_says_expandable(&fx));
+    /* Off: 30 MiB fits neither free tail (15 MiB plain, 10 MiB mapped), and
+     * the range is not grown: a new plain segment. */
+    char *c = alloc_exact(&fx, 0, 30 * MiB);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 2);
+    CHECK_EQ(fx.fake.page_maps, 2);
+    /* The mapped space already there is still the pool's: b's 30 MiB and the
+     * tail after it serve 35 MiB without new memory. */
+    free_ok(&fx, b);
+    char *d = alloc_exact(&fx, 0, 35 * MiB);
+    CHECK(d == b);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 2);
+    CHECK_EQ(fx.fake.page_maps, 2);
+
+    s = stats_of(&fx, 0);
+    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 90 * MiB, 90 * MiB, 90 * MiB, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 70 * MiB, 70 * MiB, 100 * MiB, 30 * MiB);
+    check_stat(s.segment[NPUALLOC_POOL_ALL], 2, 2, 2, 0);
+    CHECK_EQ(s.num_device_alloc, 4);
+    CHECK_EQ(s.num_cache_misses, 3);
+    CHECK_EQ(s.num_cache_hits, 1);
+    CHECK_EQ(shape_of(&fx, 0).segments, 3);
+    CHECK_EQ(expandable_views(&fx), 1);
+
+    free_ok(&fx, a);
+    free_ok(&fx, c);
+    free_ok(&fx, d);
+    npa_empty_cache(fx.a, 0);
+    s = stats_of(&fx, 0);
+    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 0, 90 * MiB, 90 * MiB, 90 * MiB);
+    check_stat(s.segment[NPUALLOC_POOL_ALL], 0, 2, 2, 2);
+    CHECK_EQ(s.num_device_free, 4);
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    CHECK_EQ(fx.fake.page_unmaps, 2);
+    CHECK_EQ(fx.fake.va_releases, 1);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
+/* The OOM retry over a pool that holds both kinds: the cached plain segment
+ * is freed and the free page unmapped, then the range maps what the request
+ * needs. Device of 60 MiB. */
+static void test_oom_retry_over_both_kinds(void) {
+    fixture fx;
+    fake_init(&fx.fake, 60 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, NULL);
+    free_ok(&fx, alloc_exact(&fx, 0, 5 * MiB)); /* a cached plain 20 MiB segment */
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    void *big = alloc_exact(&fx, 0, 25 * MiB);  /* two pages: 60 MiB in use */
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1);
+    free_ok(&fx, big);
+    /* 50 MiB: the range's 40 MiB free plus a third page, which the plain
+     * segment's 20 MiB leaves no room for: the retry frees it, and unmaps
+     * the free pages on the way. */
+    big = alloc_exact(&fx, 0, 50 * MiB);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 60 * MiB);
+    CHECK_EQ(s.num_device_alloc - s.num_device_free, 3); /* the three pages mapped now */
+    CHECK_EQ(fake_used(&fx.fake, 0), 60 * MiB);
+    free_ok(&fx, big);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
+/* torch_npu's rule, both ways round, and a backend without VMM: each refusal
+ * warns and changes nothing. */
+static void test_switch_refused(void) {
+    fixture fx;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.max_split_size = 64 * MiB;
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, &config);
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), -1);
+    CHECK(strstr(fx.fake.last_warning, "max_split_size_mb") != NULL);
+    CHECK(!npa_get_config(fx.a)->expandable_segments);
+    free_ok(&fx, alloc_exact(&fx, 0, 5 * MiB));
+    CHECK_EQ(fx.fake.va_reserves, 0);
+    fixture_destroy(&fx);
+
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, NULL);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.5), 0);
+    long warnings = fx.fake.warnings;
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), -1);
+    CHECK_EQ(fx.fake.warnings, warnings + 1);
+    CHECK(strstr(fx.fake.last_warning, "garbage_collection_threshold") != NULL);
+    CHECK(!npa_get_config(fx.a)->expandable_segments);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.0), 0);
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    /* The other way round: no threshold while expandable segments are on. */
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.5), -1);
+    CHECK_EQ(fx.fake.warnings, warnings + 2);
+    CHECK(npa_get_config(fx.a)->garbage_collection_threshold == 0.0);
+    CHECK(npa_get_config(fx.a)->expandable_segments);
+    free_ok(&fx, alloc_exact(&fx, 0, 5 * MiB));
+    CHECK_EQ(fx.fake.va_reserves, 1);
+    npa_empty_cache(fx.a, 0);
+    fixture_destroy(&fx);
+
+    fixture_init(&fx, 100 * MiB, NULL); /* no VMM */
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), -1);
+    CHECK(strstr(fx.fake.last_warning, "virtual memory") != NULL);
+    CHECK(!npa_get_config(fx.a)->expandable_segments);
+    CHECK_EQ(npa_set_expandable_segments(fx.a, false), 0);
+    fixture_destroy(&fx);
+}
+
+/* No VMM in the backend: expandable_segments asks in vain, plain segments,
+ * and the config in force says so. */
 static void test_without_vmm_plain_segments(void) {
     fixture fx;
     npa_config config;
     npa_config_defaults(&config);
     config.expandable_segments = true;
     fixture_init(&fx, 100 * MiB, &config);
+    CHECK(!npa_get_config(fx.a)->expandable_segments);
     void *a = alloc_exact(&fx, 0, 5 * MiB);
     CHECK_EQ(fx.fake.raw_malloc_calls, 1);
     CHECK_EQ(fx.fake.va_reserves, 0);
@@ -346,6 +511,9 @@ int main(void) {
     RUN(test_oom_retry_unmaps_free_pages);
     RUN(test_frees_inside_the_range);
     RUN(test_trace_records_map_and_unmap);
+    RUN(test_switched_at_run_time);
+    RUN(test_oom_retry_over_both_kinds);
+    RUN(test_switch_refused);
     RUN(test_without_vmm_plain_segments);
     return check_report();
 }

@@ -4,7 +4,9 @@
  * pages are PROT_NONE, so a touch would fault), free space is not copied, a
  * resume without device memory keeps everything paused and can be retried,
  * a pause whose unmap fails half way maps back what it unmapped with the
- * contents restored, and a process with plain segments is refused untouched. */
+ * contents restored, a process with plain segments is refused untouched,
+ * and one switched to expandable segments at run time pauses once its
+ * plain segments hold no live block. */
 #include <string.h>
 
 #include "check.h"
@@ -121,10 +123,35 @@ static void test_plain_segments_are_refused_untouched(void) {
     fixture_destroy(&fx);
 }
 
+/* expandable_segments switched on at run time: a plain segment with a live
+ * block keeps the process unpausable; once its block is freed, the pause
+ * (which empties the cache first) gives it back and pauses the rest. */
+static void test_switched_on_at_run_time_pausable_once_plain_blocks_are_freed(void) {
+    fixture fx;
+    start(&fx, false);
+    char *plain = alloc_exact(&fx, 0, 5 * MiB);
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    char *mapped = alloc_exact(&fx, 0, 30 * MiB);
+    fill(mapped, 30 * MiB, 5);
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_ERR_INVALID_PARAM);
+    CHECK(strstr(why, "1 plain segment with live blocks") != NULL);
+    CHECK_EQ(npa_free(fx.a, plain, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_OK);
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_OK);
+    CHECK(same(mapped, 30 * MiB, 5));
+    CHECK_EQ(npa_free(fx.a, mapped, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_pause_releases_everything_and_resume_restores);
     RUN(test_resume_without_memory_stays_paused_and_retries);
     RUN(test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact);
     RUN(test_plain_segments_are_refused_untouched);
+    RUN(test_switched_on_at_run_time_pausable_once_plain_blocks_are_freed);
     return check_report();
 }

@@ -1,6 +1,7 @@
 /* Stress: several threads on two devices allocate random sizes (1 B to
  * 64 MiB) from a fake device backed by real host memory (plain segments,
- * then expandable segments over host mappings), fill each block with
+ * then expandable segments over host mappings, then both as one thread
+ * switches expandable_segments at run time), fill each block with
  * its own pattern, check it before freeing, and register every live block so
  * an overlap between two live blocks is caught the moment it is handed out.
  * Frees go through fences that complete a little later (or, in one run,
@@ -37,6 +38,9 @@ static struct {
 
 static npa_allocator *allocator;
 static int ops_per_thread;
+/* Thread 0 switches expandable_segments every 100 operations: pools hold
+ * both kinds of segment while other threads grow them. */
+static bool switch_expandable;
 
 typedef struct thread_result {
     long overlaps, corruptions, bad_frees, ooms, allocs;
@@ -142,6 +146,7 @@ static void *worker(void *opaque) {
         if (!register_block(*slot)) r->overlaps++;
         fill(slot);
         if (arg->index == 0 && op % 100 == 0) {
+            if (switch_expandable) npa_set_expandable_segments(allocator, op / 100 % 2 == 0);
             npa_empty_cache(allocator, -1);
             npualloc_device_stats s;
             npa_get_stats(allocator, 1, &s);
@@ -215,9 +220,11 @@ static void run_stress(bool expandable, bool fenced, size_t capacity) {
     CHECK_EQ(fake.page_count, 0);
     CHECK_EQ(fake.va_reserves, fake.va_releases);
     CHECK(!expandable || fake.page_maps > 0);
-    fprintf(stderr, "stress%s%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped\n",
+    CHECK(!switch_expandable || fake.raw_malloc_calls > 0);
+    fprintf(stderr, "stress%s%s: %d threads, %ld allocations, %ld OOMs, %ld fences, %ld pages mapped, %ld plain "
+           "segments\n", switch_expandable ? " (expandable segments switched at run time)" :
            expandable ? " (expandable segments)" : "", fenced ? "" : " (eager: the recent cache)", THREADS,
-           total.allocs, total.ooms, fake.fence_records, fake.page_maps);
+           total.allocs, total.ooms, fake.fence_records, fake.page_maps, fake.raw_malloc_calls);
     npa_destroy(allocator);
     fake_destroy(&fake);
 }
@@ -228,10 +235,16 @@ static void test_threads_random_sizes(void) { run_stress(false, true, 320 * MiB)
 static void test_threads_random_sizes_eager(void) { run_stress(false, false, 320 * MiB); }
 /* Tighter, so OOM retries unmap pages while other threads map them. */
 static void test_threads_random_sizes_expandable(void) { run_stress(true, true, 160 * MiB); }
+static void test_threads_random_sizes_expandable_switched(void) {
+    switch_expandable = true;
+    run_stress(true, true, 160 * MiB);
+    switch_expandable = false;
+}
 
 int main(void) {
     RUN(test_threads_random_sizes);
     RUN(test_threads_random_sizes_eager);
     RUN(test_threads_random_sizes_expandable);
+    RUN(test_threads_random_sizes_expandable_switched);
     return check_report();
 }

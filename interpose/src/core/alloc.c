@@ -18,8 +18,11 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     a->backend = *backend;
     if (config) a->config = *config;
     else npa_config_defaults(&a->config);
-    a->expandable = a->config.expandable_segments && backend->va_reserve && backend->page_map &&
-                    backend->page_unmap && backend->va_release;
+    /* The config in force says what is true: no expandable segments on a
+     * backend without VMM calls (the hook has warned), nor beside the keys
+     * torch_npu excludes them with (the parser has warned). */
+    a->config.expandable_segments = a->config.expandable_segments && npa_backend_has_vmm(backend) &&
+                                    !npa_config_excludes_expandable(&a->config);
     pthread_mutex_init(&a->init_lock, NULL);
     return a;
 }
@@ -164,10 +167,32 @@ double npa_gc_threshold(const npa_allocator *a) {
     return t;
 }
 
+static void warn_backend(void *arg, const char *message) {
+    const npa_allocator *a = arg;
+    if (a->backend.warn) a->backend.warn(a->backend.ctx, message);
+}
+
+/* The two setters check torch_npu's rule against each other's key: under
+ * init_lock, so two threads cannot each pass the check and end with both. */
 int npa_set_gc_threshold(npa_allocator *a, double threshold) {
     if (!a || !(threshold >= 0.0 && threshold < 1.0)) return -1;
-    __atomic_store(&a->config.garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
-    return 0;
+    pthread_mutex_lock(&a->init_lock);
+    bool set = npa_config_set_gc_threshold(&a->config, threshold, warn_backend, a);
+    pthread_mutex_unlock(&a->init_lock);
+    return set ? 0 : -1;
+}
+
+int npa_set_expandable_segments(npa_allocator *a, bool on) {
+    if (!a) return -1;
+    if (on && !npa_backend_has_vmm(&a->backend)) {
+        warn_backend(a, "expandable_segments:True needs the runtime's virtual memory API, which it lacks; "
+                        "plain segments stay in use");
+        return -1;
+    }
+    pthread_mutex_lock(&a->init_lock);
+    bool set = npa_config_set_expandable(&a->config, on, warn_backend, a);
+    pthread_mutex_unlock(&a->init_lock);
+    return set ? 0 : -1;
 }
 
 const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config : NULL; }

@@ -23,6 +23,9 @@ typedef struct span {
 #define WHY_LEN 96
 #define MAX_DIVISIONS ((uint64_t)1 << 31)
 #define MAX_RECORD_HISTORY ((uint64_t)1 << 24)
+static const char EXPANDABLE_EXCLUDED[] =
+    "expandable_segments:True cannot be combined with max_split_size_mb or garbage_collection_threshold "
+    "(torch_npu's rule)";
 
 static span trim(span s) {
     while (s.n && isspace((unsigned char)s.p[0])) s.p++, s.n--;
@@ -344,17 +347,39 @@ int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn wa
         if (*p == ',') p++;
         if (entry.n) problems += apply_entry(config, entry, warn, arg);
     }
-    /* torch_npu refuses expandable segments beside either key: blocks of an
-     * expandable segment are split freely and given back page by page, which
-     * neither key's rules can describe. */
-    if (config->expandable_segments &&
-        (config->max_split_size != SIZE_MAX || config->garbage_collection_threshold > 0.0)) {
-        warnf(warn, arg, "expandable_segments:True cannot be combined with max_split_size_mb or "
-                         "garbage_collection_threshold (torch_npu's rule); expandable segments stay off");
+    if (config->expandable_segments && npa_config_excludes_expandable(config)) {
+        warnf(warn, arg, "%s; expandable segments stay off", EXPANDABLE_EXCLUDED);
         config->expandable_segments = false;
         problems++;
     }
     return problems;
+}
+
+/* torch_npu refuses expandable segments beside either key: blocks of an
+ * expandable segment are split freely and given back page by page, which
+ * neither key's rules can describe. */
+bool npa_config_excludes_expandable(const npa_config *config) {
+    double threshold;
+    __atomic_load(&config->garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
+    return config->max_split_size != SIZE_MAX || threshold > 0.0;
+}
+
+bool npa_config_set_expandable(npa_config *config, bool on, npa_config_warn_fn warn, void *arg) {
+    if (on && npa_config_excludes_expandable(config)) {
+        warnf(warn, arg, "%s; expandable segments stay off", EXPANDABLE_EXCLUDED);
+        return false;
+    }
+    __atomic_store_n(&config->expandable_segments, on, __ATOMIC_RELAXED);
+    return true;
+}
+
+bool npa_config_set_gc_threshold(npa_config *config, double threshold, npa_config_warn_fn warn, void *arg) {
+    if (threshold > 0.0 && __atomic_load_n(&config->expandable_segments, __ATOMIC_RELAXED)) {
+        warnf(warn, arg, "%s; the threshold stays off (set expandable_segments:False first)", EXPANDABLE_EXCLUDED);
+        return false;
+    }
+    __atomic_store(&config->garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
+    return true;
 }
 
 /* Appends to buf as snprintf would, tracking the length actually written. */
@@ -389,6 +414,13 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     text_out o = {buf, len, 0};
     const char *sep = "";
     char number[40];
+    /* The keys npualloc_set_config changes under running threads: read once
+     * each, atomically. */
+    double threshold;
+    __atomic_load(&c->garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
+    size_t record_history = __atomic_load_n(&c->record_history, __ATOMIC_RELAXED);
+    bool record_stacks = __atomic_load_n(&c->record_stacks, __ATOMIC_RELAXED);
+    bool expandable = __atomic_load_n(&c->expandable_segments, __ATOMIC_RELAXED);
     /* Only what differs from the defaults, so the text parses back into the
      * same config. */
     if (c->max_split_size != d.max_split_size) {
@@ -399,8 +431,8 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
         out_printf(&o, "%smax_non_split_rounding_mb:%zu", sep, c->max_non_split_rounding / NPA_MiB);
         sep = ",";
     }
-    if (c->garbage_collection_threshold != d.garbage_collection_threshold) {
-        format_double(c->garbage_collection_threshold, number, sizeof number);
+    if (threshold != d.garbage_collection_threshold) {
+        format_double(threshold, number, sizeof number);
         out_printf(&o, "%sgarbage_collection_threshold:%s", sep, number);
         sep = ",";
     }
@@ -427,15 +459,15 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
         out_printf(&o, "%sreuse_policy:%s", sep, reuse_policy_names[c->reuse_policy]);
         sep = ",";
     }
-    if (c->record_history != d.record_history) {
-        out_printf(&o, "%srecord_history:%zu", sep, c->record_history);
+    if (record_history != d.record_history) {
+        out_printf(&o, "%srecord_history:%zu", sep, record_history);
         sep = ",";
     }
-    if (c->record_stacks) {
+    if (record_stacks) {
         out_printf(&o, "%srecord_stacks:python", sep);
         sep = ",";
     }
-    if (c->expandable_segments) {
+    if (expandable) {
         out_printf(&o, "%sexpandable_segments:True", sep);
         sep = ",";
     }

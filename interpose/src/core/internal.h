@@ -5,7 +5,8 @@
  * device's lock (lock.h); the allocator-wide fields are immutable after npa_create
  * except the GC threshold (atomic) and the device table (published once per
  * device with release/acquire). Order: the allocator's init_lock before a
- * device's lock (record_history takes each under it); one device lock at a
+ * device's lock (record_history takes each under it; the GC threshold and
+ * expandable_segments setters take it alone); one device lock at a
  * time, never two, except npa_pause (pausable.c), which holds init_lock and
  * then every device lock, ascending, until npa_resume; the backend is called
  * with the device lock held and must never call back into the core. The
@@ -245,11 +246,24 @@ typedef struct npa_device {
 
 struct npa_allocator {
     npa_backend backend;
-    bool expandable;         /* config asks for expandable segments and the backend has VMM */
-    npa_config config;       /* garbage_collection_threshold: read/written atomically */
+    /* garbage_collection_threshold and expandable_segments: read and written
+     * atomically; written under init_lock (npa_set_gc_threshold,
+     * npa_set_expandable_segments), which takes no lock under it. */
+    npa_config config;
     pthread_mutex_t init_lock;
     npa_device *devices[NPUALLOC_MAX_DEVICES];
 };
+
+static inline bool npa_backend_has_vmm(const npa_backend *b) {
+    return b->va_reserve && b->page_map && b->page_unmap && b->va_release;
+}
+
+/* expandable_segments as in force now: how a pool grows (oom.c). Written by
+ * any thread at run time, read under the device lock; nothing is published
+ * with it, so relaxed is enough. */
+static inline bool npa_expandable_on(const npa_allocator *a) {
+    return __atomic_load_n(&a->config.expandable_segments, __ATOMIC_RELAXED);
+}
 
 /* alloc.c */
 npa_device *npa_device_create_slow(npa_allocator *a, int device);

@@ -30,9 +30,12 @@ static bool release_oversize_blocks(npa_allocator *a, npa_device *d, npa_pool *p
 
 /* Step 4: the pool's expandable segment grows by just what the request
  * needs (torch maps rounded bytes there, not a segment size), else a new
- * plain segment; a device that refuses address space gets plain ones. */
+ * plain segment; a device that refuses address space gets plain ones.
+ * expandable_segments is read afresh at each growth: set at run time, it
+ * changes how the pool grows from then on, and the segments it already has,
+ * of either kind, stay in it as they are (a pool may hold both). */
 static npa_block *new_memory(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
-    if (a->expandable && !pool->vmm_refused) {
+    if (npa_expandable_on(a) && !pool->vmm_refused) {
         npa_block *b = npa_expandable_alloc(a, d, pool, rounded, cap_hit);
         if (b || !pool->vmm_refused) return b;
     }

@@ -7,8 +7,10 @@
  * waits there until the resume.
  *
  * Only VMM-backed memory can be released at the same addresses: a process
- * with a plain segment cannot be paused (expandable_segments:True puts
- * every block in expandable segments). Nothing is lost: the host backup is
+ * with a plain segment cannot be paused (expandable_segments:True, from
+ * the start, puts every block in expandable segments; switched on at run
+ * time, the plain segments made before stay until their blocks are freed
+ * and the cache emptied, which the pause does first). Nothing is lost: the host backup is
  * allocated and filled before anything is unmapped, a pause that fails half
  * way maps back what it unmapped, and a resume that cannot map its pages
  * unmaps what it mapped, keeps the backup and can be retried. */
@@ -148,7 +150,7 @@ static npa_error refuse(npa_allocator *a, npa_paused *p, npa_error err) {
 npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
     snprintf(why, len, "ok");
     if (!a->backend.page_map || !a->backend.copy_to_host || !a->backend.copy_to_device) {
-        snprintf(why, len, "the process does not use VMM-backed memory (start it with expandable_segments:True)");
+        snprintf(why, len, "the runtime lacks the virtual memory or copy calls a pause needs");
         return NPA_ERR_INVALID_PARAM;
     }
     /* Frees waiting for their fence, and free pages, need no backup: hand them back first. */
@@ -170,8 +172,8 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
         }
     }
     if (plain) {
-        snprintf(why, len, "it holds %zu plain segment%s, which cannot be released at the same addresses (start it "
-                 "with expandable_segments:True)", plain, plain == 1 ? "" : "s");
+        snprintf(why, len, "it holds %zu plain segment%s with live blocks, which cannot be released at the same "
+                 "addresses (give it expandable_segments:True before they are made)", plain, plain == 1 ? "" : "s");
         return refuse(a, NULL, NPA_ERR_INVALID_PARAM);
     }
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {

@@ -236,7 +236,7 @@ static void allocator_settings(pickle_buffer *b, const npa_config *config, doubl
     str_value(b, "PYTORCH_CUDA_ALLOC_CONF"), str_value(b, text);
     str_value(b, "max_split_size"), int_value(b, config->max_split_size == SIZE_MAX ? -1 : (int64_t)config->max_split_size);
     str_value(b, "garbage_collection_threshold"), float_value(b, gc_threshold);
-    str_value(b, "expandable_segments"), bool_value(b, config->expandable_segments);
+    str_value(b, "expandable_segments"), bool_value(b, __atomic_load_n(&config->expandable_segments, __ATOMIC_RELAXED));
     str_value(b, "release_lock_on_cudamalloc"), bool_value(b, false);
     /* torch's form: the interval's lower bound in MB (powers of two from 1) -> divisions. */
     str_value(b, "roundup_power2_divisions");

@@ -95,7 +95,8 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
         npa_runtime_key key;
     } runtime_keys[] = {{"garbage_collection_threshold", NPA_KEY_GC_THRESHOLD},
                         {"record_history", NPA_KEY_RECORD_HISTORY},
-                        {"record_stacks", NPA_KEY_RECORD_STACKS}};
+                        {"record_stacks", NPA_KEY_RECORD_STACKS},
+                        {"expandable_segments", NPA_KEY_EXPANDABLE_SEGMENTS}};
     int which = -1;
     for (size_t i = 0; i < sizeof(runtime_keys) / sizeof(runtime_keys[0]); i++)
         if (key_len == strlen(runtime_keys[i].name) && strncmp(key, runtime_keys[i].name, key_len) == 0)
@@ -112,12 +113,15 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
         return 1;
     if (which == NPA_KEY_RECORD_STACKS)
         npa_pystack_enable(parsed.record_stacks);
-    if (a == NULL)
-        a = npa_hook_preinit_config(&parsed, (npa_runtime_key)which);
+    if (a == NULL && npa_hook_preinit_config(&parsed, (npa_runtime_key)which, set_config_warn, &a) != 0)
+        return 1;
     if (a == NULL)
         return 0; /* the allocator will be created with it */
+    /* The core warns through the backend when torch_npu's rule refuses these. */
     if (which == NPA_KEY_GC_THRESHOLD)
         return npa_set_gc_threshold(a, parsed.garbage_collection_threshold) != 0;
+    if (which == NPA_KEY_EXPANDABLE_SEGMENTS)
+        return npa_set_expandable_segments(a, parsed.expandable_segments) != 0;
     if (which == NPA_KEY_RECORD_STACKS) {
         npa_set_record_stacks(a, parsed.record_stacks);
         return 0;

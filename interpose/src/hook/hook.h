@@ -256,11 +256,18 @@ int npa_hook_disabled(void); /* NPUALLOC_DISABLE / PYTORCH_NO_CUDA_MEMORY_CACHIN
 /* The config from the environment, parsed once (its warnings printed once). */
 const npa_config *npa_hook_config(void);
 /* The config keys npualloc_set_config may change at run time. */
-typedef enum npa_runtime_key { NPA_KEY_GC_THRESHOLD, NPA_KEY_RECORD_HISTORY, NPA_KEY_RECORD_STACKS } npa_runtime_key;
+typedef enum npa_runtime_key {
+    NPA_KEY_GC_THRESHOLD,
+    NPA_KEY_RECORD_HISTORY,
+    NPA_KEY_RECORD_STACKS,
+    NPA_KEY_EXPANDABLE_SEGMENTS,
+} npa_runtime_key;
 /* A run-time key set before the first allocation: the allocator is created
- * with it. Returns the allocator instead when one exists by now; the caller
- * applies it there. */
-npa_allocator *npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key);
+ * with it; -1 when torch_npu's rule refuses it (warned through warn). When
+ * an allocator exists by now, *allocator names it and the caller applies
+ * the key there instead. */
+int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_config_warn_fn warn,
+                            npa_allocator **allocator);
 /* backend.synchronize: wait for all work queued on the device. */
 npa_error npa_hook_synchronize(int device);
 void npa_hook_before_reset(int device);

@@ -86,21 +86,26 @@ const npa_config *npa_hook_config(void)
     return &config;
 }
 
-npa_allocator *npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key)
+int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_config_warn_fn warn,
+                            npa_allocator **allocator)
 {
     npa_hook_config();
+    int applied = 1;
     pthread_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&any_allocator, memory_order_acquire);
     if (a == NULL) {
         if (key == NPA_KEY_GC_THRESHOLD)
-            config.garbage_collection_threshold = parsed->garbage_collection_threshold;
+            applied = npa_config_set_gc_threshold(&config, parsed->garbage_collection_threshold, warn, NULL);
+        else if (key == NPA_KEY_EXPANDABLE_SEGMENTS)
+            applied = npa_config_set_expandable(&config, parsed->expandable_segments, warn, NULL);
         else if (key == NPA_KEY_RECORD_HISTORY)
             config.record_history = parsed->record_history;
         else
             config.record_stacks = parsed->record_stacks;
     }
     pthread_mutex_unlock(&init_lock);
-    return a;
+    *allocator = a;
+    return applied ? 0 : -1;
 }
 
 /* ---- the backend ---------------------------------------------------------- */
@@ -284,22 +289,22 @@ static const npa_backend backend = {
 
 /* ---- init ----------------------------------------------------------------- */
 
-/* The backend for the config: with the virtual memory calls when expandable
- * segments are asked for and the runtime has them all. */
+/* The backend for the config: with the virtual memory calls whenever the
+ * runtime has them all, since expandable_segments may be switched on at run
+ * time (npualloc_set_config); the core grows plain segments while it is off. */
 static npa_backend backend_for(const npa_config *c)
 {
     npa_backend b = backend;
     b.ctx = (void *)c; /* the config in force: npa_fence_needed reads its reuse policy on every free */
-    if (!c->expandable_segments)
-        return b;
     static const npa_fn vmm[] = {NPA_FN_aclrtReserveMemAddress, NPA_FN_aclrtReleaseMemAddress,
                                  NPA_FN_aclrtMallocPhysical,    NPA_FN_aclrtFreePhysical,
                                  NPA_FN_aclrtMapMem,            NPA_FN_aclrtUnmapMem};
     for (size_t i = 0; i < sizeof(vmm) / sizeof(vmm[0]); i++) {
         if (npa_real_optional(vmm[i]) == NULL) {
-            npa_warn_once("expandable_segments:True needs the runtime's virtual memory API "
-                          "(aclrtReserveMemAddress, aclrtMallocPhysical, aclrtMapMem, ...), which it lacks; "
-                          "plain segments are used");
+            if (c->expandable_segments)
+                npa_warn_once("expandable_segments:True needs the runtime's virtual memory API "
+                              "(aclrtReserveMemAddress, aclrtMallocPhysical, aclrtMapMem, ...), which it lacks; "
+                              "plain segments are used");
             return b;
         }
     }
@@ -327,7 +332,7 @@ npa_allocator *npa_hook_init(void)
         a = npa_create(&b, c);
         if (a != NULL) {
             char canonical[NPUALLOC_CONFIG_LEN];
-            npa_config_format(c, canonical, sizeof(canonical));
+            npa_config_format(npa_get_config(a), canonical, sizeof(canonical)); /* what the core put in force */
             npa_region_set_config(canonical);
             atomic_store_explicit(&any_allocator, a, memory_order_release);
             atomic_store_explicit(&npa_serving, a, memory_order_release);

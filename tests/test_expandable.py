@@ -157,3 +157,111 @@ def test_replay_of_a_gpt2_training_step_reserves_less(tmp_path):
     assert plain["replay"]["peak_requested_bytes"] == expandable["replay"]["peak_requested_bytes"]
     assert expandable["reserved_over_requested"] < plain["reserved_over_requested"]
     assert expandable["reserved_over_requested"] < 1.05
+
+
+SWITCHED = """
+import json, os, pickle, sys
+import acl
+import npualloc
+from aclsim import aclsim
+from npualloc.region import Region
+from npualloc.snapshot import snapshot_bytes
+
+MIB = 1 << 20
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+NAMES = ("aclrtMalloc", "aclrtReserveMemAddress", "aclrtMapMem")
+out = {}
+
+def step(name, size):
+    p, ret = acl.rt.malloc(size, 0)
+    assert ret == 0, ret
+    with Region(os.getpid()) as region:
+        region_config = region.header().config
+    settings = pickle.loads(snapshot_bytes())["allocator_settings"]
+    out[name] = dict(calls={n: aclsim.call_count(n) for n in NAMES}, config=npualloc.get_config(),
+                     region_config=region_config, settings=settings["expandable_segments"],
+                     kinds=sorted(s["is_expandable"] for s in pickle.loads(snapshot_bytes())["segments"]))
+    return p
+
+blocks = [step("plain", 5 * MIB)]
+npualloc.set_config("expandable_segments:True")
+blocks.append(step("switched_on", 30 * MIB))
+npualloc.set_config("expandable_segments:False")
+blocks.append(step("switched_off", 30 * MIB))
+npualloc.set_config("garbage_collection_threshold:0.5")
+try:
+    npualloc.set_config("expandable_segments:True")
+    out["refused"] = False
+except ValueError:
+    out["refused"] = True
+out["config_after_refusal"] = npualloc.get_config()
+for p in blocks:
+    assert acl.rt.free(p) == 0
+npualloc.empty_cache()
+out["reserved_after_empty"] = npualloc.memory_stats(0)["reserved_bytes.all.current"]
+out["physical_after_empty"] = aclsim.physical_bytes_outstanding(0)
+print(json.dumps(out))
+sys.stdout.flush()
+assert acl.rt.reset_device(0) == 0 and acl.finalize() == 0
+"""
+
+
+def test_switched_at_run_time_through_set_config():
+    """torch's _set_allocator_settings("expandable_segments:True") in a
+    preloaded program with no config: the 5 MiB block before the switch
+    took a plain segment, the 30 MiB one after it pages of a reserved range,
+    and the one after switching back a plain segment again; the config, the
+    region's copy of it and the snapshot's allocator_settings say what is in
+    force at each step. A GC threshold then makes the switch refused."""
+    proc = run_python(SWITCHED, preload_env())
+    out = json.loads(proc.stdout.splitlines()[-1])
+    plain, on, off = out["plain"], out["switched_on"], out["switched_off"]
+    assert plain["calls"] == {"aclrtMalloc": 1, "aclrtReserveMemAddress": 0, "aclrtMapMem": 0}
+    assert on["calls"]["aclrtMalloc"] == 1 and on["calls"]["aclrtReserveMemAddress"] == 1
+    assert on["calls"]["aclrtMapMem"] == 2  # 30 MiB: two 20 MiB pages
+    assert off["calls"] == {"aclrtMalloc": 2, "aclrtReserveMemAddress": 1, "aclrtMapMem": 2}
+    for step, expandable in ((plain, False), (on, True), (off, False)):
+        assert ("expandable_segments:True" in step["config"]) is expandable
+        assert step["region_config"] == step["config"]
+        assert step["settings"] is expandable
+    assert plain["kinds"] == [False] and on["kinds"] == [False, True] and off["kinds"] == [False, False, True]
+    assert out["refused"] is True
+    assert out["config_after_refusal"] == "garbage_collection_threshold:0.5"
+    warnings = [line for line in proc.stderr.splitlines() if line]
+    assert len(warnings) == 1 and warnings[0].startswith("npualloc: "), proc.stderr
+    assert "torch_npu's rule" in warnings[0]
+    assert out["reserved_after_empty"] == 0 and out["physical_after_empty"] == 0
+
+
+BEFORE_FIRST_MALLOC = """
+import json
+import acl
+import npualloc
+from aclsim import aclsim
+
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+try:
+    npualloc.set_config("expandable_segments:True")
+    refused = False
+except ValueError:
+    refused = True
+p, ret = acl.rt.malloc(5 << 20, 0)
+assert ret == 0 and acl.rt.free(p) == 0
+print(json.dumps(dict(refused=refused, config=npualloc.get_config(),
+                      reserves=aclsim.call_count("aclrtReserveMemAddress"), mallocs=aclsim.call_count("aclrtMalloc"))))
+assert acl.rt.reset_device(0) == 0 and acl.finalize() == 0
+"""
+
+
+def test_switched_before_the_first_malloc():
+    """Set before the allocator exists, the key goes into the config it is
+    created with; beside a GC threshold from the environment it is refused
+    there too."""
+    proc = run_python(BEFORE_FIRST_MALLOC, preload_env())
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == dict(refused=False, config=EXPANDABLE, reserves=1, mallocs=0)
+    assert proc.stderr == ""
+    proc = run_python(BEFORE_FIRST_MALLOC, preload_env(PYTORCH_NPU_ALLOC_CONF="garbage_collection_threshold:0.5"))
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == dict(refused=True, config="garbage_collection_threshold:0.5", reserves=0, mallocs=1)
+    assert "torch_npu's rule" in proc.stderr and proc.stderr.startswith("npualloc: ")

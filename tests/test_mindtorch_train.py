@@ -14,7 +14,12 @@ import pytest
 
 from conftest import ROOT, cann_root_command, installed_python, mindtorch_env
 
+from npualloc.conf_env import CONF_VARIABLES
+
 STEPS = 6
+# The raw device allocations and frees counted after each step: plain
+# (aclrtMalloc/aclrtFree) and the physical pages of expandable segments.
+RAW_CALLS = ("mallocs", "frees", "pages", "pages_freed")
 
 HARNESS = """
 import json, sys
@@ -23,7 +28,9 @@ import aclsim, train_mlp
 counts = []
 def on_step(step, loss):
     counts.append({{"step": step, "loss": loss, "mallocs": aclsim.call_count("aclrtMalloc"),
-                    "frees": aclsim.call_count("aclrtFree"), "outstanding": aclsim.bytes_outstanding(0)}})
+                    "frees": aclsim.call_count("aclrtFree"), "outstanding": aclsim.bytes_outstanding(0),
+                    "pages": aclsim.call_count("aclrtMallocPhysical"),
+                    "pages_freed": aclsim.call_count("aclrtFreePhysical")}})
 model, losses = train_mlp.train({device!r}, {steps}, on_step)
 # MindTorch's autograd graphs are reference cycles that hold device tensors
 # until Python's cyclic GC runs (about 0.5 MB here): collect them now, and no
@@ -35,6 +42,9 @@ gc.disable()
 import mindtorch_v2 as torch
 from mindtorch_v2._backends.npu import allocator, aclnn
 report = {{"steps": counts, "losses": losses}}
+import npualloc
+if npualloc.is_active():
+    report.update(config=npualloc.get_config())
 if {device!r} == "npu":
     report.update(allocator=type(allocator.get_allocator(0)).__name__,
                   stats=torch.npu.memory_stats(), allocated=torch.npu.memory_allocated(),
@@ -67,7 +77,7 @@ def cpu_losses() -> list[float]:
 
 def test_under_npualloc_every_tensor_goes_through_npualloc(cpu_losses):
     python = installed_python()
-    env = mindtorch_env()
+    env = {name: value for name, value in mindtorch_env().items() if name not in CONF_VARIABLES}
     proc = subprocess.Popen(cann_root_command([python, "-m", "npualloc", "run", "--", python,
                                                *harness("npu", wait=True)]),
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -99,10 +109,14 @@ def test_under_npualloc_every_tensor_goes_through_npualloc(cpu_losses):
     assert report["allocated"] == report["stats"]["allocated_bytes.all.current"] > 0
     assert report["reserved"] >= report["allocated"]
     assert "NPU Memory Summary" in report["summary"] and str(report["allocated"]) in report["summary"]
-    # After the first step no raw device malloc or free reaches the runtime.
+    # No allocator config: the pass-through switched expandable segments on
+    # before the first tensor, so the device memory is pages of reserved ranges.
+    assert report["config"] == "expandable_segments:True"
     first = report["steps"][0]
+    assert first["pages"] > 0 and report["stats"]["segment.all.peak"] == 0
+    # After the first step no raw device malloc or free reaches the runtime.
     for later in report["steps"][1:]:
-        assert (later["mallocs"], later["frees"]) == (first["mallocs"], first["frees"]), report["steps"]
+        assert ({k: later[k] for k in RAW_CALLS} == {k: first[k] for k in RAW_CALLS}), report["steps"]
         assert later["outstanding"] == first["outstanding"]
     # `npualloc stats <pid>` shows the live tensors (the model's parameters, its data).
     model_bytes = 4 * (32 * 128 + 128 + 128 * 8 + 8 + 64 * 32 + 64 * 8)
@@ -110,6 +124,24 @@ def test_under_npualloc_every_tensor_goes_through_npualloc(cpu_losses):
     for key in ("allocated_bytes.all.current", "active_bytes.all.current", "reserved_bytes.all.current",
                 "allocated_bytes.all.peak", "allocation.all.current", "segment.all.current"):
         assert device0[key] == report["stats"][key], key
+
+
+@pytest.mark.parametrize("variable", ["MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF"])
+def test_an_explicit_config_keeps_its_segments(cpu_losses, variable):
+    """A user who set any allocator config chose: expandable_segments:False
+    (npualloc's default, said out loud) keeps plain segments, with no page
+    mapped and still no raw device call after the first step."""
+    python = installed_python()
+    report, proc = run(cann_root_command([python, "-m", "npualloc", "run", "--", python, *harness("npu")]),
+                       mindtorch_env(**{variable: "expandable_segments:False"}))
+    assert "npualloc:" not in proc.stderr, proc.stderr
+    assert report["losses"] == pytest.approx(cpu_losses, rel=1e-5, abs=1e-6)
+    assert report["allocator"] == "PassThroughAllocator"
+    assert report["config"] == ""
+    first = report["steps"][0]
+    assert first["pages"] == 0 and first["mallocs"] > 0 and report["stats"]["segment.all.current"] > 0
+    for later in report["steps"][1:]:
+        assert ({k: later[k] for k in RAW_CALLS} == {k: first[k] for k in RAW_CALLS}), report["steps"]
 
 
 def test_raw_mindtorch_allocator_only_grows(cpu_losses):

@@ -265,3 +265,41 @@ def test_switched_before_the_first_malloc():
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out == dict(refused=True, config="garbage_collection_threshold:0.5", reserves=0, mallocs=1)
     assert "torch_npu's rule" in proc.stderr and proc.stderr.startswith("npualloc: ")
+
+
+FORKED = """
+import json, os
+import acl
+import npualloc
+from aclsim import aclsim
+
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+p, ret = acl.rt.malloc(5 << 20, 0)
+assert ret == 0
+npualloc.set_config("expandable_segments:True")
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        reserves, mallocs = aclsim.call_count("aclrtReserveMemAddress"), aclsim.call_count("aclrtMalloc")
+        q, ret = acl.rt.malloc(5 << 20, 0)
+        os.write(w, json.dumps(dict(ret=ret, config=npualloc.get_config(),
+                                    reserves=aclsim.call_count("aclrtReserveMemAddress") - reserves,
+                                    mallocs=aclsim.call_count("aclrtMalloc") - mallocs)).encode())
+    finally:
+        os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 4096))
+_, status = os.waitpid(pid, 0)
+print(json.dumps(dict(child=child, status=status, config=npualloc.get_config())))
+"""
+
+
+def test_a_forked_child_keeps_the_setting():
+    """A child starts with an empty allocator of its own: it is created with
+    the settings in force at the fork, the run-time switch included."""
+    proc = run_python(FORKED, preload_env())
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["status"] == 0 and out["config"] == EXPANDABLE
+    assert out["child"] == dict(ret=0, config=EXPANDABLE, reserves=1, mallocs=0)
+    assert proc.stderr == ""

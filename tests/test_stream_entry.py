@@ -231,8 +231,9 @@ from npualloc._ffi import loaded_library
 lib = loaded_library()
 torch.ones(16, device="npu")   # device 0 current on this thread, as after any NPU op
 
-def on(device):
-    return npualloc.memory_stats(device)["allocation.all.current"] == 1 and aclsim.bytes_outstanding(device) > 0
+def on(device):   # raw memory there: plain segments or the pages of expandable ones (MindTorch's default)
+    held = aclsim.bytes_outstanding(device) + aclsim.physical_bytes_outstanding(device)
+    return npualloc.memory_stats(device)["allocation.all.current"] == 1 and held > 0
 
 def sets(call):
     before = aclsim.call_count("aclrtSetDevice")

@@ -2,15 +2,16 @@
  * (one concern each) and by the C unit tests. Nothing here is exported.
  *
  * Locking: every structure reached through an npa_device is guarded by that
- * device's lock (lock.h); the allocator-wide fields are immutable after npa_create
- * except the GC threshold (atomic) and the device table (published once per
- * device with release/acquire). Order: the allocator's init_lock before a
- * device's lock (record_history takes each under it; the GC threshold and
- * expandable_segments setters take it alone); one device lock at a
- * time, never two, except npa_pause (pausable.c), which holds init_lock and
- * then every device lock, ascending, until npa_resume; the backend is called
- * with the device lock held and must never call back into the core. The
- * hook's full order is in hook/hook.h. */
+ * device's lock (lock.h); the allocator-wide fields are immutable after
+ * npa_create except the config's run-time keys (atomic: the GC threshold and
+ * expandable_segments, set under init_lock; record_history; record_stacks)
+ * and the device table (published once per device with release/acquire).
+ * Order: the allocator's init_lock before a device's lock (record_history
+ * takes each under it; the GC threshold and expandable_segments setters take
+ * no lock under it); one device lock at a time, never two, except npa_pause
+ * (pausable.c), which holds init_lock and then every device lock, ascending,
+ * until npa_resume; the backend is called with the device lock held and must
+ * never call back into the core. The hook's full order is in hook/hook.h. */
 #ifndef NPUALLOC_CORE_INTERNAL_H
 #define NPUALLOC_CORE_INTERNAL_H
 

@@ -10,10 +10,10 @@
  * with a plain segment cannot be paused (expandable_segments:True, from
  * the start, puts every block in expandable segments; switched on at run
  * time, the plain segments made before stay until their blocks are freed
- * and the cache emptied, which the pause does first). Nothing is lost: the host backup is
- * allocated and filled before anything is unmapped, a pause that fails half
- * way maps back what it unmapped, and a resume that cannot map its pages
- * unmaps what it mapped, keeps the backup and can be retried. */
+ * and the cache emptied, which the pause does first). Nothing is lost: the
+ * host backup is allocated and filled before anything is unmapped, a pause
+ * that fails half way maps back what it unmapped, and a resume that cannot
+ * map its pages unmaps what it mapped, keeps the backup and can be retried. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -73,6 +73,26 @@ static void set_config_warn(void *arg, const char *message)
     npa_warn_once("npualloc_set_config: %s (not applied)", message);
 }
 
+/* 0 when the allocator took the key, else -1 (warned). */
+static int apply_to_allocator(npa_allocator *a, const npa_config *parsed, npa_runtime_key key)
+{
+    /* The core warns through the backend when torch_npu's rule refuses these. */
+    if (key == NPA_KEY_GC_THRESHOLD)
+        return npa_set_gc_threshold(a, parsed->garbage_collection_threshold);
+    if (key == NPA_KEY_EXPANDABLE_SEGMENTS)
+        return npa_set_expandable_segments(a, parsed->expandable_segments);
+    if (key == NPA_KEY_RECORD_STACKS) {
+        npa_set_record_stacks(a, parsed->record_stacks);
+        return 0;
+    }
+    if (npa_set_record_history(a, parsed->record_history) != 0) {
+        npa_warn_once("npualloc_set_config: no host memory for %zu history entries per device; recording is off",
+                      parsed->record_history);
+        return -1;
+    }
+    return 0;
+}
+
 /* One "key:value" item; list values keep their brackets. */
 static int apply_item(npa_allocator *a, const char *item, size_t len)
 {
@@ -117,20 +137,9 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
         return 1;
     if (a == NULL)
         return 0; /* the allocator will be created with it */
-    /* The core warns through the backend when torch_npu's rule refuses these. */
-    if (which == NPA_KEY_GC_THRESHOLD)
-        return npa_set_gc_threshold(a, parsed.garbage_collection_threshold) != 0;
-    if (which == NPA_KEY_EXPANDABLE_SEGMENTS)
-        return npa_set_expandable_segments(a, parsed.expandable_segments) != 0;
-    if (which == NPA_KEY_RECORD_STACKS) {
-        npa_set_record_stacks(a, parsed.record_stacks);
-        return 0;
-    }
-    if (npa_set_record_history(a, parsed.record_history) != 0) {
-        npa_warn_once("npualloc_set_config: no host memory for %zu history entries per device; recording is off",
-                      parsed.record_history);
+    if (apply_to_allocator(a, &parsed, (npa_runtime_key)which) != 0)
         return 1;
-    }
+    npa_hook_remember_config(&parsed, (npa_runtime_key)which);
     return 0;
 }
 

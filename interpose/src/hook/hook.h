@@ -31,7 +31,9 @@
  *      Never nested with 1 or 2.
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
- *      region (8); record_history takes each device lock (5) under it.
+ *      region (8); record_history takes each device lock (5) under it;
+ *      the GC threshold and expandable_segments setters (their torch_npu
+ *      rule checked against each other) take nothing under it.
  *   5. a device lock (core internal.h npa_device.lock, a futex word:
  *      core lock.h; any thread may release it): one device at a
  *      time, never two (except a pause: all, ascending, under 4). It guards
@@ -268,6 +270,10 @@ typedef enum npa_runtime_key {
  * the key there instead. */
 int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_config_warn_fn warn,
                             npa_allocator **allocator);
+/* A run-time key the allocator took: the config a later allocator starts
+ * with (a forked child's, a new runtime session's) takes it too, so the
+ * settings in force stay process-wide, as torch's. */
+void npa_hook_remember_config(const npa_config *parsed, npa_runtime_key key);
 /* backend.synchronize: wait for all work queued on the device. */
 npa_error npa_hook_synchronize(int device);
 void npa_hook_before_reset(int device);

@@ -86,11 +86,26 @@ const npa_config *npa_hook_config(void)
     return &config;
 }
 
+/* Under init_lock. Atomic stores: npualloc_get_config reads this config
+ * without the lock before the allocator exists. */
+static void store_key(const npa_config *parsed, npa_runtime_key key)
+{
+    if (key == NPA_KEY_GC_THRESHOLD)
+        __atomic_store(&config.garbage_collection_threshold, &parsed->garbage_collection_threshold,
+                       __ATOMIC_RELAXED);
+    else if (key == NPA_KEY_EXPANDABLE_SEGMENTS)
+        __atomic_store_n(&config.expandable_segments, parsed->expandable_segments, __ATOMIC_RELAXED);
+    else if (key == NPA_KEY_RECORD_HISTORY)
+        __atomic_store_n(&config.record_history, parsed->record_history, __ATOMIC_RELAXED);
+    else
+        __atomic_store_n(&config.record_stacks, parsed->record_stacks, __ATOMIC_RELAXED);
+}
+
 int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_config_warn_fn warn,
                             npa_allocator **allocator)
 {
     npa_hook_config();
-    int applied = 1;
+    bool applied = true;
     pthread_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&any_allocator, memory_order_acquire);
     if (a == NULL) {
@@ -98,14 +113,19 @@ int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_c
             applied = npa_config_set_gc_threshold(&config, parsed->garbage_collection_threshold, warn, NULL);
         else if (key == NPA_KEY_EXPANDABLE_SEGMENTS)
             applied = npa_config_set_expandable(&config, parsed->expandable_segments, warn, NULL);
-        else if (key == NPA_KEY_RECORD_HISTORY)
-            config.record_history = parsed->record_history;
         else
-            config.record_stacks = parsed->record_stacks;
+            store_key(parsed, key);
     }
     pthread_mutex_unlock(&init_lock);
     *allocator = a;
     return applied ? 0 : -1;
+}
+
+void npa_hook_remember_config(const npa_config *parsed, npa_runtime_key key)
+{
+    pthread_mutex_lock(&init_lock);
+    store_key(parsed, key);
+    pthread_mutex_unlock(&init_lock);
 }
 
 /* ---- the backend ---------------------------------------------------------- */

@@ -216,7 +216,9 @@ def set_gc_threshold(threshold: float, pid: int | None = None, timeout: float = 
     if not 0.0 <= threshold < 1.0:
         raise ValueError(f"garbage_collection_threshold must be in [0, 1): {threshold}")
     if _in_process(pid):
-        set_config(f"garbage_collection_threshold:{threshold}")
+        # Not set_config: torch's config parser refuses a threshold of 0.
+        if _library().npualloc_set_gc_threshold(threshold) != 0:
+            raise ValueError(f"npualloc refused garbage_collection_threshold {threshold} (warned on stderr)")
     else:
         assert pid is not None
         _post(constants.NPUALLOC_CMD_SET_GC_THRESHOLD, -1, threshold, pid, timeout)

@@ -96,6 +96,31 @@ def test_in_process_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         assert w.call("npualloc.library_path()").endswith("/npualloc/lib/libnpualloc.so")
 
 
+def test_set_gc_threshold_zero_turns_gc_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A config string cannot say 0 (torch's parser refuses it), so this once
+    # raised ValueError and the threshold stayed on.
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    with Workload(tmp_path) as w:
+        w.call("npualloc.set_gc_threshold(0.7)")  # before the first malloc: the config it starts with
+        assert "garbage_collection_threshold:0.7" in w.call("npualloc.get_config()")
+        w.call("npualloc.set_gc_threshold(0)")
+        assert "garbage_collection_threshold" not in w.call("npualloc.get_config()")
+        w.call("npualloc.set_gc_threshold(0.6)")
+        w.call(f"malloc({3 * MiB})")
+        assert "garbage_collection_threshold:0.6" in npualloc.get_config(pid=w.pid)
+        w.call("npualloc.set_gc_threshold(0)")
+        assert "garbage_collection_threshold" not in w.call("npualloc.get_config()")
+        assert "garbage_collection_threshold" not in npualloc.get_config(pid=w.pid)
+        # torch_npu's rule refuses expandable segments beside a threshold: taken
+        # now, so the allocator's threshold really is off.
+        w.call("npualloc.set_config('expandable_segments:True')")
+        assert "expandable_segments:True" in w.call("npualloc.get_config()")
+        with pytest.raises(AssertionError, match="ValueError"):
+            w.call("npualloc.set_gc_threshold(0.5)")  # now refused beside expandable segments
+        with pytest.raises(AssertionError, match="ValueError"):
+            w.call("npualloc.set_gc_threshold(1.0)")
+
+
 def test_mem_get_info_inside_follows_the_runtime(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         free, total = w.call("npualloc.mem_get_info()")

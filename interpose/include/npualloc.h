@@ -30,6 +30,10 @@ size_t npualloc_get_config(char *buf, size_t len);
  * now on, the segments already made staying as they are); returns the number
  * of rejected keys (each warned once). */
 int npualloc_set_config(const char *text);
+/* garbage_collection_threshold at run time, 0 turning GC off (which a config
+ * string cannot say: torch's parser refuses 0); returns 0, or -1 when refused
+ * (out of [0, 1), or beside expandable_segments: warned once). */
+int npualloc_set_gc_threshold(double threshold);
 /* aclrtGetMemInfo(ACL_HBM_MEM) for a device, through the real runtime; an aclError. */
 int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 /* The device current on the calling thread as npualloc tracks it, -1 if none. */

@@ -93,6 +93,24 @@ static int apply_to_allocator(npa_allocator *a, const npa_config *parsed, npa_ru
     return 0;
 }
 
+/* Applies key from parsed (the other fields are defaults): to the allocator,
+ * or, before there is one, to the config it will be created with; and to the
+ * config later allocators (a forked child's) start with. 0 when taken, else 1
+ * (warned). */
+static int apply_runtime_key(npa_allocator *a, const npa_config *parsed, npa_runtime_key key)
+{
+    if (key == NPA_KEY_RECORD_STACKS)
+        npa_pystack_enable(parsed->record_stacks);
+    if (a == NULL && npa_hook_preinit_config(parsed, key, set_config_warn, &a) != 0)
+        return 1;
+    if (a == NULL)
+        return 0; /* the allocator will be created with it */
+    if (apply_to_allocator(a, parsed, key) != 0)
+        return 1;
+    npa_hook_remember_config(parsed, key);
+    return 0;
+}
+
 /* One "key:value" item; list values keep their brackets. */
 static int apply_item(npa_allocator *a, const char *item, size_t len)
 {
@@ -131,16 +149,16 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     npa_config_defaults(&parsed);
     if (npa_config_parse(&parsed, text, set_config_warn, NULL) != 0)
         return 1;
-    if (which == NPA_KEY_RECORD_STACKS)
-        npa_pystack_enable(parsed.record_stacks);
-    if (a == NULL && npa_hook_preinit_config(&parsed, (npa_runtime_key)which, set_config_warn, &a) != 0)
-        return 1;
+    return apply_runtime_key(a, &parsed, (npa_runtime_key)which);
+}
+
+static void publish_config(npa_allocator *a)
+{
     if (a == NULL)
-        return 0; /* the allocator will be created with it */
-    if (apply_to_allocator(a, &parsed, (npa_runtime_key)which) != 0)
-        return 1;
-    npa_hook_remember_config(&parsed, (npa_runtime_key)which);
-    return 0;
+        return;
+    char canonical[NPUALLOC_CONFIG_LEN];
+    npa_config_format(npa_get_config(a), canonical, sizeof(canonical));
+    npa_region_set_config(canonical);
 }
 
 NPA_EXPORT int npualloc_set_config(const char *text)
@@ -163,12 +181,26 @@ NPA_EXPORT int npualloc_set_config(const char *text)
             item = p + 1;
         }
     }
-    if (a != NULL) {
-        char canonical[NPUALLOC_CONFIG_LEN];
-        npa_config_format(npa_get_config(a), canonical, sizeof(canonical));
-        npa_region_set_config(canonical);
-    }
+    publish_config(a);
     return rejected;
+}
+
+/* Not through npualloc_set_config: torch's parser, which that follows,
+ * refuses garbage_collection_threshold:0, so a config string cannot turn the
+ * threshold off again. */
+NPA_EXPORT int npualloc_set_gc_threshold(double threshold)
+{
+    if (!(threshold >= 0.0 && threshold < 1.0)) { /* also rejects NaN */
+        npa_warn_once("npualloc_set_gc_threshold: %g is not in [0, 1) (not applied)", threshold);
+        return -1;
+    }
+    npa_config parsed;
+    npa_config_defaults(&parsed);
+    parsed.garbage_collection_threshold = threshold;
+    npa_allocator *a = npa_hook_allocator_any();
+    int rejected = apply_runtime_key(a, &parsed, NPA_KEY_GC_THRESHOLD);
+    publish_config(npa_hook_allocator_any());
+    return rejected ? -1 : 0;
 }
 
 NPA_EXPORT void *npualloc_snapshot(size_t *size)

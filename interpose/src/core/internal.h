@@ -209,7 +209,9 @@ typedef struct npa_recent {
     size_t bytes;
     size_t largest;          /* the biggest block held, for largest_free_block */
     uint64_t clock;          /* puts so far: the next stamp */
-    size_t sizes[NPA_RECENT_MAX]; /* scanned on every small malloc: kept apart from the rest */
+    /* Scanned on every small malloc: kept apart from the rest, with one
+     * slot past the last block for the scan's sentinel (npa_recent_take). */
+    size_t sizes[NPA_RECENT_MAX + 1];
     npa_block *blocks[NPA_RECENT_MAX];
     uint64_t stamps[NPA_RECENT_MAX];
 } npa_recent;

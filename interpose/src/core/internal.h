@@ -289,7 +289,9 @@ static inline bool npa_recent_takes(const npa_device *d, const npa_block *b) {
     return d->recent.capacity != 0 && b->is_small && !b->in_expandable && b->size <= NPA_RECENT_BYTES;
 }
 /* Ends b's allocation into the cache (making room by returning the oldest
- * blocks to their pools), counted as a free to the pool would be. */
+ * blocks to their pools), counted as a free to the pool would be. Called
+ * inside the free's stats section (npa_stats_begin): it opens none of its
+ * own, which on the hit path would cost a nested begin and end per free. */
 void npa_recent_put(npa_device *d, npa_block *b);
 /* A held block of pool of exactly size bytes, out of the cache (still
  * counted inactive, as a block out of a pool), or NULL. */

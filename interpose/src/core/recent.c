@@ -50,7 +50,6 @@ void npa_recent_put(npa_device *d, npa_block *b) {
 
     npualloc_device_stats *s = d->stats;
     npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
-    npa_stats_begin(d);
     if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
         npa_pool_stat_increase(s->inactive_split, true, 1);
         npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);
@@ -69,7 +68,6 @@ void npa_recent_put(npa_device *d, npa_block *b) {
         r->largest = b->size;
         d->largest_moved = true;
     }
-    npa_stats_end(d);
 }
 
 /* The size searched for is written past the last block, so the scan stops

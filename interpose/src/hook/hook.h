@@ -84,10 +84,6 @@
 /* Thread-locals read on the allocation path: a fixed offset from the thread
  * pointer instead of a __tls_get_addr call. */
 #define NPA_TLS __thread __attribute__((tls_model("initial-exec")))
-/* For the entry points' hit path: inlined whatever the compiler's size
- * heuristics say (a helper shared by several exported functions would
- * otherwise stay a call, with its own frame). */
-#define NPA_ALWAYS_INLINE inline __attribute__((always_inline))
 #define NPA_LIKELY(x) __builtin_expect(!!(x), 1)
 #define NPA_UNLIKELY(x) __builtin_expect(!!(x), 0)
 

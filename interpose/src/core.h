@@ -12,6 +12,11 @@
 #include "config.h"
 #include "npualloc_shm.h"
 
+/* For a helper of the hit path that several callers share (the exported
+ * entries, the recent cache's removal): inlined whatever the compiler's size
+ * heuristics say, which would otherwise keep it a call with its own frame. */
+#define NPA_ALWAYS_INLINE inline __attribute__((always_inline))
+
 typedef int npa_error; /* an aclError value: 0 success, 207001 OOM, ... */
 
 #define NPA_OK 0

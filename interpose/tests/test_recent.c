@@ -152,6 +152,10 @@ static void test_held_blocks_serve_their_own_stream_only(void) {
     CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2); /* held whole */
     CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 2, NPA_STREAM_ORDERED, &b), NPA_OK);
     CHECK(b != a);
+    /* Both held, stream 1's first: stream 2's malloc passes it for its own. */
+    CHECK_EQ(npa_free_stream(fx.a, b, 2, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 2, NPA_STREAM_ORDERED, &c), NPA_OK);
+    CHECK(c == b);
     CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 1, NPA_STREAM_ORDERED, &c), NPA_OK);
     CHECK(c == a);
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);

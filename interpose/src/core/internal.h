@@ -209,7 +209,9 @@ typedef struct npa_recent {
     size_t bytes;
     size_t largest;          /* the biggest block held, for largest_free_block */
     uint64_t clock;          /* puts so far: the next stamp */
-    size_t sizes[NPA_RECENT_MAX]; /* scanned on every small malloc: kept apart from the rest */
+    /* Scanned on every small malloc: kept apart from the rest, with one
+     * slot past the last block for the scan's sentinel (npa_recent_take). */
+    size_t sizes[NPA_RECENT_MAX + 1];
     npa_block *blocks[NPA_RECENT_MAX];
     uint64_t stamps[NPA_RECENT_MAX];
 } npa_recent;
@@ -287,7 +289,9 @@ static inline bool npa_recent_takes(const npa_device *d, const npa_block *b) {
     return d->recent.capacity != 0 && b->is_small && !b->in_expandable && b->size <= NPA_RECENT_BYTES;
 }
 /* Ends b's allocation into the cache (making room by returning the oldest
- * blocks to their pools), counted as a free to the pool would be. */
+ * blocks to their pools), counted as a free to the pool would be. Called
+ * inside the free's stats section (npa_stats_begin): it opens none of its
+ * own, which on the hit path would cost a nested begin and end per free. */
 void npa_recent_put(npa_device *d, npa_block *b);
 /* A held block of pool of exactly size bytes, out of the cache (still
  * counted inactive, as a block out of a pool), or NULL. */

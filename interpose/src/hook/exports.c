@@ -4,8 +4,11 @@
  * aclFinalize give our cache back before the runtime tears the device down.
  *
  * The hit path of aclrtMalloc/aclrtFree is: one acquire load (the allocator),
- * one thread-local load (the device), two relaxed loads (region command,
- * npa_entry_work), then the core. */
+ * one thread-local load (the device), the region's pointer and command words,
+ * npa_entry_work (aclrtMalloc also the runtime's malloc, found), then the
+ * core, called from the exported function itself: the general path (setting
+ * up what is missing, serving what the cache does not) is out of line, so
+ * the exported function keeps no callee-saved registers for it. */
 #include "hook.h"
 #include "npualloc.h"
 #include "region/region.h"
@@ -52,33 +55,69 @@ typedef struct stream_use {
     npa_stream_flags flags;
 } stream_use;
 
-/* on: NULL for the ACL entry points (no stream known: the reuse policy's
- * fences), else the stream-aware caller's stream. */
-static inline aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPolicy policy, npa_entry entry,
-                                    npa_fn fn, const stream_use *on)
+/* The cache's part of a malloc entry, once its checks passed. on: NULL for
+ * the ACL entry points (no stream known: the reuse policy's fences), else
+ * the stream-aware caller's stream. */
+static NPA_ALWAYS_INLINE aclError cached_malloc(npa_allocator *a, int device, void **devPtr, size_t size,
+                                                npa_entry entry, const stream_use *on)
+{
+    npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
+                               : npa_malloc(a, device, size, entry, devPtr);
+    if (NPA_UNLIKELY(err == NPA_ERR_OOM))
+        npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */
+    return err;
+}
+
+/* A malloc entry in general: sets up what is missing (the allocator, the
+ * thread's device, the region or its command, the entry work), then serves
+ * the call from the cache or hands it to the runtime. */
+static __attribute__((noinline)) aclError malloc_setup(void **devPtr, size_t size, aclrtMemMallocPolicy policy,
+                                                       npa_entry entry, npa_fn fn, const stream_use *on)
 {
     npa_allocator *a = npa_hook_allocator();
     /* NULL devPtr and size 0 are the runtime's to refuse, with its own code. */
-    if (NPA_LIKELY(a != NULL && devPtr != NULL && size != 0 && cacheable_policy(policy))) {
+    if (a != NULL && devPtr != NULL && size != 0 && cacheable_policy(policy)) {
         int device = npa_thread_device();
-        if (NPA_LIKELY(device >= 0 && device < NPUALLOC_MAX_DEVICES)) {
-            if (NPA_UNLIKELY(npa_real(NPA_FN_aclrtMalloc) == NULL))
+        if (device >= 0 && device < NPUALLOC_MAX_DEVICES) {
+            if (npa_real(NPA_FN_aclrtMalloc) == NULL)
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
             unsigned work = npa_entry_work_load();
             aclError served = ACL_SUCCESS;
-            if (NPA_UNLIKELY(work != 0) && entry_work(work, device, size, devPtr, &served))
+            if (work != 0 && entry_work(work, device, size, devPtr, &served))
                 return served;
-            npa_error err = on != NULL ? npa_malloc_stream(a, device, size, entry, on->stream, on->flags, devPtr)
-                                       : npa_malloc(a, device, size, entry, devPtr);
-            if (NPA_UNLIKELY(err == NPA_ERR_OOM))
-                npa_oom_snapshot(a); /* outside the device lock, before the program sees the error */
-            return err;
+            return cached_malloc(a, device, devPtr, size, entry, on);
         }
         /* No device on this thread: the runtime reports that better than we can. */
     }
     __typeof__(&aclrtMalloc) real = (__typeof__(&aclrtMalloc))npa_real(fn);
     return real ? real(devPtr, size, policy) : npa_no_runtime_error(fn);
+}
+
+/* Whether a malloc entry finds everything set up: the allocator serving,
+ * the thread's device known (device, from npa_tls_device), the runtime's
+ * malloc found, the region made and no command waiting in it. */
+static inline bool entry_ready(npa_allocator *a, int device)
+{
+    return a != NULL && (unsigned)device < NPUALLOC_MAX_DEVICES &&
+           atomic_load_explicit(&npa_real_fns[NPA_FN_aclrtMalloc], memory_order_acquire) != NULL &&
+           npa_region_steady();
+}
+
+/* Every malloc entry: when a program is in its steady state (entry_ready,
+ * no entry work) and the call is one the cache serves, straight to the
+ * core, keeping only the allocator across the call (for an OOM's
+ * snapshot); anything else takes malloc_setup by a tail call, which checks
+ * it all again and sets up what is missing. */
+static NPA_ALWAYS_INLINE aclError malloc_entry(void **devPtr, size_t size, aclrtMemMallocPolicy policy,
+                                               npa_entry entry, npa_fn fn, const stream_use *on)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    int device = npa_tls_device;
+    if (NPA_LIKELY(entry_ready(a, device) && devPtr != NULL && size != 0 && cacheable_policy(policy) &&
+                   npa_entry_work_load() == 0))
+        return cached_malloc(a, device, devPtr, size, entry, on);
+    return malloc_setup(devPtr, size, policy, entry, fn, on);
 }
 
 NPA_EXPORT aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
@@ -118,35 +157,61 @@ static aclError refuse_invalid_free(void *devPtr)
  * to the runtime's own entry, whole. */
 typedef aclError (*npa_free_fn)(void *);
 
-static aclError free_through_cache(npa_allocator *a, void *devPtr, int device, npa_fn fn, const uintptr_t *stream)
+static aclError free_by_runtime(void *devPtr, npa_fn fn)
 {
-    if (a != NULL && devPtr != NULL) {
-        npa_free_result freed = stream != NULL ? npa_free_stream(a, devPtr, *stream, device, NULL)
-                                               : npa_free(a, devPtr, device, NULL);
-        switch (freed) {
-        case NPA_FREE_OK:
-            return ACL_SUCCESS;
-        case NPA_FREE_INVALID:
-            return refuse_invalid_free(devPtr);
-        case NPA_FREE_NOT_OURS:
-            break;
-        }
-        aclError err;
-        if (npa_saver_free(devPtr, &err))
-            return err;
-    }
     npa_free_fn real = (npa_free_fn)npa_real(fn);
     return real ? real(devPtr) : npa_no_runtime_error(fn);
 }
 
-NPA_EXPORT aclError aclrtFree(void *devPtr)
+/* A free the cache refused (NPA_FREE_INVALID) or does not own: out of line,
+ * so the hit path keeps nothing for it but devPtr. */
+static __attribute__((noinline)) aclError free_not_cached(npa_free_result freed, void *devPtr, npa_fn fn)
+{
+    if (freed == NPA_FREE_INVALID)
+        return refuse_invalid_free(devPtr);
+    aclError err;
+    if (npa_saver_free(devPtr, &err))
+        return err;
+    return free_by_runtime(devPtr, fn);
+}
+
+static NPA_ALWAYS_INLINE aclError free_through_cache(npa_allocator *a, void *devPtr, int device, npa_fn fn,
+                                                     const uintptr_t *stream)
+{
+    if (a != NULL && devPtr != NULL) {
+        npa_free_result freed = stream != NULL ? npa_free_stream(a, devPtr, *stream, device, NULL)
+                                               : npa_free(a, devPtr, device, NULL);
+        return NPA_LIKELY(freed == NPA_FREE_OK) ? ACL_SUCCESS : free_not_cached(freed, devPtr, fn);
+    }
+    return free_by_runtime(devPtr, fn);
+}
+
+/* A free entry in general: the region's command and the deferred executor
+ * destroys first, then the cache. */
+static __attribute__((noinline)) aclError free_setup(void *devPtr, npa_fn fn, const uintptr_t *stream)
 {
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
-    if (NPA_LIKELY(a != NULL && devPtr != NULL)) {
+    if (a != NULL && devPtr != NULL) {
         npa_region_poll(a);
         npa_exec_poll();
     }
-    return free_through_cache(a, devPtr, npa_tls_device, NPA_FN_aclrtFree, NULL);
+    return free_through_cache(a, devPtr, npa_tls_device, fn, stream);
+}
+
+/* aclrtFree and the stream-aware free: with the region steady and no
+ * executor destroys waiting, straight to the cache (as malloc_entry). */
+static NPA_ALWAYS_INLINE aclError free_entry(void *devPtr, npa_fn fn, const uintptr_t *stream)
+{
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (NPA_LIKELY(a != NULL && devPtr != NULL && npa_region_steady() &&
+                   !(npa_entry_work_load() & NPA_WORK_EXECUTORS)))
+        return free_through_cache(a, devPtr, npa_tls_device, fn, stream);
+    return free_setup(devPtr, fn, stream);
+}
+
+NPA_EXPORT aclError aclrtFree(void *devPtr)
+{
+    return free_entry(devPtr, NPA_FN_aclrtFree, NULL);
 }
 
 /* The runtime's version synchronizes the device, then frees. For a block of
@@ -189,12 +254,7 @@ static inline aclError malloc_stream(void **ptr, size_t size, uintptr_t stream, 
 
 static inline aclError free_stream(void *ptr, uintptr_t stream)
 {
-    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
-    if (NPA_LIKELY(a != NULL && ptr != NULL)) {
-        npa_region_poll(a);
-        npa_exec_poll();
-    }
-    return free_through_cache(a, ptr, npa_tls_device, NPA_FN_aclrtFree, &stream);
+    return free_entry(ptr, NPA_FN_aclrtFree, &stream);
 }
 
 NPA_EXPORT int npualloc_malloc_stream(void **ptr, size_t size, void *stream, int flags)

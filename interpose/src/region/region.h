@@ -35,12 +35,18 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq);
 void npa_region_poll_slow(npa_allocator *allocator);
 
 /* Called at every allocator entry, so it is inline: once the region exists
- * and no command waits, it costs three loads and no call. Otherwise it
- * creates the region, or applies the command and acknowledges it. */
-static inline void npa_region_poll(npa_allocator *allocator)
+ * and no command waits (npa_region_steady), it costs three loads and no
+ * call. Otherwise it creates the region, or applies the command and
+ * acknowledges it. */
+static inline int npa_region_steady(void)
 {
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_acquire);
-    if (__builtin_expect(r != NULL && !npa_region_command_pending(r), 1))
+    return r != NULL && !npa_region_command_pending(r);
+}
+
+static inline void npa_region_poll(npa_allocator *allocator)
+{
+    if (__builtin_expect(npa_region_steady(), 1))
         return;
     npa_region_poll_slow(allocator);
 }

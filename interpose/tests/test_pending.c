@@ -291,8 +291,45 @@ static void test_fence_once_the_batch_holds_a_share_of_reserved(void) {
     fixture_destroy(&fx);
 }
 
+/* A fence that is not done is asked again only after a back-off of
+ * mallocs that doubles up to 64, not at every malloc; a malloc that would
+ * miss asks at once and takes the completed block instead of growing. */
+static void test_polls_back_off_while_a_fence_runs(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *p = alloc_exact(&fx, 0, 1 * MiB);
+    void *q = alloc_exact(&fx, 0, 1 * MiB); /* the rest of p's segment */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* p's fence, not done */
+    long queries = fx.fake.fence_queries;
+    enum { POLLS = 200 };
+    static void *small[POLLS];
+    for (int i = 0; i < POLLS; i++) {
+        small[i] = alloc_exact(&fx, 0, 8 * KiB);
+        CHECK(small[i] < p || small[i] >= (void *)((char *)p + MiB)); /* never p before its fence */
+    }
+    /* The flush's query found it running; then asked at mallocs 2, 5, 10,
+     * 19, 36, 69, 134 and 199: eight queries where asking at every malloc
+     * made 200. */
+    CHECK_EQ(fx.fake.fence_queries - queries, 8);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+
+    /* Done now, but the polls wait out their back-off: the next malloc
+     * that the pool cannot serve asks at once and takes p, no growth. */
+    fake_complete_fences(&fx.fake);
+    long mallocs = fx.fake.raw_malloc_calls;
+    void *again = alloc_exact(&fx, 0, 1 * MiB);
+    CHECK(again == p);
+    CHECK_EQ(fx.fake.raw_malloc_calls, mallocs);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    (void)q;
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_one_fence_per_batch);
+    RUN(test_polls_back_off_while_a_fence_runs);
     RUN(test_fence_waits_for_a_full_batch_or_a_miss);
     RUN(test_fence_once_the_batch_holds_a_share_of_reserved);
     RUN(test_batches_complete_independently);

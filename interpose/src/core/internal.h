@@ -238,6 +238,8 @@ typedef struct npa_device {
     npa_fence_batch *batches[NPA_BATCH_KINDS];
     npa_fence_batch **batches_tail[NPA_BATCH_KINDS];
     npa_fence_batch *spare_batches;
+    unsigned poll_backoff;   /* polls to skip before the next query of a fence (pending.c) */
+    unsigned polls_skipped;  /* polls since the last query */
     size_t total_bytes;      /* device capacity seen at init (0: unknown) */
     size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none */
     size_t allowed_bytes;    /* what GC measures its threshold against */

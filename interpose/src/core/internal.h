@@ -288,9 +288,11 @@ void npa_pool_return(npa_device *d, npa_block *b);
 static inline bool npa_recent_takes(const npa_device *d, const npa_block *b) {
     return d->recent.capacity != 0 && b->is_small && !b->in_expandable && b->size <= NPA_RECENT_BYTES;
 }
-/* Ends b's allocation into the cache (making room by returning the oldest
- * blocks to their pools), counted as a free to the pool would be. */
-void npa_recent_put(npa_device *d, npa_block *b);
+/* Returns the oldest held blocks to their pools until a block of size fits. */
+void npa_recent_make_room(npa_device *d, size_t size);
+/* Ends b's allocation into the cache (making room first), counted as a
+ * free to the pool would count it: below, beside the stats helpers. */
+static inline void npa_recent_put(npa_device *d, npa_block *b);
 /* A held block of pool of exactly size bytes, out of the cache (still
  * counted inactive, as a block out of a pool), or NULL. */
 npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
@@ -475,5 +477,36 @@ static inline void npa_history_note_alloc(npa_allocator *a, npa_device *d, uintp
 bool npa_history_reset(npa_history *h, size_t capacity);
 /* Every held event of the device, oldest first. */
 void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg);
+
+/* recent.c's put, inline for both its callers (see there): the block's
+ * allocation ends into the cache, counted as a free to the pool counts a
+ * block that merged with nothing. */
+static inline void npa_recent_put(npa_device *d, npa_block *b) {
+    npa_recent *r = &d->recent;
+    if (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_recent_make_room(d, b->size);
+
+    npualloc_device_stats *s = d->stats;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
+    npa_stats_begin(d);
+    if (npa_block_is_split(b)) {
+        npa_pool_stat_increase(s->inactive_split, true, 1);
+        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);
+    }
+    npa_pool_stat_decrease(s->active, true, 1);
+    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)b->size);
+    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)b->requested);
+    b->phase = NPA_PHASE_RECENT;
+    b->requested = 0;
+    r->sizes[r->count] = b->size;
+    r->blocks[r->count] = b;
+    r->stamps[r->count] = r->clock++;
+    r->count++;
+    r->bytes += b->size;
+    if (b->size > r->largest) {
+        r->largest = b->size;
+        d->largest_moved = true;
+    }
+    npa_stats_end(d);
+}
 
 #endif

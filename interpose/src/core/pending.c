@@ -46,7 +46,14 @@ static bool batch_full(const npa_device *d) {
     return d->open_bytes >= (share > NPA_FENCE_BATCH_MIN_BYTES ? share : NPA_FENCE_BATCH_MIN_BYTES);
 }
 
-static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) {
+/* Every block of the list becomes reusable: merged into its pool, or, with
+ * whole set, the newest a recent cache's worth of them (the list is newest
+ * first) held whole there, so the next mallocs of their sizes skip best
+ * fit, split and merge as after an eager free. The rest go straight to the
+ * pool: offered to the cache, each would only push out a block put there
+ * just before. The drains that empty the cache (a synchronize) merge all. */
+static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, bool whole) {
+    unsigned offered = whole ? 0 : d->recent.capacity;
     npa_stats_begin(d);
     for (npa_block *b = blocks, *next; b; b = next) {
         next = b->link;
@@ -56,7 +63,12 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) 
         b->uses_unknown = false;
         b->fence_own = false;
         d->stats->num_pending_frees--;
-        npa_free_block(a, d, b);
+        if (offered < d->recent.capacity && npa_recent_takes(d, b)) {
+            npa_recent_put(d, b);
+            offered++;
+        } else {
+            npa_free_block(a, d, b);
+        }
     }
     npa_stats_end(d);
 }
@@ -77,7 +89,7 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     if (!fence) {
         npa_block *blocks = *open;
         *open = NULL;
-        complete_blocks(a, d, blocks);
+        complete_blocks(a, d, blocks, true);
         return;
     }
     npa_fence_batch *batch = d->spare_batches;
@@ -178,7 +190,7 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
         while ((batch = d->batches[kind]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
             d->batches[kind] = batch->next;
             release_fence(a, batch->fence);
-            complete_blocks(a, d, batch->blocks);
+            complete_blocks(a, d, batch->blocks, !all);
             batch->next = d->spare_batches;
             d->spare_batches = batch;
             completed = true;
@@ -219,10 +231,10 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     drain_batches(a, d, true);
     npa_block *blocks = d->open_batch;
     d->open_batch = NULL;
-    complete_blocks(a, d, blocks);
+    complete_blocks(a, d, blocks, false);
     blocks = d->open_uses;
     d->open_uses = NULL;
-    complete_blocks(a, d, blocks);
+    complete_blocks(a, d, blocks, false);
     d->open_blocks = d->open_bytes = 0;
 }
 

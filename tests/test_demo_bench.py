@@ -4,6 +4,7 @@ demo's program runs raw and under `npualloc run`, and `npualloc stats` can be
 taken from a second process while it waits. Timings are not asserted."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -115,6 +116,23 @@ def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+    proc = subprocess.run([str(HOTPATH), "--allocator", "glibc", "--fence-after", "4", str(bench.SIZES)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr   # fences are the core's
+
+
+def test_hotpath_core_with_fences_walks_the_fence_path():
+    """--fence-after: the core alone under safe reuse, its fences done a set
+    number of mallocs after their record (what callgrind counts for the
+    fence path without the simulator's stream thread); the JSON counts its
+    fence records and queries as event records and queries."""
+    proc = subprocess.run([str(HOTPATH), "--allocator", "core", "--group", "16", "--batches", "10", "--pairs", "160",
+                           "--fence-after", "16", str(bench.SIZES)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    calls = r["runtime_calls_while_timed"]
+    assert not r["failed"] and calls["aclrtRecordEvent"] > 0 and calls["aclrtQueryEventStatus"] > 0
+    assert r["cache_hits_while_timed"] + r["cache_misses_while_timed"] == 10 * 160
 
 
 def test_demo_program_raw_and_under_npualloc_with_live_stats():

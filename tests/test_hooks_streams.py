@@ -171,8 +171,10 @@ if sys.argv[1] in ("fence", "uses"):
     aclsim.fail_next_calls("aclrtSynchronizeDevice", 0, 0)
     first = malloc()                        # records the fence now (done already if the stream was quick)
     assert acl.rt.synchronize_device() == 0 # done now
-    second = malloc()
-    out["cleared"] = {"handed_out": [first, second].count(p), "pending": pending()}
+    # A poll that found the fence running asks again after a back-off of a
+    # few mallocs (interpose/src/core/pending.c): one of these gets it back.
+    later = [malloc() for _ in range(4)]
+    out["cleared"] = {"reused": any(q in freed for q in [first, *later]), "pending": pending()}
 else:
     # This thread moves to device 1; device 0 cannot be entered to synchronize it.
     assert acl.rt.set_device(1) == 0
@@ -200,7 +202,7 @@ def test_a_fence_that_cannot_be_recorded_nor_replaced_keeps_the_block_pending(sc
     assert not faulty["reused"] and faulty["pending"] == out["freed"] and faulty["raw_kept"]
     assert faulty["fence_tries"] >= 5 and faulty["sync_tries"] >= 5  # tried at every poll, failed each time
     # Once the runtime answers again the block is fenced, then handed out.
-    assert out["cleared"] == {"handed_out": 1, "pending": 0}
+    assert out["cleared"] == {"reused": True, "pending": 0}
 
 
 def test_a_device_that_cannot_be_entered_keeps_its_blocks_pending():

@@ -202,6 +202,7 @@ static int fake_fence_done(void *ctx, void *opaque) {
     fake_backend *f = ctx;
     fake_fence *fence = opaque;
     pthread_mutex_lock(&f->lock);
+    f->fence_queries++;
     fence->polls++;
     int done = fence->epoch <= f->completed_epoch ||
                (f->auto_complete_polls > 0 && fence->polls >= f->auto_complete_polls);

@@ -8,15 +8,20 @@
 #include "fake_backend.h"
 #include "test_util.h"
 
-static void fixture_with_fences(fixture *fx, size_t capacity) {
+static void fixture_with_fences_config(fixture *fx, size_t capacity, const npa_config *config) {
     fake_init(&fx->fake, capacity, false);
     fx->fake.fences = true;
-    fixture_start(fx, NULL);
+    fixture_start(fx, config);
 }
 
+static void fixture_with_fences(fixture *fx, size_t capacity) { fixture_with_fences_config(fx, capacity, NULL); }
+
+/* torch's rule (recent_blocks:0): a completed free merges with its free
+ * neighbours. */
 static void test_one_fence_per_batch(void) {
     fixture fx;
-    fixture_with_fences(&fx, GiB);
+    npa_config merge = merge_at_free_config();
+    fixture_with_fences_config(&fx, GiB, &merge);
     void *p = alloc_exact(&fx, 0, 1024);
     void *q = alloc_exact(&fx, 0, 1024);
     void *r = alloc_exact(&fx, 0, 1024);
@@ -291,8 +296,109 @@ static void test_fence_once_the_batch_holds_a_share_of_reserved(void) {
     fixture_destroy(&fx);
 }
 
+/* With the recent cache (the default), completed frees are held whole, as
+ * an eager free is: the next mallocs of their sizes take them back without
+ * a best fit, a split or a merge. Never before their fence completed. */
+static void test_completed_frees_are_reused_whole(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *p = alloc_exact(&fx, 0, 1024);
+    void *q = alloc_exact(&fx, 0, 1024);
+    void *keep = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* the fence for both */
+    void *early = alloc_exact(&fx, 0, 1024);
+    CHECK(early != p && early != q); /* still pending: the segment's tail serves it */
+    CHECK_EQ(npa_free(fx.a, early, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 3);
+    fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0); /* p and q come back; early's fence is the one just recorded */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 1);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 2); /* keep, and early still pending */
+    /* Unmerged: p, q and the tail beyond early are three inactive blocks
+     * (merged, p and q would be one). */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 3);
+    CHECK_EQ(shape_of(&fx, 0).blocks, 5);
+    void *first = alloc_exact(&fx, 0, 1024);
+    void *second = alloc_exact(&fx, 0, 1024);
+    CHECK((first == p && second == q) || (first == q && second == p));
+    s = stats_of(&fx, 0);
+    CHECK_EQ(shape_of(&fx, 0).blocks, 5); /* no split */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 1024 + 1024 + 4096);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 1024 + 1024 + 4096 + 1024);
+    (void)keep;
+    fixture_destroy(&fx);
+}
+
+/* A batch completes all at once, but only a recent cache's worth of it is
+ * held whole: the rest merges into the pool at once rather than each block
+ * pushing the one before out of the cache. */
+static void test_only_a_cache_worth_of_a_batch_is_held(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.recent_blocks = 2;
+    fixture fx;
+    fixture_with_fences_config(&fx, GiB, &config);
+    void *blocks[6];
+    for (int i = 0; i < 6; i++) blocks[i] = alloc_exact(&fx, 0, 512);
+    void *keep = alloc_exact(&fx, 0, 512);
+    for (int i = 0; i < 6; i++) CHECK_EQ(npa_free(fx.a, blocks[i], 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0);
+    fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0);
+    /* The two freed last are held; the first four merged into one block. */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].current, 4);
+    CHECK_EQ(shape_of(&fx, 0).blocks, 5);
+    CHECK(alloc_exact(&fx, 0, 512) == blocks[5] || alloc_exact(&fx, 0, 512) == blocks[4]);
+    (void)keep;
+    fixture_destroy(&fx);
+}
+
+/* A fence that is not done is asked again only after a back-off of
+ * mallocs that doubles up to 64, not at every malloc; a malloc that would
+ * miss asks at once and takes the completed block instead of growing. */
+static void test_polls_back_off_while_a_fence_runs(void) {
+    fixture fx;
+    fixture_with_fences(&fx, GiB);
+    void *p = alloc_exact(&fx, 0, 1 * MiB);
+    void *q = alloc_exact(&fx, 0, 1 * MiB); /* the rest of p's segment */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* p's fence, not done */
+    long queries = fx.fake.fence_queries;
+    enum { POLLS = 200 };
+    static void *small[POLLS];
+    for (int i = 0; i < POLLS; i++) {
+        small[i] = alloc_exact(&fx, 0, 8 * KiB);
+        CHECK(small[i] < p || small[i] >= (void *)((char *)p + MiB)); /* never p before its fence */
+    }
+    /* The flush's query found it running; then asked at mallocs 2, 5, 10,
+     * 19, 36, 69, 134 and 199: eight queries where asking at every malloc
+     * made 200. */
+    CHECK_EQ(fx.fake.fence_queries - queries, 8);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+
+    /* Done now, but the polls wait out their back-off: the next malloc
+     * that the pool cannot serve asks at once and takes p, no growth. */
+    fake_complete_fences(&fx.fake);
+    long mallocs = fx.fake.raw_malloc_calls;
+    void *again = alloc_exact(&fx, 0, 1 * MiB);
+    CHECK(again == p);
+    CHECK_EQ(fx.fake.raw_malloc_calls, mallocs);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    (void)q;
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_one_fence_per_batch);
+    RUN(test_completed_frees_are_reused_whole);
+    RUN(test_only_a_cache_worth_of_a_batch_is_held);
+    RUN(test_polls_back_off_while_a_fence_runs);
     RUN(test_fence_waits_for_a_full_batch_or_a_miss);
     RUN(test_fence_once_the_batch_holds_a_share_of_reserved);
     RUN(test_batches_complete_independently);

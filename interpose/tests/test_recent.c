@@ -2,7 +2,8 @@
  * needed waits whole for the next malloc of its size. Its stats are a free
  * block's (checked against the blocks after every call of a random run), a
  * miss, an OOM retry and empty_cache get it back merged, a double free of it
- * is refused, a fenced free never enters it, it belongs to the device (a
+ * is refused, a fenced free enters it only once its fence completed
+ * (test_pending.c), it belongs to the device (a
  * thread's exit strands nothing, a forked child has its own copy), and
  * recent_blocks bounds it (0: torch's merge at every free). */
 #include <pthread.h>
@@ -123,7 +124,7 @@ static void test_oom_retry_releases_held_blocks(void) {
     fixture_destroy(&fx);
 }
 
-/* A free that needs a fence waits for it, as without the cache. */
+/* A free that needs a fence waits for it before it can enter. */
 static void test_fenced_frees_do_not_enter(void) {
     fixture fx;
     fake_init(&fx.fake, GiB, false);
@@ -271,10 +272,15 @@ static void add_segment(const npa_segment_view *v, void *arg) {
 }
 
 /* Random mallocs and frees, the cache filling, evicting, hit and missed:
- * after every call the stats equal what the blocks themselves say. */
-static void test_stats_match_the_blocks(void) {
+ * after every call the stats equal what the blocks themselves say. Fenced:
+ * frees enter the cache as their fences complete (each at its second
+ * query), a batch at a time. */
+static void run_stats_match_the_blocks(bool fenced) {
     fixture fx;
-    fixture_init(&fx, GiB, NULL);
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = fenced;
+    fx.fake.auto_complete_polls = 2;
+    fixture_start(&fx, NULL);
     void *slots[24] = {0};
     uint64_t rng = 0x2545f4914f6cdd1dULL;
     int mismatches = 0;
@@ -300,6 +306,11 @@ static void test_stats_match_the_blocks(void) {
     CHECK_EQ(mismatches, 0);
     CHECK(stats_of(&fx, 0).num_cache_hits > 1000);
     fixture_destroy(&fx);
+}
+
+static void test_stats_match_the_blocks(void) {
+    run_stats_match_the_blocks(false);
+    run_stats_match_the_blocks(true);
 }
 
 /* recent_blocks:0 is torch's rule: every free merges at once. */

@@ -177,8 +177,10 @@ static void test_one_event_per_stream_per_batch(void) {
     CHECK_EQ(s.num_pending_frees, 0);
     CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0); /* all merged back into one segment */
-    CHECK_EQ(s.largest_free_block, 2 * MiB);
+    /* Held whole in the recent cache, as blocks freed with no event to wait
+     * for are: the six and their segment's tail. */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 7);
+    CHECK_EQ(s.largest_free_block, 2 * MiB - 6 * 4096);
     fixture_destroy(&fx);
 }
 
@@ -226,7 +228,7 @@ static void test_stats_exact(void) {
     CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.num_pending_frees, 0);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* a and its tail */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 4); /* a, c (held whole) and their segments' tails */
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 3);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, 3);
     CHECK_EQ(s.largest_free_block, 20 * MiB);
@@ -288,8 +290,11 @@ static void test_host_writes_wait_for_their_own_stream(void) {
     npa_process_pending(fx.a, 0);
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2); /* q's stream 2 still runs: the batch waits */
     fake_complete_stream(&fx.fake, 2);
+    /* A malloc's poll asks again only after a back-off once a query found
+     * the batch running (pending.c); processing asks now. */
+    npa_process_pending(fx.a, 0);
     void *again = alloc_flags(&fx, 1, 4096, NPA_STREAM_ORDERED);
-    CHECK(again == p);
+    CHECK(again == p || again == q);
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
     /* The flag is the allocation's: allocated ordered, p is reusable at once. */
     CHECK_EQ(npa_free_stream(fx.a, again, 1, 0, NULL), NPA_FREE_OK);

@@ -10,7 +10,13 @@
  * their figures compare.
  *
  *     npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] [--threads N]
- *                            [--batches B] [--pairs P] [--group G] SIZES_FILE
+ *                            [--batches B] [--pairs P] [--group G] [--fence-after M] SIZES_FILE
+ *
+ * --fence-after M (core only) gives the core's backend fences, as under
+ * reuse_policy:safe, that complete once M more mallocs were made after
+ * their record: the fence path's own work, counted by callgrind without
+ * the simulator's stream thread, whose timing decides how long a real
+ * fence takes (and so how often it is queried).
  *
  * Each thread walks the size list from its own offset, so threads ask for
  * different sizes at the same moment. A step allocates G blocks and then
@@ -50,6 +56,7 @@ typedef struct options {
     int batches;
     int pairs;          /* per batch, a multiple of group */
     int group;
+    int fence_after;    /* ALLOCATOR_CORE: fences complete this many mallocs after their record; -1: none */
     const char *sizes_path;
 } options;
 
@@ -68,7 +75,7 @@ typedef struct worker {
     int failed;
 } worker;
 
-static options opts = {ALLOCATOR_ACL, 0, 1, 1000, 1000, 1, NULL};
+static options opts = {ALLOCATOR_ACL, 0, 1, 1000, 1000, 1, -1, NULL};
 static sizes seq;
 static npa_allocator *core;   /* ALLOCATOR_CORE */
 /* ALLOCATOR_STREAM: the preloaded library's entry (looked up, not linked),
@@ -97,6 +104,25 @@ static npa_error fake_info(void *ctx, int device, size_t *free_bytes, size_t *to
     *free_bytes = *total_bytes = (size_t)1 << 46;
     return NPA_OK;
 }
+/* --fence-after: the core's fences. The clock is mallocs made (one
+ * thread's, or racy counts of several: only the timing of completion). */
+static uint64_t core_mallocs, fence_records, fence_queries;
+static npa_error fake_fence_record(void *ctx, int device, void **fence) {
+    (void)ctx, (void)device;
+    uint64_t *at = malloc(sizeof *at);
+    if (!at) return NPA_ERR_OOM;
+    *at = core_mallocs;
+    fence_records++;
+    *fence = at;
+    return NPA_OK;
+}
+static int fake_fence_done(void *ctx, void *fence) {
+    (void)ctx;
+    fence_queries++;
+    return core_mallocs - *(uint64_t *)fence >= (uint64_t)opts.fence_after;
+}
+static void fake_fence_release(void *ctx, void *fence) { (void)ctx, free(fence); }
+
 static pthread_barrier_t warmed_up, counted, timing_done;
 
 static double clock_s(clockid_t clock) {
@@ -115,6 +141,7 @@ static int alloc_block(void **p, size_t size) {
         keep(*p);
         return *p ? 0 : ENOMEM;
     case ALLOCATOR_CORE:
+        core_mallocs++;
         return npa_malloc(core, 0, size, NPA_ENTRY_MALLOC, p);
     case ALLOCATOR_STREAM:
         return malloc_stream(p, size, thread_stream, opts.host_writes ? NPUALLOC_STREAM_HOST_WRITES : 0);
@@ -221,7 +248,7 @@ static int load_sizes(const char *path) {
 
 static int usage(void) {
     fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] "
-                    "[--threads N] [--batches B] [--pairs P] [--group G] SIZES_FILE\n");
+                    "[--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] SIZES_FILE\n");
     return 2;
 }
 
@@ -245,6 +272,8 @@ static int parse_options(int argc, char **argv) {
             opts.pairs = atoi(value);
         } else if (!strcmp(argv[i], "--group") && value) {
             opts.group = atoi(value);
+        } else if (!strcmp(argv[i], "--fence-after") && value) {
+            opts.fence_after = atoi(value);
         } else if (argv[i][0] != '-' && !opts.sizes_path) {
             opts.sizes_path = argv[i];
             continue;
@@ -254,7 +283,8 @@ static int parse_options(int argc, char **argv) {
         i++;
     }
     if (!opts.sizes_path || opts.threads < 1 || opts.threads > MAX_THREADS || opts.batches < 1 ||
-        opts.group < 1 || opts.group > MAX_GROUP || opts.pairs < opts.group || opts.pairs % opts.group)
+        opts.group < 1 || opts.group > MAX_GROUP || opts.pairs < opts.group || opts.pairs % opts.group ||
+        (opts.fence_after >= 0 && opts.allocator != ALLOCATOR_CORE))
         return -1;
     return 0;
 }
@@ -270,6 +300,10 @@ static void runtime_calls(uint64_t out[N_COUNTED]) {
     for (size_t i = 0; i < N_COUNTED; i++)
         out[i] = opts.allocator == ALLOCATOR_ACL || opts.allocator == ALLOCATOR_STREAM ? aclsim_call_count(COUNTED[i])
                                                                                           : 0;
+    if (opts.allocator == ALLOCATOR_CORE) { /* the core's fences stand for events */
+        out[2] = fence_records;
+        out[3] = fence_queries;
+    }
 }
 
 /* npualloc's cache counters: the linked core's, or the preloaded library's
@@ -296,6 +330,11 @@ int main(int argc, char **argv) {
     } else if (opts.allocator == ALLOCATOR_CORE) {
         npa_backend backend = {.raw_malloc = fake_malloc, .raw_free = fake_free, .synchronize = fake_sync,
                                .mem_get_info = fake_info};
+        if (opts.fence_after >= 0) {
+            backend.fence_record = fake_fence_record;
+            backend.fence_done = fake_fence_done;
+            backend.fence_release = fake_fence_release;
+        }
         core = npa_create(&backend, NULL);
         if (!core) return fprintf(stderr, "hotpath: npa_create failed\n"), 1;
     }

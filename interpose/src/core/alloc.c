@@ -294,6 +294,20 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     return p;
 }
 
+/* A free block of pool for rounded bytes: a held block of exactly that
+ * size, else best fit, else best fit once the held blocks are merged back
+ * (they may fit it together with their neighbours); NULL on a miss. */
+static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded) {
+    npa_block *b = NULL;
+    if (pool->is_small && d->recent.count) b = npa_recent_take(d, pool, rounded);
+    if (!b) b = get_free_block(&a->config, pool, rounded);
+    if (!b && pool->is_small && d->recent.count) {
+        npa_recent_flush(d);
+        b = get_free_block(&a->config, pool, rounded);
+    }
+    return b;
+}
+
 static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa_entry entry, bool on_stream,
                                   uintptr_t stream, npa_stream_flags flags, void **ptr) {
     if (!ptr) return NPA_ERR_INVALID_PARAM;
@@ -314,15 +328,10 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;
         if (!pair) pair = &d->plain;
         npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
-        if (pool->is_small && d->recent.count) b = npa_recent_take(d, pool, rounded);
-        if (!b) b = get_free_block(&a->config, pool, rounded);
-        if (!b && pool->is_small && d->recent.count) { /* merged, the held blocks may fit it */
-            npa_recent_flush(d);
-            b = get_free_block(&a->config, pool, rounded);
-        }
+        b = take_cached_block(a, d, pool, rounded);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             npa_pending_flush(a, d);
-            b = get_free_block(&a->config, pool, rounded);
+            b = take_cached_block(a, d, pool, rounded);
         }
         cache_hit = b != NULL;
         if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);

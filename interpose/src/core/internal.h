@@ -240,6 +240,8 @@ typedef struct npa_device {
     npa_fence_batch *batches[NPA_BATCH_KINDS];
     npa_fence_batch **batches_tail[NPA_BATCH_KINDS];
     npa_fence_batch *spare_batches;
+    unsigned poll_backoff;   /* polls to skip before the next query of a fence (pending.c) */
+    unsigned polls_skipped;  /* polls since the last query */
     size_t total_bytes;      /* device capacity seen at init (0: unknown) */
     size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none */
     size_t allowed_bytes;    /* what GC measures its threshold against */
@@ -288,11 +290,13 @@ void npa_pool_return(npa_device *d, npa_block *b);
 static inline bool npa_recent_takes(const npa_device *d, const npa_block *b) {
     return d->recent.capacity != 0 && b->is_small && !b->in_expandable && b->size <= NPA_RECENT_BYTES;
 }
-/* Ends b's allocation into the cache (making room by returning the oldest
- * blocks to their pools), counted as a free to the pool would be. Called
+/* Returns the oldest held blocks to their pools until a block of size fits. */
+void npa_recent_make_room(npa_device *d, size_t size);
+/* Ends b's allocation into the cache (making room first), counted as a
+ * free to the pool would count it: below, beside the stats helpers. Called
  * inside the free's stats section (npa_stats_begin): it opens none of its
  * own, which on the hit path would cost a nested begin and end per free. */
-void npa_recent_put(npa_device *d, npa_block *b);
+static inline void npa_recent_put(npa_device *d, npa_block *b);
 /* A held block of pool of exactly size bytes, out of the cache (still
  * counted inactive, as a block out of a pool), or NULL. */
 npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
@@ -477,5 +481,34 @@ static inline void npa_history_note_alloc(npa_allocator *a, npa_device *d, uintp
 bool npa_history_reset(npa_history *h, size_t capacity);
 /* Every held event of the device, oldest first. */
 void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg);
+
+/* recent.c's put, inline for both its callers (see there): the block's
+ * allocation ends into the cache, counted as a free to the pool counts a
+ * block that merged with nothing. */
+static inline void npa_recent_put(npa_device *d, npa_block *b) {
+    npa_recent *r = &d->recent;
+    if (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_recent_make_room(d, b->size);
+
+    npualloc_device_stats *s = d->stats;
+    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
+    if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
+        npa_pool_stat_increase(s->inactive_split, true, 1);
+        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);
+    }
+    npa_pool_stat_decrease(s->active, true, 1);
+    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)b->size);
+    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)b->requested);
+    b->phase = NPA_PHASE_RECENT;
+    b->requested = 0;
+    r->sizes[r->count] = b->size;
+    r->blocks[r->count] = b;
+    r->stamps[r->count] = r->clock++;
+    r->count++;
+    r->bytes += b->size;
+    if (b->size > r->largest) {
+        r->largest = b->size;
+        d->largest_moved = true;
+    }
+}
 
 #endif

@@ -2,10 +2,12 @@
  * malloc starts with one) records ONE fence covering the whole batch once it
  * holds NPA_FENCE_BATCH_BLOCKS frees or a share of the reserved bytes, or at
  * once when a malloc would otherwise miss (npa_pending_flush), and hands
- * back every batch whose fence has completed, without blocking. A fence
- * costs a runtime call per live stream (an event record: a task queued to
- * the stream); shared by many frees it costs a malloc+free pair little, and
- * recording it later than the frees only covers more work, never less.
+ * back every batch whose fence has completed, without blocking (after a
+ * query that found a fence running, polls wait a back-off before they ask
+ * again; a miss always asks). A fence costs a runtime call per live stream
+ * (an event record: a task queued to the stream); shared by many frees it
+ * costs a malloc+free pair little, and recording it later than the frees
+ * only covers more work, never less.
  * Pending blocks stay "active" in the stats.
  * Two kinds of batch: plain blocks (the reuse policy's fence over every
  * stream) and stream blocks recorded on other streams (one event on each
@@ -28,13 +30,30 @@
 #define NPA_FENCE_BATCH_MIN_BYTES ((size_t)2 << 20)
 #define NPA_FENCE_BATCH_RESERVED_SHARE 16
 
+/* How many mallocs a poll may skip the query after the oldest fence was
+ * found not done: the skip doubles from 1 up to this at each such query and
+ * ends when a fence completes. A fence on an idle stream completes within a
+ * few mallocs and one on a busy stream takes thousands: querying at every
+ * malloc cost make bench's fence path 0.85 queries per malloc (each a
+ * runtime call that takes the runtime's lock its stream threads take). A
+ * done batch waits at most this many mallocs more, and never at a miss
+ * (npa_pending_flush asks at once), so no malloc grows the pool for it. */
+#define NPA_POLL_BACKOFF_MAX 64
+
 static bool batch_full(const npa_device *d) {
     if (d->open_blocks >= NPA_FENCE_BATCH_BLOCKS) return true;
     size_t share = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current / NPA_FENCE_BATCH_RESERVED_SHARE;
     return d->open_bytes >= (share > NPA_FENCE_BATCH_MIN_BYTES ? share : NPA_FENCE_BATCH_MIN_BYTES);
 }
 
-static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) {
+/* Every block of the list becomes reusable: merged into its pool, or, with
+ * whole set, the newest a recent cache's worth of them (the list is newest
+ * first) held whole there, so the next mallocs of their sizes skip best
+ * fit, split and merge as after an eager free. The rest go straight to the
+ * pool: offered to the cache, each would only push out a block put there
+ * just before. The drains that empty the cache (a synchronize) merge all. */
+static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, bool whole) {
+    unsigned offered = whole ? 0 : d->recent.capacity;
     npa_stats_begin(d);
     for (npa_block *b = blocks, *next; b; b = next) {
         next = b->link;
@@ -44,7 +63,12 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks) 
         b->uses_unknown = false;
         b->fence_own = false;
         d->stats->num_pending_frees--;
-        npa_free_block(a, d, b);
+        if (offered < d->recent.capacity && npa_recent_takes(d, b)) {
+            npa_recent_put(d, b);
+            offered++;
+        } else {
+            npa_free_block(a, d, b);
+        }
     }
     npa_stats_end(d);
 }
@@ -65,7 +89,7 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     if (!fence) {
         npa_block *blocks = *open;
         *open = NULL;
-        complete_blocks(a, d, blocks);
+        complete_blocks(a, d, blocks, true);
         return;
     }
     npa_fence_batch *batch = d->spare_batches;
@@ -157,19 +181,26 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
  * a later fence of the same kind covers the same streams and was recorded
  * after, so it is not done either (and if it were, its blocks only wait one
  * more poll). So a poll costs at most one query per kind and never walks
- * the batches a busy device has queued behind. */
+ * the batches a busy device has queued behind. Sets the polls' back-off:
+ * none after a fence completed, doubled after a query that found none. */
 static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
+    bool completed = false, waiting = false;
     for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) {
         npa_fence_batch *batch;
         while ((batch = d->batches[kind]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
             d->batches[kind] = batch->next;
             release_fence(a, batch->fence);
-            complete_blocks(a, d, batch->blocks);
+            complete_blocks(a, d, batch->blocks, !all);
             batch->next = d->spare_batches;
             d->spare_batches = batch;
+            completed = true;
         }
         if (!d->batches[kind]) d->batches_tail[kind] = &d->batches[kind];
+        else waiting = true;
     }
+    if (completed || !waiting) d->poll_backoff = 0;
+    else if (d->poll_backoff < NPA_POLL_BACKOFF_MAX) d->poll_backoff = d->poll_backoff ? 2 * d->poll_backoff : 1;
+    d->polls_skipped = 0;
 }
 
 static void close_open(npa_allocator *a, npa_device *d, bool plain) {
@@ -191,17 +222,19 @@ void npa_pending_flush(npa_allocator *a, npa_device *d) {
 
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
     if (d->open_batch || d->open_uses) close_open(a, d, d->open_batch && batch_full(d));
-    if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
+    if (!d->batches[NPA_BATCH_PLAIN] && !d->batches[NPA_BATCH_USES]) return;
+    if (d->polls_skipped < d->poll_backoff) d->polls_skipped++;
+    else drain_batches(a, d, false);
 }
 
 void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     drain_batches(a, d, true);
     npa_block *blocks = d->open_batch;
     d->open_batch = NULL;
-    complete_blocks(a, d, blocks);
+    complete_blocks(a, d, blocks, false);
     blocks = d->open_uses;
     d->open_uses = NULL;
-    complete_blocks(a, d, blocks);
+    complete_blocks(a, d, blocks, false);
     d->open_blocks = d->open_bytes = 0;
 }
 

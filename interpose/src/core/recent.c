@@ -13,9 +13,11 @@
  * (recent_blocks:0 turns the cache off). Whatever needs merged free space
  * returns every held block to its pool first: a small-pool miss before it
  * asks the device for memory, the OOM retry, empty_cache, reset. A free
- * that needs a fence or a stream's event (stream-safe reuse) never comes
- * here; a block freed on its own stream does, and serves only that stream's
- * pool again. */
+ * that needs a fence or a stream's event (stream-safe reuse) comes here
+ * only once that has completed (pending.c); a block freed on its own
+ * stream comes at once, and serves only that stream's pool again. The put
+ * is inline (internal.h): the eager free path and the fence's completion
+ * both make it, and as a call it cost an eager pair 7 instructions. */
 #include "internal.h"
 
 /* Unlinks slot i; the last slot moves into it. Inlined into every caller:
@@ -45,30 +47,9 @@ static unsigned oldest(const npa_recent *r) {
     return at;
 }
 
-void npa_recent_put(npa_device *d, npa_block *b) {
+void npa_recent_make_room(npa_device *d, size_t size) {
     npa_recent *r = &d->recent;
-    while (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_pool_return(d, remove_at(d, oldest(r)));
-
-    npualloc_device_stats *s = d->stats;
-    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
-    if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
-        npa_pool_stat_increase(s->inactive_split, true, 1);
-        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);
-    }
-    npa_pool_stat_decrease(s->active, true, 1);
-    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)b->size);
-    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)b->requested);
-    b->phase = NPA_PHASE_RECENT;
-    b->requested = 0;
-    r->sizes[r->count] = b->size;
-    r->blocks[r->count] = b;
-    r->stamps[r->count] = r->clock++;
-    r->count++;
-    r->bytes += b->size;
-    if (b->size > r->largest) {
-        r->largest = b->size;
-        d->largest_moved = true;
-    }
+    while (r->count == r->capacity || r->bytes + size > NPA_RECENT_BYTES) npa_pool_return(d, remove_at(d, oldest(r)));
 }
 
 /* The size searched for is written past the last block, so the scan stops

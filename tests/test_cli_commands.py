@@ -80,8 +80,11 @@ def test_stats_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
     change made in the process shows in a later frame."""
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")
+        # Ctrl-C as a terminal sends it: a suite started as a background job
+        # (`.ci/run &`) passes SIGINT down ignored, and Python keeps it so.
         watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.05"],
-                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         assert watcher.stdout is not None
 
         def frames_until(text: str, count: int) -> int:

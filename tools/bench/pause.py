@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import launch
+from figures import fmt_spread, spread
 
 SIZE_MIB = 256
 REPEATS = 5
@@ -83,10 +84,9 @@ def markdown(result: dict[str, Any]) -> list[str]:
     lines = ["| path | pause GiB/s | resume GiB/s |", "|---|---:|---:|"]
     for key, label in (("saver", "memory_saver.pause/resume, CPU backup"),
                        ("command", "`npualloc pause/resume <pid>` (region command)")):
-        pauses = sorted(gib / t for t, _ in result[key])
-        resumes = sorted(gib / t for _, t in result[key])
-        lines.append(f"| {label} | {pauses[len(pauses) // 2]:.2f} [{pauses[0]:.2f}-{pauses[-1]:.2f}] | "
-                     f"{resumes[len(resumes) // 2]:.2f} [{resumes[0]:.2f}-{resumes[-1]:.2f}] |")
+        pauses = spread([gib / t for t, _ in result[key]])
+        resumes = spread([gib / t for _, t in result[key]])
+        lines.append(f"| {label} | {fmt_spread(pauses)} | {fmt_spread(resumes)} |")
     lines.append(f"\n{SIZE_MIB} MiB of live blocks, median [min-max] of {REPEATS} pause/resume cycles; bytes moved "
                  "= the blocks copied to the host and back. The command path's pause includes the wait for the "
                  "program's next allocator call.")

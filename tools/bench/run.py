@@ -44,6 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "demo")]
 import launch  # noqa: E402
+from figures import fmt_spread, spread  # noqa: E402
 import pause as pause_bench  # noqa: E402
 import stacks as stacks_bench  # noqa: E402
 from npualloc import replay  # noqa: E402
@@ -127,14 +128,6 @@ HOTPATH_CASES = (   # (key, label, allocator, threads, reuse, group)
     ("streamhw16", "stream-aware entry, host writes (the pass-through's flag), groups of 16",
      "stream-host-writes", 1, "safe", 16),
 )
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt_spread(s: dict[str, float], fmt: str = ".2f", suffix: str = "") -> str:
-    return f"{s['median']:{fmt}}{suffix} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
 
 
 def hot_path(build: Path) -> dict[str, Any]:

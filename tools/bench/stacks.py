@@ -2,9 +2,13 @@
 acl.rt.malloc + acl.rt.free (cache hits, one size) under npualloc on the
 simulated runtime, with history off, history on, and history with Python
 stacks, each in its own process; ns per malloc+free pair, best of the
-repeats, and the difference to history alone. The stacks are 12 frames deep.
+repeats within a process. The modes run in rounds, each mode once per round,
+and what history and the stacks add is taken within a round: on a shared
+machine whose speed moves 2x from one second to the next, modes measured one
+after the other compared the machine's phases (history once read 290 ns
+cheaper than no history). The stacks are 12 frames deep.
 
-    python tools/bench/stacks.py [--pairs N] [--repeats R]   (BUILD=dir picks the build tree)
+    python tools/bench/stacks.py [--pairs N] [--repeats R] [--rounds K]   (BUILD=dir picks the build tree)
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
 import launch  # noqa: E402
+
+from figures import fmt_spread, spread  # noqa: E402
 
 LOOP = """
 import acl, json, sys, time, npualloc
@@ -50,22 +56,34 @@ def measure_mode(mode: str, pairs: int, repeats: int, build: Path | None = None)
     return float(json.loads(proc.stdout))
 
 
-def measure(build: Path | None = None, pairs: int = 20000, repeats: int = 5) -> dict[str, Any]:
-    """ns per pair for history off, history on, history with stacks (`make bench`'s section 5)."""
-    modes = {mode: measure_mode(mode, pairs, repeats, build) for mode in ("off", "history", "stacks")}
-    return {"pairs": pairs, "repeats": repeats, **modes}
+MODES = ("off", "history", "stacks")
+
+
+def measure(build: Path | None = None, pairs: int = 20000, repeats: int = 5, rounds: int = 5) -> dict[str, Any]:
+    """ns per pair for history off, history on, history with stacks, one
+    list entry per round (`make bench`'s section 5)."""
+    runs: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            runs[mode].append(measure_mode(mode, pairs, repeats, build))
+    return {"pairs": pairs, "repeats": repeats, "rounds": rounds, **runs}
 
 
 def markdown(r: dict[str, Any]) -> list[str]:
+    history_adds = spread([h - o for h, o in zip(r["history"], r["off"])])
+    stack_adds = spread([s - h for s, h in zip(r["stacks"], r["history"])])
     return [
-        "| pyACL malloc+free pair under npualloc | ns per pair | added |", "|---|---:|---:|",
-        f"| history off | {r['off']:.0f} | |",
-        f"| record_history | {r['history']:.0f} | +{r['history'] - r['off']:.0f} |",
-        f"| + record_stacks:python (12 frames) | {r['stacks']:.0f} | +{r['stacks'] - r['history']:.0f} for the stack |",
+        "| pyACL malloc+free pair under npualloc | ns per pair: median [min-max of rounds] | added, within a round |",
+        "|---|---:|---:|",
+        f"| history off | {fmt_spread(spread(r['off']), '.0f')} | |",
+        f"| record_history | {fmt_spread(spread(r['history']), '.0f')} | {fmt_spread(history_adds, '+.0f')} |",
+        f"| + record_stacks:python (12 frames) | {fmt_spread(spread(r['stacks']), '.0f')} | "
+        f"{fmt_spread(stack_adds, '+.0f')} for the stack |",
         "",
-        f"{r['pairs']} pairs of acl.rt.malloc(4096)+free (cache hits), best of {r['repeats']}, each mode in its own "
-        "process (tools/bench/stacks.py). With record_stacks off it adds nothing to the hit path: its flag shares "
-        "the word an allocation already reads (npa_entry_work); section 1 compares with a build without it.",
+        f"{r['pairs']} pairs of acl.rt.malloc(4096)+free (cache hits), best of {r['repeats']} within each process, "
+        f"each mode in its own process, {r['rounds']} rounds of the three (tools/bench/stacks.py). With "
+        "record_stacks off it adds nothing to the hit path: its flag shares the word an allocation already reads "
+        "(npa_entry_work); section 1 compares with a build without it.",
     ]
 
 
@@ -73,8 +91,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    print("\n".join(markdown(measure(None, args.pairs, args.repeats))))
+    print("\n".join(markdown(measure(None, args.pairs, args.repeats, args.rounds))))
     return 0
 
 

@@ -68,6 +68,33 @@ def test_event_status_polarity():
     """)
 
 
+def test_a_record_on_an_idle_stream_completes_at_once():
+    """As a device reaches it within microseconds: on a stream with nothing
+    queued or running (a created one and the default one) an event is
+    complete at the first query after its record, every time, not once the
+    stream's worker thread got a CPU; recorded behind queued work it waits
+    for that work."""
+    sim("""
+        stream, ret = acl.rt.create_stream(); ok(ret)
+        ev, ret = acl.rt.create_event(); ok(ret)
+        for s in (stream, 0):
+            ok(acl.rt.synchronize_stream(s))
+            late = sum(acl.rt.record_event(ev, s) != 0 or acl.rt.query_event_status(ev) != COMPLETE
+                       for _ in range(500))
+            assert late == 0, late
+        def attempt(duration_us):
+            aclsim.set_op_duration_us(duration_us)
+            fill(dev(64), 64, 1, stream)
+            ok(acl.rt.record_event(ev, stream))
+            queued = still_queued(ev)
+            ok(acl.rt.synchronize_event(ev))
+            assert acl.rt.query_event_status(ev) == COMPLETE
+            return queued
+        while_queued(attempt)
+        ok(acl.rt.destroy_event(ev)); ok(acl.rt.destroy_stream(stream))
+    """)
+
+
 def test_stream_wait_event_orders_across_streams():
     sim("""
         a, b = dev(1024), dev(1024)

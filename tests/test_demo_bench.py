@@ -5,6 +5,7 @@ taken from a second process while it waits. Timings are not asserted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -80,8 +81,27 @@ def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
     monkeypatch.setattr(bench, "HOTPATH_ROUNDS", 2)
     monkeypatch.setattr(bench, "HOTPATH_BATCHES", 5)
     monkeypatch.setattr(bench, "HOTPATH_PAIRS", 32)
+    started: list[dict] = []
+    run_hotpath = bench.run_hotpath
+
+    def recorded(*args, **kwargs):
+        result = run_hotpath(*args, **kwargs)
+        started.append({"threads": result["threads"], "cpu": kwargs.get("cpu"), "cpus_allowed": result["cpus_allowed"]})
+        return result
+
+    monkeypatch.setattr(bench, "run_hotpath", recorded)
     h = bench.hot_path(BUILD)
     assert h["rounds"] == 2 and {r["key"] for r in h["rows"]} == {key for key, *_ in bench.HOTPATH_CASES}
+    # A round's one-thread runs all ran pinned to one CPU, the rounds taking
+    # the CPUs in turn; the several-thread runs were not pinned.
+    cpus = sorted(os.sched_getaffinity(0))
+    per_round = len(bench.HOTPATH_CASES)
+    for index, run in enumerate(started):
+        if run["threads"] == 1:
+            assert run["cpu"] == cpus[index // per_round % len(cpus)] and run["cpus_allowed"] == 1, run
+        else:
+            assert run["cpu"] is None and run["cpus_allowed"] == len(cpus), run
+    assert set(h["by_cpu"]) == {cpus[i % len(cpus)] for i in range(2)}
     for value in h["ratios"].values():
         assert 0 < value["min"] <= value["median"] <= value["max"]
     single = next(r for r in h["rows"] if r["key"] == "eager1")

@@ -27,11 +27,13 @@
  * timing, and every runtime call of the kinds a steady loop should not make,
  * so a reader can check). All threads use device 0.
  *
- * Prints one JSON object on stdout; exits 1 on any ACL error. */
+ * Prints one JSON object on stdout (with how many CPUs the process may run
+ * on: the bench pins its one-thread runs); exits 1 on any ACL error. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -363,14 +365,16 @@ int main(int argc, char **argv) {
     double *all = malloc(samples * sizeof *all);
     if (!all) return fprintf(stderr, "hotpath: out of memory\n"), 1;
     int failed = 0;
+    cpu_set_t allowed;
+    int cpus_allowed = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed) : -1;
     printf("{\"allocator\": \"%s\", \"threads\": %d, \"batches\": %d, \"pairs_per_batch\": %d, \"group\": %d, "
-           "\"sizes\": %zu, \"npualloc_loaded\": %s, \"per_thread\": [",
+           "\"sizes\": %zu, \"npualloc_loaded\": %s, \"cpus_allowed\": %d, \"per_thread\": [",
            opts.allocator == ALLOCATOR_ACL      ? "acl"
            : opts.allocator == ALLOCATOR_STREAM ? "stream"
            : opts.allocator == ALLOCATOR_CORE   ? "core"
                                                 : "glibc",
            opts.threads, opts.batches, opts.pairs, opts.group,
-           seq.count, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false");
+           seq.count, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false", cpus_allowed);
     for (int t = 0; t < opts.threads; t++) {
         worker *w = &workers[t];
         failed |= w->failed;

@@ -51,7 +51,7 @@ from npualloc import replay  # noqa: E402
 
 SIZES = ROOT / "tools" / "bench" / "trace_sizes.txt"
 HOTPATH_BATCHES, HOTPATH_PAIRS = 500, 1000
-HOTPATH_ROUNDS = 5            # every hot-path case once per round; ratios are taken within a round
+HOTPATH_ROUNDS = 6            # every hot-path case once per round; ratios are taken within a round
 REPLAY_RATE_REPEATS = 3
 PYACL_STEPS = 120
 TRAINING_TRACES = ("gpt2_train", "resnet_train")
@@ -82,14 +82,15 @@ def machine() -> dict[str, str]:
 # ---------------------------------------------------------------- 1. hot path
 
 def run_hotpath(build: Path, allocator: str, threads: int, reuse: str | None = None, group: int = 1,
-                batches: int = HOTPATH_BATCHES, pairs: int = HOTPATH_PAIRS) -> dict[str, Any]:
+                batches: int = HOTPATH_BATCHES, pairs: int = HOTPATH_PAIRS, cpu: int | None = None) -> dict[str, Any]:
     """One run of the harness: allocator "npualloc" (aclrtMalloc with
     libnpualloc.so preloaded, reuse_policy REUSE), "bare" (the same with the
     library built without the tests for unused memory_saver / record_stacks,
     tools/bench.mk), "stream" (npualloc's stream-aware entry on a stream of
     each thread's own, preloaded), "stream-host-writes" (the same with
     NPUALLOC_STREAM_HOST_WRITES, the MindTorch pass-through's flag), "core"
-    (npa_malloc/npa_free linked in, no ACL) or "glibc"."""
+    (npa_malloc/npa_free linked in, no ACL) or "glibc". cpu: run pinned
+    there (its threads, the simulator's included, inherit it)."""
     env = launch.sim_environment(build)
     preloaded = allocator in PRELOADED
     if preloaded:
@@ -101,7 +102,8 @@ def run_hotpath(build: Path, allocator: str, threads: int, reuse: str | None = N
     cmd = [str(build / "bench" / "npualloc-bench-hotpath"), "--allocator", *harness_allocator,
            "--threads", str(threads), "--batches", str(batches), "--pairs", str(pairs), "--group", str(group),
            str(SIZES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=pin)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
     result = json.loads(proc.stdout)
@@ -133,12 +135,18 @@ HOTPATH_CASES = (   # (key, label, allocator, threads, reuse, group)
 def hot_path(build: Path) -> dict[str, Any]:
     """HOTPATH_ROUNDS rounds, each running every case once, back to back: a
     ratio is taken within a round (both sides under the same load) and
-    reported as its median and min-max over the rounds."""
+    reported as its median and min-max over the rounds. A round's
+    one-thread cases all run pinned to one CPU, the rounds taking the CPUs in
+    turn: on a VM whose CPUs ran the same pair at 69 and 120 ns, an unpinned
+    run landed on either, and a ratio compared two CPUs as often as two
+    allocators. The several-thread cases run unpinned."""
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key, *_ in HOTPATH_CASES}
-    for round_index in range(HOTPATH_ROUNDS):
-        log(f"hot path: round {round_index + 1} of {HOTPATH_ROUNDS}")
+    cpus = sorted(os.sched_getaffinity(0))
+    round_cpus = [cpus[i % len(cpus)] for i in range(HOTPATH_ROUNDS)]
+    for round_index, cpu in enumerate(round_cpus):
+        log(f"hot path: round {round_index + 1} of {HOTPATH_ROUNDS} (one-thread cases on CPU {cpu})")
         for key, _label, allocator, threads, reuse, group in HOTPATH_CASES:
-            runs[key].append(run_hotpath(build, allocator, threads, reuse, group))
+            runs[key].append(run_hotpath(build, allocator, threads, reuse, group, cpu=cpu if threads == 1 else None))
 
     def per_thread_rate(r: dict[str, Any]) -> float:
         return statistics.median(t["pairs_per_s"] for t in r["per_thread"])
@@ -171,7 +179,10 @@ def hot_path(build: Path) -> dict[str, Any]:
     def ratio(top: str, bottom: str) -> dict[str, float]:
         return spread([t["median_ns"] / b["median_ns"] for t, b in zip(runs[top], runs[bottom])])
 
-    return {"rows": rows, "rounds": HOTPATH_ROUNDS,
+    by_cpu = {cpu: {key: statistics.median(r["median_ns"] for r, c in zip(runs[key], round_cpus) if c == cpu)
+                    for key in ("eager1", "glibc1")}
+              for cpu in sorted(set(round_cpus))}
+    return {"rows": rows, "rounds": HOTPATH_ROUNDS, "by_cpu": by_cpu,
             "ratios": {key: ratio(*key.split("/"))
                        for key in ("eager1/glibc1", "core1/glibc1", "core1/eager1", "safe16/eager1", "safe1/eager1",
                                    "stream1/eager1", "streamhw16/eager1", "eager1/bare1")}}
@@ -208,6 +219,10 @@ def hot_path_markdown(h: dict[str, Any]) -> list[str]:
     lines += ["", f"Ratios taken within a round (both sides under the same load), median [min-max] over "
               f"{h['rounds']} rounds, 1 thread:", ""]
     lines += [f"- {RATIO_NAMES[key]}: {fmt_spread(value)}" for key, value in h["ratios"].items()]
+    lines += ["", "A round's one-thread cases run pinned to one CPU, the rounds taking the CPUs in turn (so each "
+              "ratio compares runs on one CPU); by CPU, median over its rounds:", ""]
+    lines += [f"- CPU {cpu}: exported pair {ns['eager1']:.1f} ns, glibc {ns['glibc1']:.1f} ns, "
+              f"ratio {ns['eager1'] / ns['glibc1']:.2f}" for cpu, ns in h["by_cpu"].items()]
     return lines
 
 
@@ -469,8 +484,9 @@ def report(m: dict[str, str], command: str, h: dict[str, Any], trace_rows: list[
         f"- command: `{command}` (took {seconds:.0f} s)",
         "- runtime: the simulated CANN runtime (tools/aclsim), default latency model: raw malloc 40 us, raw free "
         "20 us, op 10 us; no NPU. The machine is shared: timings are noisy, so each hot-path figure is the median "
-        f"of {HOTPATH_ROUNDS} rounds (each round runs every case once, back to back, so a ratio compares runs under "
-        f"the same load), each run the median of {HOTPATH_BATCHES} batches of {HOTPATH_PAIRS} pairs.",
+        f"of {HOTPATH_ROUNDS} rounds (each round runs every case once, back to back, its one-thread cases pinned to "
+        f"one CPU, the rounds taking the CPUs in turn, so a ratio compares runs under the same load on the same CPU), "
+        f"each run the median of {HOTPATH_BATCHES} batches of {HOTPATH_PAIRS} pairs.",
         "", "## Goals", "", *goal_lines,
         "", "## 1. Hot path: aclrtMalloc + aclrtFree, cache hit", "",
         f"tools/bench/hotpath.c, linked against the simulated libascendcl.so and run with "

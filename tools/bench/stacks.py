@@ -3,6 +3,7 @@ acl.rt.malloc + acl.rt.free (cache hits, one size) under npualloc on the
 simulated runtime, with history off, history on, and history with Python
 stacks, each in its own process; ns per malloc+free pair, best of the
 repeats within a process. The modes run in rounds, each mode once per round,
+a round's processes pinned to one CPU (the rounds take the CPUs in turn),
 and what history and the stacks add is taken within a round: on a shared
 machine whose speed moves 2x from one second to the next, modes measured one
 after the other compared the machine's phases (history once read 290 ns
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +48,12 @@ print(json.dumps(min(best)))
 """
 
 
-def measure_mode(mode: str, pairs: int, repeats: int, build: Path | None = None) -> float:
+def measure_mode(mode: str, pairs: int, repeats: int, build: Path | None = None, cpu: int | None = None) -> float:
     env = launch.sim_environment(build)
     env["NPUSIM_MALLOC_US"] = env["NPUSIM_FREE_US"] = "0"
+    pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
     proc = subprocess.run(launch.command([sys.executable, "-c", LOOP, str(pairs), str(repeats), mode], True),
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=pin)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: exit {proc.returncode}: {proc.stderr}")
     return float(json.loads(proc.stdout))
@@ -63,9 +66,11 @@ def measure(build: Path | None = None, pairs: int = 20000, repeats: int = 5, rou
     """ns per pair for history off, history on, history with stacks, one
     list entry per round (`make bench`'s section 5)."""
     runs: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for _ in range(rounds):
+    cpus = sorted(os.sched_getaffinity(0))
+    for round_index in range(rounds):
+        cpu = cpus[round_index % len(cpus)]  # as the hot path's rounds: one CPU per round, in turn
         for mode in MODES:
-            runs[mode].append(measure_mode(mode, pairs, repeats, build))
+            runs[mode].append(measure_mode(mode, pairs, repeats, build, cpu))
     return {"pairs": pairs, "repeats": repeats, "rounds": rounds, **runs}
 
 
@@ -81,7 +86,8 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"{fmt_spread(stack_adds, '+.0f')} for the stack |",
         "",
         f"{r['pairs']} pairs of acl.rt.malloc(4096)+free (cache hits), best of {r['repeats']} within each process, "
-        f"each mode in its own process, {r['rounds']} rounds of the three (tools/bench/stacks.py). With "
+        f"each mode in its own process, {r['rounds']} rounds of the three, a round pinned to one CPU "
+        "(tools/bench/stacks.py). With "
         "record_stacks off it adds nothing to the hit path: its flag shares the word an allocation already reads "
         "(npa_entry_work); section 1 compares with a build without it.",
     ]

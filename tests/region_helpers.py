@@ -85,7 +85,8 @@ WORKLOAD = textwrap.dedent("""
 
     def fork_child_allocates(size):
         # The child allocates and reports whether it got a region of its own,
-        # then leaves without atexit (as a crash would).
+        # what it allocated and its config, then leaves without atexit (as a
+        # crash would).
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -93,7 +94,7 @@ WORKLOAD = textwrap.dedent("""
                 malloc(size)
                 mine = os.path.exists(os.path.join(os.environ["NPUALLOC_SHM_DIR"], f"npualloc-{os.geteuid()}",
                                                    f"npualloc.{os.getpid()}"))
-                os.write(write_end, json.dumps([mine, npualloc.memory_allocated()]).encode())
+                os.write(write_end, json.dumps([mine, npualloc.memory_allocated(), npualloc.get_config()]).encode())
             finally:
                 os._exit(0)
         os.close(write_end)

@@ -95,7 +95,7 @@ def test_forked_child_gets_its_own_region(shm: Path) -> None:
     with Workload(shm) as w:
         w.call(f"malloc({3 * MiB})")
         before = npualloc.memory_stats(pid=w.pid)
-        child, child_had_region, child_allocated = w.call(f"fork_child_allocates({12 * MiB})")
+        child, child_had_region, child_allocated, _config = w.call(f"fork_child_allocates({12 * MiB})")
         assert child_had_region
         assert 12 * MiB <= child_allocated < 13 * MiB  # a fresh allocator: none of the parent's blocks
         assert npualloc.memory_stats(pid=w.pid) == before  # the child wrote nothing here
@@ -154,12 +154,18 @@ def test_reset_peak_and_accumulated_commands(shm: Path) -> None:
         assert stats["allocated_bytes.all.allocated"] < MiB
 
 
-def test_gc_threshold_command_changes_the_config(shm: Path) -> None:
+def test_config_commands_change_the_config_and_a_forked_child_keeps_it(shm: Path) -> None:
+    """The GC threshold and record_history set from another process change
+    the process's config as npualloc.set_config does there: a child it forks
+    afterwards starts its own allocator with them, not with the environment's."""
     with Workload(shm) as w:
         w.call("malloc(4096)")
         _post_and_trigger(w, shm, constants.NPUALLOC_CMD_SET_GC_THRESHOLD, "malloc(4096)", arg=0.5)
-        assert "garbage_collection_threshold:0.5" in npualloc.get_config(pid=w.pid)
-        assert npualloc.get_config(pid=w.pid) == w.call("npualloc.get_config()")
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_RECORD_HISTORY, "malloc(4096)", arg=1000)
+        config = npualloc.get_config(pid=w.pid)
+        assert "garbage_collection_threshold:0.5" in config and "record_history:1000" in config, config
+        assert config == w.call("npualloc.get_config()")
+        assert w.call("fork_child_allocates(4096)")[3] == config
 
 
 @pytest.mark.parametrize("code, arg, fragment", [

@@ -28,7 +28,9 @@
  *      the device locks one at a time (5), and the config text (8).
  *      A pause (pause.c, core pausable.c) takes 4 and then every device
  *      lock (5) in ascending order and holds them until its resume.
- *      Never nested with 1 or 2.
+ *      Never nested with 1 or 2: a command that set a run-time key keeps
+ *      it for later allocators (1, npa_hook_remember_config) after 3 is
+ *      released.
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it;

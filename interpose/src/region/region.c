@@ -292,9 +292,18 @@ static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
     return NPUALLOC_CMD_OK;
 }
 
+/* A run-time key a command set: kept for later allocators (a forked child's,
+ * a new runtime session's) as npualloc_set_config keeps it, once the
+ * command lock is released (init_lock is never taken under it). */
+typedef struct kept_key {
+    bool taken;
+    npa_runtime_key key;
+    npa_config parsed;
+} kept_key;
+
 /* *seq: the request applied; a pause moves it on to the resume that ended it. */
 static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq, int32_t code, int32_t device,
-                             double arg)
+                             double arg, kept_key *keep)
 {
     if (code == NPUALLOC_CMD_PAUSE)
         return npa_pause_command(a, r, seq);
@@ -314,6 +323,7 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq
             return NPUALLOC_CMD_EINVAL;
         if (npa_set_record_history(a, parsed.record_history) != 0)
             return NPUALLOC_CMD_EFAILED;
+        *keep = (kept_key){.taken = true, .key = NPA_KEY_RECORD_HISTORY, .parsed = parsed};
         char canonical[NPUALLOC_CONFIG_LEN];
         npa_config_format(npa_get_config(a), canonical, sizeof canonical);
         npa_region_set_config(canonical);
@@ -324,6 +334,9 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq
             return NPUALLOC_CMD_EINVAL;
         if (npa_set_gc_threshold(a, arg) != 0)
             return NPUALLOC_CMD_EFAILED;
+        *keep = (kept_key){.taken = true, .key = NPA_KEY_GC_THRESHOLD};
+        npa_config_defaults(&keep->parsed);
+        keep->parsed.garbage_collection_threshold = arg;
         char canonical[NPUALLOC_CONFIG_LEN];
         npa_config_format(npa_get_config(a), canonical, sizeof canonical);
         npa_region_set_config(canonical);
@@ -362,17 +375,20 @@ void npa_region_poll_slow(npa_allocator *allocator)
     if (pthread_mutex_trylock(&g_command_lock) != 0)
         return; /* another thread is applying it */
     uint64_t requested = __atomic_load_n(&cmd->request_seq, __ATOMIC_ACQUIRE);
+    kept_key keep = {.taken = false};
     if (requested != __atomic_load_n(&cmd->ack_seq, __ATOMIC_RELAXED)) {
         /* Read once: the requester is another process and may rewrite them. */
         int32_t code = __atomic_load_n(&cmd->code, __ATOMIC_RELAXED);
         int32_t device = __atomic_load_n(&cmd->device, __ATOMIC_RELAXED);
         double arg;
         memcpy(&arg, (const void *)&cmd->arg, sizeof arg);
-        int32_t status = apply_command(allocator, r, &requested, code, device, arg);
+        int32_t status = apply_command(allocator, r, &requested, code, device, arg, &keep);
         __atomic_store_n(&cmd->ack_status, status, __ATOMIC_RELAXED);
         __atomic_store_n(&cmd->ack_seq, requested, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&g_command_lock);
+    if (keep.taken)
+        npa_hook_remember_config(&keep.parsed, keep.key);
 }
 
 void npa_region_remove(void)

@@ -152,15 +152,6 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     return apply_runtime_key(a, &parsed, (npa_runtime_key)which);
 }
 
-static void publish_config(npa_allocator *a)
-{
-    if (a == NULL)
-        return;
-    char canonical[NPUALLOC_CONFIG_LEN];
-    npa_config_format(npa_get_config(a), canonical, sizeof(canonical));
-    npa_region_set_config(canonical);
-}
-
 NPA_EXPORT int npualloc_set_config(const char *text)
 {
     if (text == NULL)
@@ -181,7 +172,7 @@ NPA_EXPORT int npualloc_set_config(const char *text)
             item = p + 1;
         }
     }
-    publish_config(a);
+    npa_region_publish_config(a);
     return rejected;
 }
 
@@ -199,7 +190,7 @@ NPA_EXPORT int npualloc_set_gc_threshold(double threshold)
     parsed.garbage_collection_threshold = threshold;
     npa_allocator *a = npa_hook_allocator_any();
     int rejected = apply_runtime_key(a, &parsed, NPA_KEY_GC_THRESHOLD);
-    publish_config(npa_hook_allocator_any());
+    npa_region_publish_config(npa_hook_allocator_any());
     return rejected ? -1 : 0;
 }
 

@@ -351,9 +351,7 @@ npa_allocator *npa_hook_init(void)
         npa_backend b = backend_for(c);
         a = npa_create(&b, c);
         if (a != NULL) {
-            char canonical[NPUALLOC_CONFIG_LEN];
-            npa_config_format(npa_get_config(a), canonical, sizeof(canonical)); /* what the core put in force */
-            npa_region_set_config(canonical);
+            npa_region_publish_config(a); /* what the core put in force */
             atomic_store_explicit(&any_allocator, a, memory_order_release);
             atomic_store_explicit(&npa_serving, a, memory_order_release);
             state = ST_ACTIVE;

@@ -261,10 +261,12 @@ npualloc_saver_stats *npa_region_saver_stats(int device)
     return r ? &r->saver[device] : NULL;
 }
 
-void npa_region_set_config(const char *canonical)
+void npa_region_publish_config(const npa_allocator *a)
 {
-    if (!canonical)
+    if (!a)
         return;
+    char canonical[NPUALLOC_CONFIG_LEN];
+    npa_config_format(npa_get_config(a), canonical, sizeof canonical);
     pthread_mutex_lock(&g_create_lock);
     copy_text(g_config, sizeof g_config, canonical);
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
@@ -324,9 +326,7 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq
         if (npa_set_record_history(a, parsed.record_history) != 0)
             return NPUALLOC_CMD_EFAILED;
         *keep = (kept_key){.taken = true, .key = NPA_KEY_RECORD_HISTORY, .parsed = parsed};
-        char canonical[NPUALLOC_CONFIG_LEN];
-        npa_config_format(npa_get_config(a), canonical, sizeof canonical);
-        npa_region_set_config(canonical);
+        npa_region_publish_config(a);
         return NPUALLOC_CMD_OK;
     }
     if (code == NPUALLOC_CMD_SET_GC_THRESHOLD) {
@@ -337,9 +337,7 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq
         *keep = (kept_key){.taken = true, .key = NPA_KEY_GC_THRESHOLD};
         npa_config_defaults(&keep->parsed);
         keep->parsed.garbage_collection_threshold = arg;
-        char canonical[NPUALLOC_CONFIG_LEN];
-        npa_config_format(npa_get_config(a), canonical, sizeof canonical);
-        npa_region_set_config(canonical);
+        npa_region_publish_config(a);
         return NPUALLOC_CMD_OK;
     }
     if (code != NPUALLOC_CMD_EMPTY_CACHE && code != NPUALLOC_CMD_RESET_PEAK && code != NPUALLOC_CMD_RESET_ACCUMULATED)

@@ -15,8 +15,9 @@ npualloc_region *npa_region_get(void);
 npualloc_device_stats *npa_region_device_stats(int device);
 /* Where saver.c publishes a device's memory_saver figures, or NULL. */
 npualloc_saver_stats *npa_region_saver_stats(int device);
-/* Records the config in force (canonical text) in the header. */
-void npa_region_set_config(const char *canonical);
+/* Records the config in force in a (its canonical text) in the header;
+ * every change of it (creation, set_config, a command) comes here. */
+void npa_region_publish_config(const npa_allocator *a);
 /* The region once created; NULL before, after a fork, or when there is none. */
 extern npualloc_region *_Atomic npa_region_current;
 

@@ -1,9 +1,26 @@
-"""How the bench states a measured figure: the median of repeated runs with
-their min-max, so a reader sees how far a figure moves on the machine that
-made it (the bench's sections all report this way)."""
+"""How the bench takes and states a measured figure. Taken in rounds, each
+round's runs pinned to one CPU and the rounds taking the CPUs in turn (on a
+VM whose CPUs ran the same code at 69 and 120 ns, an unpinned run landed on
+either, and two runs compared two CPUs as often as two builds). Stated as
+the median of the rounds with their min-max, so a reader sees how far a
+figure moves on the machine that made it."""
 from __future__ import annotations
 
+import os
 import statistics
+from typing import Callable
+
+
+def round_cpus(rounds: int) -> list[int]:
+    """The CPU each round runs on: those this process may use, in turn."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[i % len(cpus)] for i in range(rounds)]
+
+
+def pinned(cpu: int | None) -> Callable[[], None] | None:
+    """A subprocess preexec_fn that pins the child (and the threads it
+    starts) to cpu; None leaves it unpinned."""
+    return None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "demo")]
 import launch  # noqa: E402
-from figures import fmt_spread, spread  # noqa: E402
+from figures import fmt_spread, pinned, round_cpus, spread  # noqa: E402
 import pause as pause_bench  # noqa: E402
 import stacks as stacks_bench  # noqa: E402
 from npualloc import replay  # noqa: E402
@@ -102,8 +102,7 @@ def run_hotpath(build: Path, allocator: str, threads: int, reuse: str | None = N
     cmd = [str(build / "bench" / "npualloc-bench-hotpath"), "--allocator", *harness_allocator,
            "--threads", str(threads), "--batches", str(batches), "--pairs", str(pairs), "--group", str(group),
            str(SIZES)]
-    pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=pin)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, preexec_fn=pinned(cpu))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
     result = json.loads(proc.stdout)
@@ -137,13 +136,10 @@ def hot_path(build: Path) -> dict[str, Any]:
     ratio is taken within a round (both sides under the same load) and
     reported as its median and min-max over the rounds. A round's
     one-thread cases all run pinned to one CPU, the rounds taking the CPUs in
-    turn: on a VM whose CPUs ran the same pair at 69 and 120 ns, an unpinned
-    run landed on either, and a ratio compared two CPUs as often as two
-    allocators. The several-thread cases run unpinned."""
+    turn (figures.py says why); the several-thread cases run unpinned."""
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key, *_ in HOTPATH_CASES}
-    cpus = sorted(os.sched_getaffinity(0))
-    round_cpus = [cpus[i % len(cpus)] for i in range(HOTPATH_ROUNDS)]
-    for round_index, cpu in enumerate(round_cpus):
+    cpus_of_rounds = round_cpus(HOTPATH_ROUNDS)
+    for round_index, cpu in enumerate(cpus_of_rounds):
         log(f"hot path: round {round_index + 1} of {HOTPATH_ROUNDS} (one-thread cases on CPU {cpu})")
         for key, _label, allocator, threads, reuse, group in HOTPATH_CASES:
             runs[key].append(run_hotpath(build, allocator, threads, reuse, group, cpu=cpu if threads == 1 else None))
@@ -179,9 +175,9 @@ def hot_path(build: Path) -> dict[str, Any]:
     def ratio(top: str, bottom: str) -> dict[str, float]:
         return spread([t["median_ns"] / b["median_ns"] for t, b in zip(runs[top], runs[bottom])])
 
-    by_cpu = {cpu: {key: statistics.median(r["median_ns"] for r, c in zip(runs[key], round_cpus) if c == cpu)
+    by_cpu = {cpu: {key: statistics.median(r["median_ns"] for r, c in zip(runs[key], cpus_of_rounds) if c == cpu)
                     for key in ("eager1", "glibc1")}
-              for cpu in sorted(set(round_cpus))}
+              for cpu in sorted(set(cpus_of_rounds))}
     return {"rows": rows, "rounds": HOTPATH_ROUNDS, "by_cpu": by_cpu,
             "ratios": {key: ratio(*key.split("/"))
                        for key in ("eager1/glibc1", "core1/glibc1", "core1/eager1", "safe16/eager1", "safe1/eager1",

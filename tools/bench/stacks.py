@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
 import launch  # noqa: E402
 
-from figures import fmt_spread, spread  # noqa: E402
+from figures import fmt_spread, pinned, round_cpus, spread  # noqa: E402
 
 LOOP = """
 import acl, json, sys, time, npualloc
@@ -51,9 +50,8 @@ print(json.dumps(min(best)))
 def measure_mode(mode: str, pairs: int, repeats: int, build: Path | None = None, cpu: int | None = None) -> float:
     env = launch.sim_environment(build)
     env["NPUSIM_MALLOC_US"] = env["NPUSIM_FREE_US"] = "0"
-    pin = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
     proc = subprocess.run(launch.command([sys.executable, "-c", LOOP, str(pairs), str(repeats), mode], True),
-                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=pin)
+                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=pinned(cpu))
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}: exit {proc.returncode}: {proc.stderr}")
     return float(json.loads(proc.stdout))
@@ -66,9 +64,7 @@ def measure(build: Path | None = None, pairs: int = 20000, repeats: int = 5, rou
     """ns per pair for history off, history on, history with stacks, one
     list entry per round (`make bench`'s section 5)."""
     runs: dict[str, list[float]] = {mode: [] for mode in MODES}
-    cpus = sorted(os.sched_getaffinity(0))
-    for round_index in range(rounds):
-        cpu = cpus[round_index % len(cpus)]  # as the hot path's rounds: one CPU per round, in turn
+    for cpu in round_cpus(rounds):
         for mode in MODES:
             runs[mode].append(measure_mode(mode, pairs, repeats, build, cpu))
     return {"pairs": pairs, "repeats": repeats, "rounds": rounds, **runs}

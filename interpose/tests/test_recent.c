@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/internal.h"
 #include "fake_backend.h"
 #include "test_util.h"
 
@@ -313,6 +314,78 @@ static void test_stats_match_the_blocks(void) {
     run_stats_match_the_blocks(true);
 }
 
+/* Two neighbouring quarters of a fresh 2 MiB segment freed: held whole,
+ * they are two inactive split blocks; freed past the cache, one merged
+ * block. Everything is freed and given back after, so it can be asked
+ * again. */
+static int64_t inactive_after_freeing_two_quarters(fixture *fx) {
+    void *quarter[4];
+    for (int i = 0; i < 4; i++) quarter[i] = alloc_exact(fx, 0, MiB / 2);
+    CHECK_EQ(npa_free(fx->a, quarter[1], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx->a, quarter[2], 0, NULL), NPA_FREE_OK);
+    int64_t inactive = stats_of(fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current;
+    CHECK_EQ(npa_free(fx->a, quarter[0], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx->a, quarter[3], 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_empty_cache(fx->a, 0), NPA_OK);
+    npualloc_device_stats s = stats_of(fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    return inactive;
+}
+
+/* A program that frees groups of sizes it does not allocate next: every
+ * block the cache holds is pushed out unused. After NPA_RECENT_JUDGED such
+ * evictions the cache steps aside: frees merge at once, as torch's, and the
+ * stats stay exact; NPA_RECENT_BYPASS frees later it holds blocks again. */
+static void test_a_thrashing_cache_steps_aside(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    CHECK_EQ(inactive_after_freeing_two_quarters(&fx), 2);
+    size_t next_size = 512;
+    for (int group = 0; group < 3; group++) { /* 16 puts each; the 2nd and 3rd evict 16 each */
+        void *blocks[NPA_RECENT_MAX];
+        for (int i = 0; i < NPA_RECENT_MAX; i++, next_size += 512) blocks[i] = alloc_exact(&fx, 0, next_size);
+        for (int i = 0; i < NPA_RECENT_MAX; i++) CHECK_EQ(npa_free(fx.a, blocks[i], 0, NULL), NPA_FREE_OK);
+    }
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(inactive_after_freeing_two_quarters(&fx), 1);
+
+    for (int i = 0; i < NPA_RECENT_BYPASS; i++) {
+        void *p = alloc_exact(&fx, 0, 4096);
+        CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    }
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(inactive_after_freeing_two_quarters(&fx), 2);
+    fixture_destroy(&fx);
+}
+
+/* The flush before a pool grows returns held blocks unused too, but says
+ * the pool needs merged space, not that holding is wasted: a program whose
+ * every step ends in one keeps its cache. */
+static void test_a_miss_that_merges_held_blocks_is_not_thrashing(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    for (int step = 0; step < 4 * NPA_RECENT_JUDGED; step++) {
+        void *quarter[4];
+        for (int i = 0; i < 4; i++) quarter[i] = alloc_exact(&fx, 0, MiB / 2);
+        CHECK_EQ(npa_free(fx.a, quarter[1], 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_free(fx.a, quarter[2], 0, NULL), NPA_FREE_OK);
+        void *whole = alloc_exact(&fx, 0, MiB); /* the held quarters merge for it */
+        CHECK(whole == quarter[1]);
+        CHECK_EQ(npa_free(fx.a, whole, 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_free(fx.a, quarter[0], 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_free(fx.a, quarter[3], 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    }
+    CHECK_EQ(fx.fake.raw_malloc_calls, 4 * NPA_RECENT_JUDGED);
+    CHECK_EQ(inactive_after_freeing_two_quarters(&fx), 2);
+    fixture_destroy(&fx);
+}
+
 /* recent_blocks:0 is torch's rule: every free merges at once. */
 static void test_off_merges_every_free(void) {
     npa_config config;
@@ -338,6 +411,8 @@ int main(void) {
     RUN(test_held_blocks_serve_their_own_stream_only);
     RUN(test_bounded_by_recent_blocks);
     RUN(test_off_merges_every_free);
+    RUN(test_a_thrashing_cache_steps_aside);
+    RUN(test_a_miss_that_merges_held_blocks_is_not_thrashing);
     RUN(test_stats_match_the_blocks);
     RUN(test_a_thread_that_exits_leaves_nothing_stranded);
     RUN(test_fork_while_blocks_are_held);

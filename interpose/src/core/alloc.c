@@ -467,7 +467,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     } else if (!b->pool->on_stream && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         npa_pending_add(d, b);
-    } else if (npa_recent_takes(d, b)) { /* reusable at once: on its own stream, or eager */
+    } else if (npa_recent_admits(d, b)) { /* reusable at once: on its own stream, or eager */
         npa_recent_put(d, b);
     } else {
         npa_free_block(a, d, b);

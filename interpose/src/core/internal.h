@@ -203,12 +203,24 @@ typedef struct npa_history {
  * says how old it is). Guarded by the device lock like the pools. */
 #define NPA_RECENT_MAX 16
 #define NPA_RECENT_BYTES NPA_SMALL_BUFFER
+/* Every NPA_RECENT_JUDGED evictions: more than one in NPA_RECENT_EVICTED_SHARE
+ * of the blocks put since the last verdict evicted unused, and the next
+ * NPA_RECENT_BYPASS frees go straight to their pools (recent.c, evict). */
+#define NPA_RECENT_JUDGED 32
+#define NPA_RECENT_EVICTED_SHARE 8
+#define NPA_RECENT_BYPASS 4096
 typedef struct npa_recent {
     unsigned capacity;       /* config recent_blocks, at most NPA_RECENT_MAX */
     unsigned count;
     size_t bytes;
     size_t largest;          /* the biggest block held, for largest_free_block */
     uint64_t clock;          /* puts so far: the next stamp */
+    /* Whether holding pays (recent.c): the clock at the last verdict, the
+     * blocks evicted unused since, and how many frees are still to go
+     * straight to their pools after a verdict that it did not. */
+    uint64_t judged_clock;
+    unsigned evicted;
+    unsigned bypass;
     /* Scanned on every small malloc: kept apart from the rest, with one
      * slot past the last block for the scan's sentinel (npa_recent_take). */
     size_t sizes[NPA_RECENT_MAX + 1];
@@ -286,9 +298,15 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b);
 void npa_pool_return(npa_device *d, npa_block *b);
 
 /* recent.c, under the device lock. */
-/* Whether a block the program frees now, reusable at once, may wait in the recent cache. */
-static inline bool npa_recent_takes(const npa_device *d, const npa_block *b) {
-    return d->recent.capacity != 0 && b->is_small && !b->in_expandable && b->size <= NPA_RECENT_BYTES;
+/* Whether a block the program frees now, reusable at once, waits in the
+ * recent cache: a small plain block, unless the cache is bypassed for now
+ * (this free is then one of the bypass's). */
+static inline bool npa_recent_admits(npa_device *d, const npa_block *b) {
+    npa_recent *r = &d->recent;
+    if (r->capacity == 0 || !b->is_small || b->in_expandable || b->size > NPA_RECENT_BYTES) return false;
+    if (__builtin_expect(r->bypass == 0, 1)) return true;
+    r->bypass--;
+    return false;
 }
 /* Returns the oldest held blocks to their pools until a block of size fits. */
 void npa_recent_make_room(npa_device *d, size_t size);

@@ -63,7 +63,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->uses_unknown = false;
         b->fence_own = false;
         d->stats->num_pending_frees--;
-        if (offered < d->recent.capacity && npa_recent_takes(d, b)) {
+        if (offered < d->recent.capacity && npa_recent_admits(d, b)) {
             npa_recent_put(d, b);
             offered++;
         } else {

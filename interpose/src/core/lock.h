@@ -5,9 +5,11 @@
  * it taken spins a bounded while, since a hit holds it for about a hundred
  * nanoseconds, far less than a futex sleep and wake-up (with a plain mutex
  * two threads on one device slept 1-5 times per 1000 pairs and ran 10x
- * slower); then it sleeps on the word (futex), marking it contended so the
- * holder's release wakes one sleeper. Any thread may release it (a pause
- * takes the device locks and its resume gives them back). */
+ * slower), polling less and less often so the holder keeps it for many
+ * calls (lock.c says why); then it sleeps on the word (futex), marking it
+ * contended so the holder's release wakes one sleeper. Any thread may
+ * release it (a pause takes the device locks and its resume gives them
+ * back). */
 #ifndef NPUALLOC_CORE_LOCK_H
 #define NPUALLOC_CORE_LOCK_H
 

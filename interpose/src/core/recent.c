@@ -8,18 +8,18 @@
  * stats count it as the pool counts a free block that merged with nothing
  * (reserved, not allocated, not active; an inactive split block when its
  * segment is split), largest_free_block sees it, snapshots show it
- * inactive, history records its free as completed. Only the merge waits,
- * so inactive_split can read up to capacity blocks more than torch's would
+ * inactive, history records its free as completed. Only the merge waits, so
+ * inactive_split can read up to capacity blocks more than torch's would
  * (recent_blocks:0 turns the cache off). Whatever needs merged free space
  * returns every held block to its pool first: a small-pool miss before it
  * asks the device for memory, the OOM retry, empty_cache, reset. A free
  * that needs a fence or a stream's event (stream-safe reuse) comes here
- * only once that has completed (pending.c); a block freed on its own
- * stream comes at once, and serves only that stream's pool again. When
- * most of what it holds is pushed out unused, it steps aside for a while
- * (evict, below). The put
- * is inline (internal.h): the eager free path and the fence's completion
- * both make it, and as a call it cost an eager pair 7 instructions. */
+ * only once that has completed (pending.c); a block freed on its own stream
+ * comes at once, and serves only that stream's pool again. When most of
+ * what it holds is pushed out unused, it steps aside for a while (evict,
+ * below). The put is inline (internal.h): the eager free path and the
+ * fence's completion both make it, and as a call it cost an eager pair 7
+ * instructions. */
 #include "internal.h"
 
 /* Unlinks slot i; the last slot moves into it. Inlined into every caller:
@@ -56,16 +56,17 @@ static unsigned oldest(const npa_recent *r) {
  * merging, so the pool's searches walked more fragments (make bench's
  * harness, frees in groups of 16: 86 ns a pair against 60 ns with
  * recent_blocks:0, the difference mostly mispredicted branches in the treap
- * walks, by callgrind's branch simulation). So every NPA_RECENT_JUDGED
- * evictions the cache is judged (internal.h's constants): when more than
- * one block in NPA_RECENT_EVICTED_SHARE of those put since the last verdict
- * was evicted, the next NPA_RECENT_BYPASS frees go straight to their pools
- * (torch's rule, as with recent_blocks:0), then puts resume and it is
- * judged again. Only evictions count: the flush before a pool asks the
- * device for memory says the pool needs merged space, not that the cache
- * thrashes (counting it bypassed the cache for a program that frees what it
- * allocated at once, its best case). Judged here, so the hit path pays
- * nothing. */
+ * walks, the cache's scan and its evictions, by callgrind's branch
+ * simulation). So every NPA_RECENT_JUDGED evictions the cache is judged
+ * (internal.h's constants): when more than one block in
+ * NPA_RECENT_EVICTED_SHARE of those put since the last verdict was evicted,
+ * the next NPA_RECENT_BYPASS frees go straight to their pools (torch's
+ * rule, as with recent_blocks:0), then puts resume and it is judged again.
+ * Only evictions count: the flush before a pool asks the device for memory
+ * says the pool needs merged space, not that the cache thrashes (counting
+ * it bypassed the cache for a program that frees what it allocated at once,
+ * its best case). Judged here, so the hit path pays nothing but a free's
+ * test of the bypass. */
 static void evict(npa_device *d, unsigned i) {
     npa_recent *r = &d->recent;
     npa_pool_return(d, remove_at(d, i));

@@ -37,12 +37,18 @@ static void unref(struct sim_event *ev)
         recycle(ev);
 }
 
-void sim_event_task_done(struct sim_event *ev, uint64_t seq)
+/* Lock held: record seq of ev has executed (a later one may have already). */
+static void mark_done(struct sim_event *ev, uint64_t seq)
 {
     if (seq > ev->done_seq) {
         ev->done_seq = seq;
         clock_gettime(CLOCK_MONOTONIC, &ev->done_at);
     }
+}
+
+void sim_event_task_done(struct sim_event *ev, uint64_t seq)
+{
+    mark_done(ev, seq);
     unref(ev);
 }
 
@@ -128,8 +134,7 @@ static aclError queue_event_task(aclrtEvent event, aclrtStream stream, enum sim_
          * as a device reaches it within microseconds. Queued, it waited for
          * the stream's worker thread to get a CPU, which on a busy 2-core
          * host took 0.2-1 ms that real hardware never adds. */
-        ev->done_seq = ev->record_seq;
-        clock_gettime(CLOCK_MONOTONIC, &ev->done_at);
+        mark_done(ev, ev->record_seq);
         pthread_cond_broadcast(&sim_progress); /* an aclrtSynchronizeEvent of an earlier record */
         pthread_mutex_unlock(&sim_lock);
         free(t);

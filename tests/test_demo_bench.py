@@ -115,6 +115,19 @@ def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
     assert len(four["thread_shares"]) == 4 and all(0 < share <= 1.01 for share in four["thread_shares"])
 
 
+def test_per_thread_rate_gives_an_unfair_lock_nothing():
+    """Two threads of 1000 pairs each: served one after the other (the
+    first done in 1 s, the second in 2 s) they did 1000 pairs per second
+    together, 500 each, however the mean of their own rates reads (750)."""
+    def run(walls: list[float]) -> dict:
+        return {"batches": 10, "pairs_per_batch": 100,
+                "per_thread": [{"wall_s": wall, "pairs_per_s": 1000 / wall} for wall in walls]}
+
+    assert bench.per_thread_rate(run([1.0, 2.0])) == pytest.approx(500)
+    assert bench.per_thread_rate(run([2.0, 2.0])) == pytest.approx(500)
+    assert bench.per_thread_rate(run([0.5])) == pytest.approx(2000)
+
+
 def test_thread_goals_are_unjudgeable_on_a_loaded_machine(monkeypatch):
     """A thread-scaling figure counts only when each thread had nearly the
     CPU share an idle machine gives it: else UNJUDGEABLE, never MET."""

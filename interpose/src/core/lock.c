@@ -16,7 +16,9 @@
  * EPYC VM). Backing off lets the holder run many pairs on warm caches
  * before a waiter takes its turn: 48-59% lost over four runs of 4 rounds
  * (glibc 58-64% in the same rounds), four threads on the two cores 75-79%
- * (glibc 74-76%), and the 90th percentile of a batch's time per pair fell
+ * (glibc 74-76%), each counted as the mean of the threads' own rates, as
+ * the bench did then (it now counts until the last thread finished, which
+ * reads about 56% and 79%), and the 90th percentile of a batch's time per pair fell
  * from 441 to 118-302 ns. The budget counts pause instructions, whose
  * length differs by CPU: 25 ns each on that VM (0.4 ms of spinning at
  * most), about 40 ns on recent Intel cores, a cycle or so where yield is a

@@ -68,6 +68,14 @@ def test_hotpath_glibc_baseline_runs_without_npualloc():
     assert "cache_hits_while_timed" not in r
 
 
+def test_hotpath_max_size_leaves_out_the_larger_sizes():
+    sizes = [int(line) for line in bench.SIZES.read_text().splitlines() if not line.startswith("#")]
+    r = bench.run_hotpath(BUILD, "glibc", threads=2, batches=5, pairs=100, max_size=1 << 20)
+    assert r["max_size"] == 1 << 20 and r["sizes"] == sum(s <= 1 << 20 for s in sizes) < len(sizes)
+    whole = bench.run_hotpath(BUILD, "glibc", threads=1, batches=5, pairs=100)
+    assert whole["max_size"] == 0 and whole["sizes"] == len(sizes)
+
+
 def test_hotpath_core_alone_walks_the_same_sizes_without_acl():
     r = bench.run_hotpath(BUILD, "core", threads=2, batches=10, pairs=100)
     assert r["allocator"] == "core" and not r["npualloc_loaded"] and not r["failed"]
@@ -106,8 +114,15 @@ def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
         assert 0 < value["min"] <= value["median"] <= value["max"]
     single = next(r for r in h["rows"] if r["key"] == "eager1")
     assert single["loss_vs_1_thread"] == {"median": 0.0, "min": 0.0, "max": 0.0}
+    # Each several-thread case's loss is against the one-thread case on the same sizes.
+    assert {c.key: bench.single_thread_case(c) for c in bench.HOTPATH_CASES if c.threads > 1} == {
+        "eager2": "eager1", "eager4": "eager1", "glibc2": "glibc1", "glibc4": "glibc1",
+        "glibc2arena": "glibc1arena", "glibc4arena": "glibc1arena"}
+    arena = next(r for r in h["rows"] if r["key"] == "glibc2arena")
+    assert arena["max_size"] == bench.GLIBC_ARENA_SIZES
     goals = bench.hot_path_goals(h)
     assert any("1.3x of glibc" in text for text, _met, _detail in goals)
+    assert sum("on the sizes up to 1 MiB only" in detail for _text, _met, detail in goals) == 2
     assert all(met in (True, False, None) and detail for _text, met, detail in goals)
     text = "\n".join(bench.hot_path_markdown(h))
     assert "exported pair / glibc" in text and "core alone / exported pair" in text

@@ -10,13 +10,19 @@
  * their figures compare.
  *
  *     npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] [--threads N]
- *                            [--batches B] [--pairs P] [--group G] [--fence-after M] SIZES_FILE
+ *                            [--batches B] [--pairs P] [--group G] [--fence-after M] [--max-size BYTES]
+ *                            SIZES_FILE
  *
  * --fence-after M (core only) gives the core's backend fences, as under
  * reuse_policy:safe, that complete once M more mallocs were made after
  * their record: the fence path's own work, counted by callgrind without
  * the simulator's stream thread, whose timing decides how long a real
  * fence takes (and so how often it is queried).
+ *
+ * --max-size BYTES leaves out the sizes above BYTES: glibc serves sizes up
+ * to 1 MiB from its per-thread arenas without a system call, and the larger
+ * ones with mmap and munmap, whose cost with several threads is the
+ * kernel's (its lock on the address space, a TLB shootdown per munmap).
  *
  * Each thread walks the size list from its own offset, so threads ask for
  * different sizes at the same moment. A step allocates G blocks and then
@@ -59,6 +65,7 @@ typedef struct options {
     int pairs;          /* per batch, a multiple of group */
     int group;
     int fence_after;    /* ALLOCATOR_CORE: fences complete this many mallocs after their record; -1: none */
+    size_t max_size;    /* sizes above it are left out; 0: none are */
     const char *sizes_path;
 } options;
 
@@ -77,7 +84,7 @@ typedef struct worker {
     int failed;
 } worker;
 
-static options opts = {ALLOCATOR_ACL, 0, 1, 1000, 1000, 1, -1, NULL};
+static options opts = {ALLOCATOR_ACL, 0, 1, 1000, 1000, 1, -1, 0, NULL};
 static sizes seq;
 static npa_allocator *core;   /* ALLOCATOR_CORE */
 /* ALLOCATOR_STREAM: the preloaded library's entry (looked up, not linked),
@@ -240,17 +247,19 @@ static int load_sizes(const char *path) {
         seq.values[seq.count] = strtoull(line, NULL, 10);
         if (seq.values[seq.count] == 0)
             return fprintf(stderr, "hotpath: %s: bad size %s", path, line), free(line), fclose(f), -1;
-        seq.count++;
+        if (!opts.max_size || seq.values[seq.count] <= opts.max_size) seq.count++;
     }
     free(line);
     fclose(f);
-    if (seq.count < (size_t)opts.group) return fprintf(stderr, "hotpath: %s: too few sizes\n", path), -1;
+    if (seq.count < (size_t)opts.group)
+        return fprintf(stderr, "hotpath: %s: too few sizes (up to --max-size)\n", path), -1;
     return 0;
 }
 
 static int usage(void) {
     fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] "
-                    "[--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] SIZES_FILE\n");
+                    "[--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] [--max-size BYTES] "
+                    "SIZES_FILE\n");
     return 2;
 }
 
@@ -276,6 +285,10 @@ static int parse_options(int argc, char **argv) {
             opts.group = atoi(value);
         } else if (!strcmp(argv[i], "--fence-after") && value) {
             opts.fence_after = atoi(value);
+        } else if (!strcmp(argv[i], "--max-size") && value) {
+            char *end;
+            opts.max_size = strtoull(value, &end, 10);
+            if (*end || !opts.max_size) return -1;
         } else if (argv[i][0] != '-' && !opts.sizes_path) {
             opts.sizes_path = argv[i];
             continue;
@@ -368,13 +381,13 @@ int main(int argc, char **argv) {
     cpu_set_t allowed;
     int cpus_allowed = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed) : -1;
     printf("{\"allocator\": \"%s\", \"threads\": %d, \"batches\": %d, \"pairs_per_batch\": %d, \"group\": %d, "
-           "\"sizes\": %zu, \"npualloc_loaded\": %s, \"cpus_allowed\": %d, \"per_thread\": [",
+           "\"sizes\": %zu, \"max_size\": %zu, \"npualloc_loaded\": %s, \"cpus_allowed\": %d, \"per_thread\": [",
            opts.allocator == ALLOCATOR_ACL      ? "acl"
            : opts.allocator == ALLOCATOR_STREAM ? "stream"
            : opts.allocator == ALLOCATOR_CORE   ? "core"
                                                 : "glibc",
            opts.threads, opts.batches, opts.pairs, opts.group,
-           seq.count, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false", cpus_allowed);
+           seq.count, opts.max_size, dlsym(RTLD_DEFAULT, "npualloc_is_active") ? "true" : "false", cpus_allowed);
     for (int t = 0; t < opts.threads; t++) {
         worker *w = &workers[t];
         failed |= w->failed;

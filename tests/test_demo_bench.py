@@ -145,7 +145,8 @@ def test_per_thread_rate_gives_an_unfair_lock_nothing():
 
 def test_thread_goals_are_unjudgeable_on_a_loaded_machine(monkeypatch):
     """A thread-scaling figure counts only when each thread had nearly the
-    CPU share an idle machine gives it: else UNJUDGEABLE, never MET."""
+    CPU share an idle machine gives it, and the one-thread rounds its loss
+    is taken against agree: else UNJUDGEABLE, never MET."""
     monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
 
     def row(threads: int, share: float) -> dict:
@@ -158,6 +159,15 @@ def test_thread_goals_are_unjudgeable_on_a_loaded_machine(monkeypatch):
     assert bench.judged(row(4, 0.47), False) is False   # half a core each is all 4 threads get on 2 cores
     assert bench.judged(row(4, 0.22), True) is None
     assert "loaded" in bench.unjudgeable_note(row(2, 0.34)) and bench.unjudgeable_note(row(2, 0.95)) == ""
+
+    def single(fastest: float, slowest: float) -> dict:
+        return {"label": "npualloc eager", "ns": {"median": fastest, "min": fastest, "max": slowest}}
+
+    steady, disturbed = single(45.1, 46.3), single(44.8, 81.4)
+    assert bench.judged(row(2, 0.99), True, steady) is True
+    assert bench.judged(row(2, 0.99), True, disturbed) is None
+    assert bench.judged(row(4, 0.51), False, steady, disturbed) is None     # any of its baselines
+    assert "44.8-81.4 ns" in bench.unjudgeable_note(row(2, 0.99), steady, disturbed)
 
 
 def test_hotpath_harness_rejects_bad_usage():

@@ -36,6 +36,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from datetime import datetime
 from pathlib import Path
@@ -528,9 +529,11 @@ def chart(h: dict[str, Any], trace_rows: list[dict[str, Any]], p: dict[str, Any]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 5))
-    labels = [f"{r['label']}\n{r['threads']} thr" for r in h["rows"]]
-    colors = [{"npualloc": "tab:blue", "core": "tab:cyan"}.get(r["allocator"], "tab:gray") for r in h["rows"]]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 7))
+    labels = [f"{textwrap.fill(r['label'], 40)}, {r['threads']} thr" for r in h["rows"]]
+    # npualloc's rows (every preloaded build and entry) blue, the core alone cyan, glibc gray.
+    colors = ["tab:blue" if r["allocator"] in PRELOADED else "tab:cyan" if r["allocator"] == "core" else "tab:gray"
+              for r in h["rows"]]
     ax1.barh(labels, [r["median_ns"] for r in h["rows"]], color=colors)
     ax1.set_xscale("log")
     ax1.invert_yaxis()

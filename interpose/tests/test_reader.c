@@ -142,6 +142,17 @@ static void test_stats_copy_is_bounded(void) {
     CHECK_EQ(out.num_cache_hits, 42);
     CHECK(memcmp(&out, &r.devices[3], sizeof out) == 0);
 
+    /* freed comes out of the region's allocated, current, current_at_reset;
+     * a hostile region's extremes wrap (UBSan builds check: no overflow). */
+    r.devices[3].allocated_bytes[NPUALLOC_POOL_SMALL] = (npualloc_stat){.current = 3 * MiB, .allocated = 7 * MiB,
+                                                                        .current_at_reset = 1 * MiB};
+    r.devices[3].requested_bytes[NPUALLOC_POOL_ALL] = (npualloc_stat){.current = INT64_MIN, .allocated = INT64_MAX,
+                                                                      .current_at_reset = INT64_MAX};
+    CHECK_EQ(npualloc_reader_stats(&r, 3, 1, &out), NPUALLOC_READ_OK);
+    CHECK_EQ(out.allocated_bytes[NPUALLOC_POOL_SMALL].freed, 5 * MiB);
+    CHECK_EQ(out.allocated_bytes[NPUALLOC_POOL_SMALL].current, 3 * MiB);
+    CHECK_EQ(out.requested_bytes[NPUALLOC_POOL_ALL].freed, (int64_t)((uint64_t)INT64_MAX * 2 - (uint64_t)INT64_MIN));
+
     r.devices[3].seq = 9; /* a writer inside, for good: the attempts run out */
     CHECK_EQ(npualloc_reader_stats(&r, 3, 50, &out), NPUALLOC_READ_BUSY);
     CHECK_EQ(npualloc_reader_stats(&r, 3, 0, &out), NPUALLOC_READ_BUSY);
@@ -199,8 +210,10 @@ static const char *const pooled_names[] = {"allocation", "segment", "active", "i
                                            "requested_bytes"};
 
 /* What every state the core publishes satisfies (no reset runs here): each
- * per-pool stat is the sum of its two pools, and current = allocated - freed.
- * A copy torn across an update breaks one of them. Returns the violations. */
+ * per-pool stat is the sum of its two pools, current = allocated - freed
+ * (by construction since freed is implied, version 4: a check that the
+ * reader handed out the freed form) and current <= peak. A copy torn across
+ * an update breaks one of them. Returns the violations. */
 static int inconsistencies(const npualloc_device_stats *s) {
     const npualloc_stat *pooled[] = {s->allocation, s->segment, s->active, s->inactive_split, s->allocated_bytes,
                                      s->reserved_bytes, s->active_bytes, s->inactive_split_bytes,

@@ -451,10 +451,8 @@ static inline void npa_stat_increase(npualloc_stat *st, int64_t x) {
     st->allocated += x;
 }
 
-static inline void npa_stat_decrease(npualloc_stat *st, int64_t x) {
-    st->current -= x;
-    st->freed += x;
-}
+/* freed is implied by allocated and current (npualloc_shm.h). */
+static inline void npa_stat_decrease(npualloc_stat *st, int64_t x) { st->current -= x; }
 
 /* A per-pool stat moves in "all" and in the block's own pool. */
 static inline void npa_pool_stat_increase(npualloc_stat st[NPUALLOC_POOL_COUNT], bool is_small, int64_t x) {

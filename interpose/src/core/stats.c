@@ -1,17 +1,9 @@
 /* Stats publication and the reset calls. Every mutation happens under the
  * device mutex inside an npa_stats_begin/end section (internal.h), so a reader
  * of the shared-memory copy sees seq odd, or a whole update. */
-#include <stddef.h>
 #include <string.h>
 
 #include "internal.h"
-
-/* The torch Stat fields, allocation[0] .. oversize_segments, are one run of
- * npualloc_stat; the resets walk it as an array. */
-#define STAT_RUN_LENGTH (9 * NPUALLOC_POOL_COUNT + 2)
-_Static_assert(offsetof(npualloc_device_stats, oversize_segments) - offsetof(npualloc_device_stats, allocation) ==
-                   (STAT_RUN_LENGTH - 1) * sizeof(npualloc_stat),
-               "the torch stats must be contiguous");
 
 static npualloc_stat *stat_run(npualloc_device_stats *s) { return &s->allocation[0]; }
 
@@ -52,6 +44,7 @@ void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
     npa_lock_acquire(&d->lock);
     memcpy(out, d->stats, sizeof *out);
     npa_lock_release(&d->lock);
+    npualloc_stats_from_region(out);
 }
 
 void npa_reset_peak_stats(npa_allocator *a, int device) {
@@ -60,7 +53,7 @@ void npa_reset_peak_stats(npa_allocator *a, int device) {
     npa_lock_acquire(&d->lock);
     npa_stats_begin(d);
     npualloc_stat *run = stat_run(d->stats);
-    for (size_t i = 0; i < STAT_RUN_LENGTH; i++) run[i].peak = run[i].current;
+    for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) run[i].peak = run[i].current;
     npa_stats_end(d);
     npa_lock_release(&d->lock);
 }
@@ -72,7 +65,10 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     npa_stats_begin(d);
     npualloc_device_stats *s = d->stats;
     npualloc_stat *run = stat_run(s);
-    for (size_t i = 0; i < STAT_RUN_LENGTH; i++) run[i].allocated = run[i].freed = 0;
+    for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) { /* freed, implied, reads 0 from here */
+        run[i].allocated = 0;
+        run[i].current_at_reset = run[i].current;
+    }
     s->num_alloc_retries = s->num_ooms = s->num_sync_all_streams = 0;
     s->num_device_alloc = s->num_device_free = 0;
     s->num_cache_hits = s->num_cache_misses = 0;

@@ -58,7 +58,10 @@ int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uin
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NPUALLOC_READ_BAD_DEVICE;
-    return seqlock_copy(&region->devices[device], out, sizeof *out, attempts);
+    int32_t status = seqlock_copy(&region->devices[device], out, sizeof *out, attempts);
+    if (status == NPUALLOC_READ_OK)
+        npualloc_stats_from_region(out);
+    return status;
 }
 
 int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t device, uint32_t attempts,

@@ -192,6 +192,9 @@ def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--allocator", "glibc", "--fence-after", "4", str(bench.SIZES)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr   # fences are the core's
+    for bad in ("0", "-1", "12k", ""):
+        proc = subprocess.run([str(HOTPATH), "--max-size", bad, str(bench.SIZES)], capture_output=True, text=True)
+        assert proc.returncode == 2 and "usage" in proc.stderr, bad
 
 
 def test_hotpath_core_with_fences_walks_the_fence_path():

@@ -288,7 +288,7 @@ static int parse_options(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--max-size") && value) {
             char *end;
             opts.max_size = strtoull(value, &end, 10);
-            if (*end || !opts.max_size) return -1;
+            if (*end || !opts.max_size || value[0] == '-') return -1;
         } else if (argv[i][0] != '-' && !opts.sizes_path) {
             opts.sizes_path = argv[i];
             continue;

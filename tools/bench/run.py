@@ -18,8 +18,8 @@
 
 Prints markdown tables and the goals, MET, NOT MET or UNJUDGEABLE (a
 thread-scaling goal on a machine too loaded to give each thread its CPU, or
-where most rounds' one-thread runs were slowed: steady_rounds), and writes latest.md and
-latest.png to --out (`make bench`: build/bench/results; `make bench-record`:
+where most rounds' one-thread runs were slowed: steady_rounds), and writes
+latest.md and latest.png to --out (`make bench`: build/bench/results; `make bench-record`:
 bench/results, the figures the README cites).
 
     .venv/bin/python tools/bench/run.py [--build DIR] [--out DIR]

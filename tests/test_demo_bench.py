@@ -26,8 +26,13 @@ def _harness_built():
         pytest.fail(f"{HOTPATH} is missing: `make all` builds it (tools/bench.mk)")
 
 
+def trace_sizes() -> list[int]:
+    """The sizes the harness walks (bench.SIZES, comment lines left out)."""
+    return [int(line) for line in bench.SIZES.read_text().splitlines() if not line.startswith("#")]
+
+
 def test_size_list_is_the_traces_distribution():
-    sizes = [int(line) for line in bench.SIZES.read_text().splitlines() if not line.startswith("#")]
+    sizes = trace_sizes()
     assert len(sizes) == 4096 and min(sizes) > 0
     assert sum(s <= 1 << 20 for s in sizes) > len(sizes) // 2      # mostly small-pool tensors ...
     assert max(sizes) > 32 << 20                                    # ... with a tail of large ones
@@ -69,7 +74,7 @@ def test_hotpath_glibc_baseline_runs_without_npualloc():
 
 
 def test_hotpath_max_size_leaves_out_the_larger_sizes():
-    sizes = [int(line) for line in bench.SIZES.read_text().splitlines() if not line.startswith("#")]
+    sizes = trace_sizes()
     r = bench.run_hotpath(BUILD, "glibc", threads=2, batches=5, pairs=100, max_size=1 << 20)
     assert r["max_size"] == 1 << 20 and r["sizes"] == sum(s <= 1 << 20 for s in sizes) < len(sizes)
     whole = bench.run_hotpath(BUILD, "glibc", threads=1, batches=5, pairs=100)

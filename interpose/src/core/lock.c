@@ -2,52 +2,111 @@
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "lock.h"
 
-/* How a waiter spins before it sleeps: it polls the word with exponential
- * backoff, 1, 2, 4 ... up to WAIT_BACKOFF_MAX pause instructions between
- * polls, WAIT_SPIN_PAUSES in all. Polling after every pause, as this did
- * before, took the lock at almost every release from the other core, and
- * each hand-off moved the device's state (pools, block map, recent cache,
- * about 14 cache lines of stats) between the two caches: two threads on one
- * device lost 88% of their per-thread rate in make bench's hot path (2-core
- * EPYC VM). Backing off lets the holder run many pairs on warm caches
- * before a waiter takes its turn: 48-59% lost over four runs of 4 rounds
- * (glibc 58-64% in the same rounds), four threads on the two cores 75-79%
- * (glibc 74-76%), each counted as the mean of the threads' own rates, as
- * the bench did then (it now counts until the last thread finished, which
- * reads about 56% and 79%), and the 90th percentile of a batch's time per pair fell
- * from 441 to 118-302 ns. The budget counts pause instructions, whose
- * length differs by CPU: 25 ns each on that VM (0.4 ms of spinning at
- * most), about 40 ns on recent Intel cores, a cycle or so where yield is a
- * hint only (many arm64 cores). A holder that keeps the lock longer (a raw
- * device malloc, a synchronize) finds the waiters asleep on the futex. */
-#define WAIT_BACKOFF_MAX 1024
-#define WAIT_SPIN_PAUSES 16384
+static uint64_t monotonic_ns(void *ctx) {
+    (void)ctx;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
 
+/* A waiter polls the word with exponential backoff, 25 ns, 50 ns ... up to
+ * 25.6 us between polls, 0.4 ms in all. Polling continually, as this did
+ * once, took the lock at almost every release from the other core, and each
+ * hand-off moved the device's state (pools, block map, recent cache, about
+ * 14 cache lines of stats) between the two caches: two threads on one device
+ * lost 88% of their per-thread rate in make bench's hot path (2-core EPYC
+ * VM). Backing off lets the holder run many pairs on warm caches before a
+ * waiter takes its turn: 48-59% lost over four runs of 4 rounds (glibc
+ * 58-64% in the same rounds), four threads on the two cores 75-79% (glibc
+ * 74-76%), each counted as the mean of the threads' own rates, as the bench
+ * did then (it now counts until the last thread finished, which reads about
+ * 56% and 79%), and the 90th percentile of a batch's time per pair fell from
+ * 441 to 118-302 ns. The times are read from the clock: counted in pause
+ * instructions, as they were, they depended on the CPU (25 ns a pause on that
+ * VM, about 40 ns on recent Intel cores), and on arm64, the Ascend hosts'
+ * CPUs, where yield (all there was) is a hint most cores discard like a nop,
+ * a waiter would poll almost continually and sleep within microseconds, as
+ * the one behind the 88% above did (reasoned, not measured: no arm64 machine
+ * here).
+ *
+ * A holder gives the lock back every few hundred nanoseconds while it runs
+ * hits, so 5 us without a release means it is not running: preempted (its
+ * CPU may be this waiter's own, which then only keeps it waiting) or in a
+ * long call (a raw device malloc, a synchronize). The waiter sleeps then.
+ * It sees the releases without costing the hit path anything: at each poll
+ * it marks a held word 3, and the release that finds the mark counts itself
+ * in `releases` (the holder's next take clears it, so the next poll marks it
+ * again). With this and npa_lock_wait_with's spin after a wake-up, two
+ * threads pinned to one CPU lost 50-52% per thread instead of 53-54% (two
+ * runs of 8 rounds), four threads on the two CPUs 78% instead of 79.5%
+ * (glibc 77.5-78%), two threads 56% as before, and the 90th percentile of a
+ * batch's time per pair fell from 150 to 85 ns with two threads and from 199
+ * to 106 ns with four (8 runs of 6 rounds; same VM, 2026-11-25). */
+const npa_lock_spin npa_lock_default_spin = {
+    .clock_ns = monotonic_ns,
+    .first_poll_ns = 25,
+    .max_poll_ns = 25600,
+    .stall_ns = 5000,
+    .spin_ns = 409600,
+};
+
+/* A short stall between reads of the clock. On arm64 yield is a hint that
+ * most cores without SMT discard like a nop; Arm advises isb, which waits for
+ * the pipeline to drain (Rust's and Go's spin hints changed to it). */
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
-    __asm__ volatile("yield" ::: "memory");
+    __asm__ volatile("isb" ::: "memory");
 #endif
 }
 
-void npa_lock_wait(npa_lock *l) {
-    for (unsigned delay = 1, paused = 0; paused < WAIT_SPIN_PAUSES; delay *= delay < WAIT_BACKOFF_MAX ? 2 : 1) {
-        for (unsigned k = 0; k < delay; k++) cpu_relax();
-        paused += delay;
-        int expected = 0;
-        if (__atomic_load_n(&l->state, __ATOMIC_RELAXED) == 0 &&
-            __atomic_compare_exchange_n(&l->state, &expected, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
-            return;
+/* Spins until it takes the lock with the value take (true) or until the
+ * spin says to sleep (false). */
+static bool spin_for(npa_lock *l, const npa_lock_spin *spin, int take) {
+    uint64_t start = spin->clock_ns(spin->ctx), release_seen_at = start;
+    unsigned releases_seen = __atomic_load_n(&l->releases, __ATOMIC_RELAXED);
+    for (uint64_t gap = spin->first_poll_ns;; gap = gap < spin->max_poll_ns ? 2 * gap : gap) {
+        uint64_t now;
+        for (uint64_t poll_at = spin->clock_ns(spin->ctx) + gap; (now = spin->clock_ns(spin->ctx)) < poll_at;)
+            cpu_relax();
+        int state = __atomic_load_n(&l->state, __ATOMIC_RELAXED);
+        if (state == 0 &&
+            __atomic_compare_exchange_n(&l->state, &state, take, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            return true;
+        if (state == 1) /* ask the holder's next release to count itself */
+            __atomic_compare_exchange_n(&l->state, &state, 3, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+        unsigned releases = __atomic_load_n(&l->releases, __ATOMIC_RELAXED);
+        if (releases != releases_seen) {
+            releases_seen = releases;
+            release_seen_at = now;
+        } else if (now - release_seen_at >= spin->stall_ns) {
+            return false;
+        }
+        if (now - start >= spin->spin_ns) return false;
     }
-    /* From here the word reads 2 while anyone may sleep on it: whoever takes
-     * it this way keeps it 2, so its release wakes the next sleeper. */
-    while (__atomic_exchange_n(&l->state, 2, __ATOMIC_ACQUIRE) != 0)
-        syscall(SYS_futex, &l->state, FUTEX_WAIT_PRIVATE, 2, NULL, NULL, 0);
 }
 
-void npa_lock_wake(npa_lock *l) { syscall(SYS_futex, &l->state, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0); }
+/* The word reads 2 while anyone may sleep on it, so a thread that has slept
+ * takes it as 2 from then on: its release wakes the next sleeper, whom the
+ * holder's last release did not. Woken, a thread spins again rather than
+ * sleeping at once: the holder has usually taken the lock back by then, and a
+ * sleeper that marks it 2 again makes the holder's every release a system
+ * call. */
+void npa_lock_wait_with(npa_lock *l, const npa_lock_spin *spin) {
+    for (int take = 1;; take = 2) {
+        if (spin_for(l, spin, take)) return;
+        if (__atomic_exchange_n(&l->state, 2, __ATOMIC_ACQUIRE) == 0) return;
+        syscall(SYS_futex, &l->state, FUTEX_WAIT_PRIVATE, 2, NULL, NULL, 0);
+    }
+}
+
+void npa_lock_released_contended(npa_lock *l, int state) {
+    __atomic_add_fetch(&l->releases, 1, __ATOMIC_RELAXED);
+    if (state == 2) syscall(SYS_futex, &l->state, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}

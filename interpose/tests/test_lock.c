@@ -207,6 +207,33 @@ static void test_a_woken_waiter_spins_again(void) {
     CHECK_EQ(__atomic_load_n(&lock.state, __ATOMIC_RELAXED), 0);
 }
 
+/* A clock that stands still (a failed read, or a coarse clocksource between
+ * its ticks): the waiter neither sleeps nor stops polling, so it takes the
+ * lock once it is free. Counts the reads, so the test knows it spins. */
+static uint64_t still_clock_ns(void *ctx) {
+    __atomic_add_fetch((uint64_t *)ctx, 1, __ATOMIC_RELAXED);
+    return 7;
+}
+
+static void test_a_clock_that_stands_still_still_lets_the_waiter_poll(void) {
+    npa_lock lock = {0};
+    uint64_t reads = 0;
+    npa_lock_spin spin = {.clock_ns = still_clock_ns, .ctx = &reads, .first_poll_ns = 1, .max_poll_ns = 64,
+                          .stall_ns = SPIN_STALL, .spin_ns = SPIN_ALL};
+    npa_lock_acquire(&lock);
+    waiter w = {.lock = &lock, .spin = &spin};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
+    await_state(&lock, 3); /* it polled, and marked the word */
+    npa_lock_release(&lock);
+    for (long yields = 0; !__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE) && yields < 100000000; yields++)
+        sched_yield();
+    CHECK_EQ(__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE), 1);
+    if (__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE)) CHECK_EQ(pthread_join(thread, NULL), 0);
+    else pthread_detach(thread); /* stuck between clock reads: the failed check ends the test */
+    CHECK(__atomic_load_n(&reads, __ATOMIC_RELAXED) > 1);
+}
+
 int main(void) {
     RUN(test_contended_increments_are_all_kept);
     RUN(test_a_waiter_stops_spinning_and_is_woken);
@@ -214,5 +241,6 @@ int main(void) {
     RUN(test_a_release_the_waiter_asked_for_is_counted);
     RUN(test_a_waiter_spins_while_the_holder_runs);
     RUN(test_a_woken_waiter_spins_again);
+    RUN(test_a_clock_that_stands_still_still_lets_the_waiter_poll);
     return check_report();
 }

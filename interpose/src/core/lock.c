@@ -9,7 +9,7 @@
 
 static uint64_t monotonic_ns(void *ctx) {
     (void)ctx;
-    struct timespec now;
+    struct timespec now = {0}; /* a failed read stands still, which RELAXES_PER_POLL_MAX bounds */
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
 }
@@ -66,14 +66,21 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* At most this many relaxes between two polls (25.6 us of pauses on the
+ * EPYC VM): a clock that stands still between its ticks (a VM on the jiffies
+ * clocksource ticks every few milliseconds) must not keep a waiter from
+ * seeing the lock free. */
+#define RELAXES_PER_POLL_MAX 1024
+
 /* Spins until it takes the lock with the value take (true) or until the
  * spin says to sleep (false). */
 static bool spin_for(npa_lock *l, const npa_lock_spin *spin, int take) {
     uint64_t start = spin->clock_ns(spin->ctx), release_seen_at = start;
     unsigned releases_seen = __atomic_load_n(&l->releases, __ATOMIC_RELAXED);
-    for (uint64_t gap = spin->first_poll_ns;; gap = gap < spin->max_poll_ns ? 2 * gap : gap) {
-        uint64_t now;
-        for (uint64_t poll_at = spin->clock_ns(spin->ctx) + gap; (now = spin->clock_ns(spin->ctx)) < poll_at;)
+    for (uint64_t gap = spin->first_poll_ns;; gap = gap < spin->max_poll_ns / 2 ? 2 * gap : spin->max_poll_ns) {
+        uint64_t now, poll_at = spin->clock_ns(spin->ctx) + gap;
+        for (unsigned relaxes = 0; (now = spin->clock_ns(spin->ctx)) < poll_at && relaxes < RELAXES_PER_POLL_MAX;
+             relaxes++)
             cpu_relax();
         int state = __atomic_load_n(&l->state, __ATOMIC_RELAXED);
         if (state == 0 &&

@@ -26,7 +26,8 @@ typedef struct npa_lock {
 } npa_lock;
 
 /* How a waiter spins: the clock it reads and its times in nanoseconds
- * (lock.c's npa_lock_default_spin; the tests pass a clock of their own). */
+ * (lock.c's npa_lock_default_spin; the tests pass a clock of their own). A
+ * clock that stands still keeps the waiter polling, never sleeping. */
 typedef struct npa_lock_spin {
     uint64_t (*clock_ns)(void *ctx);
     void *ctx;

@@ -41,12 +41,13 @@ static uint64_t monotonic_ns(void *ctx) {
  * It sees the releases without costing the hit path anything: at each poll
  * it marks a held word 3, and the release that finds the mark counts itself
  * in `releases` (the holder's next take clears it, so the next poll marks it
- * again). With this and npa_lock_wait_with's spin after a wake-up, two
- * threads pinned to one CPU lost 50-52% per thread instead of 53-54% (two
- * runs of 8 rounds), four threads on the two CPUs 78% instead of 79.5%
- * (glibc 77.5-78%), two threads 56% as before, and the 90th percentile of a
- * batch's time per pair fell from 150 to 85 ns with two threads and from 199
- * to 106 ns with four (8 runs of 6 rounds; same VM, 2026-11-25). */
+ * again). Side by side with the lock before (same VM, 2026-11-25): two
+ * threads pinned to one CPU lost 51% per thread instead of 55% (two runs of 8
+ * rounds); on the two CPUs four threads lost 78% instead of 79% (glibc 78%),
+ * two threads 56% as before, and the 90th percentile of a batch's time per
+ * pair fell from 139 to 99 ns with two threads and from 195 to 129 ns with
+ * four (6 runs of 6 rounds); waits got no longer (the longest 0.4-0.5 ms with
+ * two threads, 0.5-1.0 ms before; 4.7-9.4 ms with four, 4.7-9.0 before). */
 const npa_lock_spin npa_lock_default_spin = {
     .clock_ns = monotonic_ns,
     .first_poll_ns = 25,
@@ -72,9 +73,9 @@ static inline void cpu_relax(void) {
  * seeing the lock free. */
 #define RELAXES_PER_POLL_MAX 1024
 
-/* Spins until it takes the lock with the value take (true) or until the
- * spin says to sleep (false). */
-static bool spin_for(npa_lock *l, const npa_lock_spin *spin, int take) {
+/* Spins until it takes the lock (true) or until the spin says to sleep
+ * (false). */
+static bool spin_for(npa_lock *l, const npa_lock_spin *spin) {
     uint64_t start = spin->clock_ns(spin->ctx), release_seen_at = start;
     unsigned releases_seen = __atomic_load_n(&l->releases, __ATOMIC_RELAXED);
     for (uint64_t gap = spin->first_poll_ns;; gap = gap < spin->max_poll_ns / 2 ? 2 * gap : spin->max_poll_ns) {
@@ -84,7 +85,7 @@ static bool spin_for(npa_lock *l, const npa_lock_spin *spin, int take) {
             cpu_relax();
         int state = __atomic_load_n(&l->state, __ATOMIC_RELAXED);
         if (state == 0 &&
-            __atomic_compare_exchange_n(&l->state, &state, take, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            __atomic_compare_exchange_n(&l->state, &state, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
             return true;
         if (state == 1) /* ask the holder's next release to count itself */
             __atomic_compare_exchange_n(&l->state, &state, 3, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
@@ -100,17 +101,18 @@ static bool spin_for(npa_lock *l, const npa_lock_spin *spin, int take) {
 }
 
 /* The word reads 2 while anyone may sleep on it, so a thread that has slept
- * takes it as 2 from then on: its release wakes the next sleeper, whom the
- * holder's last release did not. Woken, a thread spins again rather than
- * sleeping at once: the holder has usually taken the lock back by then, and a
- * sleeper that marks it 2 again makes the holder's every release a system
- * call. */
+ * takes it as 2: its release wakes the next sleeper, whom the holder's last
+ * release did not. Woken and finding the lock taken again, a thread marks it
+ * 2 and sleeps at once, so each of the holder's releases wakes it until it
+ * gets its turn: a system call on the holder's every release meanwhile, which
+ * slows the holder and so ends the wait. Spinning again instead (tried)
+ * spared the holder those calls but let it keep the lock: with two threads
+ * the longest wait grew from 0.4-0.6 ms to 0.8-1.9 ms (4 runs each, 500
+ * batches of the bench's harness, a clock around each wait). */
 void npa_lock_wait_with(npa_lock *l, const npa_lock_spin *spin) {
-    for (int take = 1;; take = 2) {
-        if (spin_for(l, spin, take)) return;
-        if (__atomic_exchange_n(&l->state, 2, __ATOMIC_ACQUIRE) == 0) return;
+    if (spin_for(l, spin)) return;
+    while (__atomic_exchange_n(&l->state, 2, __ATOMIC_ACQUIRE) != 0)
         syscall(SYS_futex, &l->state, FUTEX_WAIT_PRIVATE, 2, NULL, NULL, 0);
-    }
 }
 
 void npa_lock_released_contended(npa_lock *l, int state) {

@@ -43,15 +43,14 @@ static void test_contended_increments_are_all_kept(void) {
 
 typedef struct waiter {
     npa_lock *lock;
-    const npa_lock_spin *spin; /* NULL: npa_lock_acquire's own */
+    const npa_lock_spin *spin;
     int acquired;
     int state_when_taken; /* the word's value while it held the lock */
 } waiter;
 
 static void *wait_for_lock(void *arg) {
     waiter *w = arg;
-    if (w->spin) npa_lock_wait_with(w->lock, w->spin);
-    else npa_lock_acquire(w->lock);
+    npa_lock_wait_with(w->lock, w->spin);
     __atomic_store_n(&w->state_when_taken, __atomic_load_n(&w->lock->state, __ATOMIC_RELAXED), __ATOMIC_RELAXED);
     __atomic_store_n(&w->acquired, 1, __ATOMIC_RELEASE);
     npa_lock_release(w->lock);
@@ -88,33 +87,53 @@ static uint64_t read_clock_ns(void *ctx) {
     return now;
 }
 
+static uint64_t clock_now(read_clock *c) { return __atomic_load_n(&c->now, __ATOMIC_RELAXED); }
+
 #define SPIN_STALL 1000
 #define SPIN_ALL 50000
 
-static npa_lock_spin read_clock_spin(read_clock *c) {
-    return (npa_lock_spin){.clock_ns = read_clock_ns, .ctx = c, .first_poll_ns = 1, .max_poll_ns = 64,
-                           .stall_ns = SPIN_STALL, .spin_ns = SPIN_ALL};
+/* The test's thread holds the lock and one waiter thread waits for it,
+ * spinning by the read clock unless the test sets another spin. */
+typedef struct contest {
+    npa_lock lock;
+    read_clock clock;
+    npa_lock_spin spin;
+    waiter w;
+    pthread_t thread;
+} contest;
+
+static void contest_init(contest *c) {
+    *c = (contest){.clock = {.lock = &c->lock}};
+    c->spin = (npa_lock_spin){.clock_ns = read_clock_ns, .ctx = &c->clock, .first_poll_ns = 1, .max_poll_ns = 64,
+                              .stall_ns = SPIN_STALL, .spin_ns = SPIN_ALL};
 }
 
-static uint64_t clock_now(read_clock *c) { return __atomic_load_n(&c->now, __ATOMIC_RELAXED); }
+/* Takes the lock, then starts the waiter. */
+static void contest_start(contest *c) {
+    npa_lock_acquire(&c->lock);
+    c->w = (waiter){.lock = &c->lock, .spin = &c->spin};
+    CHECK_EQ(pthread_create(&c->thread, NULL, wait_for_lock, &c->w), 0);
+}
 
-/* A holder that keeps the lock: the waiter's spin ends and it marks the
- * word contended (2) and sleeps, which an endless spin never would; the
- * release then wakes it. The main thread waits for the mark by yielding
- * (a bounded number of times, so a waiter that never sleeps fails the test
- * rather than hanging it), so the test cannot pass on time alone. */
+/* Gives the lock back: the waiter takes it, gives it back and ends. */
+static void contest_finish(contest *c) {
+    npa_lock_release(&c->lock);
+    CHECK_EQ(pthread_join(c->thread, NULL), 0);
+    CHECK_EQ(c->w.acquired, 1);
+    CHECK_EQ(__atomic_load_n(&c->lock.state, __ATOMIC_RELAXED), 0);
+}
+
+/* A holder that keeps the lock, with the library's own spin and clock: the
+ * waiter's spin ends and it marks the word contended (2) and sleeps, which an
+ * endless spin never would; the release then wakes it. */
 static void test_a_waiter_stops_spinning_and_is_woken(void) {
-    npa_lock lock = {0};
-    npa_lock_acquire(&lock);
-    waiter w = {.lock = &lock};
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
-    await_state(&lock, 2);
-    CHECK_EQ(__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE), 0);
-    npa_lock_release(&lock);
-    CHECK_EQ(pthread_join(thread, NULL), 0);
-    CHECK_EQ(w.acquired, 1);
-    CHECK_EQ(__atomic_load_n(&lock.state, __ATOMIC_RELAXED), 0);
+    contest c;
+    contest_init(&c);
+    c.spin = npa_lock_default_spin;
+    contest_start(&c);
+    await_state(&c.lock, 2);
+    CHECK_EQ(__atomic_load_n(&c.w.acquired, __ATOMIC_ACQUIRE), 0);
+    contest_finish(&c);
 }
 
 /* A holder that gives nothing back (preempted, or in a raw device call): the
@@ -122,63 +141,44 @@ static void test_a_waiter_stops_spinning_and_is_woken(void) {
  * its spin time is out. Having slept, it takes the lock as contended (2), so
  * that its own release would wake a sleeper the holder's release did not. */
 static void test_a_waiter_sleeps_when_the_holder_stalls(void) {
-    npa_lock lock = {0};
-    read_clock clock = {.lock = &lock};
-    npa_lock_spin spin = read_clock_spin(&clock);
-    npa_lock_acquire(&lock);
-    waiter w = {.lock = &lock, .spin = &spin};
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
-    await_state(&lock, 2);
-    uint64_t slept_at = clock_now(&clock);
+    contest c;
+    contest_init(&c);
+    contest_start(&c);
+    await_state(&c.lock, 2);
+    uint64_t slept_at = clock_now(&c.clock);
     CHECK(slept_at >= SPIN_STALL);
     CHECK(slept_at < SPIN_STALL + 4 * 64); /* the stall seen within a few polls */
-    npa_lock_release(&lock);
-    CHECK_EQ(pthread_join(thread, NULL), 0);
-    CHECK_EQ(w.acquired, 1);
-    CHECK_EQ(w.state_when_taken, 2);
-    CHECK_EQ(__atomic_load_n(&lock.state, __ATOMIC_RELAXED), 0);
+    contest_finish(&c);
+    CHECK_EQ(c.w.state_when_taken, 2);
 }
 
 /* A spinning waiter marks the held word (3), and the holder's release that
  * finds the mark counts itself, which is how the waiter sees the holder run;
  * the releases of an unmarked word count nothing. */
 static void test_a_release_the_waiter_asked_for_is_counted(void) {
-    npa_lock lock = {0};
-    read_clock clock = {.lock = &lock};
-    npa_lock_spin spin = read_clock_spin(&clock);
-    spin.stall_ns = spin.spin_ns = UINT64_MAX; /* it spins until it takes the lock */
-    npa_lock_acquire(&lock);
-    npa_lock_release(&lock);
-    CHECK_EQ(lock.releases, 0);
-    npa_lock_acquire(&lock);
-    waiter w = {.lock = &lock, .spin = &spin};
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
-    await_state(&lock, 3);
-    npa_lock_release(&lock);
-    CHECK_EQ(pthread_join(thread, NULL), 0);
-    CHECK_EQ(w.acquired, 1);
-    CHECK_EQ(w.state_when_taken, 1);
-    CHECK_EQ(__atomic_load_n(&lock.releases, __ATOMIC_RELAXED), 1);
-    CHECK_EQ(__atomic_load_n(&lock.state, __ATOMIC_RELAXED), 0);
+    contest c;
+    contest_init(&c);
+    c.spin.stall_ns = c.spin.spin_ns = UINT64_MAX; /* it spins until it takes the lock */
+    npa_lock_acquire(&c.lock);
+    npa_lock_release(&c.lock);
+    CHECK_EQ(c.lock.releases, 0);
+    contest_start(&c);
+    await_state(&c.lock, 3);
+    contest_finish(&c);
+    CHECK_EQ(c.w.state_when_taken, 1);
+    CHECK_EQ(__atomic_load_n(&c.lock.releases, __ATOMIC_RELAXED), 1);
 }
 
 /* A holder that keeps giving the lock back and taking it again before the
  * waiter polls: the waiter spins its whole time, then sleeps. */
 static void test_a_waiter_spins_while_the_holder_runs(void) {
-    npa_lock lock = {0};
-    read_clock clock = {.lock = &lock, .holder_runs = 1};
-    npa_lock_spin spin = read_clock_spin(&clock);
-    npa_lock_acquire(&lock);
-    waiter w = {.lock = &lock, .spin = &spin};
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
-    await_state(&lock, 2);
-    CHECK(clock_now(&clock) >= SPIN_ALL);
-    npa_lock_release(&lock);
-    CHECK_EQ(pthread_join(thread, NULL), 0);
-    CHECK_EQ(w.acquired, 1);
+    contest c;
+    contest_init(&c);
+    c.clock.holder_runs = 1;
+    contest_start(&c);
+    await_state(&c.lock, 2);
+    CHECK(clock_now(&c.clock) >= SPIN_ALL);
+    contest_finish(&c);
 }
 
 /* Woken by a release whose holder took the lock back before the sleeper ran
@@ -186,25 +186,18 @@ static void test_a_waiter_spins_while_the_holder_runs(void) {
  * word 2 again at once, without spinning (its clock is not read), so the
  * holder's next release wakes it again. */
 static void test_a_woken_waiter_sleeps_again_at_once(void) {
-    npa_lock lock = {0};
-    read_clock clock = {.lock = &lock};
-    npa_lock_spin spin = read_clock_spin(&clock);
-    npa_lock_acquire(&lock);
-    waiter w = {.lock = &lock, .spin = &spin};
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
-    await_state(&lock, 2);
-    uint64_t woken_at = clock_now(&clock);
-    __atomic_store_n(&lock.state, 1, __ATOMIC_RELEASE); /* given back and taken again, */
-    npa_lock_released_contended(&lock, 2);               /* the sleeper woken by that release */
-    await_state(&lock, 2);
-    CHECK_EQ(clock_now(&clock), woken_at);
-    CHECK_EQ(__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE), 0);
-    npa_lock_release(&lock);
-    CHECK_EQ(pthread_join(thread, NULL), 0);
-    CHECK_EQ(w.acquired, 1);
-    CHECK_EQ(w.state_when_taken, 2);
-    CHECK_EQ(__atomic_load_n(&lock.state, __ATOMIC_RELAXED), 0);
+    contest c;
+    contest_init(&c);
+    contest_start(&c);
+    await_state(&c.lock, 2);
+    uint64_t woken_at = clock_now(&c.clock);
+    __atomic_store_n(&c.lock.state, 1, __ATOMIC_RELEASE); /* given back and taken again, */
+    npa_lock_released_contended(&c.lock, 2);               /* the sleeper woken by that release */
+    await_state(&c.lock, 2);
+    CHECK_EQ(clock_now(&c.clock), woken_at);
+    CHECK_EQ(__atomic_load_n(&c.w.acquired, __ATOMIC_ACQUIRE), 0);
+    contest_finish(&c);
+    CHECK_EQ(c.w.state_when_taken, 2);
 }
 
 /* A clock that stands still (a failed read, or a coarse clocksource between
@@ -216,22 +209,19 @@ static uint64_t still_clock_ns(void *ctx) {
 }
 
 static void test_a_clock_that_stands_still_still_lets_the_waiter_poll(void) {
-    npa_lock lock = {0};
-    uint64_t reads = 0;
-    npa_lock_spin spin = {.clock_ns = still_clock_ns, .ctx = &reads, .first_poll_ns = 1, .max_poll_ns = 64,
-                          .stall_ns = SPIN_STALL, .spin_ns = SPIN_ALL};
-    npa_lock_acquire(&lock);
-    waiter w = {.lock = &lock, .spin = &spin};
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, wait_for_lock, &w), 0);
-    await_state(&lock, 3); /* it polled, and marked the word */
-    npa_lock_release(&lock);
-    for (long yields = 0; !__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE) && yields < 100000000; yields++)
+    contest c;
+    contest_init(&c);
+    c.spin.clock_ns = still_clock_ns;
+    c.spin.ctx = &c.clock.now;
+    contest_start(&c);
+    await_state(&c.lock, 3); /* it polled, and marked the word */
+    npa_lock_release(&c.lock);
+    for (long yields = 0; !__atomic_load_n(&c.w.acquired, __ATOMIC_ACQUIRE) && yields < 100000000; yields++)
         sched_yield();
-    CHECK_EQ(__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE), 1);
-    if (__atomic_load_n(&w.acquired, __ATOMIC_ACQUIRE)) CHECK_EQ(pthread_join(thread, NULL), 0);
-    else pthread_detach(thread); /* stuck between clock reads: the failed check ends the test */
-    CHECK(__atomic_load_n(&reads, __ATOMIC_RELAXED) > 1);
+    CHECK_EQ(__atomic_load_n(&c.w.acquired, __ATOMIC_ACQUIRE), 1);
+    if (__atomic_load_n(&c.w.acquired, __ATOMIC_ACQUIRE)) CHECK_EQ(pthread_join(c.thread, NULL), 0);
+    else pthread_detach(c.thread); /* stuck between clock reads: the failed check ends the test */
+    CHECK(clock_now(&c.clock) > 1);
 }
 
 int main(void) {

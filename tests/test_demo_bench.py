@@ -190,6 +190,38 @@ def test_thread_goals_leave_out_rounds_whose_one_thread_runs_were_slowed():
     assert "3 of 6 rounds" in bench.unjudgeable_note(eager2, slowed)
 
 
+def test_ratio_goals_leave_out_rounds_where_either_side_was_slowed():
+    """A one-thread ratio is judged over the rounds in which both its cases
+    ran steady: a round whose one side ran on a CPU the host slowed is left
+    out, whichever side it was, and a run with half its rounds slowed is
+    UNJUDGEABLE, as the thread goals are."""
+    def hot(top: list[float], bottom: list[float]) -> dict:
+        by_round = [t / b for t, b in zip(top, bottom)]
+        return {"rows": [{"key": "eager1", "ns_by_round": top}, {"key": "glibc1", "ns_by_round": bottom}],
+                "ratios_by_round": {"eager1/glibc1": by_round}, "ratios": {"eager1/glibc1": bench.spread(by_round)}}
+
+    within = lambda r: r["median"] <= 1.3                                # noqa: E731
+    glibc = [35.1, 35.3, 35.2, 35.0, 35.4, 35.1]
+    # One round of npualloc's case slowed (80.7 ns): left out.
+    met, text = bench.ratio_verdict(hot([44.3, 80.7, 44.5, 44.1, 45.0, 44.6], glibc), "eager1/glibc1", within)
+    assert met is True
+    assert text == "1.26 [1.26-1.27] over the 5 steady rounds of 6, 1.27 [1.26-2.29] over all"
+    # A round of glibc's case slowed flatters npualloc (0.83x there): left out as well.
+    flattered = hot([46.4, 46.0, 46.2, 46.1, 46.5, 46.3], [35.1, 55.8, 35.2, 35.0, 35.4, 35.1])
+    met, text = bench.ratio_verdict(flattered, "eager1/glibc1", within)
+    assert met is False and text.startswith("1.32 [1.31-1.32] over the 5 steady rounds of 6, 1.32 [0.82-1.32]")
+    # Half the rounds slowed (one CPU's, as at 16:12 UTC): UNJUDGEABLE, never MET or NOT MET.
+    met, text = bench.ratio_verdict(hot([44.3, 80.7, 44.5, 80.9, 44.1, 80.2], glibc), "eager1/glibc1", within)
+    assert met is None and "3 of 6 rounds: the machine was disturbed" in text
+    # The saver goal's "spans 1" over the steady rounds only: the round whose
+    # glibc case was slowed (0.51x) would have made it span 1.
+    spans_one = lambda r: r["min"] <= 1.0 <= r["max"]                    # noqa: E731
+    slowed_bottom = hot([35.5, 35.6, 35.4, 35.7, 35.5, 35.6], [35.1, 35.3, 35.2, 35.0, 35.4, 70.0])
+    assert spans_one(slowed_bottom["ratios"]["eager1/glibc1"])
+    met, text = bench.ratio_verdict(slowed_bottom, "eager1/glibc1", spans_one, ".3f")
+    assert met is False and text.startswith("1.008 [1.003-1.020] over the 5 steady rounds of 6")
+
+
 def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
                           capture_output=True, text=True)

@@ -222,6 +222,12 @@ def test_ratio_goals_leave_out_rounds_where_either_side_was_slowed():
     assert met is False and text.startswith("1.008 [1.003-1.020] over the 5 steady rounds of 6")
 
 
+def test_spreads_print_no_negative_zero():
+    """A loss of -0.2% rounds to 0%, not "-0%"; real negatives keep their sign."""
+    assert bench.fmt_spread({"median": -0.002, "min": -0.02, "max": 0.03}, ".0%") == "0% [-2%-3%]"
+    assert bench.fmt_spread({"median": -0.0004, "min": -0.5, "max": 1.0}) == "0.00 [-0.50-1.00]"
+
+
 def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
                           capture_output=True, text=True)

@@ -27,5 +27,12 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def fmt_value(value: float, fmt: str) -> str:
+    """value formatted, without the minus sign of a negative that rounds to
+    zero ("-0%" for a loss of -0.2%; Python 3.10 has no "z" option)."""
+    text = f"{value:{fmt}}"
+    return text[1:] if text.startswith("-") and not any(c in "123456789" for c in text) else text
+
+
 def fmt_spread(s: dict[str, float], fmt: str = ".2f", suffix: str = "") -> str:
-    return f"{s['median']:{fmt}}{suffix} [{s['min']:{fmt}}-{s['max']:{fmt}}]"
+    return f"{fmt_value(s['median'], fmt)}{suffix} [{fmt_value(s['min'], fmt)}-{fmt_value(s['max'], fmt)}]"

@@ -45,7 +45,7 @@ from typing import Any, Callable, NamedTuple
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "demo")]
 import launch  # noqa: E402
-from figures import fmt_spread, pinned, round_cpus, spread  # noqa: E402
+from figures import fmt_spread, fmt_value, pinned, round_cpus, spread  # noqa: E402
 import pause as pause_bench  # noqa: E402
 import stacks as stacks_bench  # noqa: E402
 from npualloc import replay  # noqa: E402
@@ -471,7 +471,8 @@ def ratio_verdict(h: dict[str, Any], key: str, met: Callable[[dict[str, float]],
 def thread_loss(row: dict[str, Any], steady: list[int]) -> str:
     """A thread goal's loss: over the steady rounds, and over all of them."""
     rounds = len(row["loss_by_round"])
-    kept = f"{loss_over(row, steady):.0%} over the {len(steady)} steady rounds of {rounds}, " if steady else ""
+    kept = (f"{fmt_value(loss_over(row, steady), '.0%')} over the {len(steady)} steady rounds of {rounds}, "
+            if steady else "")
     return f"{kept}{fmt_spread(row['loss_vs_1_thread'], '.0%')} over all"
 
 

@@ -17,12 +17,14 @@ import errno
 import os
 import select
 import stat
+import time
 from pathlib import Path
 
 from .errors import NpuallocError
 
-# A FIFO whose reader stops reading is given up after this long without progress (as snapshot.c's WRITE_STALL_MS).
-WRITE_STALL_S = 5.0
+# A FIFO whose reader has not taken all the data after this long in all is given up (as
+# snapshot.c's WRITE_LIMIT_MS): a reader that takes a page now and then must not hold us for minutes.
+WRITE_LIMIT_S = 5.0
 _CHUNK = 1 << 20
 
 
@@ -33,7 +35,7 @@ class FileRefusedError(NpuallocError):
 def _reason(err: int) -> str:
     return {errno.ELOOP: "it is a symbolic link (never followed; left as it is)",
             errno.ENXIO: "a FIFO with no reader (nothing written)",
-            errno.ETIMEDOUT: "the FIFO's reader stopped reading (incomplete)",
+            errno.ETIMEDOUT: f"the FIFO's reader did not take it within {WRITE_LIMIT_S:g} s (incomplete)",
             errno.EEXIST: "another file appeared at the name meanwhile (left as it is)"}.get(err, os.strerror(err))
 
 
@@ -76,6 +78,9 @@ def _write(path: str, data: bytes) -> None:
         return
     if stat.S_ISLNK(seen.st_mode):
         raise OSError(errno.ELOOP, "")
+    if stat.S_ISFIFO(seen.st_mode) and seen.st_uid != os.geteuid():
+        # Anyone may plant a FIFO in /tmp to read what we write.
+        raise FileRefusedError(f"cannot write {path}: it belongs to another user (left as it is)")
     if stat.S_ISFIFO(seen.st_mode) or stat.S_ISCHR(seen.st_mode):
         _write_into(path, seen, data)
     elif stat.S_ISDIR(seen.st_mode):
@@ -91,11 +96,13 @@ def _write(path: str, data: bytes) -> None:
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
+    deadline = time.monotonic() + WRITE_LIMIT_S
     while view:
         try:
             view = view[os.write(fd, view[:_CHUNK]):]
         except BlockingIOError:
-            if not select.select([], [fd], [], WRITE_STALL_S)[1]:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
                 raise OSError(errno.ETIMEDOUT, "") from None
 
 

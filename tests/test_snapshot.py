@@ -12,6 +12,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,62 @@ def test_oom_snapshot_to_a_fifo_with_a_reader_is_streamed_to_it(tmp_path: Path) 
             os.close(reader)
     assert isinstance(loads(bytes(received))["segments"], list)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@needs_root
+def test_oom_snapshot_never_feeds_another_users_fifo(tmp_path: Path) -> None:
+    """Anyone may plant a FIFO at a name in /tmp to read the snapshot: one
+    that is not the process's user's is left alone, though a reader waits."""
+    fifo = tmp_path / "oom.fifo"
+    os.mkfifo(fifo, 0o666)
+    os.chown(fifo, 65534, 65534)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        stderr = _oom_with_snapshot_to(tmp_path, fifo)
+        try:
+            received = os.read(reader, 1 << 16)
+        except BlockingIOError:
+            received = b""
+    finally:
+        os.close(reader)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {fifo}: it belongs to another user") == 1
+    assert received == b""
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.lstat(fifo).st_uid == 65534
+
+
+def test_oom_snapshot_gives_up_a_fifo_read_a_page_at_a_time(tmp_path: Path) -> None:
+    """A reader that takes 4 KiB twice a second keeps making progress, but the
+    OOM'ing call waits 5 s in all, not 5 s without progress: the snapshot
+    (thousands of blocks, far more than the pipe holds plus 40 KiB) is cut
+    short and the warning says so."""
+    fifo = tmp_path / "oom.fifo"
+    os.mkfifo(fifo, 0o600)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    received = bytearray()
+    with ThreadPoolExecutor(1) as pool:
+        def read_a_page_now_and_then() -> None:
+            poller = select.poll()
+            poller.register(reader, select.POLLIN)
+            while True:
+                assert poller.poll(120_000), "the writer never came or never finished"
+                chunk = os.read(reader, 4096)
+                if not chunk:
+                    return
+                received.extend(chunk)
+                time.sleep(0.5)
+
+        reading = pool.submit(read_a_page_now_and_then)
+        try:
+            with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{fifo}") as w:
+                assert w.call("len([acl.rt.malloc(512, 0)[1] for _ in range(4000)])") == 4000
+                assert w.call(f"acl.rt.malloc({100 * MiB}, 0)[1]") == 207001
+                stderr = w.stderr()
+            reading.result(timeout=120)
+        finally:
+            os.close(reader)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {fifo}: the FIFO's reader did not take it "
+                        "within 5 s (snapshot incomplete)") == 1
+    assert 0 < len(received) < 200 << 10
 
 
 @needs_root

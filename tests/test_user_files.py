@@ -9,6 +9,7 @@ import os
 import pickle
 import select
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,6 +61,55 @@ def test_a_fifo_without_a_reader_gets_nothing_and_no_hang(tmp_path: Path) -> Non
     with pytest.raises(FileRefusedError, match="a FIFO with no reader"):
         write_user_file(fifo, b"data")
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@needs_root
+def test_another_users_fifo_is_left_alone(tmp_path: Path) -> None:
+    """Anyone may plant a FIFO in /tmp to read what is written to it."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo, 0o666)
+    os.chown(fifo, 65534, 65534)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with pytest.raises(FileRefusedError, match="it belongs to another user"):
+            write_user_file(fifo, b"secret")
+        try:
+            received = os.read(reader, 64)  # no writer ever came: end of file
+        except BlockingIOError:
+            received = b""
+        assert received == b""
+    finally:
+        os.close(reader)
+
+
+def test_a_fifo_read_a_page_at_a_time_is_given_up(tmp_path: Path) -> None:
+    """A reader taking 4 KiB twice a second keeps making progress, but the
+    writer gives up after 5 s in all, not 5 s without progress."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo, 0o600)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    received = bytearray()
+
+    def read_a_page_now_and_then() -> None:
+        poller = select.poll()
+        poller.register(reader, select.POLLIN)
+        while True:
+            assert poller.poll(60_000), "the writer never came or never finished"
+            chunk = os.read(reader, 4096)
+            if not chunk:
+                return
+            received.extend(chunk)
+            time.sleep(0.5)
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            reading = pool.submit(read_a_page_now_and_then)
+            with pytest.raises(FileRefusedError, match="did not take it within 5 s"):
+                write_user_file(fifo, bytes(1 << 20))
+            reading.result(timeout=120)
+        finally:
+            os.close(reader)
+    assert 0 < len(received) < 1 << 20
 
 
 def test_a_fifo_with_a_reader_is_written_to(tmp_path: Path) -> None:

@@ -12,24 +12,37 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hook.h"
 #include "region/region.h"
 
-/* A FIFO whose reader stops reading is given up after this long without progress. */
-#define WRITE_STALL_MS 5000
+/* A FIFO whose reader has not taken the whole snapshot after this long is
+ * given up. In all, not without progress: a reader that takes a page now and
+ * then (another user's, at a name the user chose in /tmp) kept an OOM'ing
+ * allocation waiting 40 s for a 712 KB snapshot, and would have for minutes. */
+#define WRITE_LIMIT_MS 5000
+
+static int64_t monotonic_ms(void)
+{
+    struct timespec now = {0};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+}
 
 static int write_all(int fd, const char *p, size_t size)
 {
+    int64_t deadline = monotonic_ms() + WRITE_LIMIT_MS;
     while (size > 0) {
         ssize_t n = write(fd, p, size);
         if (n > 0) {
             p += n;
             size -= (size_t)n;
         } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int64_t left = deadline - monotonic_ms();
             struct pollfd ready = {.fd = fd, .events = POLLOUT};
-            if (poll(&ready, 1, WRITE_STALL_MS) == 0)
+            if (left <= 0 || poll(&ready, 1, (int)left) == 0)
                 return ETIMEDOUT;
         } else if (n < 0 && errno != EINTR) {
             return errno;
@@ -93,9 +106,10 @@ static int write_into(const char *path, const struct stat *seen, const void *dat
 
 /* Where a snapshot goes, without ever destroying what is at the name:
  * nothing there: a new file; our own regular file: replaced by a new one;
- * a FIFO or a character device (/dev/null): written to, as torch would;
- * anything else (a link, another user's file, a directory, a block device,
- * a socket): refused, left as it is. */
+ * our own FIFO or a character device (/dev/null): written to, as torch
+ * would; anything else (a link, another user's file or FIFO, which anyone
+ * may plant in /tmp to read the snapshot, a directory, a block device, a
+ * socket): refused, left as it is. */
 static int write_snapshot_file(const char *path, const void *data, size_t size)
 {
     struct stat seen;
@@ -103,6 +117,8 @@ static int write_snapshot_file(const char *path, const void *data, size_t size)
         return errno == ENOENT ? write_new(path, data, size, false) : errno;
     if (S_ISLNK(seen.st_mode))
         return ELOOP;
+    if (S_ISFIFO(seen.st_mode) && seen.st_uid != geteuid())
+        return EPERM;
     if (S_ISFIFO(seen.st_mode) || S_ISCHR(seen.st_mode))
         return write_into(path, &seen, data, size);
     if (!S_ISREG(seen.st_mode))
@@ -119,7 +135,7 @@ const char *npa_snapshot_strerror(int err)
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";
-    case ETIMEDOUT: return "the FIFO's reader stopped reading (snapshot incomplete)";
+    case ETIMEDOUT: return "the FIFO's reader did not take it within 5 s (snapshot incomplete)";
     case EEXIST: return "another file appeared at the name meanwhile (left as it is)";
     default: return strerror(err);
     }

@@ -44,6 +44,13 @@ def human_bytes(value: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _displayable(text: str) -> str:
+    """text with every character a terminal would act on (escape sequences,
+    bell, other controls) shown as "?": a command line or config string is
+    another user's to choose, and root reads it in `ls` and `stats`."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _command_line(pid: int, fallback: str, width: int = 100) -> str:
     """One display line: psutil's view (the region's copy is truncated), newlines
     of `python -c` scripts collapsed."""
@@ -51,7 +58,7 @@ def _command_line(pid: int, fallback: str, width: int = 100) -> str:
         words = psutil.Process(pid).cmdline() or fallback.split()
     except psutil.Error:
         words = fallback.split()
-    text = " ".join(" ".join(words).split())
+    text = _displayable(" ".join(" ".join(words).split()))
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -112,7 +119,7 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
 def _render(snapshot: dict[str, Any]) -> str:
     started = datetime.fromtimestamp(snapshot["created_unix_ns"] / 1e9).strftime("%Y-%m-%d %H:%M:%S")
     lines = [f"npualloc · pid {snapshot['pid']} · {snapshot['command']}",
-             f"config: {snapshot['config'] or '(defaults)'} · region since {started}", ""]
+             f"config: {_displayable(snapshot['config']) or '(defaults)'} · region since {started}", ""]
     if snapshot["state"] != "running":
         lines[-1:-1] = [f"state: {snapshot['state']} · {human_bytes(snapshot['paused_bytes'])} of device memory "
                         f"released · {human_bytes(snapshot['backup_bytes'])} host backup"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from region_helpers import Workload, assert_one_line_error, region_bytes, region_file, run_cli, write_region
 
+from npualloc import cli
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
 
@@ -150,3 +151,24 @@ def test_requester_holding_the_command_lock_delays_us_only_until_the_timeout(tmp
     with open(path, "rb") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
         assert_one_line_error(run_cli(["empty-cache", str(sleeper), "--timeout", "0.3"], tmp_path), 8, "command lock")
+
+
+HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x9b1m"  # set the window title, clear the screen, a C1 CSI
+
+
+def test_stats_shows_no_terminal_controls_from_another_processes_config(tmp_path: Path) -> None:
+    """The config string is the watched process's to choose, and root reads it
+    in `stats`: every control character is shown as "?", never sent."""
+    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:/tmp/oom{HOSTILE}.pickle") as w:
+        assert w.call("acl.rt.malloc(4096, 0)[1]") == 0
+        proc = run_cli(["stats", str(w.pid)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "config: oom_snapshot:/tmp/oom?]0;pwned??[2J?1m.pickle" in proc.stdout
+    assert not any(c in proc.stdout for c in "\x1b\x07\x9b")
+
+
+def test_a_command_line_is_shown_without_terminal_controls() -> None:
+    """`ls` and `stats` show a process's command line (psutil's, else the
+    region's copy, here: the pid is gone) with its controls as "?"."""
+    gone = 2**22 + 1  # above pid_max's ceiling: no such process
+    assert cli._command_line(gone, f"python -c {HOSTILE}") == "python -c ?]0;pwned??[2J?1m"

@@ -71,10 +71,43 @@ def write_user_file(path: str | Path, data: bytes) -> None:
 
 
 def _write(path: str, data: bytes) -> None:
+    directory, name = _open_parent(path)
     try:
-        seen = os.lstat(path)
+        _write_in(directory, name, path, data)
+    finally:
+        os.close(directory)
+
+
+def _open_parent(path: str) -> tuple[int, str]:
+    """The directory holding path's last component, opened without following
+    a link anywhere on the way (a directory another user replaced by a link,
+    to one only root may write, say, is refused), and that component."""
+    head, name = os.path.split(path)
+    if not name:
+        raise OSError(errno.EISDIR, "")
+    directory = os.open("/" if path.startswith("/") else ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for component in filter(None, head.split("/")):
+            try:
+                inner = os.open(component, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+            except NotADirectoryError:
+                if stat.S_ISLNK(os.stat(component, dir_fd=directory, follow_symlinks=False).st_mode):
+                    raise FileRefusedError(f"cannot write {path}: a directory on its path is a symbolic link "
+                                           "(never followed; nothing written)") from None
+                raise
+            os.close(directory)
+            directory = inner
+    except BaseException:
+        os.close(directory)
+        raise
+    return directory, name
+
+
+def _write_in(directory: int, name: str, path: str, data: bytes) -> None:
+    try:
+        seen = os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
-        _write_new(path, data, replace=False)
+        _write_new(directory, name, data, replace=False)
         return
     if stat.S_ISLNK(seen.st_mode):
         raise OSError(errno.ELOOP, "")
@@ -82,7 +115,7 @@ def _write(path: str, data: bytes) -> None:
         # Anyone may plant a FIFO in /tmp to read what we write.
         raise FileRefusedError(f"cannot write {path}: it belongs to another user (left as it is)")
     if stat.S_ISFIFO(seen.st_mode) or stat.S_ISCHR(seen.st_mode):
-        _write_into(path, seen, data)
+        _write_into(directory, name, seen, data)
     elif stat.S_ISDIR(seen.st_mode):
         raise OSError(errno.EISDIR, "")
     elif not stat.S_ISREG(seen.st_mode):
@@ -91,7 +124,7 @@ def _write(path: str, data: bytes) -> None:
     elif seen.st_uid != os.geteuid():
         raise FileRefusedError(f"cannot write {path}: it belongs to another user (left as it is)")
     else:
-        _write_new(path, data, replace=True)
+        _write_new(directory, name, data, replace=True)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -106,32 +139,32 @@ def _write_all(fd: int, data: bytes) -> None:
                 raise OSError(errno.ETIMEDOUT, "") from None
 
 
-def _write_new(path: str, data: bytes, replace: bool) -> None:
+def _write_new(directory: int, name: str, data: bytes, replace: bool) -> None:
     """A new file under a temporary name, moved into place so a reader sees a
     whole file or none; only a file of ours (checked by the caller) is replaced."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    tmp = f"{name}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=directory)
     try:
         try:
             _write_all(fd, data)
         finally:
             os.close(fd)
         if replace:
-            os.rename(tmp, path)
-        else:
-            os.link(tmp, path)  # never replaces: EEXIST when something appeared meanwhile
+            os.rename(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+        else:  # never replaces: EEXIST when something appeared meanwhile
+            os.link(tmp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
     finally:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=directory)
         except FileNotFoundError:
             pass
 
 
-def _write_into(path: str, seen: os.stat_result, data: bytes) -> None:
+def _write_into(directory: int, name: str, seen: os.stat_result, data: bytes) -> None:
     """What torch does with such a path: open it and write. Non-blocking, so a
     FIFO without a reader is ENXIO rather than a hang, and the descriptor must
-    be the very file lstat saw."""
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    be the very file the caller saw."""
+    fd = os.open(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=directory)
     try:
         opened = os.fstat(fd)
         if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):

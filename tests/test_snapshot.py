@@ -128,6 +128,22 @@ def remote_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
     return output, live, freed
 
 
+def test_snapshot_command_works_when_the_region_base_is_a_link(tmp_path: Path) -> None:
+    """The region's base may be a link (/dev/shm -> /run/shm on some systems):
+    the process writes the snapshot hand-over file through the region
+    directory it opened, not through a path, which would refuse the link."""
+    (tmp_path / "run-shm").mkdir()
+    base = tmp_path / "shm"
+    base.symlink_to(tmp_path / "run-shm")
+    output = tmp_path / "snap.pickle"
+    with Workload(base) as w:
+        w.call("malloc(4096)")
+        done = cli_with_trigger(w, base, ["snapshot", str(w.pid), "-o", str(output)], "malloc(512)")
+        assert done.returncode == 0, done.stderr
+        assert isinstance(loads(output.read_bytes())["segments"], list)
+        assert "npualloc:" not in w.stderr()
+
+
 def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) -> None:
     output, live, freed = remote_snapshot
     with open(output, "rb") as f:
@@ -308,6 +324,21 @@ def test_oom_snapshot_never_follows_a_link(tmp_path: Path) -> None:
     stderr = _oom_with_snapshot_to(tmp_path, link)
     assert stderr.count(f"npualloc: oom_snapshot: cannot write {link}: it is a symbolic link") == 1
     assert link.is_symlink() and os.readlink(link) == str(victim) and victim.read_text() == "precious\n"
+
+
+def test_oom_snapshot_never_follows_a_link_on_the_way(tmp_path: Path) -> None:
+    """oom_snapshot:DIR/jobs/oom.pickle where another user made jobs a link
+    to a directory only root may write: refused, what is behind it kept."""
+    behind = tmp_path / "root-only"
+    behind.mkdir(mode=0o700)
+    (behind / "oom.pickle").write_text("precious\n")
+    (tmp_path / "jobs").symlink_to(behind)
+    path = tmp_path / "jobs" / "oom.pickle"
+    stderr = _oom_with_snapshot_to(tmp_path, path)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {path}: a directory on its path is a symbolic "
+                        "link") == 1
+    assert sorted(p.name for p in behind.iterdir()) == ["oom.pickle"]
+    assert (behind / "oom.pickle").read_text() == "precious\n"
 
 
 def test_oom_snapshot_to_a_fifo_without_reader_does_not_block(tmp_path: Path) -> None:

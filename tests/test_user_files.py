@@ -49,6 +49,27 @@ def test_a_link_is_never_followed(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pickle", "victim"]
 
 
+def test_a_link_on_the_way_is_never_followed(tmp_path: Path) -> None:
+    """A directory on the path that another user replaced by a link (to a
+    directory only root may write, say) is refused, not written into: what
+    is behind the link stays as it was."""
+    behind = tmp_path / "root-only"
+    behind.mkdir(mode=0o700)
+    (behind / "out.pickle").write_text("precious\n")
+    (tmp_path / "jobs").symlink_to(behind)
+    with pytest.raises(FileRefusedError, match="a directory on its path is a symbolic link"):
+        write_user_file(tmp_path / "jobs" / "out.pickle", b"data")
+    assert sorted(p.name for p in behind.iterdir()) == ["out.pickle"]
+    assert (behind / "out.pickle").read_text() == "precious\n"
+
+
+def test_a_relative_path_through_real_directories_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    write_user_file("a//b/./out.pickle", b"data")
+    assert (tmp_path / "a" / "b" / "out.pickle").read_bytes() == b"data"
+
+
 def test_a_directory_is_left_alone(tmp_path: Path) -> None:
     with pytest.raises(FileRefusedError, match="Is a directory"):
         write_user_file(tmp_path, b"data")

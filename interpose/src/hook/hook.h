@@ -322,10 +322,13 @@ void npa_saver_forget_after_fork(void); /* in the child, saver_lock held */
 /* ---- snapshot.c ----------------------------------------------------------- */
 
 /* Writes the torch snapshot pickle to path; 0 or an errno value. A new or our
- * own regular file is written atomically (mode 0600); a FIFO or character
- * device is written to; anything else is refused (snapshot.c says how).
- * Takes the device locks: call with none held. */
+ * own regular file is written atomically (mode 0600); our own FIFO or a
+ * character device is written to; anything else, and a path with a link on
+ * the way, is refused (snapshot.c says how). Takes the device locks: call
+ * with none held. */
 int npa_snapshot_write(npa_allocator *a, const char *path);
+/* The same for name in the directory dir_fd (the region's, opened safely). */
+int npa_snapshot_write_at(npa_allocator *a, int dir_fd, const char *name);
 /* The reason for npa_snapshot_write's error, for its warning. */
 const char *npa_snapshot_strerror(int err);
 /* After an OOM: the snapshot to oom_snapshot's path, if one is configured. */

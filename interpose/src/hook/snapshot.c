@@ -6,6 +6,7 @@
 #define _GNU_SOURCE /* renameat2 */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -51,49 +52,95 @@ static int write_all(int fd, const char *p, size_t size)
     return 0;
 }
 
-/* Places the temporary file at path: replacing only when path held our own
+/* npa_snapshot_write's error when a directory on the path is a symbolic
+ * link (outside errno's range). */
+#define LINK_ON_THE_PATH 4096
+
+/* Opens the directory that holds path's last component (*name), never
+ * through a link: each component is opened O_NOFOLLOW, so a directory that
+ * another user replaced by a link (to one only root may write, say) is
+ * refused rather than written into. */
+static int open_parent(const char *path, const char **name, int *dir_fd)
+{
+    const char *slash = strrchr(path, '/');
+    *name = slash ? slash + 1 : path;
+    if (**name == '\0')
+        return EISDIR;
+    int fd = open(path[0] == '/' ? "/" : ".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    for (const char *p = path; fd >= 0 && slash && p < slash;) {
+        const char *end = memchr(p, '/', (size_t)(slash - p) + 1);
+        char component[NAME_MAX + 1];
+        size_t length = (size_t)(end - p);
+        if (length > NAME_MAX) {
+            close(fd);
+            return ENAMETOOLONG;
+        }
+        memcpy(component, p, length);
+        component[length] = '\0';
+        p = end + 1;
+        if (length == 0)
+            continue; /* "//" or the leading "/" */
+        int next = openat(fd, component, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (next < 0) {
+            int err = errno;
+            struct stat seen;
+            if (err == ENOTDIR && fstatat(fd, component, &seen, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(seen.st_mode))
+                err = LINK_ON_THE_PATH;
+            close(fd);
+            return err;
+        }
+        close(fd);
+        fd = next;
+    }
+    if (fd < 0)
+        return errno;
+    *dir_fd = fd;
+    return 0;
+}
+
+/* Places the temporary file at name: replacing only when name held our own
  * regular file (checked by the caller), never replacing anything else. */
-static int place(const char *tmp, const char *path, bool replace)
+static int place(int dir_fd, const char *tmp, const char *name, bool replace)
 {
     if (replace)
-        return rename(tmp, path) == 0 ? 0 : errno;
-    if (renameat2(AT_FDCWD, tmp, AT_FDCWD, path, RENAME_NOREPLACE) == 0)
+        return renameat(dir_fd, tmp, dir_fd, name) == 0 ? 0 : errno;
+    if (renameat2(dir_fd, tmp, dir_fd, name, RENAME_NOREPLACE) == 0)
         return 0;
     if (errno != EINVAL && errno != ENOSYS)
         return errno;
     /* A file system without RENAME_NOREPLACE: link() never replaces either. */
-    if (link(tmp, path) != 0)
+    if (linkat(dir_fd, tmp, dir_fd, name, 0) != 0)
         return errno;
-    unlink(tmp);
+    unlinkat(dir_fd, tmp, 0);
     return 0;
 }
 
 /* A new file under a temporary name (O_EXCL|O_NOFOLLOW, 0600) moved into
  * place, so a reader sees a whole file or none. */
-static int write_new(const char *path, const void *data, size_t size, bool replace)
+static int write_new(int dir_fd, const char *name, const void *data, size_t size, bool replace)
 {
-    char tmp[4096];
-    if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid()) >= sizeof(tmp))
+    char tmp[NAME_MAX + 1];
+    if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%d", name, (int)getpid()) >= sizeof(tmp))
         return ENAMETOOLONG;
-    int fd = npa_create_private_file(tmp, O_WRONLY);
+    int fd = npa_create_private_file_at(dir_fd, tmp, O_WRONLY);
     if (fd < 0)
         return errno;
     int err = write_all(fd, data, size);
     if (close(fd) != 0 && err == 0)
         err = errno;
     if (err == 0)
-        err = place(tmp, path, replace);
+        err = place(dir_fd, tmp, name, replace);
     if (err != 0)
-        unlink(tmp);
+        unlinkat(dir_fd, tmp, 0);
     return err;
 }
 
 /* What torch does with such a path: open it and write. Non-blocking, so a
  * FIFO without a reader is ENXIO rather than a hang, and the descriptor must
- * be the very file lstat saw (not something swapped in meanwhile). */
-static int write_into(const char *path, const struct stat *seen, const void *data, size_t size)
+ * be the very file fstatat saw (not something swapped in meanwhile). */
+static int write_into(int dir_fd, const char *name, const struct stat *seen, const void *data, size_t size)
 {
-    int fd = open(path, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
+    int fd = openat(dir_fd, name, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
     if (fd < 0)
         return errno;
     struct stat opened;
@@ -109,29 +156,31 @@ static int write_into(const char *path, const struct stat *seen, const void *dat
  * our own FIFO or a character device (/dev/null): written to, as torch
  * would; anything else (a link, another user's file or FIFO, which anyone
  * may plant in /tmp to read the snapshot, a directory, a block device, a
- * socket): refused, left as it is. */
-static int write_snapshot_file(const char *path, const void *data, size_t size)
+ * socket): refused, left as it is. Every step is taken in the directory
+ * open_parent opened, so nothing on the way is a link. */
+static int write_snapshot_in(int dir_fd, const char *name, const void *data, size_t size)
 {
     struct stat seen;
-    if (lstat(path, &seen) != 0)
-        return errno == ENOENT ? write_new(path, data, size, false) : errno;
+    if (fstatat(dir_fd, name, &seen, AT_SYMLINK_NOFOLLOW) != 0)
+        return errno == ENOENT ? write_new(dir_fd, name, data, size, false) : errno;
     if (S_ISLNK(seen.st_mode))
         return ELOOP;
     if (S_ISFIFO(seen.st_mode) && seen.st_uid != geteuid())
         return EPERM;
     if (S_ISFIFO(seen.st_mode) || S_ISCHR(seen.st_mode))
-        return write_into(path, &seen, data, size);
+        return write_into(dir_fd, name, &seen, data, size);
     if (!S_ISREG(seen.st_mode))
         return S_ISDIR(seen.st_mode) ? EISDIR : EINVAL;
     if (seen.st_uid != geteuid())
         return EPERM;
-    return write_new(path, data, size, true);
+    return write_new(dir_fd, name, data, size, true);
 }
 
 const char *npa_snapshot_strerror(int err)
 {
     switch (err) {
     case ELOOP: return "it is a symbolic link (never followed; left as it is)";
+    case LINK_ON_THE_PATH: return "a directory on its path is a symbolic link (never followed; nothing written)";
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";
@@ -141,14 +190,26 @@ const char *npa_snapshot_strerror(int err)
     }
 }
 
-int npa_snapshot_write(npa_allocator *a, const char *path)
+int npa_snapshot_write_at(npa_allocator *a, int dir_fd, const char *name)
 {
     size_t size = 0;
     void *data = npa_snapshot_pickle(a, npa_hook_config(), &size);
     if (data == NULL)
         return ENOMEM;
-    int err = write_snapshot_file(path, data, size);
+    int err = write_snapshot_in(dir_fd, name, data, size);
     free(data);
+    return err;
+}
+
+int npa_snapshot_write(npa_allocator *a, const char *path)
+{
+    const char *name;
+    int dir_fd;
+    int err = open_parent(path, &name, &dir_fd);
+    if (err != 0)
+        return err;
+    err = npa_snapshot_write_at(a, dir_fd, name);
+    close(dir_fd);
     return err;
 }
 

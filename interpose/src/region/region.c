@@ -46,6 +46,11 @@ static pthread_mutex_t g_create_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t g_command_lock = PTHREAD_MUTEX_INITIALIZER;
 static pid_t g_owner_pid;
 static char g_path[4096];
+/* The region's directory, opened safely (region_dir.c) and kept open, and the
+ * region's name in it: snapshot files are written and the region removed
+ * through it, never through g_path, whose base may be a link (/dev/shm). */
+static int g_dir_fd = -1;
+static char g_name[32];
 static char g_config[NPUALLOC_CONFIG_LEN];
 static atomic_flag g_warned = ATOMIC_FLAG_INIT;
 static int g_hooks_registered;
@@ -154,7 +159,12 @@ static npualloc_region *map_new_region(void)
     snprintf(tmp, sizeof tmp, ".npualloc.%d.tmp", pid);
     snprintf(g_path, sizeof g_path, "%s/%s", dir, name);
     npualloc_region *r = publish_region(dir_fd, name, tmp);
-    close(dir_fd);
+    if (r) {
+        g_dir_fd = dir_fd;
+        memcpy(g_name, name, sizeof g_name);
+    } else {
+        close(dir_fd);
+    }
     return r;
 }
 
@@ -283,12 +293,12 @@ static int device_in_use(const npualloc_region *r, int device)
 /* The snapshot file a requester finds beside the region: <region>.snapshot.<seq>. */
 static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
 {
-    char path[sizeof g_path + 32];
-    if ((size_t)snprintf(path, sizeof path, "%s.snapshot.%llu", g_path, (unsigned long long)seq) >= sizeof path)
-        return NPUALLOC_CMD_EFAILED;
-    int err = npa_snapshot_write(a, path);
+    char name[sizeof g_name + 32];
+    snprintf(name, sizeof name, "%s.snapshot.%llu", g_name, (unsigned long long)seq);
+    int err = npa_snapshot_write_at(a, g_dir_fd, name);
     if (err != 0) {
-        npa_warn_once("snapshot for another process: cannot write %s: %s", path, npa_snapshot_strerror(err));
+        npa_warn_once("snapshot for another process: cannot write %s.snapshot.%llu: %s", g_path,
+                      (unsigned long long)seq, npa_snapshot_strerror(err));
         return NPUALLOC_CMD_EFAILED;
     }
     return NPUALLOC_CMD_OK;
@@ -394,7 +404,7 @@ void npa_region_remove(void)
     pthread_mutex_lock(&g_create_lock);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (state == REGION_LIVE && g_owner_pid == getpid()) {
-        unlink(g_path);
+        unlinkat(g_dir_fd, g_name, 0); /* the fd stays open: a command may still be writing through it */
         atomic_store_explicit(&g_state, REGION_REMOVED, memory_order_relaxed);
     } else if (state == REGION_UNTRIED || state == REGION_FORKED) {
         /* Exiting: an allocator call from a late destructor must not create a file. */
@@ -411,6 +421,8 @@ void npa_region_forget_after_fork(void)
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (!r || g_owner_pid == getpid())
         return; /* nothing inherited, or already forgotten */
+    close(g_dir_fd); /* the parent's; the child's region opens its own */
+    g_dir_fd = -1;
     /* Replace the shared mapping with private zero pages instead of
      * unmapping it: nothing in the child may reach the parent's region, and a
      * stray pointer into it must not fault. The child's new allocator gets a

@@ -229,6 +229,14 @@ class Region:
             raise NotUnderNpuallocError(
                 f"process {self.pid} is not running under npualloc ({self.path} is stale: it was left by an "
                 "earlier process with the same pid)")
+        self._check_not_lost()
+
+    def _check_not_lost(self) -> None:
+        """A file its owner shrank under our mapping reads as zeros from then on
+        (the reader library's guard, instead of ending us with SIGBUS): whatever
+        was read from the mapping is then an error, never a figure."""
+        if reader_library().npualloc_reader_lost(self._region):
+            raise CorruptRegionError(f"{self.path} was truncated while being read (its owner shrank the file)")
 
     def close(self) -> None:
         self.__dict__.pop("_region", None)
@@ -244,17 +252,21 @@ class Region:
 
     def header(self) -> RegionHeader:
         h = self._region.header
-        return RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
-                            cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
-                            config=ffi.string(h.config, len(h.config)).decode(errors="replace"),
-                            device_count=h.device_count,
-                            state=PAUSE_STATES.get(h.pause_state, f"state {h.pause_state}"),
-                            paused_bytes=h.paused_bytes, backup_bytes=h.backup_bytes)
+        header = RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
+                              cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
+                              config=ffi.string(h.config, len(h.config)).decode(errors="replace"),
+                              device_count=h.device_count,
+                              state=PAUSE_STATES.get(h.pause_state, f"state {h.pause_state}"),
+                              paused_bytes=h.paused_bytes, backup_bytes=h.backup_bytes)
+        self._check_not_lost()
+        return header
 
     def devices_in_use(self) -> list[int]:
         """Devices that allocated through npualloc: from its cache or with memory_saver."""
         count = min(self._region.header.device_count, constants.NPUALLOC_MAX_DEVICES)
-        return [d for d in range(count) if self._region.devices[d].in_use or self._region.saver[d].in_use]
+        devices = [d for d in range(count) if self._region.devices[d].in_use or self._region.saver[d].in_use]
+        self._check_not_lost()
+        return devices
 
     def read_device_stats(self, device: int) -> Any:
         """A consistent copy of one device's stats (npualloc_device_stats *)."""
@@ -271,7 +283,9 @@ class Region:
             raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
         copy = ffi.new(ctype)
         deadline = time.monotonic() + SEQLOCK_TIMEOUT_S
-        while read(self._region, device, SEQLOCK_ATTEMPTS, copy) != constants.NPUALLOC_READ_OK:
+        while (status := read(self._region, device, SEQLOCK_ATTEMPTS, copy)) != constants.NPUALLOC_READ_OK:
+            if status == constants.NPUALLOC_READ_LOST:
+                self._check_not_lost()
             if time.monotonic() > deadline:
                 raise CorruptRegionError(f"{self.path}: device {device} {what} stayed mid-update for "
                                          f"{SEQLOCK_TIMEOUT_S:g}s (writer died inside its seqlock?)")

@@ -12,6 +12,8 @@ import pytest
 from region_helpers import Workload, assert_one_line_error, region_bytes, region_file, run_cli, write_region
 
 from npualloc import cli
+from npualloc.errors import CorruptRegionError
+from npualloc.region import Region
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
 
@@ -172,3 +174,23 @@ def test_a_command_line_is_shown_without_terminal_controls() -> None:
     region's copy, here: the pid is gone) with its controls as "?"."""
     gone = 2**22 + 1  # above pid_max's ceiling: no such process
     assert cli._command_line(gone, f"python -c {HOSTILE}") == "python -c ?]0;pwned??[2J?1m"
+
+
+def test_a_region_shrunk_under_the_reader_is_an_error_not_a_bus_error(tmp_path: Path, sleeper: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The region's owner truncates its file after the reader checked the size
+    and mapped it: the reader's next access would end it with SIGBUS (root's
+    stats, ls, an exporter). The reader library maps zero pages over the lost
+    region instead, and every read then says the file was truncated."""
+    path = write_region(tmp_path, sleeper, region_bytes(sleeper, device_count=1))
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    with Region(sleeper) as region:
+        assert region.header().cmdline == "crafted"
+        os.truncate(path, 0)
+        with pytest.raises(CorruptRegionError, match="truncated while being read"):
+            region.read_device_stats(0)
+        with pytest.raises(CorruptRegionError, match="truncated while being read"):
+            region.header()
+    # The next reader finds the short file and says so before mapping it.
+    proc = run_cli(["stats", str(sleeper)], tmp_path)
+    assert proc.returncode != 0 and "truncated" in proc.stderr and "Bus error" not in proc.stderr

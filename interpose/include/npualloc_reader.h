@@ -33,6 +33,7 @@
 #define NPUALLOC_READ_OK 0
 #define NPUALLOC_READ_BUSY 1           /* every attempt met a writer inside its seqlock */
 #define NPUALLOC_READ_BAD_DEVICE 2
+#define NPUALLOC_READ_LOST 3           /* the file shrank under the mapping (npualloc_reader_lost) */
 
 /* npualloc_reader_post results. */
 #define NPUALLOC_POST_OK 0
@@ -74,6 +75,12 @@ int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uin
 /* The same for one device's memory_saver figures (their own seqlock). */
 int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
                                     npualloc_saver_stats *out);
+
+/* 1 once the region's file shrank under the mapping (its owner truncated it
+ * after the checks): the access that found it read zeros instead of ending
+ * the reader with SIGBUS, and nothing read from the mapping since means
+ * anything. Check it after reading the header or any field directly. */
+int32_t npualloc_reader_lost(const npualloc_region *region);
 
 /* The sequence number of the last command posted to the process. */
 uint64_t npualloc_reader_request_seq(const npualloc_region *region);

@@ -169,6 +169,32 @@ static void test_stats_copy_is_bounded(void) {
     CHECK_EQ(npualloc_reader_saver_stats(&r, NPUALLOC_MAX_DEVICES, 1, &saver), NPUALLOC_READ_BAD_DEVICE);
 }
 
+/* The region's owner truncates the file after the reader mapped it: the
+ * reader's next access faults (SIGBUS), which the reader library turns into
+ * zero pages and a lost mapping that every read reports, instead of the end
+ * of the reader (another user's `stats` or exporter, root's included). */
+static void test_a_file_shrunk_under_the_mapping_is_reported_not_fatal(void) {
+    static npualloc_region r;
+    region_template(&r);
+    r.header.device_count = 1;
+    r.devices[0].seq = 2;
+    r.devices[0].num_cache_hits = 42;
+    const char *path = write_file("region", &r, sizeof r);
+    npualloc_region_file file;
+    CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_OK);
+    npualloc_device_stats out;
+    CHECK_EQ(npualloc_reader_stats(file.region, 0, 1, &out), NPUALLOC_READ_OK);
+    CHECK_EQ(out.num_cache_hits, 42);
+    CHECK_EQ(npualloc_reader_lost(file.region), 0);
+    CHECK_EQ(truncate(path, 0), 0);
+    CHECK_EQ(npualloc_reader_stats(file.region, 0, 1, &out), NPUALLOC_READ_LOST);
+    CHECK_EQ(npualloc_reader_lost(file.region), 1);
+    CHECK_EQ(__atomic_load_n(&file.region->header.magic, __ATOMIC_RELAXED), 0); /* zero pages now */
+    npualloc_reader_close(&file);
+    /* A reader opening it now finds it short before mapping anything. */
+    CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_TRUNCATED);
+}
+
 static void test_post_and_ack(void) {
     npualloc_region r;
     region_template(&r);
@@ -396,6 +422,7 @@ int main(void) {
     RUN(test_open_validates_in_order);
     RUN(test_open_refuses_what_is_not_our_regular_file);
     RUN(test_stats_copy_is_bounded);
+    RUN(test_a_file_shrunk_under_the_mapping_is_reported_not_fatal);
     RUN(test_post_and_ack);
     RUN(test_snapshots_stay_consistent_under_a_writer);
     RUN(test_commands_arrive_whole);

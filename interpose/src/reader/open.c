@@ -2,6 +2,7 @@
  * is checked before a byte is read, the header before the mapping is handed
  * out, and nothing here can block on what another user planted at the name. */
 #include "npualloc_reader.h"
+#include "guard.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -91,13 +92,17 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
         return refuse(file, NPUALLOC_OPEN_MAP_FAILED);
     }
     file->region = map;
+    npa_reader_guard(map);
     verdict = check_header(file);
+    if (npualloc_reader_lost(map))
+        verdict = NPUALLOC_OPEN_TRUNCATED;
     return verdict == NPUALLOC_OPEN_OK ? verdict : refuse(file, verdict);
 }
 
 void npualloc_reader_close(npualloc_region_file *file)
 {
     if (file->region) {
+        npa_reader_unguard(file->region);
         munmap(file->region, sizeof(npualloc_region));
         file->region = NULL;
     }

@@ -59,6 +59,8 @@ int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uin
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NPUALLOC_READ_BAD_DEVICE;
     int32_t status = seqlock_copy(&region->devices[device], out, sizeof *out, attempts);
+    if (npualloc_reader_lost(region))
+        return NPUALLOC_READ_LOST;
     if (status == NPUALLOC_READ_OK)
         npualloc_stats_from_region(out);
     return status;
@@ -69,5 +71,6 @@ int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t devic
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NPUALLOC_READ_BAD_DEVICE;
-    return seqlock_copy(&region->saver[device], out, sizeof *out, attempts);
+    int32_t status = seqlock_copy(&region->saver[device], out, sizeof *out, attempts);
+    return npualloc_reader_lost(region) ? NPUALLOC_READ_LOST : status;
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -227,3 +228,18 @@ def cli_with_trigger(w: Workload, shm_dir: Path, args: list[str], trigger: str) 
     w.call(trigger)
     out, err = cli.communicate(timeout=30)
     return subprocess.CompletedProcess(cli.args, cli.returncode, out, err)
+
+
+def drain_fifo(reader: int, received: bytearray, chunk: int = 1 << 16, pause_s: float = 0.0) -> None:
+    """Reads the FIFO whose read end is reader (opened O_NONBLOCK before any
+    writer) into received until its writer closes it, chunk bytes a read and
+    pause_s between reads. Run in a thread; fails if no writer comes."""
+    poller = select.poll()
+    poller.register(reader, select.POLLIN)
+    while True:
+        assert poller.poll(120_000), "the writer never came or never finished"
+        data = os.read(reader, chunk)
+        if not data:
+            return
+        received.extend(data)
+        time.sleep(pause_s)

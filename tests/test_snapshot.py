@@ -7,19 +7,17 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import select
 import stat
 import struct
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import BUILD, sim_env
-from region_helpers import Workload, assert_one_line_error, cli_with_trigger, run_cli
+from region_helpers import Workload, assert_one_line_error, cli_with_trigger, drain_fifo, run_cli
 
 import npualloc
 from npualloc.plot import timeline
@@ -357,17 +355,7 @@ def test_oom_snapshot_to_a_fifo_with_a_reader_is_streamed_to_it(tmp_path: Path) 
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     received = bytearray()
     with ThreadPoolExecutor(1) as pool:
-        def read_until_the_writer_closes() -> None:
-            poller = select.poll()
-            poller.register(reader, select.POLLIN)
-            while True:
-                assert poller.poll(60_000), "the writer never came or never finished"
-                chunk = os.read(reader, 1 << 16)
-                if not chunk:
-                    return
-                received.extend(chunk)
-
-        reading = pool.submit(read_until_the_writer_closes)
+        reading = pool.submit(drain_fifo, reader, received)
         try:
             _oom_with_snapshot_to(tmp_path, fifo)
             reading.result(timeout=120)  # re-raises a failure of the reader thread
@@ -408,18 +396,7 @@ def test_oom_snapshot_gives_up_a_fifo_read_a_page_at_a_time(tmp_path: Path) -> N
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     received = bytearray()
     with ThreadPoolExecutor(1) as pool:
-        def read_a_page_now_and_then() -> None:
-            poller = select.poll()
-            poller.register(reader, select.POLLIN)
-            while True:
-                assert poller.poll(120_000), "the writer never came or never finished"
-                chunk = os.read(reader, 4096)
-                if not chunk:
-                    return
-                received.extend(chunk)
-                time.sleep(0.5)
-
-        reading = pool.submit(read_a_page_now_and_then)
+        reading = pool.submit(drain_fifo, reader, received, 4096, 0.5)
         try:
             with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{fifo}") as w:
                 assert w.call("len([acl.rt.malloc(512, 0)[1] for _ in range(4000)])") == 4000

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
 import stat
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from region_helpers import Workload, assert_one_line_error, cli_with_trigger, run_cli
+from region_helpers import Workload, assert_one_line_error, cli_with_trigger, drain_fifo, run_cli
 
 import npualloc
 from npualloc.files import FileRefusedError, read_regular_file, write_user_file
@@ -110,21 +108,9 @@ def test_a_fifo_read_a_page_at_a_time_is_given_up(tmp_path: Path) -> None:
     os.mkfifo(fifo, 0o600)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     received = bytearray()
-
-    def read_a_page_now_and_then() -> None:
-        poller = select.poll()
-        poller.register(reader, select.POLLIN)
-        while True:
-            assert poller.poll(60_000), "the writer never came or never finished"
-            chunk = os.read(reader, 4096)
-            if not chunk:
-                return
-            received.extend(chunk)
-            time.sleep(0.5)
-
     with ThreadPoolExecutor(1) as pool:
         try:
-            reading = pool.submit(read_a_page_now_and_then)
+            reading = pool.submit(drain_fifo, reader, received, 4096, 0.5)
             with pytest.raises(FileRefusedError, match="did not take it within 5 s"):
                 write_user_file(fifo, bytes(1 << 20))
             reading.result(timeout=120)
@@ -139,20 +125,9 @@ def test_a_fifo_with_a_reader_is_written_to(tmp_path: Path) -> None:
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     data = os.urandom(3 << 20)  # more than a pipe holds: the writer waits for the reader
     received = bytearray()
-
-    def read_until_the_writer_closes() -> None:
-        poller = select.poll()
-        poller.register(reader, select.POLLIN)
-        while True:
-            assert poller.poll(60_000), "the writer never came or never finished"
-            chunk = os.read(reader, 1 << 16)
-            if not chunk:
-                return
-            received.extend(chunk)
-
     with ThreadPoolExecutor(1) as pool:
         try:
-            reading = pool.submit(read_until_the_writer_closes)
+            reading = pool.submit(drain_fifo, reader, received)
             write_user_file(fifo, data)
             reading.result(timeout=120)  # re-raises a failure of the reader thread
         finally:

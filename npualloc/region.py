@@ -314,6 +314,7 @@ class Region:
                 raise CorruptRegionError(f"{self.path}: command sequence number is at its maximum "
                                          f"({self.command_seq()}): not a region a process wrote")
             while not reader.npualloc_reader_acked(self._region, seq[0], status):
+                self._check_not_lost()  # posted into zero pages: no process will ever answer
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
                         f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is applied at "

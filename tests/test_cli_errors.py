@@ -194,3 +194,16 @@ def test_a_region_shrunk_under_the_reader_is_an_error_not_a_bus_error(tmp_path: 
     # The next reader finds the short file and says so before mapping it.
     proc = run_cli(["stats", str(sleeper)], tmp_path)
     assert proc.returncode != 0 and "truncated" in proc.stderr and "Bus error" not in proc.stderr
+
+
+def test_a_command_to_a_region_shrunk_under_the_requester_fails_at_once(tmp_path: Path, sleeper: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Posted into the zero pages that replaced a truncated region, a command
+    would wait its whole timeout for an answer no process can give: the
+    requester says the file was truncated instead."""
+    path = write_region(tmp_path, sleeper, region_bytes(sleeper, device_count=1))
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    with Region(sleeper, writable=True) as region:
+        os.truncate(path, 0)
+        with pytest.raises(CorruptRegionError, match="truncated while being read"):
+            region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, timeout=30)

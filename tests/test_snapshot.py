@@ -142,6 +142,26 @@ def test_snapshot_command_works_when_the_region_base_is_a_link(tmp_path: Path) -
         assert "npualloc:" not in w.stderr()
 
 
+def test_snapshot_command_never_writes_through_a_descriptor_the_program_reused(tmp_path: Path) -> None:
+    """The process keeps its region directory open for the hand-over files; a
+    program that closes descriptors it did not open may get that number back
+    for another directory. The command then fails and writes nothing there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        region_dir = str(tmp_path / f"npualloc-{os.geteuid()}")
+        fds = w.call(f"[int(f) for f in os.listdir('/proc/self/fd') if os.path.realpath('/proc/self/fd/' + f) == "
+                     f"{region_dir!r}]")
+        assert len(fds) == 1
+        assert w.call(f"os.dup2(os.open({str(elsewhere)!r}, os.O_RDONLY | os.O_DIRECTORY), {fds[0]})") == fds[0]
+        done = cli_with_trigger(w, tmp_path, ["snapshot", str(w.pid), "-o", str(tmp_path / "snap.pickle")],
+                                "malloc(512)")
+        assert done.returncode != 0
+        assert "the program closed the region directory's descriptor" in w.stderr()
+    assert list(elsewhere.iterdir()) == [] and not (tmp_path / "snap.pickle").exists()
+
+
 def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) -> None:
     output, live, freed = remote_snapshot
     with open(output, "rb") as f:

@@ -50,6 +50,8 @@ static char g_path[4096];
  * region's name in it: snapshot files are written and the region removed
  * through it, never through g_path, whose base may be a link (/dev/shm). */
 static int g_dir_fd = -1;
+static dev_t g_dir_dev;
+static ino_t g_dir_ino;
 static char g_name[32];
 static char g_config[NPUALLOC_CONFIG_LEN];
 static atomic_flag g_warned = ATOMIC_FLAG_INIT;
@@ -159,8 +161,11 @@ static npualloc_region *map_new_region(void)
     snprintf(tmp, sizeof tmp, ".npualloc.%d.tmp", pid);
     snprintf(g_path, sizeof g_path, "%s/%s", dir, name);
     npualloc_region *r = publish_region(dir_fd, name, tmp);
-    if (r) {
+    struct stat opened;
+    if (r && fstat(dir_fd, &opened) == 0) {
         g_dir_fd = dir_fd;
+        g_dir_dev = opened.st_dev;
+        g_dir_ino = opened.st_ino;
         memcpy(g_name, name, sizeof g_name);
     } else {
         close(dir_fd);
@@ -290,12 +295,24 @@ static int device_in_use(const npualloc_region *r, int device)
     return __atomic_load_n(&r->devices[device].in_use, __ATOMIC_RELAXED) != 0;
 }
 
+/* g_dir_fd while it is still the region's directory, else -1: the program
+ * may close descriptors it did not open, and the number may then name some
+ * other directory, where nothing of ours may be written. */
+static int region_dir_fd(void)
+{
+    struct stat now;
+    return g_dir_fd >= 0 && fstat(g_dir_fd, &now) == 0 && now.st_dev == g_dir_dev && now.st_ino == g_dir_ino
+               ? g_dir_fd
+               : -1;
+}
+
 /* The snapshot file a requester finds beside the region: <region>.snapshot.<seq>. */
 static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
 {
     char name[sizeof g_name + 32];
     snprintf(name, sizeof name, "%s.snapshot.%llu", g_name, (unsigned long long)seq);
-    int err = npa_snapshot_write_at(a, g_dir_fd, name);
+    int dir_fd = region_dir_fd();
+    int err = dir_fd < 0 ? EBADF : npa_snapshot_write_at(a, dir_fd, name);
     if (err != 0) {
         npa_warn_once("snapshot for another process: cannot write %s.snapshot.%llu: %s", g_path,
                       (unsigned long long)seq, npa_snapshot_strerror(err));
@@ -404,7 +421,12 @@ void npa_region_remove(void)
     pthread_mutex_lock(&g_create_lock);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (state == REGION_LIVE && g_owner_pid == getpid()) {
-        unlinkat(g_dir_fd, g_name, 0); /* the fd stays open: a command may still be writing through it */
+        /* The fd stays open: a command may still be writing through it. */
+        int dir_fd = region_dir_fd();
+        if (dir_fd >= 0)
+            unlinkat(dir_fd, g_name, 0);
+        else
+            unlink(g_path);
         atomic_store_explicit(&g_state, REGION_REMOVED, memory_order_relaxed);
     } else if (state == REGION_UNTRIED || state == REGION_FORKED) {
         /* Exiting: an allocator call from a late destructor must not create a file. */

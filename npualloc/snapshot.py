@@ -17,10 +17,10 @@ frames (hook/pystack.c); otherwise every "frames" is [].
 """
 from __future__ import annotations
 
-import gzip
 import io
 import os
 import pickle
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,11 @@ from .memory import _in_process, _library, set_config
 from .region import COMMAND_TIMEOUT_S, Region
 
 Snapshot = dict[str, Any]
+
+# The most a snapshot may inflate to: a gzip bomb (megabytes that inflate to
+# tens of gigabytes) is refused before it takes the memory. Ours hold at most
+# DEFAULT_MAX_ENTRIES trace entries per device and the segments' blocks.
+MAX_SNAPSHOT_BYTES = 1 << 30
 
 # torch's _record_memory_history defaults to an unbounded trace; a ring in C
 # needs a size: 32 bytes per entry, so this is 3.2 MB per device.
@@ -48,7 +53,7 @@ def loads(data: bytes) -> Snapshot:
     """A snapshot from pickle bytes (gzip-compressed or not), refusing anything
     that is not plain data."""
     if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+        data = _gunzip(data)
     try:
         snapshot = _PlainDataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError) as e:
@@ -56,6 +61,17 @@ def loads(data: bytes) -> Snapshot:
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments", []), list):
         raise NpuallocError("not a memory snapshot (expected torch's _snapshot() dict)")
     return snapshot
+
+
+def _gunzip(data: bytes) -> bytes:
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip's framing
+    try:
+        inflated = inflater.decompress(data, MAX_SNAPSHOT_BYTES)
+    except zlib.error as e:
+        raise NpuallocError(f"not a gzip file ({e})") from None
+    if inflater.unconsumed_tail:
+        raise NpuallocError(f"it inflates to more than {MAX_SNAPSHOT_BYTES >> 20} MiB: not a memory snapshot")
+    return inflated
 
 
 def load(path: str | Path) -> Snapshot:

@@ -5,6 +5,7 @@ which never follows a link and never replaces what is not our regular file;
 blocks on a FIFO. run_cli's timeout bounds every command: a hang fails the test."""
 from __future__ import annotations
 
+import gzip
 import os
 import pickle
 import stat
@@ -234,3 +235,21 @@ def test_the_loader_refuses_a_fifo_and_a_link(tmp_path: Path) -> None:
     with pytest.raises(FileRefusedError, match="symbolic link"):
         npualloc.snapshot.load(link)
     assert loads(read_regular_file(real)) == npualloc.snapshot.load(real)
+
+
+def test_the_loader_refuses_a_gzip_bomb_and_a_corrupt_gzip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gzip file that inflates past MAX_SNAPSHOT_BYTES is refused before it
+    takes that memory (here a 1 MiB limit and 2 MiB of zeros), and a corrupt
+    one is an error naming the file, never a traceback."""
+    monkeypatch.setattr(npualloc.snapshot, "MAX_SNAPSHOT_BYTES", 1 << 20)
+    bomb = tmp_path / "bomb.pickle.gz"
+    bomb.write_bytes(gzip.compress(bytes(2 << 20)))
+    with pytest.raises(npualloc.NpuallocError, match="inflates to more than 1 MiB"):
+        npualloc.snapshot.load(bomb)
+    fits = tmp_path / "fits.pickle.gz"
+    fits.write_bytes(gzip.compress(SNAPSHOT))
+    assert npualloc.snapshot.load(fits)["segments"] == []
+    corrupt = tmp_path / "corrupt.pickle.gz"
+    corrupt.write_bytes(gzip.compress(SNAPSHOT)[:10] + b"\xff" * 8)  # the header, then an invalid block
+    with pytest.raises(npualloc.NpuallocError, match=f"{corrupt}: not a gzip file"):
+        npualloc.snapshot.load(corrupt)

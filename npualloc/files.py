@@ -111,8 +111,8 @@ def _write_in(directory: int, name: str, path: str, data: bytes) -> None:
         return
     if stat.S_ISLNK(seen.st_mode):
         raise OSError(errno.ELOOP, "")
-    if stat.S_ISFIFO(seen.st_mode) and seen.st_uid != os.geteuid():
-        # Anyone may plant a FIFO in /tmp to read what we write.
+    if (stat.S_ISFIFO(seen.st_mode) or stat.S_ISREG(seen.st_mode)) and seen.st_uid != os.geteuid():
+        # Never another user's file, nor their FIFO: anyone may plant one in /tmp to read what we write.
         raise FileRefusedError(f"cannot write {path}: it belongs to another user (left as it is)")
     if stat.S_ISFIFO(seen.st_mode) or stat.S_ISCHR(seen.st_mode):
         _write_into(directory, name, seen, data)
@@ -121,8 +121,6 @@ def _write_in(directory: int, name: str, path: str, data: bytes) -> None:
     elif not stat.S_ISREG(seen.st_mode):
         raise FileRefusedError(f"cannot write {path}: not a regular file, FIFO or character device "
                                "(left as it is)")
-    elif seen.st_uid != os.geteuid():
-        raise FileRefusedError(f"cannot write {path}: it belongs to another user (left as it is)")
     else:
         _write_new(directory, name, data, replace=True)
 

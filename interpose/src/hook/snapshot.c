@@ -165,14 +165,12 @@ static int write_snapshot_in(int dir_fd, const char *name, const void *data, siz
         return errno == ENOENT ? write_new(dir_fd, name, data, size, false) : errno;
     if (S_ISLNK(seen.st_mode))
         return ELOOP;
-    if (S_ISFIFO(seen.st_mode) && seen.st_uid != geteuid())
+    if ((S_ISFIFO(seen.st_mode) || S_ISREG(seen.st_mode)) && seen.st_uid != geteuid())
         return EPERM;
     if (S_ISFIFO(seen.st_mode) || S_ISCHR(seen.st_mode))
         return write_into(dir_fd, name, &seen, data, size);
     if (!S_ISREG(seen.st_mode))
         return S_ISDIR(seen.st_mode) ? EISDIR : EINVAL;
-    if (seen.st_uid != geteuid())
-        return EPERM;
     return write_new(dir_fd, name, data, size, true);
 }
 

@@ -179,7 +179,6 @@ const char *npa_snapshot_strerror(int err)
     switch (err) {
     case ELOOP: return "it is a symbolic link (never followed; left as it is)";
     case LINK_ON_THE_PATH: return "a directory on its path is a symbolic link (never followed; nothing written)";
-    case EBADF: return "the program closed the region directory's descriptor (nothing written)";
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";

@@ -312,10 +312,13 @@ static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
     char name[sizeof g_name + 32];
     snprintf(name, sizeof name, "%s.snapshot.%llu", g_name, (unsigned long long)seq);
     int dir_fd = region_dir_fd();
-    int err = dir_fd < 0 ? EBADF : npa_snapshot_write_at(a, dir_fd, name);
-    if (err != 0) {
+    int err = dir_fd < 0 ? 0 : npa_snapshot_write_at(a, dir_fd, name);
+    const char *why = dir_fd < 0 ? "the program closed the region directory's descriptor (nothing written)"
+                      : err != 0 ? npa_snapshot_strerror(err)
+                                 : NULL;
+    if (why) {
         npa_warn_once("snapshot for another process: cannot write %s.snapshot.%llu: %s", g_path,
-                      (unsigned long long)seq, npa_snapshot_strerror(err));
+                      (unsigned long long)seq, why);
         return NPUALLOC_CMD_EFAILED;
     }
     return NPUALLOC_CMD_OK;

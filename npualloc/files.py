@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import select
 import stat
 import time
@@ -26,6 +27,8 @@ from .errors import NpuallocError
 # snapshot.c's WRITE_LIMIT_MS): a reader that takes a page now and then must not hold us for minutes.
 WRITE_LIMIT_S = 5.0
 _CHUNK = 1 << 20
+# Random names a temporary tries before giving up (as snapshot.c's TEMPORARY_TRIES).
+TEMPORARY_TRIES = 16
 
 
 class FileRefusedError(NpuallocError):
@@ -140,8 +143,7 @@ def _write_all(fd: int, data: bytes) -> None:
 def _write_new(directory: int, name: str, data: bytes, replace: bool) -> None:
     """A new file under a temporary name, moved into place so a reader sees a
     whole file or none; only a file of ours (checked by the caller) is replaced."""
-    tmp = f"{name}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=directory)
+    tmp, fd = _create_temporary(directory, name)
     try:
         try:
             _write_all(fd, data)
@@ -156,6 +158,22 @@ def _write_new(directory: int, name: str, data: bytes, replace: bool) -> None:
             os.unlink(tmp, dir_fd=directory)
         except FileNotFoundError:
             pass
+
+
+def _create_temporary(directory: int, name: str) -> tuple[str, int]:
+    """Creates "<name>.tmp.<pid>.<random>" (O_EXCL, 0600), as snapshot.c does:
+    random because anyone sees our pid, and something planted at a predictable
+    name made every write fail. A name taken is never removed: another is tried."""
+    tries_left = TEMPORARY_TRIES
+    while True:
+        tmp = f"{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                dir_fd=directory)
+        except FileExistsError:
+            tries_left -= 1
+            if tries_left == 0:
+                raise
 
 
 def _write_into(directory: int, name: str, seen: os.stat_result, data: bytes) -> None:

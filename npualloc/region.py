@@ -32,7 +32,7 @@ REGION_DIR_NAME = re.compile(r"npualloc-(\d+)(?:\.[A-Za-z0-9]{6})?")
 # What else a process leaves beside its region: snapshot files posted for a
 # requester that gave up waiting, and temporaries of a process that died while
 # writing (the region's own, and a snapshot's).
-LEFTOVER_NAME = re.compile(r"\.npualloc\.(\d+)\.tmp|npualloc\.(\d+)\.snapshot\.\d+(?:\.tmp\.\d+)?")
+LEFTOVER_NAME = re.compile(r"\.npualloc\.(\d+)\.tmp|npualloc\.(\d+)\.snapshot\.\d+(?:\.tmp\.\d+\.[0-9a-f]{8})?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died mid-update. The C copy tries
 # SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat until then.

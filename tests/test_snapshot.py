@@ -440,6 +440,39 @@ def test_oom_snapshot_never_replaces_another_users_file(tmp_path: Path) -> None:
     assert theirs.read_text() == "theirs\n" and theirs.stat().st_uid == 65534
 
 
+def test_oom_snapshot_is_written_past_things_planted_at_its_temporary_names(tmp_path: Path) -> None:
+    """Anyone sees the pid: a directory planted at "<path>.tmp.<pid>", the
+    temporary's name until the name got random characters, kept every
+    snapshot from being written (it could not be removed, so O_EXCL failed).
+    Written now, and nothing planted is touched."""
+    path = tmp_path / "oom.pickle"
+    with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
+        planted = tmp_path / f"oom.pickle.tmp.{w.pid}"
+        planted.mkdir()
+        assert w.call(f"acl.rt.malloc({100 * MiB}, 0)[1]") == 207001
+        stderr = w.stderr()
+    assert f"npualloc: out of memory: snapshot written to {path}" in stderr
+    assert isinstance(npualloc.snapshot.load(path)["segments"], list)
+    assert planted.is_dir() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("oom")) == [
+        "oom.pickle", planted.name]
+
+
+@needs_root
+def test_oom_snapshot_never_removes_another_users_file_at_a_temporary_name(tmp_path: Path) -> None:
+    """Root could unlink another user's file at the old temporary name (taken
+    for a leftover of an earlier process with the same pid): now any file
+    there is left as it is and the snapshot is written beside it."""
+    path = tmp_path / "oom.pickle"
+    with Workload(tmp_path, NPUSIM_HBM_MB="64", PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
+        theirs = tmp_path / f"oom.pickle.tmp.{w.pid}"
+        theirs.write_text("theirs\n")
+        os.chown(theirs, 65534, 65534)
+        assert w.call(f"acl.rt.malloc({100 * MiB}, 0)[1]") == 207001
+        stderr = w.stderr()
+    assert f"npualloc: out of memory: snapshot written to {path}" in stderr
+    assert theirs.read_text() == "theirs\n" and theirs.stat().st_uid == 65534
+
+
 def test_oom_snapshot_replaces_our_own_file(tmp_path: Path) -> None:
     ours = tmp_path / "oom.pickle"
     ours.write_text("an older snapshot\n")

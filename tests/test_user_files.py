@@ -30,6 +30,36 @@ def test_a_new_file_is_ours_and_private(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["new.pickle"]  # no temporary left behind
 
 
+@pytest.mark.parametrize("replace", [False, True])
+def test_things_planted_at_the_old_temporary_name_neither_block_nor_suffer(tmp_path: Path, replace: bool) -> None:
+    """"<name>.tmp.<pid>" was the temporary's whole name, and anyone sees the
+    pid: a file planted there made every write fail (O_EXCL). The name now
+    ends in random characters; what was planted stays as it was."""
+    target = tmp_path / "out.pickle"
+    if replace:
+        target.write_bytes(b"an older snapshot")
+    planted = tmp_path / f"out.pickle.tmp.{os.getpid()}"
+    planted.mkdir()
+    write_user_file(target, b"data")
+    assert target.read_bytes() == b"data" and planted.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, planted.name])
+
+
+def test_a_temporary_name_taken_is_tried_again_never_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each taken random name costs a try; only when all are taken does the
+    write fail, and nothing at them is removed."""
+    target, planted = tmp_path / "out.pickle", tmp_path / f"out.pickle.tmp.{os.getpid()}.0badf00d"
+    planted.mkdir()
+    names = iter(["0badf00d", "0badf00d", "5eed5eed"])
+    monkeypatch.setattr("npualloc.files.secrets.token_hex", lambda _: next(names))
+    write_user_file(target, b"data")
+    assert target.read_bytes() == b"data" and sorted(p.name for p in tmp_path.iterdir()) == [target.name, planted.name]
+    monkeypatch.setattr("npualloc.files.secrets.token_hex", lambda _: "0badf00d")
+    with pytest.raises(npualloc.NpuallocError, match="another file appeared at the name meanwhile"):
+        write_user_file(target, b"new")
+    assert target.read_bytes() == b"data" and planted.is_dir()
+
+
 def test_our_own_regular_file_is_replaced(tmp_path: Path) -> None:
     target = tmp_path / "old.pickle"
     target.write_bytes(b"an older snapshot, longer than the new one")

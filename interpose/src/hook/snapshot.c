@@ -8,16 +8,18 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "hook.h"
-#include "region/region.h"
 
 /* A FIFO whose reader has not taken the whole snapshot after this long is
  * given up. In all, not without progress: a reader that takes a page now and
@@ -115,14 +117,52 @@ static int place(int dir_fd, const char *tmp, const char *name, bool replace)
     return 0;
 }
 
-/* A new file under a temporary name (O_EXCL|O_NOFOLLOW, 0600) moved into
- * place, so a reader sees a whole file or none. */
+/* Tries at a new random name before giving up: each fails only when
+ * something already sits at its name. */
+#define TEMPORARY_TRIES 16
+
+/* Eight hex digits for a temporary's name. From getrandom(); where it fails
+ * (no entropy yet, a filter), from the clock and a counter: still unlikely
+ * to be planted in advance, and a collision only costs a try. */
+static void random_suffix(char out[9])
+{
+    static _Atomic uint32_t counter;
+    uint32_t bits;
+    if (getrandom(&bits, sizeof bits, GRND_NONBLOCK) != (ssize_t)sizeof bits) {
+        struct timespec now = {0};
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        bits = (uint32_t)now.tv_nsec * 2654435761u ^ (uint32_t)now.tv_sec ^
+               atomic_fetch_add_explicit(&counter, 0x9e3779b9u, memory_order_relaxed);
+    }
+    snprintf(out, 9, "%08x", bits);
+}
+
+/* Creates "<name>.tmp.<pid>.<random>" (O_EXCL|O_NOFOLLOW, 0600). Random, as
+ * anyone sees our pid: a directory another user put at the predictable
+ * "<name>.tmp.<pid>" in /tmp kept every snapshot from being written, and
+ * what is at a name we did not create is never removed. */
+static int create_temporary(int dir_fd, const char *name, char tmp[NAME_MAX + 1])
+{
+    for (int try = 0; try < TEMPORARY_TRIES; try++) {
+        char suffix[9];
+        random_suffix(suffix);
+        if ((size_t)snprintf(tmp, NAME_MAX + 1, "%s.tmp.%d.%s", name, (int)getpid(), suffix) > NAME_MAX) {
+            errno = ENAMETOOLONG;
+            return -1;
+        }
+        int fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+    }
+    return -1; /* EEXIST */
+}
+
+/* A new file under a temporary name moved into place, so a reader sees a
+ * whole file or none. */
 static int write_new(int dir_fd, const char *name, const void *data, size_t size, bool replace)
 {
     char tmp[NAME_MAX + 1];
-    if ((size_t)snprintf(tmp, sizeof(tmp), "%s.tmp.%d", name, (int)getpid()) >= sizeof(tmp))
-        return ENAMETOOLONG;
-    int fd = npa_create_private_file_at(dir_fd, tmp, O_WRONLY);
+    int fd = create_temporary(dir_fd, name, tmp);
     if (fd < 0)
         return errno;
     int err = write_all(fd, data, size);

@@ -173,10 +173,24 @@ static npualloc_region *map_new_region(void)
     return r;
 }
 
+/* Creates tmp in dir_fd, mode 0600, never through a link (O_EXCL |
+ * O_NOFOLLOW); a leftover of an earlier process with our pid is replaced,
+ * which is safe only because the region directory is ours alone. */
+static int create_temporary(int dir_fd, const char *tmp)
+{
+    int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+    int fd = openat(dir_fd, tmp, flags, 0600);
+    if (fd < 0 && errno == EEXIST) {
+        unlinkat(dir_fd, tmp, 0);
+        fd = openat(dir_fd, tmp, flags, 0600);
+    }
+    return fd;
+}
+
 /* Creates, fills and renames into place name in dir_fd (ours: region_dir.c). */
 static npualloc_region *publish_region(int dir_fd, const char *name, const char *tmp)
 {
-    int fd = npa_create_private_file_at(dir_fd, tmp, O_RDWR);
+    int fd = create_temporary(dir_fd, tmp);
     if (fd < 0) {
         warn_once("cannot create", g_path, errno);
         return NULL;

@@ -51,14 +51,6 @@ static inline void npa_region_poll(npa_allocator *allocator)
         return;
     npa_region_poll_slow(allocator);
 }
-/* Opens a new file of ours at path for writing (access: O_WRONLY or
- * O_RDWR): mode 0600, never through a planted file or link (O_EXCL |
- * O_NOFOLLOW); a leftover of an earlier process with our pid is replaced.
- * Returns the fd, or -1 with errno set. For the temporary name of a file that
- * is filled and then renamed into place, so readers see all of it or none. */
-int npa_create_private_file(const char *path, int access);
-/* The same, path relative to the directory dir_fd (openat's rules). */
-int npa_create_private_file_at(int dir_fd, const char *path, int access);
 /* Opens this user's private region directory (region_dir.c), making it when
  * needed, and writes its path to path; a name another user took is warned
  * about once and replaced by a directory of our own. -1 with errno set when

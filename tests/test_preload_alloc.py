@@ -174,6 +174,41 @@ emit(max_split=s["max_split_size"], reserved=s["reserved_bytes.all.current"])
     assert any("bogus_key" in line for line in lines) and any("max_split_size_mb" in line for line in lines)
 
 
+def test_hundreds_of_bad_config_keys_leave_later_warnings_their_say():
+    """Each distinct message took a slot of a 256-entry table; a config of 300
+    bad keys filled it and every later warning of the process (this double
+    free) was dropped. Now one call site prints at most 8 distinct messages,
+    the last saying so, and the double free is still reported."""
+    garbage = ",".join(f"bad_key_{i}:1" for i in range(300))
+    out, proc = run("""
+p, ret = acl.rt.malloc(4096, 0); assert ret == 0
+emit(first=acl.rt.free(p), double=acl.rt.free(p))
+""", preload_env(PYTORCH_NPU_ALLOC_CONF=garbage))
+    assert out == {"first": 0, "double": 207002}
+    lines = [line for line in proc.stderr.splitlines() if line]
+    config = [line for line in lines if "bad_key_" in line]
+    assert [f"bad_key_{i}" in line for i, line in enumerate(config)] == [True] * 8, proc.stderr
+    assert config[-1].endswith("(later warnings like this one are not shown)")
+    assert sum("not shown" in line for line in lines) == 1
+    [double] = [line for line in lines if "not a live allocation" in line]
+    assert double.startswith("npualloc: aclrtFree(") and len(lines) == 9
+
+
+def test_warnings_show_control_characters_as_question_marks():
+    """A key the program passes to npualloc_set_config is printed in its
+    warning: a newline in it forged a second "npualloc:" line and an escape
+    reached the terminal. Every warning now shows such bytes as "?"; other
+    non-ASCII text (a path in any script) stays as it is."""
+    out, proc = run("""
+lib = ctypes.CDLL(None)
+emit(rejected=lib.npualloc_set_config("k\\x1b[2J\\nforged line\\x07\\u009b\\u00e9:1".encode()))
+""", preload_env())
+    assert out == {"rejected": 1}
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("npualloc: npualloc_set_config: k?[2J?forged line???\u00e9 cannot"), \
+        proc.stderr
+
+
 def test_mindtorch_variable_wins_over_the_torch_ones():
     code = """
 p, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0

@@ -337,8 +337,20 @@ void npa_oom_snapshot(npa_allocator *a);
 /* ---- warn.c --------------------------------------------------------------- */
 
 /* "npualloc: <message>\n" on stderr in one write, at most once per distinct
- * message text (a process may hit the same problem millions of times). */
-void npa_warn_once(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+ * message text (a process may hit the same problem millions of times), and at
+ * most NPA_WARNINGS_PER_SITE distinct texts from one call site: the last says
+ * that later ones are not shown. So 300 bad config keys, or double frees of
+ * 300 pointers, print a few lines and leave the other sites their say. */
+#define NPA_WARNINGS_PER_SITE 8
+typedef struct {
+    unsigned shown; /* distinct texts printed; under warn.c's seen_lock */
+} npa_warn_site;
+void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define npa_warn_once(...)                                                                                  \
+    do {                                                                                                    \
+        static npa_warn_site npa_warn_site_;                                                                \
+        npa_warn_once_at(&npa_warn_site_, __VA_ARGS__);                                                     \
+    } while (0)
 
 /* ---- pystack.c ------------------------------------------------------------ */
 

@@ -1,8 +1,10 @@
 /* Once-only warnings on stderr. The interposer lives inside someone else's
  * program: it never writes to stdout, and a problem that repeats on every call
- * (a double free in a loop, a bad config key) is reported once. */
+ * (a double free in a loop, a bad config key) is reported once; one call site
+ * reports a few distinct problems, not hundreds. */
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,9 +12,12 @@
 
 #include "hook.h"
 
-/* Hashes of the messages already printed. Distinct problems in one process are
- * few; past the table's size we stay quiet rather than grow. */
-#define SEEN_SLOTS 256
+/* Hashes of the messages already printed. Each call site prints at most
+ * NPA_WARNINGS_PER_SITE, so the table holds that many per site; should it
+ * fill all the same, a new message is printed unrecorded (the per-site limit
+ * still bounds it) rather than never: a full table once silenced every later
+ * warning of the process, the double free after 256 bad config keys. */
+#define SEEN_SLOTS 1024
 static uint64_t seen[SEEN_SLOTS];
 /* A leaf of the lock order (hook.h): nothing is taken under it. */
 static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -25,38 +30,63 @@ static uint64_t fnv1a(const char *s)
     return h ? h : 1; /* 0 marks an empty slot */
 }
 
-static int first_time(uint64_t h)
+/* Whether a message with hash h is to be printed; records it. Under seen_lock. */
+static bool first_time(uint64_t h)
 {
-    int first = 0;
-    pthread_mutex_lock(&seen_lock);
     for (size_t i = 0, slot = h % SEEN_SLOTS; i < SEEN_SLOTS; i++, slot = (slot + 1) % SEEN_SLOTS) {
         if (seen[slot] == h)
-            break;
+            return false;
         if (seen[slot] == 0) {
             seen[slot] = h;
-            first = 1;
-            break;
+            return true;
         }
     }
-    pthread_mutex_unlock(&seen_lock);
-    return first;
+    return true;
 }
 
-void npa_warn_once(const char *fmt, ...)
+/* Every byte a terminal would act on as "?": ASCII controls (a newline would
+ * forge a second "npualloc:" line, an escape would reach the terminal) and
+ * the C1 controls as UTF-8 encodes them (0xC2 0x80-0x9F, e.g. a one-character
+ * CSI). Messages carry text the program chose (paths, config keys); other
+ * non-ASCII bytes stay, so a path in any script reads as it is. */
+static void make_printable(char *s, size_t len)
 {
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20 || c == 0x7f) {
+            s[i] = '?';
+        } else if (c == 0xc2 && i + 1 < len && (unsigned char)s[i + 1] >= 0x80 && (unsigned char)s[i + 1] <= 0x9f) {
+            s[i] = '?';
+            s[i + 1] = '?';
+            i++;
+        }
+    }
+}
+
+void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...)
+{
+    static const char prefix[] = "npualloc: ", last[] = " (later warnings like this one are not shown)";
     char buf[600];
-    const size_t prefix = sizeof("npualloc: ") - 1;
-    memcpy(buf, "npualloc: ", prefix);
+    const size_t start = sizeof prefix - 1, room = sizeof buf - start - (sizeof last - 1) - 1;
+    memcpy(buf, prefix, start);
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(buf + prefix, sizeof(buf) - prefix - 1, fmt, ap);
+    int n = vsnprintf(buf + start, room, fmt, ap);
     va_end(ap);
     if (n < 0)
         return;
-    size_t len = prefix + ((size_t)n < sizeof(buf) - prefix - 1 ? (size_t)n : sizeof(buf) - prefix - 2);
-    buf[len] = '\0';
-    if (!first_time(fnv1a(buf + prefix)))
+    size_t len = start + ((size_t)n < room ? (size_t)n : room - 1);
+    make_printable(buf + start, len - start);
+    pthread_mutex_lock(&seen_lock);
+    bool print = site->shown < NPA_WARNINGS_PER_SITE && first_time(fnv1a(buf + start));
+    bool is_last = print && ++site->shown == NPA_WARNINGS_PER_SITE;
+    pthread_mutex_unlock(&seen_lock);
+    if (!print)
         return;
+    if (is_last) {
+        memcpy(buf + len, last, sizeof last - 1);
+        len += sizeof last - 1;
+    }
     buf[len++] = '\n';
     /* One write(2): no stdio buffer to interleave with the program's own
      * output, and safe at exit when stdio may already be flushed and closed. */

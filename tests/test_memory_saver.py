@@ -92,6 +92,27 @@ def test_tags_pause_selectively_and_disable_makes_ordinary_allocations():
     """)
 
 
+def test_saver_bytes_leaves_out_the_figures_passed_as_null():
+    """A C caller passing NULL for a figure it does not want crashed the
+    host program (a store through NULL): now that figure is left out."""
+    saver("""
+        import ctypes
+        with ms.region("weights"):
+            w = malloc(MiB)
+        lib = ctypes.CDLL(None)
+        size_t = ctypes.c_size_t
+        lib.npualloc_saver_bytes.argtypes = [ctypes.c_char_p] + [ctypes.POINTER(size_t)] * 3
+        assert lib.npualloc_saver_bytes(None, None, None, None) == 0
+        paused = size_t(7)
+        assert lib.npualloc_saver_bytes(b"weights", None, ctypes.byref(paused), None) == 0
+        assert paused.value == 0
+        ms.pause()
+        assert lib.npualloc_saver_bytes(b"weights", None, ctypes.byref(paused), None) == 0
+        assert paused.value == 2 * MiB
+        ms.resume()
+    """)
+
+
 def test_a_paused_block_freed_is_simply_freed():
     saver("""
         with ms.region(enable_cpu_backup=True):

@@ -58,7 +58,8 @@ int npualloc_saver_region(const char *tag, int enable_cpu_backup);
 int npualloc_saver_pause(const char *tag, char *why, size_t why_len);
 int npualloc_saver_resume(const char *tag, char *why, size_t why_len);
 /* Bytes of the tag's pausable allocations (NULL: every tag): all of them,
- * the paused ones, and the host backups held. */
+ * the paused ones, and the host backups held; an out pointer that is NULL
+ * is left out. */
 int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup);
 /* The saver's figures for one device (as the region publishes them): 0, or
  * -1 for a device out of range. */

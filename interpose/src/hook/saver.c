@@ -416,17 +416,23 @@ void npa_saver_command_done(void)
 
 NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup)
 {
+    size_t all = 0, unmapped = 0, backed_up = 0;
     pthread_mutex_lock(&saver_lock);
     int t = tag_of(tag);
-    *allocated = *paused = *backup = 0;
     for (saver_block *b = blocks; b; b = b->next) {
         if (t != EVERY_TAG && b->tag != t)
             continue;
-        *allocated += b->size;
-        *paused += b->physical == NULL ? b->size : 0;
-        *backup += b->host != NULL ? b->size : 0;
+        all += b->size;
+        unmapped += b->physical == NULL ? b->size : 0;
+        backed_up += b->host != NULL ? b->size : 0;
     }
     pthread_mutex_unlock(&saver_lock);
+    if (allocated != NULL)
+        *allocated = all;
+    if (paused != NULL)
+        *paused = unmapped;
+    if (backup != NULL)
+        *backup = backed_up;
     return 0;
 }
 

@@ -24,18 +24,24 @@ from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
 
-REGION_NAME = re.compile(r"npualloc\.(\d+)")
+# Only the name a process gives its region: a pid as the kernel writes it, in
+# ASCII digits without leading zeros (int() reads "npualloc.0123" and other
+# scripts' digits as the same pid: one planted alias each cost a listing a read).
+REGION_NAME = re.compile(r"npualloc\.([1-9][0-9]*)")
 # The directories regions live in, one per user in the base directory
 # (/dev/shm): npualloc-<uid>, and npualloc-<uid>.XXXXXX, which a process makes
 # when another user took the first name (interpose/src/region/region_dir.c).
-REGION_DIR_NAME = re.compile(r"npualloc-(\d+)(?:\.[A-Za-z0-9]{6})?")
+REGION_DIR_NAME = re.compile(r"npualloc-([0-9]+)(?:\.[A-Za-z0-9]{6})?")
 # What else a process leaves beside its region: snapshot files posted for a
 # requester that gave up waiting, and temporaries of a process that died while
 # writing (the region's own, and a snapshot's).
-LEFTOVER_NAME = re.compile(r"\.npualloc\.(\d+)\.tmp|npualloc\.(\d+)\.snapshot\.\d+(?:\.tmp\.\d+\.[0-9a-f]{8})?")
+LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.tmp|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+\.[0-9a-f]{8})?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
-# odd this long belongs to a writer that died mid-update. The C copy tries
-# SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat until then.
+# odd this long belongs to a writer that died or stopped mid-update. The C copy
+# tries SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat
+# until then. A region waits this long in all, whatever its devices, and a
+# listing (live_regions) in all, whatever its regions: the first stuck one takes
+# the wait, each later one a single call.
 SEQLOCK_TIMEOUT_S = 1.0
 SEQLOCK_ATTEMPTS = 100
 COMMAND_TIMEOUT_S = 5.0
@@ -156,16 +162,26 @@ class RegionHeader:
     backup_bytes: int   # host memory holding the paused blocks
 
 
+class SeqlockWait:
+    """Seconds left to wait for seqlocks that stay odd (SEQLOCK_TIMEOUT_S)."""
+
+    def __init__(self) -> None:
+        self.left = SEQLOCK_TIMEOUT_S
+
+
 class Region:
     """The mapped region of one live process. Use as a context manager."""
 
-    def __init__(self, pid: int, writable: bool = False, _directory: tuple[Path, int] | None = None):
+    def __init__(self, pid: int, writable: bool = False, _directory: tuple[Path, int] | None = None,
+                 _seqlock_wait: SeqlockWait | None = None):
         """_directory: (path, descriptor) of the region directory to look in
-        (live_regions); by default every region directory of the process's user."""
+        (live_regions); by default every region directory of the process's user.
+        _seqlock_wait: the wait shared by a listing's regions; by default its own."""
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             raise NoSuchProcessError(f"invalid pid {pid!r}")
         self.pid = pid
         self._writable = writable
+        self._seqlock_wait = _seqlock_wait or SeqlockWait()
         start_time = process_start_time(pid)
         uid = process_uid(pid)
         if start_time is None or uid is None:
@@ -282,13 +298,21 @@ class Region:
         if not 0 <= device < constants.NPUALLOC_MAX_DEVICES:
             raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
         copy = ffi.new(ctype)
-        deadline = time.monotonic() + SEQLOCK_TIMEOUT_S
-        while (status := read(self._region, device, SEQLOCK_ATTEMPTS, copy)) != constants.NPUALLOC_READ_OK:
-            if status == constants.NPUALLOC_READ_LOST:
-                self._check_not_lost()
-            if time.monotonic() > deadline:
-                raise CorruptRegionError(f"{self.path}: device {device} {what} stayed mid-update for "
-                                         f"{SEQLOCK_TIMEOUT_S:g}s (writer died inside its seqlock?)")
+        started = time.monotonic()
+        status = read(self._region, device, SEQLOCK_ATTEMPTS, copy)
+        if status == constants.NPUALLOC_READ_OK:
+            return copy
+        deadline = started + max(self._seqlock_wait.left, 0.0)
+        try:
+            while status != constants.NPUALLOC_READ_OK:
+                if status == constants.NPUALLOC_READ_LOST:
+                    self._check_not_lost()
+                if time.monotonic() >= deadline:
+                    raise CorruptRegionError(f"{self.path}: device {device} {what} stayed mid-update "
+                                             "(a writer died or stopped inside its seqlock?)")
+                status = read(self._region, device, SEQLOCK_ATTEMPTS, copy)
+        finally:
+            self._seqlock_wait.left -= time.monotonic() - started
         return copy
 
     def command_seq(self) -> int:
@@ -349,7 +373,13 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
     """Every region file of the region directories of this user (of every
     user, for root) with its opened Region, or the error that kept it from
     opening. Files of dead pids and stale files of reused pids are removed
-    (only our own) and not yielded."""
+    (only our own) and not yielded. A pid's region is yielded once: a user
+    may make region directories beside the first (region_dir.c) and copy a
+    region into each. A refusal does not count, or a file planted for another
+    user's pid in a directory listed first would hide that process's region.
+    The regions share one SeqlockWait."""
+    listed: set[int] = set()
+    seqlock_wait = SeqlockWait()
     for directory, dir_fd in _region_dirs(None if os.geteuid() == 0 else os.geteuid()):
         for name in sorted(os.listdir(dir_fd)):
             match = REGION_NAME.fullmatch(name)
@@ -357,9 +387,11 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
                 _remove_leftover_of_dead(dir_fd, name)
                 continue
             entry = RegionEntry(int(match.group(1)), directory / name)
+            if entry.pid in listed:
+                continue
             try:
                 inode = os.lstat(name, dir_fd=dir_fd).st_ino
-                region = Region(entry.pid, _directory=(directory, dir_fd))
+                region = Region(entry.pid, _directory=(directory, dir_fd), _seqlock_wait=seqlock_wait)
             except FileNotFoundError:
                 continue  # its process removed it at exit meanwhile
             except (NoSuchProcessError, NotUnderNpuallocError):
@@ -368,6 +400,7 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
             except NpuallocError as e:
                 yield entry, e
                 continue
+            listed.add(entry.pid)
             yield entry, region
 
 

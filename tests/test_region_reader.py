@@ -121,6 +121,101 @@ def test_writer_stuck_in_its_seqlock_is_reported(shm: Path, sleeper: int,
         npualloc.memory_stats(pid=sleeper)
 
 
+def _stuck_region(pid: int) -> bytes:
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(pid, device_count=1), REGION_SIZE)
+    region.devices[0].in_use = 1
+    region.devices[0].seq = 7  # odd: a writer inside, forever
+    return bytes(ffi.buffer(region))
+
+
+def test_a_region_is_listed_once_whatever_aliases_are_planted(shm: Path, sleeper: int) -> None:
+    """A user's process was listed once per alias of its region, each costing
+    root's `ls` and the exporter a full seqlock wait: names that int() reads
+    as the pid (leading zeros, other scripts' digits) and copies in region
+    directories of their own beside the first. One entry now, its file."""
+    path = write_region(shm, sleeper, _stuck_region(sleeper))
+    for alias in (f"npualloc.0{sleeper}", f"npualloc.00{sleeper}", "npualloc." + str(sleeper).translate(
+            str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669"))):
+        (path.parent / alias).write_bytes(path.read_bytes())
+    for suffix in ("aaaaaa", "bbbbbb", "cccccc"):
+        beside = shm / f"npualloc-{os.geteuid()}.{suffix}"
+        beside.mkdir(mode=0o700)
+        (beside / path.name).write_bytes(path.read_bytes())
+    listed = list(region_module.live_regions())
+    assert [(entry.pid, entry.path) for entry, _ in listed] == [(sleeper, path)]
+    for _, opened in listed:
+        if isinstance(opened, Region):
+            opened.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: processes and files of two other users")
+def test_a_file_planted_for_another_users_pid_hides_nothing(shm: Path) -> None:
+    """User 1000's directory is listed before user 65534's: a file it holds
+    under the name of 65534's process is refused, and the real region is
+    still listed after it (a pid is listed once only once it opened)."""
+    victim = subprocess.Popen(["sleep", "60"], user=65534)
+    try:
+        genuine = shm / "npualloc-65534" / f"npualloc.{victim.pid}"
+        planted = shm / "npualloc-1000" / genuine.name
+        for path, uid in ((genuine, 65534), (planted, 1000)):
+            path.parent.mkdir(mode=0o700)
+            path.write_bytes(region_bytes(victim.pid, uid=65534))
+            path.chmod(0o600)
+            os.chown(path.parent, uid, uid)
+            os.chown(path, uid, uid)
+        listed = list(region_module.live_regions())
+        assert [(entry.path, type(opened)) for entry, opened in listed] == [
+            (planted, OtherUserError), (genuine, Region)]
+        listed[1][1].close()
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_regions_stuck_mid_update_share_one_wait_in_a_listing(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each region whose seqlock stays odd cost a listing SEQLOCK_TIMEOUT_S,
+    so a user with many such processes could stall root's `ls` and every
+    exporter scrape for as long as they liked. A listing now waits that long
+    in all: the first stuck region takes the wait, each later one one read."""
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
+    reads: dict[int, int] = {}
+    real = region_module.reader_library()
+
+    class CountingReader:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        @staticmethod
+        def npualloc_reader_stats(region: object, device: int, attempts: int, out: object) -> int:
+            pid = ffi.cast("npualloc_region *", region).header.pid
+            reads[pid] = reads.get(pid, 0) + 1
+            return real.npualloc_reader_stats(region, device, attempts, out)
+
+    try:
+        for proc in sleepers:
+            write_region(shm, proc.pid, _stuck_region(proc.pid))
+        monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
+        monkeypatch.setattr(region_module, "reader_library", CountingReader)
+        failures = []
+        for entry, opened in region_module.live_regions():
+            assert isinstance(opened, Region), opened
+            with opened:
+                with pytest.raises(CorruptRegionError, match="mid-update") as failure:
+                    opened.read_device_stats(0)
+                failures.append(str(failure.value))
+        first, *later = sorted(sleepers, key=lambda proc: f"npualloc.{proc.pid}")
+        assert len(failures) == 4 and reads[first.pid] > 1 and [reads[proc.pid] for proc in later] == [1, 1, 1]
+        monkeypatch.setattr(region_module, "reader_library", lambda: real)
+        with Region(first.pid) as alone:  # a region opened on its own waits its own time
+            with pytest.raises(CorruptRegionError, match="mid-update"):
+                alone.read_device_stats(0)
+    finally:
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()
+
+
 def test_region_is_closed_after_use(shm: Path, sleeper: int) -> None:
     write_region(shm, sleeper, region_bytes(sleeper))
     opened = Region(sleeper)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -305,12 +306,12 @@ def _parser() -> argparse.ArgumentParser:
         if device:
             p.add_argument("--device", type=int, default=None, help="device index (default: every device in use)")
         if timeout:
-            p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the acknowledgement")
+            p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for the acknowledgement")
         return p
 
     stats = with_pid("stats", "allocator stats of a process", timeout=False)
     stats.add_argument("--json", action="store_true", help="machine-readable output (memory_stats() keys)")
-    stats.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    stats.add_argument("--watch", type=_seconds, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
     stats.set_defaults(run=cmd_stats)
 
     ls = sub.add_parser("ls", help="every process running under npualloc (cleans stale regions)")
@@ -363,10 +364,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds: "nan" and "inf" parse as floats,
+    and a wait against either never ends."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"needs a positive number of seconds, not {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if getattr(args, "watch", None) is not None and args.watch <= 0:
-        _Parser(prog="npualloc").error("--watch needs a positive number of seconds")
     try:
         return int(args.run(args))
     except NpuallocError as e:

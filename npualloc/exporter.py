@@ -120,7 +120,17 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"needs a TCP port, 0 to 65535, not {text!r}")
+    return port
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=9464, help="TCP port (default 9464; 0: any free port)")
+    parser.add_argument("--port", type=_port, default=9464, help="TCP port (default 9464; 0: any free port)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import re
 import time
@@ -326,6 +327,8 @@ class Region:
         process applies it at its next allocator call, so an idle process times out."""
         if not self._writable:
             raise NpuallocError("region opened read-only")
+        if not 0 < timeout < math.inf:  # a NaN or infinite deadline is never passed
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         reader = reader_library()
         seq = ffi.new("uint64_t *")
         status = ffi.new("int32_t *")

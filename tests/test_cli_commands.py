@@ -195,6 +195,10 @@ def test_empty_cache_reset_peak_and_gc_threshold(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr
         assert "garbage_collection_threshold:0.25" in w.call("npualloc.get_config()")
 
+        for timeout in (float("nan"), float("inf"), 0.0):  # waiting out a NaN or infinite deadline never ended
+            with pytest.raises(ValueError, match="positive number of seconds"):
+                npualloc.empty_cache(pid=w.pid, timeout=timeout)
+
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "npualloc", "run", *args], env=env, capture_output=True, text=True,

@@ -24,6 +24,13 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["stats", "notapid"], tmp_path), 2, "invalid int value")
     assert_one_line_error(run_cli(["frobnicate"], tmp_path), 2, "invalid choice")
     assert_one_line_error(run_cli(["stats", "1", "--watch", "0"], tmp_path), 2, "--watch")
+    # NaN and infinity parse as floats, and a wait against either never ends (run_cli's timeout fails a hang).
+    for value in ("nan", "inf", "-1", "soon"):
+        assert_one_line_error(run_cli(["stats", "1", "--watch", value], tmp_path), 2, "--watch: needs a positive")
+        assert_one_line_error(run_cli(["empty-cache", "1", "--timeout", value], tmp_path), 2,
+                              "--timeout: needs a positive")
+    for port in ("99999", "-1", "http"):  # 99999 ended in an OverflowError traceback
+        assert_one_line_error(run_cli(["exporter", "--port", port], tmp_path), 2, "--port: needs a TCP port")
     assert_one_line_error(run_cli(["run"], tmp_path), 2, "no command")
 
 

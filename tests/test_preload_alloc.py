@@ -177,21 +177,41 @@ emit(max_split=s["max_split_size"], reserved=s["reserved_bytes.all.current"])
 def test_hundreds_of_bad_config_keys_leave_later_warnings_their_say():
     """Each distinct message took a slot of a 256-entry table; a config of 300
     bad keys filled it and every later warning of the process (this double
-    free) was dropped. Now one call site prints at most 8 distinct messages,
-    the last saying so, and the double free is still reported."""
-    garbage = ",".join(f"bad_key_{i}:1" for i in range(300))
+    free) was dropped. Now a config string warns about 8 entries and counts
+    the rest, what the string means as a whole (a clash that turns expandable
+    segments off) is still said, and so is the double free."""
+    garbage = ",".join(f"bad_key_{i}:1" for i in range(300)) + ",expandable_segments:True,max_split_size_mb:64"
     out, proc = run("""
 p, ret = acl.rt.malloc(4096, 0); assert ret == 0
 emit(first=acl.rt.free(p), double=acl.rt.free(p))
 """, preload_env(PYTORCH_NPU_ALLOC_CONF=garbage))
     assert out == {"first": 0, "double": 207002}
     lines = [line for line in proc.stderr.splitlines() if line]
-    config = [line for line in lines if "bad_key_" in line]
-    assert [f"bad_key_{i}" in line for i, line in enumerate(config)] == [True] * 8, proc.stderr
-    assert config[-1].endswith("(later warnings like this one are not shown)")
-    assert sum("not shown" in line for line in lines) == 1
-    [double] = [line for line in lines if "not a live allocation" in line]
-    assert double.startswith("npualloc: aclrtFree(") and len(lines) == 9
+    assert [f"unknown key 'bad_key_{i}'" in line for i, line in enumerate(lines[:8])] == [True] * 8, proc.stderr
+    assert lines[8] == "npualloc: PYTORCH_NPU_ALLOC_CONF: 292 more warnings about entries are not shown (default kept)"
+    assert "expandable segments stay off" in lines[9]
+    assert lines[10].startswith("npualloc: aclrtFree(") and "not a live allocation" in lines[10]
+    assert len(lines) == 11, proc.stderr
+
+
+def test_one_call_site_prints_eight_distinct_warnings_then_says_so():
+    """A warning that carries what the program passed (record_stream's
+    pointer) is one text per pointer: a loop over bad pointers printed one
+    line each, and filled the table that later warnings needed. Now one
+    place in the code prints 8, the last saying so; other places still warn."""
+    out, proc = run("""
+lib = ctypes.CDLL(None)
+lib.npualloc_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+p, ret = acl.rt.malloc(4096, 0); assert ret == 0  # npualloc serves from here on
+refused = [lib.npualloc_record_stream(0x1000 + 64 * i, None) for i in range(20)]
+emit(refused=sorted(set(refused)), first=acl.rt.free(p), double=acl.rt.free(p))
+""", preload_env())
+    assert out == {"refused": [100000], "first": 0, "double": 207002}
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert [line.startswith(f"npualloc: npualloc_record_stream({hex(0x1000 + 64 * i)})") for i, line in
+            enumerate(lines[:8])] == [True] * 8, proc.stderr
+    assert [line.endswith("(later warnings like this one are not shown)") for line in lines[:8]] == [False] * 7 + [True]
+    assert len(lines) == 9 and lines[8].startswith("npualloc: aclrtFree("), proc.stderr
 
 
 def test_warnings_show_control_characters_as_question_marks():

@@ -176,6 +176,29 @@ static void test_expandable_segments(void) {
     }
 }
 
+/* A string of many bad entries: the first 8 warned, then one count of the
+ * rest, and the clash the string makes as a whole still said after them;
+ * every entry still counts as a problem and the good ones apply. */
+static void test_many_bad_entries_warn_a_few_then_a_count(void) {
+    char bad[2048] = "", text[4096];
+    for (int i = 0; i < 20; i++) snprintf(bad + strlen(bad), sizeof bad - strlen(bad), "bad_%d:1,", i);
+    npa_config c;
+    warnings w;
+    snprintf(text, sizeof text, "%sexpandable_segments:True,max_split_size_mb:64", bad);
+    CHECK_EQ(parse(text, &c, &w), 21);
+    CHECK_EQ(w.count, 8 + 1 + 1);
+    CHECK(strstr(w.last, "expandable segments stay off") != NULL);
+    CHECK(!c.expandable_segments && c.max_split_size == 64 * MiB);
+    snprintf(text, sizeof text, "%srecent_blocks:2", bad);
+    CHECK_EQ(parse(text, &c, &w), 20);
+    CHECK_EQ(w.count, 8 + 1);
+    CHECK(strcmp(w.last, "12 more warnings about entries are not shown") == 0);
+    CHECK_EQ(c.recent_blocks, 2);
+    CHECK_EQ(parse("bad_1:1,bad_2:1,bad_3:1,bad_4:1,bad_5:1,bad_6:1,bad_7:1,bad_8:1", &c, &w), 8);
+    CHECK_EQ(w.count, 8); /* exactly 8: no count line */
+    CHECK(strstr(w.last, "bad_8") != NULL);
+}
+
 static void test_format_round_trip(void) {
     npa_config c, back;
     warnings w;
@@ -285,6 +308,7 @@ int main(void) {
     RUN(test_problems_counted_and_good_keys_applied);
     RUN(test_ignored_torch_keys);
     RUN(test_expandable_segments);
+    RUN(test_many_bad_entries_warn_a_few_then_a_count);
     RUN(test_format_round_trip);
     RUN(test_fuzz);
     return check_report();

@@ -276,26 +276,57 @@ static bool is_default_value(const char *defaults, span value) {
     return false;
 }
 
+static void vwarnf(npa_config_warn_fn warn, void *arg, const char *format, va_list ap)
+    __attribute__((format(printf, 3, 0)));
+static void vwarnf(npa_config_warn_fn warn, void *arg, const char *format, va_list ap) {
+    char message[256];
+    vsnprintf(message, sizeof message, format, ap);
+    warn(arg, message);
+}
+
 static void warnf(npa_config_warn_fn warn, void *arg, const char *format, ...)
     __attribute__((format(printf, 3, 4)));
 static void warnf(npa_config_warn_fn warn, void *arg, const char *format, ...) {
     if (!warn) return;
-    char message[256];
     va_list ap;
     va_start(ap, format);
-    vsnprintf(message, sizeof message, format, ap);
+    vwarnf(warn, arg, format, ap);
     va_end(ap);
-    warn(arg, message);
+}
+
+/* The warnings about a config string's entries: the first
+ * ENTRY_WARNINGS_SHOWN, then a count. A string of hundreds of bad entries
+ * says so in a few lines, and what the string as a whole means (expandable
+ * segments turned off by a clash) is still said after them. */
+#define ENTRY_WARNINGS_SHOWN 8
+typedef struct {
+    npa_config_warn_fn warn;
+    void *arg;
+    unsigned shown, hidden;
+} entry_warnings;
+
+static void entry_warnf(entry_warnings *w, const char *format, ...) __attribute__((format(printf, 2, 3)));
+static void entry_warnf(entry_warnings *w, const char *format, ...) {
+    if (!w->warn) return;
+    if (w->shown == ENTRY_WARNINGS_SHOWN) {
+        w->hidden++;
+        return;
+    }
+    w->shown++;
+    va_list ap;
+    va_start(ap, format);
+    vwarnf(w->warn, w->arg, format, ap);
+    va_end(ap);
 }
 
 /* Returns 1 when the entry is a problem (warned), else 0. */
-static int apply_entry(npa_config *config, span entry, npa_config_warn_fn warn, void *arg) {
+static int apply_entry(npa_config *config, span entry, entry_warnings *w) {
     char shown_key[52], shown_value[52];
     size_t sep = 0;
     while (sep < entry.n && entry.p[sep] != ':' && entry.p[sep] != '=') sep++;
     if (sep == entry.n) {
         describe(entry, shown_key, sizeof shown_key);
-        warnf(warn, arg, "'%s' is not a key:value entry", shown_key);
+        entry_warnf(w, "'%s' is not a key:value entry", shown_key);
         return 1;
     }
     span key = trim((span){entry.p, sep});
@@ -307,17 +338,17 @@ static int apply_entry(npa_config *config, span entry, npa_config_warn_fn warn, 
         if (!span_is(key, known_keys[i].name)) continue;
         char why[WHY_LEN] = "";
         if (known_keys[i].apply(config, value, why)) return 0;
-        warnf(warn, arg, "%s: invalid value '%s' (%s)", shown_key,
+        entry_warnf(w, "%s: invalid value '%s' (%s)", shown_key,
               shown_value, why);
         return 1;
     }
     for (size_t i = 0; i < sizeof ignored_keys / sizeof *ignored_keys; i++) {
         if (!span_is(key, ignored_keys[i].name)) continue;
         if (!is_default_value(ignored_keys[i].defaults, value))
-            warnf(warn, arg, "%s:%s is not implemented by npualloc; ignored", shown_key, shown_value);
+            entry_warnf(w, "%s:%s is not implemented by npualloc; ignored", shown_key, shown_value);
         return 0;
     }
-    warnf(warn, arg, "unknown key '%s'", shown_key);
+    entry_warnf(w, "unknown key '%s'", shown_key);
     return 1;
 }
 
@@ -334,6 +365,7 @@ void npa_config_defaults(npa_config *config) {
 int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn warn, void *arg) {
     if (!config || !text) return 0;
     int problems = 0;
+    entry_warnings entries = {.warn = warn, .arg = arg};
     const char *p = text;
     while (*p) {
         /* An entry ends at a comma outside brackets. */
@@ -345,8 +377,10 @@ int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn wa
         }
         span entry = trim((span){start, (size_t)(p - start)});
         if (*p == ',') p++;
-        if (entry.n) problems += apply_entry(config, entry, warn, arg);
+        if (entry.n) problems += apply_entry(config, entry, &entries);
     }
+    if (entries.hidden)
+        warnf(warn, arg, "%u more warnings about entries are not shown", entries.hidden);
     if (config->expandable_segments && npa_config_excludes_expandable(config)) {
         warnf(warn, arg, "%s; expandable segments stay off", EXPANDABLE_EXCLUDED);
         config->expandable_segments = false;

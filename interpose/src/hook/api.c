@@ -70,7 +70,7 @@ NPA_EXPORT size_t npualloc_get_config(char *buf, size_t len)
 static void set_config_warn(void *arg, const char *message)
 {
     (void)arg;
-    npa_warn_once("npualloc_set_config: %s (not applied)", message);
+    npa_warn_forwarded("npualloc_set_config: %s (not applied)", message);
 }
 
 /* 0 when the allocator took the key, else -1 (warned). */

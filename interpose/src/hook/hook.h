@@ -338,19 +338,25 @@ void npa_oom_snapshot(npa_allocator *a);
 
 /* "npualloc: <message>\n" on stderr in one write, at most once per distinct
  * message text (a process may hit the same problem millions of times), and at
- * most NPA_WARNINGS_PER_SITE distinct texts from one call site: the last says
- * that later ones are not shown. So 300 bad config keys, or double frees of
- * 300 pointers, print a few lines and leave the other sites their say. */
+ * most NPA_WARNINGS_PER_SITE distinct texts from one call site, the last
+ * saying that later ones are not shown: a site whose text carries what the
+ * program passed (npualloc_record_stream's pointer, a snapshot request's
+ * number) prints a few lines, not one per call, and leaves the others theirs. */
 #define NPA_WARNINGS_PER_SITE 8
 typedef struct {
     unsigned shown; /* distinct texts printed; under warn.c's seen_lock */
 } npa_warn_site;
+/* site NULL: no per-site limit (npa_warn_forwarded). */
 void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 #define npa_warn_once(...)                                                                                  \
     do {                                                                                                    \
         static npa_warn_site npa_warn_site_;                                                                \
         npa_warn_once_at(&npa_warn_site_, __VA_ARGS__);                                                     \
     } while (0)
+/* Once per distinct text, for a site that forwards messages made elsewhere
+ * (the core's, the config parser's): they are of many kinds, each bounded
+ * where it is made, and one limit for all would let one kind hide another. */
+#define npa_warn_forwarded(...) npa_warn_once_at(NULL, __VA_ARGS__)
 
 /* ---- pystack.c ------------------------------------------------------------ */
 

@@ -49,7 +49,7 @@ static const char *config_var;
 static void config_warn(void *arg, const char *message)
 {
     (void)arg;
-    npa_warn_once("%s: %s (default kept)", config_var, message);
+    npa_warn_forwarded("%s: %s (default kept)", config_var, message);
 }
 
 /* `npualloc run --conf` and `npualloc replay --conf` set the variable and
@@ -201,7 +201,7 @@ static npa_error be_mem_get_info(void *ctx, int device, size_t *free_bytes, size
 static void be_warn(void *ctx, const char *message)
 {
     (void)ctx;
-    npa_warn_once("%s", message);
+    npa_warn_forwarded("%s", message);
 }
 
 static npualloc_device_stats *be_stats_storage(void *ctx, int device)

@@ -12,11 +12,13 @@
 
 #include "hook.h"
 
-/* Hashes of the messages already printed. Each call site prints at most
- * NPA_WARNINGS_PER_SITE, so the table holds that many per site; should it
- * fill all the same, a new message is printed unrecorded (the per-site limit
- * still bounds it) rather than never: a full table once silenced every later
- * warning of the process, the double free after 256 bad config keys. */
+/* Hashes of the messages already printed. The per-site limit keeps the
+ * texts of sites that carry the program's data few; forwarded ones are few
+ * kinds per device, and the config parser shows 8 entries per string. Should
+ * the table fill all the same (a defence: no test can reach it), a new
+ * message is printed unrecorded rather than never: a full table once
+ * silenced every later warning of the process, the double free after 256 bad
+ * config keys. */
 #define SEEN_SLOTS 1024
 static uint64_t seen[SEEN_SLOTS];
 /* A leaf of the lock order (hook.h): nothing is taken under it. */
@@ -48,7 +50,9 @@ static bool first_time(uint64_t h)
  * forge a second "npualloc:" line, an escape would reach the terminal) and
  * the C1 controls as UTF-8 encodes them (0xC2 0x80-0x9F, e.g. a one-character
  * CSI). Messages carry text the program chose (paths, config keys); other
- * non-ASCII bytes stay, so a path in any script reads as it is. */
+ * non-ASCII bytes stay, so a path in any script reads as it is. A lone 0x9B
+ * stays too: only a terminal in an 8-bit mode reads it as CSI, and that
+ * terminal misreads every UTF-8 path already. */
 static void make_printable(char *s, size_t len)
 {
     for (size_t i = 0; i < len; i++) {
@@ -78,8 +82,8 @@ void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...)
     size_t len = start + ((size_t)n < room ? (size_t)n : room - 1);
     make_printable(buf + start, len - start);
     pthread_mutex_lock(&seen_lock);
-    bool print = site->shown < NPA_WARNINGS_PER_SITE && first_time(fnv1a(buf + start));
-    bool is_last = print && ++site->shown == NPA_WARNINGS_PER_SITE;
+    bool print = (site == NULL || site->shown < NPA_WARNINGS_PER_SITE) && first_time(fnv1a(buf + start));
+    bool is_last = print && site != NULL && ++site->shown == NPA_WARNINGS_PER_SITE;
     pthread_mutex_unlock(&seen_lock);
     if (!print)
         return;
@@ -89,7 +93,10 @@ void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...)
     }
     buf[len++] = '\n';
     /* One write(2): no stdio buffer to interleave with the program's own
-     * output, and safe at exit when stdio may already be flushed and closed. */
+     * output, and safe at exit when stdio may already be flushed and closed.
+     * Not under seen_lock: a stderr pipe nobody reads would block the write,
+     * and fork_prepare takes that lock. So two threads of one site may print
+     * its last line before another of its lines. */
     ssize_t unused = write(STDERR_FILENO, buf, len);
     (void)unused;
 }

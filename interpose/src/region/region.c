@@ -61,13 +61,8 @@ static void warn_once(const char *what, const char *path, int err)
 {
     if (atomic_flag_test_and_set(&g_warned))
         return;
-    char line[sizeof g_path + 256];
-    int n = snprintf(line, sizeof line, "npualloc: live stats disabled: %s%s%s%s%s\n", what,
-                     path ? " " : "", path ? path : "", err ? ": " : "", err ? strerror(err) : "");
-    if (n > 0) {
-        ssize_t ignored = write(STDERR_FILENO, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
-        (void)ignored;
-    }
+    npa_warn_once("live stats disabled: %s%s%s%s%s", what, path ? " " : "", path ? path : "", err ? ": " : "",
+                  err ? strerror(err) : "");
 }
 
 static int stats_disabled(void)

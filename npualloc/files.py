@@ -110,7 +110,7 @@ def _write_in(directory: int, name: str, path: str, data: bytes) -> None:
     try:
         seen = os.stat(name, dir_fd=directory, follow_symlinks=False)
     except FileNotFoundError:
-        _write_new(directory, name, data, replace=False)
+        _write_new(directory, name, path, data, replace=False)
         return
     if stat.S_ISLNK(seen.st_mode):
         raise OSError(errno.ELOOP, "")
@@ -125,7 +125,7 @@ def _write_in(directory: int, name: str, path: str, data: bytes) -> None:
         raise FileRefusedError(f"cannot write {path}: not a regular file, FIFO or character device "
                                "(left as it is)")
     else:
-        _write_new(directory, name, data, replace=True)
+        _write_new(directory, name, path, data, replace=True)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -140,10 +140,10 @@ def _write_all(fd: int, data: bytes) -> None:
                 raise OSError(errno.ETIMEDOUT, "") from None
 
 
-def _write_new(directory: int, name: str, data: bytes, replace: bool) -> None:
+def _write_new(directory: int, name: str, path: str, data: bytes, replace: bool) -> None:
     """A new file under a temporary name, moved into place so a reader sees a
     whole file or none; only a file of ours (checked by the caller) is replaced."""
-    tmp, fd = _create_temporary(directory, name)
+    tmp, fd = _create_temporary(directory, name, path)
     try:
         try:
             _write_all(fd, data)
@@ -160,20 +160,24 @@ def _write_new(directory: int, name: str, data: bytes, replace: bool) -> None:
             pass
 
 
-def _create_temporary(directory: int, name: str) -> tuple[str, int]:
+def _create_temporary(directory: int, name: str, path: str) -> tuple[str, int]:
     """Creates "<name>.tmp.<pid>.<random>" (O_EXCL, 0600), as snapshot.c does:
     random because anyone sees our pid, and something planted at a predictable
     name made every write fail. A name taken is never removed: another is tried."""
-    tries_left = TEMPORARY_TRIES
-    while True:
+    for _ in range(TEMPORARY_TRIES):
         tmp = f"{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                                 dir_fd=directory)
         except FileExistsError:
-            tries_left -= 1
-            if tries_left == 0:
-                raise
+            continue
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                raise FileRefusedError(f"cannot write {path}: its name leaves no room for the temporary's suffix "
+                                       ".tmp.<pid>.<8 hex digits> (nothing written)") from None
+            raise
+    raise FileRefusedError(f"cannot write {path}: every temporary name tried beside it was taken (left as they are; "
+                           "nothing written)")
 
 
 def _write_into(directory: int, name: str, seen: os.stat_result, data: bytes) -> None:

@@ -55,9 +55,16 @@ def test_a_temporary_name_taken_is_tried_again_never_removed(tmp_path: Path, mon
     write_user_file(target, b"data")
     assert target.read_bytes() == b"data" and sorted(p.name for p in tmp_path.iterdir()) == [target.name, planted.name]
     monkeypatch.setattr("npualloc.files.secrets.token_hex", lambda _: "0badf00d")
-    with pytest.raises(npualloc.NpuallocError, match="another file appeared at the name meanwhile"):
+    with pytest.raises(FileRefusedError, match="every temporary name tried beside it was taken"):
         write_user_file(target, b"new")
     assert target.read_bytes() == b"data" and planted.is_dir()
+
+
+def test_a_name_with_no_room_for_the_temporary_says_so(tmp_path: Path) -> None:
+    name = "x" * 240  # a valid name; with ".tmp.<pid>.<8 hex>" past 255 bytes
+    with pytest.raises(FileRefusedError, match="its name leaves no room for the temporary's suffix"):
+        write_user_file(tmp_path / name, b"data")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_our_own_regular_file_is_replaced(tmp_path: Path) -> None:

@@ -54,9 +54,12 @@ static int write_all(int fd, const char *p, size_t size)
     return 0;
 }
 
-/* npa_snapshot_write's error when a directory on the path is a symbolic
- * link (outside errno's range). */
+/* npa_snapshot_write's errors of its own, outside errno's range: a
+ * directory on the path is a symbolic link; the name leaves no room for the
+ * temporary's suffix; every temporary name tried was taken. */
 #define LINK_ON_THE_PATH 4096
+#define NO_ROOM_FOR_TEMPORARY 4097
+#define TEMPORARIES_TAKEN 4098
 
 /* Opens the directory that holds path's last component (*name), never
  * through a link: each component is opened O_NOFOLLOW, so a directory that
@@ -137,24 +140,24 @@ static void random_suffix(char out[9])
     snprintf(out, 9, "%08x", bits);
 }
 
-/* Creates "<name>.tmp.<pid>.<random>" (O_EXCL|O_NOFOLLOW, 0600). Random, as
- * anyone sees our pid: a directory another user put at the predictable
- * "<name>.tmp.<pid>" in /tmp kept every snapshot from being written, and
- * what is at a name we did not create is never removed. */
-static int create_temporary(int dir_fd, const char *name, char tmp[NAME_MAX + 1])
+/* Creates "<name>.tmp.<pid>.<random>" (O_EXCL|O_NOFOLLOW, 0600) into *fd;
+ * 0 or the error. Random, as anyone sees our pid: a directory another user
+ * put at the predictable "<name>.tmp.<pid>" in /tmp kept every snapshot from
+ * being written, and what is at a name we did not create is never removed. */
+static int create_temporary(int dir_fd, const char *name, char tmp[NAME_MAX + 1], int *fd)
 {
     for (int try = 0; try < TEMPORARY_TRIES; try++) {
         char suffix[9];
         random_suffix(suffix);
-        if ((size_t)snprintf(tmp, NAME_MAX + 1, "%s.tmp.%d.%s", name, (int)getpid(), suffix) > NAME_MAX) {
-            errno = ENAMETOOLONG;
-            return -1;
-        }
-        int fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-        if (fd >= 0 || errno != EEXIST)
-            return fd;
+        if ((size_t)snprintf(tmp, NAME_MAX + 1, "%s.tmp.%d.%s", name, (int)getpid(), suffix) > NAME_MAX)
+            return NO_ROOM_FOR_TEMPORARY;
+        *fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (*fd >= 0)
+            return 0;
+        if (errno != EEXIST)
+            return errno;
     }
-    return -1; /* EEXIST */
+    return TEMPORARIES_TAKEN;
 }
 
 /* A new file under a temporary name moved into place, so a reader sees a
@@ -162,10 +165,11 @@ static int create_temporary(int dir_fd, const char *name, char tmp[NAME_MAX + 1]
 static int write_new(int dir_fd, const char *name, const void *data, size_t size, bool replace)
 {
     char tmp[NAME_MAX + 1];
-    int fd = create_temporary(dir_fd, name, tmp);
-    if (fd < 0)
-        return errno;
-    int err = write_all(fd, data, size);
+    int fd;
+    int err = create_temporary(dir_fd, name, tmp, &fd);
+    if (err != 0)
+        return err;
+    err = write_all(fd, data, size);
     if (close(fd) != 0 && err == 0)
         err = errno;
     if (err == 0)
@@ -219,6 +223,9 @@ const char *npa_snapshot_strerror(int err)
     switch (err) {
     case ELOOP: return "it is a symbolic link (never followed; left as it is)";
     case LINK_ON_THE_PATH: return "a directory on its path is a symbolic link (never followed; nothing written)";
+    case NO_ROOM_FOR_TEMPORARY:
+        return "its name leaves no room for the temporary's suffix .tmp.<pid>.<8 hex digits> (nothing written)";
+    case TEMPORARIES_TAKEN: return "every temporary name tried beside it was taken (left as they are; nothing written)";
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";

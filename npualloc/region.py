@@ -32,11 +32,12 @@ REGION_NAME = re.compile(r"npualloc\.([1-9][0-9]*)")
 # The directories regions live in, one per user in the base directory
 # (/dev/shm): npualloc-<uid>, and npualloc-<uid>.XXXXXX, which a process makes
 # when another user took the first name (interpose/src/region/region_dir.c).
-REGION_DIR_NAME = re.compile(r"npualloc-([0-9]+)(?:\.[A-Za-z0-9]{6})?")
+REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # What else a process leaves beside its region: snapshot files posted for a
 # requester that gave up waiting, and temporaries of a process that died while
-# writing (the region's own, and a snapshot's).
-LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.tmp|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+\.[0-9a-f]{8})?")
+# writing (the region's own, and a snapshot's: .tmp.<pid>.<8 hex>, or .tmp.<pid>
+# as an npualloc before 2026-11-25 named it).
+LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.tmp|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy
 # tries SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat
@@ -376,7 +377,7 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
     """Every region file of the region directories of this user (of every
     user, for root) with its opened Region, or the error that kept it from
     opening. Files of dead pids and stale files of reused pids are removed
-    (only our own) and not yielded. A pid's region is yielded once: a user
+    (only our own) and not yielded. An opened region is yielded once per pid: a user
     may make region directories beside the first (region_dir.c) and copy a
     region into each. A refusal does not count, or a file planted for another
     user's pid in a directory listed first would hide that process's region.
@@ -391,7 +392,7 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
                 continue
             entry = RegionEntry(int(match.group(1)), directory / name)
             if entry.pid in listed:
-                continue
+                continue  # a copy; a stale one goes once the pid has died
             try:
                 inode = os.lstat(name, dir_fd=dir_fd).st_ino
                 region = Region(entry.pid, _directory=(directory, dir_fd), _seqlock_wait=seqlock_wait)

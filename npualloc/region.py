@@ -83,21 +83,41 @@ def region_base() -> Path:
     return Path(os.environ.get("NPUALLOC_SHM_DIR") or "/dev/shm")
 
 
+def _mounted_names(directory_fd: int) -> set[str]:
+    """Names in the directory with a mount on or beneath them, from
+    /proc/self/mountinfo, whose reading asks no file system. A user may mount
+    a FUSE file system of their own on their region directory or on a file in
+    it, and its server may never answer: whoever opens or stats what is there
+    waits for ever. (A mount made between this read and the open is not seen;
+    it is at the next listing.)"""
+    try:
+        directory = os.readlink(f"/proc/self/fd/{directory_fd}").rstrip("/") + "/"
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            points = [line.split(" ")[4] for line in f if line.count(" ") >= 4]
+    except OSError:
+        return set()
+    # The kernel writes space, tab, newline and backslash in a path as \ooo.
+    points = [re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), point) for point in points]
+    return {point[len(directory):].split("/")[0] for point in points if point.startswith(directory)}
+
+
 def _region_dirs(uid: int | None) -> Iterator[tuple[Path, int]]:
     """(path, descriptor) of each region directory of uid (of every user when
     None) that is what the library makes: a directory, never reached through
-    a link, owned by the uid its name gives, closed to group and others. Any
-    user may plant something at such a name in /dev/shm; it is passed over.
-    Each descriptor is closed when the iteration moves on."""
+    a link, owned by the uid its name gives, closed to group and others, with
+    no mount on or in it. Any user may plant something at such a name in
+    /dev/shm; it is passed over. Each descriptor is closed when the iteration
+    moves on."""
     base = region_base()
     try:
         base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return
     try:
+        mounted = _mounted_names(base_fd)
         for name in sorted(os.listdir(base_fd)):
             match = REGION_DIR_NAME.fullmatch(name)
-            if match is None or (uid is not None and int(match.group(1)) != uid):
+            if match is None or (uid is not None and int(match.group(1)) != uid) or name in mounted:
                 continue
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

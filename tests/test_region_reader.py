@@ -2,8 +2,11 @@
 validated, and no file, however damaged, makes it read out of bounds."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,6 +174,60 @@ def test_a_file_planted_for_another_users_pid_hides_nothing(shm: Path) -> None:
     finally:
         victim.kill()
         victim.wait()
+
+
+MOUNTED_LISTING = """
+import json, os, subprocess, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from region_helpers import region_bytes
+from npualloc import region
+shm, healthy, mounted_dir, mounted_file = Path(sys.argv[2]), *map(int, sys.argv[3:6])
+def plant(directory, pid, mount):
+    directory.mkdir(mode=0o700)
+    if mount:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "npualloc-test", str(directory)], check=True)
+    path = directory / f"npualloc.{pid}"
+    path.write_bytes(region_bytes(pid))
+    path.chmod(0o600)
+    return path
+uid = os.geteuid()
+plant(shm / f"npualloc-{uid}", healthy, False)
+plant(shm / f"npualloc-{uid}.aaaaaa", mounted_dir, True)
+bound = plant(shm / f"npualloc-{uid}.bbbbbb", mounted_file, False)
+subprocess.run(["mount", "--bind", str(bound), str(bound)], check=True)
+listed = [entry.pid for entry, opened in region.live_regions()]
+refused = []
+for pid in (mounted_dir, mounted_file):
+    try:
+        region.Region(pid).close()
+    except region.NotUnderNpuallocError:
+        refused.append(pid)
+print(json.dumps({"listed": listed, "refused": refused}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to mount in a private mount namespace")
+def test_region_directories_with_a_mount_on_or_in_them_are_never_entered(shm: Path) -> None:
+    """A user may mount a FUSE file system of their own on their region
+    directory, or on a file in it, and never answer: root's `ls`, `stats`
+    and the exporter would wait for ever in open() or stat(). Such a
+    directory is passed over, found from /proc/self/mountinfo, which asks no
+    file system. Here tmpfs and a bind mount stand in for FUSE, in a private
+    mount namespace: the regions beneath them are readable, and not read."""
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
+                               MOUNTED_LISTING, str(Path(__file__).parent), str(shm),
+                               *(str(p.pid) for p in sleepers)],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "NPUALLOC_SHM_DIR": str(shm)})
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"listed": [sleepers[0].pid], "refused": [p.pid for p in sleepers[1:]]}
+    finally:
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()
 
 
 def test_regions_stuck_mid_update_share_one_wait_in_a_listing(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:

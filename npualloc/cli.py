@@ -25,7 +25,7 @@ from ._ffi import constants
 from .conf_env import with_conf
 from .errors import CommandRejectedError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError
 from .files import write_user_file
-from .region import Region, live_regions, region_base
+from .region import Region, RegionHeader, live_regions, region_base
 
 EXIT_USAGE = 2
 
@@ -52,13 +52,19 @@ def _displayable(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-def _command_line(pid: int, fallback: str, width: int = 100) -> str:
-    """One display line: psutil's view (the region's copy is truncated), newlines
-    of `python -c` scripts collapsed."""
-    try:
-        words = psutil.Process(pid).cmdline() or fallback.split()
-    except psutil.Error:
-        words = fallback.split()
+def _command_line(header: RegionHeader, width: int = 100) -> str:
+    """One display line of the process's command line, newlines of `python -c`
+    scripts collapsed. Of a process of ours, psutil's view (current and whole);
+    of another user's (root's ls, stats, exporter), the region's copy (256
+    bytes, more than a line shows): reading /proc/<pid>/cmdline waits for that
+    process's address-space lock, which its owner can keep held (a page fault
+    on a FUSE file system of theirs whose server never answers)."""
+    words = header.cmdline.split()
+    if header.uid == os.geteuid():  # the header's uid is the process's: Region checked it
+        try:
+            words = psutil.Process(header.pid).cmdline() or words
+        except psutil.Error:
+            pass
     text = _displayable(" ".join(" ".join(words).split()))
     return text if len(text) <= width else text[:width - 1] + "…"
 
@@ -105,7 +111,7 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
         unused = [d for d in asked if d not in in_use and 0 <= d < constants.NPUALLOC_MAX_DEVICES]
         return {
             "pid": pid,
-            "command": _command_line(pid, header.cmdline),
+            "command": _command_line(header),
             "config": header.config,
             "created_unix_ns": header.created_unix_ns,
             "region": str(region.path),
@@ -164,7 +170,7 @@ def _ls_rows(pid: int, opened: Region) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with opened as region:
         header = region.header()
-        command = _command_line(pid, header.cmdline)
+        command = _command_line(header)
         devices: list[int | None] = list(region.devices_in_use()) or [None]
         for device in devices:
             stats = region.read_device_stats(device) if device is not None else None

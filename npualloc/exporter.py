@@ -17,7 +17,7 @@ from typing import Any
 
 from . import memory
 from .errors import NpuallocError, OtherUserError
-from .region import live_regions
+from .region import RegionHeader, live_regions
 
 PREFIX = "npualloc_"
 LABELS = ("pid", "command", "device")
@@ -50,9 +50,9 @@ COUNTERS = (
 )
 
 
-def _command_line(pid: int, fallback: str) -> str:
+def _command_line(header: RegionHeader) -> str:
     from .cli import _command_line as command_line  # the CLI's display form; cli imports this module lazily
-    return command_line(pid, fallback, COMMAND_WIDTH)
+    return command_line(header, COMMAND_WIDTH)
 
 
 class NpuallocCollector:
@@ -78,7 +78,7 @@ class NpuallocCollector:
             try:
                 with opened as region:
                     header = region.header()
-                    pid, command = str(entry.pid), _command_line(entry.pid, header.cmdline)
+                    pid, command = str(entry.pid), _command_line(header)
                     devices = {d: memory.region_stats(region, d) for d in region.devices_in_use()}
             except NpuallocError:  # torn while read, or its process exited meanwhile
                 bad += 1

@@ -148,6 +148,29 @@ def test_ls_lists_healthy_processes_beside_a_region_stuck_mid_update(tmp_path: P
                               "mid-update (a writer died or stopped inside its seqlock?)\n"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a process and files of another user")
+def test_ls_shows_another_users_command_line_from_the_region(tmp_path: Path, sleeper: int) -> None:
+    """Reading /proc/<pid>/cmdline waits for that process's address-space
+    lock, which its owner can keep held: root's ls takes another user's
+    command line from the region (here "crafted"), its own from /proc."""
+    theirs = subprocess.Popen(["sleep", "60"], user=65534)
+    try:
+        write_region(tmp_path, sleeper, region_bytes(sleeper))
+        path = tmp_path / "npualloc-65534" / f"npualloc.{theirs.pid}"
+        path.parent.mkdir(mode=0o700)
+        path.write_bytes(region_bytes(theirs.pid, uid=65534))
+        path.chmod(0o600)
+        for owned in (path.parent, path):
+            os.chown(owned, 65534, 65534)
+        proc = run_cli(["ls", "--json"], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert {row["pid"]: row["command"] for row in json.loads(proc.stdout)} == {
+            sleeper: "sleep 60", theirs.pid: "crafted"}
+    finally:
+        theirs.kill()
+        theirs.wait()
+
+
 def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_path: Path) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()

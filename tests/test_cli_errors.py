@@ -13,7 +13,7 @@ from region_helpers import Workload, assert_one_line_error, region_bytes, region
 
 from npualloc import cli
 from npualloc.errors import CorruptRegionError
-from npualloc.region import Region
+from npualloc.region import Region, RegionHeader
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
 
@@ -178,9 +178,13 @@ def test_stats_shows_no_terminal_controls_from_another_processes_config(tmp_path
 
 def test_a_command_line_is_shown_without_terminal_controls() -> None:
     """`ls` and `stats` show a process's command line (psutil's, else the
-    region's copy, here: the pid is gone) with its controls as "?"."""
+    region's copy: here the pid is gone, or the process another user's) with
+    its controls as "?"."""
     gone = 2**22 + 1  # above pid_max's ceiling: no such process
-    assert cli._command_line(gone, f"python -c {HOSTILE}") == "python -c ?]0;pwned??[2J?1m"
+    for uid in (os.geteuid(), os.geteuid() + 1):
+        header = RegionHeader(pid=gone, uid=uid, start_time=0, created_unix_ns=0, cmdline=f"python -c {HOSTILE}",
+                              config="", device_count=0, state="running", paused_bytes=0, backup_bytes=0)
+        assert cli._command_line(header) == "python -c ?]0;pwned??[2J?1m"
 
 
 def test_a_region_shrunk_under_the_reader_is_an_error_not_a_bus_error(tmp_path: Path, sleeper: int,

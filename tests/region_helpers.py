@@ -189,6 +189,16 @@ def region_bytes(for_pid: int, **header: int) -> bytes:
     return bytes(ffi.buffer(region))
 
 
+def stuck_region_bytes(for_pid: int) -> bytes:
+    """A well-formed region whose device 0 seqlock stays odd: a writer
+    inside it, forever (died or stopped there, or a crafted file)."""
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(for_pid, device_count=1), REGION_SIZE)
+    region.devices[0].in_use = 1
+    region.devices[0].seq = 7
+    return bytes(ffi.buffer(region))
+
+
 def region_file(shm_dir: Path, pid: int) -> Path:
     """Where a process of ours publishes its region (its user's region directory)."""
     return shm_dir / f"npualloc-{os.geteuid()}" / f"npualloc.{pid}"

@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from region_helpers import Workload, cli_env, cli_with_trigger, region_bytes, region_file, run_cli, write_region
+from region_helpers import (Workload, cli_env, cli_with_trigger, region_bytes, region_file, run_cli,
+                            stuck_region_bytes, write_region)
 
 import pytest
 
 import npualloc
-from npualloc._ffi import REGION_SIZE, ffi
 from npualloc.cli import human_bytes
 
 MiB = 1 << 20
@@ -134,11 +134,7 @@ def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> Non
 
 
 def test_ls_lists_healthy_processes_beside_a_region_stuck_mid_update(tmp_path: Path, sleeper: int) -> None:
-    stuck = ffi.new("npualloc_region *")
-    ffi.memmove(stuck, region_bytes(sleeper, device_count=1), REGION_SIZE)
-    stuck.devices[0].in_use = 1
-    stuck.devices[0].seq = 7  # odd: a writer inside, forever
-    stuck_path = write_region(tmp_path, sleeper, bytes(ffi.buffer(stuck)))
+    stuck_path = write_region(tmp_path, sleeper, stuck_region_bytes(sleeper))
     with Workload(tmp_path) as healthy:
         healthy.call("malloc(4096)")
         proc = run_cli(["ls", "--json"], tmp_path)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from region_helpers import region_bytes, region_file, write_region
+from region_helpers import region_bytes, region_file, stuck_region_bytes, write_region
 
 import npualloc
 from npualloc import region as region_module
@@ -114,22 +114,10 @@ def test_missing_region_and_dead_process(shm: Path, sleeper: int) -> None:
 
 def test_writer_stuck_in_its_seqlock_is_reported(shm: Path, sleeper: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    region = ffi.new("npualloc_region *")
-    ffi.memmove(region, region_bytes(sleeper, device_count=1), REGION_SIZE)
-    region.devices[0].in_use = 1
-    region.devices[0].seq = 7  # odd: a writer inside, forever
-    write_region(shm, sleeper, bytes(ffi.buffer(region)))
+    write_region(shm, sleeper, stuck_region_bytes(sleeper))
     monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
     with pytest.raises(CorruptRegionError, match="mid-update"):
         npualloc.memory_stats(pid=sleeper)
-
-
-def _stuck_region(pid: int) -> bytes:
-    region = ffi.new("npualloc_region *")
-    ffi.memmove(region, region_bytes(pid, device_count=1), REGION_SIZE)
-    region.devices[0].in_use = 1
-    region.devices[0].seq = 7  # odd: a writer inside, forever
-    return bytes(ffi.buffer(region))
 
 
 def test_a_region_is_listed_once_whatever_aliases_are_planted(shm: Path, sleeper: int) -> None:
@@ -137,7 +125,7 @@ def test_a_region_is_listed_once_whatever_aliases_are_planted(shm: Path, sleeper
     root's `ls` and the exporter a full seqlock wait: names that int() reads
     as the pid (leading zeros, other scripts' digits) and copies in region
     directories of their own beside the first. One entry now, its file."""
-    path = write_region(shm, sleeper, _stuck_region(sleeper))
+    path = write_region(shm, sleeper, stuck_region_bytes(sleeper))
     for alias in (f"npualloc.0{sleeper}", f"npualloc.00{sleeper}", "npualloc." + str(sleeper).translate(
             str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669"))):
         (path.parent / alias).write_bytes(path.read_bytes())
@@ -251,7 +239,7 @@ def test_regions_stuck_mid_update_share_one_wait_in_a_listing(shm: Path, monkeyp
 
     try:
         for proc in sleepers:
-            write_region(shm, proc.pid, _stuck_region(proc.pid))
+            write_region(shm, proc.pid, stuck_region_bytes(proc.pid))
         monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
         monkeypatch.setattr(region_module, "reader_library", CountingReader)
         failures = []

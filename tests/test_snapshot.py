@@ -9,10 +9,8 @@ import os
 import pickle
 import stat
 import struct
-import shutil
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -475,19 +473,18 @@ def test_oom_snapshot_never_removes_another_users_file_at_a_temporary_name(tmp_p
     assert theirs.read_text() == "theirs\n" and theirs.stat().st_uid == 65534
 
 
-def test_oom_snapshot_to_a_name_with_no_room_for_the_temporary_says_so(tmp_path: Path) -> None:
-    """A 238-byte name is valid, but ".tmp.<pid>.<8 hex>" takes it past 255:
-    the warning says that, not the bare "File name too long". The directory
-    is short, as oom_snapshot's whole path is at most 255 bytes."""
-    short = Path(tempfile.mkdtemp(prefix="n", dir="/tmp"))
-    try:
-        path = short / ("x" * 238)
-        stderr = _oom_with_snapshot_to(tmp_path, path)
-        assert stderr.count(f"npualloc: oom_snapshot: cannot write {path}: its name leaves no room for the "
-                            "temporary's suffix .tmp.<pid>.<8 hex digits> (nothing written)") == 1, stderr
-        assert list(short.iterdir()) == []
-    finally:
-        shutil.rmtree(short)
+def test_oom_snapshot_to_a_name_with_no_room_for_the_temporary_says_so(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 250-byte name is valid, but ".tmp.<pid>.<8 hex>" takes it past 255
+    whatever the pid: the warning says that, not the bare "File name too
+    long". Relative to the process's directory (here tmp_path), as
+    oom_snapshot's whole path is at most 255 bytes."""
+    name = "x" * 250
+    monkeypatch.chdir(tmp_path)  # the workload starts here
+    stderr = _oom_with_snapshot_to(tmp_path, Path(name))
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {name}: its name leaves no room for the "
+                        "temporary's suffix .tmp.<pid>.<8 hex digits> (nothing written)") == 1, stderr
+    assert not (tmp_path / name).exists() and not any(p.name.startswith(name) for p in tmp_path.iterdir())
 
 
 def test_oom_snapshot_replaces_our_own_file(tmp_path: Path) -> None:

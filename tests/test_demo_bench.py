@@ -81,6 +81,21 @@ def test_hotpath_max_size_leaves_out_the_larger_sizes():
     assert whole["max_size"] == 0 and whole["sizes"] == len(sizes)
 
 
+def test_hotpath_shared_counter_counts_what_the_threads_hold_together():
+    """--shared-counter: every malloc adds its size to one count shared by
+    the threads and every free takes it back, so it ends at zero; alone, a
+    thread's peak is the largest size it walked (it frees each block before
+    the next malloc); two threads together hold up to two blocks at once."""
+    arena = [s for s in trace_sizes() if s <= bench.GLIBC_ARENA_SIZES]
+    alone = bench.run_hotpath(BUILD, "glibc-counted", threads=1, batches=5, pairs=100, max_size=bench.GLIBC_ARENA_SIZES)
+    assert not alone["failed"] and alone["shared_counter"] == {"current": 0, "peak": max(arena)}
+    two = bench.run_hotpath(BUILD, "glibc-counted", threads=2, batches=20, pairs=100, max_size=bench.GLIBC_ARENA_SIZES)
+    assert not two["failed"] and two["shared_counter"]["current"] == 0
+    assert max(arena) <= two["shared_counter"]["peak"] <= 2 * max(arena)
+    plain = bench.run_hotpath(BUILD, "glibc", threads=1, batches=5, pairs=100, max_size=bench.GLIBC_ARENA_SIZES)
+    assert "shared_counter" not in plain
+
+
 def test_hotpath_core_alone_walks_the_same_sizes_without_acl():
     r = bench.run_hotpath(BUILD, "core", threads=2, batches=10, pairs=100)
     assert r["allocator"] == "core" and not r["npualloc_loaded"] and not r["failed"]
@@ -122,12 +137,17 @@ def test_hot_path_rounds_give_ratios_and_goals(monkeypatch):
     # Each several-thread case's loss is against the one-thread case on the same sizes.
     assert {c.key: bench.single_thread_case(c) for c in bench.HOTPATH_CASES if c.threads > 1} == {
         "eager2": "eager1", "eager4": "eager1", "glibc2": "glibc1", "glibc4": "glibc1",
-        "glibc2arena": "glibc1arena", "glibc4arena": "glibc1arena"}
+        "glibc2arena": "glibc1arena", "glibc4arena": "glibc1arena", "glibc2counted": "glibc1counted"}
     arena = next(r for r in h["rows"] if r["key"] == "glibc2arena")
     assert arena["max_size"] == bench.GLIBC_ARENA_SIZES
     goals = bench.hot_path_goals(h)
     assert any("1.3x of glibc" in text for text, _met, _detail in goals)
     assert sum("on the sizes up to 1 MiB only" in detail for _text, _met, detail in goals) == 2
+    two_threads = next(detail for text, _met, detail in goals if text.startswith("2 threads"))
+    counted, arena = (next(r for r in h["rows"] if r["key"] == key) for key in ("glibc2counted", "glibc2arena"))
+    assert bench.shared_count_loss(counted, arena) in two_threads
+    added_ns = 1e9 / counted["per_thread_pairs_per_s"] - 1e9 / arena["per_thread_pairs_per_s"]
+    assert f"{added_ns:.0f} ns a pair more per thread" in two_threads
     assert all(met in (True, False, None) and detail for _text, met, detail in goals)
     text = "\n".join(bench.hot_path_markdown(h))
     assert "exported pair / glibc" in text and "core alone / exported pair" in text
@@ -235,6 +255,9 @@ def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--allocator", "glibc", "--fence-after", "4", str(bench.SIZES)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr   # fences are the core's
+    proc = subprocess.run([str(HOTPATH), "--allocator", "core", "--shared-counter", str(bench.SIZES)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr   # the shared count goes with glibc only
     for bad in ("0", "-1", "12k", ""):
         proc = subprocess.run([str(HOTPATH), "--max-size", bad, str(bench.SIZES)], capture_output=True, text=True)
         assert proc.returncode == 2 and "usage" in proc.stderr, bad

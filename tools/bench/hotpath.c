@@ -9,9 +9,9 @@
  * malloc/free. All walk the same size sequence in the same pattern, so
  * their figures compare.
  *
- *     npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] [--threads N]
- *                            [--batches B] [--pairs P] [--group G] [--fence-after M] [--max-size BYTES]
- *                            SIZES_FILE
+ *     npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] [--shared-counter]
+ *                            [--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M]
+ *                            [--max-size BYTES] SIZES_FILE
  *
  * --fence-after M (core only) gives the core's backend fences, as under
  * reuse_policy:safe, that complete once M more mallocs were made after
@@ -23,6 +23,14 @@
  * to 1 MiB from its per-thread arenas without a system call, and the larger
  * ones with mmap and munmap, whose cost with several threads is the
  * kernel's (its lock on the address space, a TLB shootdown per munmap).
+ *
+ * --shared-counter (glibc only) has every malloc and free also move one byte
+ * count that all threads share, and raise its peak when passed, with one
+ * atomic add and a compare: the least that an allocator adds to each call
+ * when it keeps its stats exact across threads by putting every change in
+ * one order (as a lock does; a peak of what the threads hold together is
+ * the stat that asks for an order). With glibc's per-thread arenas
+ * underneath, what threads lose against one thread is that order's price.
  *
  * Each thread walks the size list from its own offset, so threads ask for
  * different sizes at the same moment. A step allocates G blocks and then
@@ -60,6 +68,7 @@ typedef enum allocator_kind { ALLOCATOR_ACL, ALLOCATOR_STREAM, ALLOCATOR_CORE, A
 typedef struct options {
     allocator_kind allocator;
     int host_writes;    /* ALLOCATOR_STREAM: NPUALLOC_STREAM_HOST_WRITES */
+    int shared_counter; /* ALLOCATOR_GLIBC: every call moves shared_bytes */
     int threads;
     int batches;
     int pairs;          /* per batch, a multiple of group */
@@ -84,7 +93,7 @@ typedef struct worker {
     int failed;
 } worker;
 
-static options opts = {ALLOCATOR_ACL, 0, 1, 1000, 1000, 1, -1, 0, NULL};
+static options opts = {ALLOCATOR_ACL, 0, 0, 1, 1000, 1000, 1, -1, 0, NULL};
 static sizes seq;
 static npa_allocator *core;   /* ALLOCATOR_CORE */
 /* ALLOCATOR_STREAM: the preloaded library's entry (looked up, not linked),
@@ -143,11 +152,29 @@ static double clock_s(clockid_t clock) {
 /* Keeps the compiler from pairing a malloc with its free and dropping both. */
 static inline void keep(void *p) { __asm__ volatile("" : : "r"(p) : "memory"); }
 
+/* --shared-counter: bytes the threads hold together and the most they ever
+ * held, on one cache line (the peak test after the add then reads a line the
+ * thread already owns). Relaxed: the add orders the changes by itself, and
+ * nothing else is published through them. */
+static struct {
+    _Alignas(64) int64_t current;
+    int64_t peak;
+} shared_bytes;
+
+static void count_shared(int64_t delta) {
+    int64_t now = __atomic_add_fetch(&shared_bytes.current, delta, __ATOMIC_RELAXED);
+    int64_t peak = __atomic_load_n(&shared_bytes.peak, __ATOMIC_RELAXED);
+    while (now > peak &&
+           !__atomic_compare_exchange_n(&shared_bytes.peak, &peak, now, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
 static int alloc_block(void **p, size_t size) {
     switch (opts.allocator) {
     case ALLOCATOR_GLIBC:
         *p = malloc(size);
         keep(*p);
+        if (opts.shared_counter && *p) count_shared((int64_t)size);
         return *p ? 0 : ENOMEM;
     case ALLOCATOR_CORE:
         core_mallocs++;
@@ -160,10 +187,11 @@ static int alloc_block(void **p, size_t size) {
     }
 }
 
-static int free_block(void *p) {
+static int free_block(void *p, size_t size) {
     switch (opts.allocator) {
     case ALLOCATOR_GLIBC:
         free(p);
+        if (opts.shared_counter) count_shared(-(int64_t)size);
         return 0;
     case ALLOCATOR_CORE:
         return npa_free(core, p, 0, NULL) == NPA_FREE_OK ? 0 : EINVAL;
@@ -178,14 +206,16 @@ static int free_block(void *p) {
 /* `steps` steps of the group pattern from position *next in the sequence. */
 static int run_steps(int steps, size_t *next) {
     void *blocks[MAX_GROUP];
+    size_t block_sizes[MAX_GROUP];
     for (int s = 0; s < steps; s++) {
         for (int g = 0; g < opts.group; g++) {
-            int err = alloc_block(&blocks[g], seq.values[*next]);
-            if (err) return fprintf(stderr, "hotpath: malloc of %zu B failed: %d\n", seq.values[*next], err), err;
+            block_sizes[g] = seq.values[*next];
+            int err = alloc_block(&blocks[g], block_sizes[g]);
+            if (err) return fprintf(stderr, "hotpath: malloc of %zu B failed: %d\n", block_sizes[g], err), err;
             *next = (*next + 1) % seq.count;
         }
         for (int g = 0; g < opts.group; g++) {
-            int err = free_block(blocks[g]);
+            int err = free_block(blocks[g], block_sizes[g]);
             if (err) return fprintf(stderr, "hotpath: free failed: %d\n", err), err;
         }
     }
@@ -258,7 +288,7 @@ static int load_sizes(const char *path) {
 
 static int usage(void) {
     fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] "
-                    "[--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] [--max-size BYTES] "
+                    "[--shared-counter] [--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] [--max-size BYTES] "
                     "SIZES_FILE\n");
     return 2;
 }
@@ -274,6 +304,9 @@ static int parse_options(int argc, char **argv) {
             else return -1;
         } else if (!strcmp(argv[i], "--host-writes")) {
             opts.host_writes = 1;
+            continue;
+        } else if (!strcmp(argv[i], "--shared-counter")) {
+            opts.shared_counter = 1;
             continue;
         } else if (!strcmp(argv[i], "--threads") && value) {
             opts.threads = atoi(value);
@@ -299,7 +332,8 @@ static int parse_options(int argc, char **argv) {
     }
     if (!opts.sizes_path || opts.threads < 1 || opts.threads > MAX_THREADS || opts.batches < 1 ||
         opts.group < 1 || opts.group > MAX_GROUP || opts.pairs < opts.group || opts.pairs % opts.group ||
-        (opts.fence_after >= 0 && opts.allocator != ALLOCATOR_CORE))
+        (opts.fence_after >= 0 && opts.allocator != ALLOCATOR_CORE) ||
+        (opts.shared_counter && opts.allocator != ALLOCATOR_GLIBC))
         return -1;
     return 0;
 }
@@ -410,6 +444,9 @@ int main(int argc, char **argv) {
         printf(", \"cache_hits_while_timed\": %lld, \"cache_misses_while_timed\": %lld",
                (long long)(after.num_cache_hits - before.num_cache_hits),
                (long long)(after.num_cache_misses - before.num_cache_misses));
+    if (opts.shared_counter)
+        printf(", \"shared_counter\": {\"current\": %lld, \"peak\": %lld}", (long long)shared_bytes.current,
+               (long long)shared_bytes.peak);
     printf(", \"failed\": %s}\n", failed ? "true" : "false");
     return failed;
 }

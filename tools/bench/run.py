@@ -92,7 +92,8 @@ def run_hotpath(build: Path, allocator: str, threads: int, reuse: str | None = N
     tools/bench.mk), "stream" (npualloc's stream-aware entry on a stream of
     each thread's own, preloaded), "stream-host-writes" (the same with
     NPUALLOC_STREAM_HOST_WRITES, the MindTorch pass-through's flag), "core"
-    (npa_malloc/npa_free linked in, no ACL) or "glibc". cpu: run pinned
+    (npa_malloc/npa_free linked in, no ACL), "glibc" or "glibc-counted"
+    (glibc with one byte count shared by the threads, --shared-counter). cpu: run pinned
     there (its threads, the simulator's included, inherit it). max_size:
     leave out the sizes above it."""
     env = launch.sim_environment(build)
@@ -101,7 +102,8 @@ def run_hotpath(build: Path, allocator: str, threads: int, reuse: str | None = N
         env["LD_PRELOAD"] = str(build / PRELOADED[allocator])
         env["PYTORCH_NPU_ALLOC_CONF"] = f"reuse_policy:{reuse}"
     pairs = pairs // group * group
-    harness_allocator = {"stream": ["stream"], "stream-host-writes": ["stream", "--host-writes"]}.get(
+    harness_allocator = {"stream": ["stream"], "stream-host-writes": ["stream", "--host-writes"],
+                         "glibc-counted": ["glibc", "--shared-counter"]}.get(
         allocator, ["acl"] if preloaded else [allocator])
     cmd = [str(build / "bench" / "npualloc-bench-hotpath"), "--allocator", *harness_allocator,
            "--threads", str(threads), "--batches", str(batches), "--pairs", str(pairs), "--group", str(group),
@@ -137,6 +139,10 @@ class HotpathCase(NamedTuple):
 # kernel's lock on the address space: its loss on the whole list is mostly
 # the kernel's.
 GLIBC_ARENA_SIZES = MIB
+# The same with one byte count and its peak shared by the threads, moved by
+# every call: the least a design adds that keeps its stats exact by putting
+# every change in one order (a lock orders more), priced without npualloc's
+# own work.
 HOTPATH_CASES = tuple(HotpathCase(*case) for case in (
     ("eager1", "npualloc eager", "npualloc", 1, "eager", 1),
     ("bare1", "npualloc eager, built without the memory_saver and record_stacks tests", "bare", 1, "eager", 1),
@@ -149,6 +155,10 @@ HOTPATH_CASES = tuple(HotpathCase(*case) for case in (
     ("glibc1arena", "glibc malloc/free, sizes up to 1 MiB only", "glibc", 1, None, 1, GLIBC_ARENA_SIZES),
     ("glibc2arena", "glibc malloc/free, sizes up to 1 MiB only", "glibc", 2, None, 1, GLIBC_ARENA_SIZES),
     ("glibc4arena", "glibc malloc/free, sizes up to 1 MiB only", "glibc", 4, None, 1, GLIBC_ARENA_SIZES),
+    ("glibc1counted", "glibc malloc/free, sizes up to 1 MiB only, one shared byte count (atomic add, peak)",
+     "glibc-counted", 1, None, 1, GLIBC_ARENA_SIZES),
+    ("glibc2counted", "glibc malloc/free, sizes up to 1 MiB only, one shared byte count (atomic add, peak)",
+     "glibc-counted", 2, None, 1, GLIBC_ARENA_SIZES),
     ("safe16", "npualloc safe (fenced), frees in groups of 16", "npualloc", 1, "safe", 16),
     ("safe1", "npualloc safe (fenced), malloc, free, malloc ...", "npualloc", 1, "safe", 1),
     ("stream1", "stream-aware entry, one stream (MindTorch-style loop)", "stream", 1, "safe", 1),
@@ -486,6 +496,16 @@ def glibc_arena_loss(row: dict[str, Any]) -> str:
             "which it serves without a system call")
 
 
+def shared_count_loss(counted: dict[str, Any], arena: dict[str, Any]) -> str:
+    """glibc's several-thread loss with the shared byte count, and what the
+    count adds to a pair per thread against the same threads without it (the
+    medians of their per-thread rates)."""
+    added_ns = 1e9 / counted["per_thread_pairs_per_s"] - 1e9 / arena["per_thread_pairs_per_s"]
+    return (f"{fmt_spread(counted['loss_vs_1_thread'], '.0%')} on those sizes when every call also moves one byte "
+            f"count the threads share, {added_ns:.0f} ns a pair more per thread: the least that ordering every "
+            "change of exact stats adds")
+
+
 def hot_path_goals(h: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     row = {r["key"]: r for r in h["rows"]}
     ratios = h["ratios"]
@@ -510,7 +530,8 @@ def hot_path_goals(h: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
          judged(row["eager2"], steady2, bool(steady2) and loss_over(row["eager2"], steady2) <= 0.5),
          f"loss {thread_loss(row['eager2'], steady2)}, at CPU share "
          f"{fmt_spread(row['eager2']['cpu_share'], '.0%')} per thread (glibc loses "
-         f"{fmt_spread(row['glibc2']['loss_vs_1_thread'], '.0%')}; {glibc_arena_loss(row['glibc2arena'])})"
+         f"{fmt_spread(row['glibc2']['loss_vs_1_thread'], '.0%')}; {glibc_arena_loss(row['glibc2arena'])}; "
+         f"{shared_count_loss(row['glibc2counted'], row['glibc2arena'])})"
          + unjudgeable_note(row["eager2"], steady2)),
         ("4 threads on one device degrade no worse than glibc in the same run",
          judged(row["eager4"], steady4,
@@ -624,6 +645,11 @@ def report(m: dict[str, str], command: str, h: dict[str, Any], trace_rows: list[
         f"The glibc rows on the sizes up to {GLIBC_ARENA_SIZES // MIB} MiB only say what threads that share nothing "
         "keep on this machine: glibc serves those sizes from per-thread arenas without a system call, and the larger "
         "ones with mmap and munmap, where its threads wait on the kernel's lock on the address space. "
+        "The rows with one shared byte count add to each of those calls an atomic add to a count all threads share "
+        "and a test of its peak: the least an allocator adds that keeps its stats exact across threads by putting "
+        "every change in one order, as npualloc's device lock does (a peak of what the threads hold together is "
+        "the stat that asks for an order). What threads lose there beyond the row without it is that order's "
+        "price on this machine, before any work of npualloc's. "
         "Safe reuse records a fence (an event on each stream: a simulated stream task) "
         "for a batch of up to 128 frees (or a sixteenth of the reserved bytes, at least 2 MiB), or sooner when a malloc would miss, and polls the oldest batch at each "
         "malloc; a freed block is reusable once its batch's fence completed. The stream-aware entry "

@@ -17,9 +17,13 @@ def _under_npualloc() -> bool:
     preload = os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
     if not any(os.path.basename(path) == "libnpualloc.so" for path in preload):
         return False
-    # The library's own switches (interpose/src/hook/lifecycle.c): then it serves nothing.
-    return not any(os.environ.get(key, "") not in ("", "0") for key in
-                   ("NPUALLOC_DISABLE", "PYTORCH_NO_CUDA_MEMORY_CACHING"))
+    # The library's own switches, read by its rule (interpose/src/hook/lifecycle.c,
+    # env_true): set to one of these, it serves nothing; any other value leaves it on.
+    return not any(_switched_on(os.environ.get(key)) for key in ("NPUALLOC_DISABLE", "PYTORCH_NO_CUDA_MEMORY_CACHING"))
+
+
+def _switched_on(value) -> bool:
+    return value is not None and (value == "1" or value.lower() in ("true", "yes", "on"))
 
 
 class _MindTorchAllocatorFinder:

@@ -22,6 +22,21 @@ def test_hook_imports_nothing_without_npualloc_and_only_a_finder_under_it():
     assert run_installed(probe, preload_env(NPUALLOC_DISABLE="1")).stdout.split() == ["False", "False", "False"]
 
 
+def test_hook_reads_the_switches_as_the_library_does():
+    """The hook stands aside exactly when the preloaded library does, so that
+    MindTorch's own allocator never runs on top of a serving npualloc (or the
+    pass-through on a library that serves nothing)."""
+    probe = ("import ctypes, os, sys; lib = ctypes.CDLL(os.environ['LD_PRELOAD']); "
+             "print(any(type(f).__name__ == '_MindTorchAllocatorFinder' for f in sys.meta_path), "
+             "bool(lib.npualloc_is_active()))")
+    for switch in ("NPUALLOC_DISABLE", "PYTORCH_NO_CUDA_MEMORY_CACHING"):
+        for value in ("1", "true", "Yes", "ON", "0", "false", "no", "off", "2", ""):
+            env = preload_env(**{switch: value})
+            hooked, active = run_installed(probe, env).stdout.split()
+            assert hooked == active, (switch, value, hooked, active)
+            assert active == str(value not in ("1", "true", "Yes", "ON")), (switch, value)
+
+
 def test_unexpected_allocator_module_is_left_alone_with_one_warning():
     code = """
 import acl, types

@@ -107,7 +107,9 @@ void npa_destroy(npa_allocator *a) {
  * NPA_SMALL_BUFFER, so a cap below that would refuse everything, and one
  * that rounds to 0 would read as "no cap": a smaller fraction must never
  * mean more memory, so such a fraction is refused as a bad value is, with a
- * warning, and the default (no cap) is kept. */
+ * warning, and the default (no cap) is kept. Refused for this device only:
+ * the cap depends on the device's size, so the setting itself stays (and
+ * the config string shows it) for devices it fits. */
 static size_t fraction_cap(npa_allocator *a, int id, size_t total_bytes) {
     double fraction = a->config.per_process_memory_fraction;
     if (!(fraction < 1.0) || total_bytes == 0) return 0;
@@ -117,8 +119,9 @@ static size_t fraction_cap(npa_allocator *a, int id, size_t total_bytes) {
         char message[256];
         snprintf(message, sizeof message,
                  "per_process_memory_fraction:%g caps device %d at %zu bytes, below the smallest segment (%zu "
-                 "bytes), so nothing could be allocated; refused (default kept: no cap)",
-                 fraction, id, cap, NPA_SMALL_BUFFER);
+                 "bytes), so nothing could be allocated; refused there: device %d runs without a cap (the setting "
+                 "stays as given, for devices it fits)",
+                 fraction, id, cap, NPA_SMALL_BUFFER, id);
         a->backend.warn(a->backend.ctx, message);
     }
     return 0;

@@ -53,15 +53,21 @@ def test_values_survive_pause_and_resume_with_backup():
         with ms.region("weights", enable_cpu_backup=True):
             w = malloc(3 * MiB)           # two 2 MiB pages
         data = fill(w, 3 * MiB)
+        import npualloc
+        def shown_free():  # the device's free memory as `npualloc stats` shows it
+            return npualloc.memory_stats()["npualloc.device_free_bytes"]
         before = free_bytes()
+        assert shown_free() == before
         ms.pause()
         assert free_bytes() - before == 4 * MiB  # whole pages back to the device
+        assert shown_free() == before + 4 * MiB
         assert ms.bytes_of() == {"allocated": 4 * MiB, "paused": 4 * MiB, "backup": 4 * MiB}
         ms.resume()
-        assert free_bytes() == before
+        assert free_bytes() == before and shown_free() == before
         assert read(w, 3 * MiB) == data and read(plain, MiB) == kept  # same address, same bytes
         assert ms.bytes_of("weights") == {"allocated": 4 * MiB, "paused": 0, "backup": 0}
         ok(acl.rt.free(w)); ok(acl.rt.free(plain))
+        assert shown_free() == before + 4 * MiB  # the saver's pages went back; the cache keeps its segment
         assert aclsim.physical_bytes_outstanding(0) == 0
     """)
 

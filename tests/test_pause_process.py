@@ -149,10 +149,14 @@ def test_paused_from_another_shell_releases_everything_and_finishes_the_same():
     assert expected[-1] == "invalid accesses 0" and len(expected) == 8
     trainer = Trainer()
     try:
+        running_free = _state(trainer.proc.pid)["devices"]["0"]["npualloc.device_free_bytes"]
+        assert running_free <= (int(HBM_MB) - 12) * MiB      # the weights' pages at least
         paused = trainer.pause_at_next_allocation()
         assert paused.returncode == 0 and "paused" in paused.stdout, paused.stderr
         state = _state(trainer.proc.pid)
         assert state["state"] == "paused" and state["paused_bytes"] >= 12 * MiB and state["backup_bytes"] >= 12 * MiB
+        # The stats show the device's memory as it is now, not as it was before the pause.
+        assert state["devices"]["0"]["npualloc.device_free_bytes"] == int(HBM_MB) * MiB
         assert "[paused]" in _cli("ls").stdout
         # Its memory is the device's again: all of it, for another process.
         assert _probe(int(HBM_MB) - 8) == f"{HBM_MB} 0"

@@ -226,6 +226,12 @@ void npa_process_pending(npa_allocator *a, int device);
 void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out);
 void npa_reset_peak_stats(npa_allocator *a, int device);
 void npa_reset_accumulated_stats(npa_allocator *a, int device);
+/* Re-read a device's free memory from the runtime into its stats (the
+ * figure `npualloc stats` shows; device < 0: every device) after memory
+ * changed hands outside the cache: memory_saver's allocations, frees,
+ * pauses and resumes. Takes each device lock; a device the allocator never
+ * used is left alone. */
+void npa_sample_device_memory(npa_allocator *a, int device);
 
 /* Change the GC threshold at run time (0 turns GC off). -1, warned through
  * the backend, when a threshold is asked for while expandable segments are
@@ -270,8 +276,13 @@ void npa_visit_trace(npa_allocator *a, int device, npa_trace_visitor visitor, vo
  * what it unmapped. why (len bytes) gets a sentence saying why. */
 typedef struct npa_paused npa_paused;
 npa_error npa_pause(npa_allocator *a, npa_paused **paused, char *why, size_t len);
+/* The same re-read of every device's free memory, while `paused` holds the
+ * device locks: once memory_saver's blocks were released (or some mapped
+ * back by a resume that failed) too. */
+void npa_paused_sample_device_memory(npa_allocator *a, const npa_paused *paused);
 /* Maps new pages where pages were and copies the blocks back; on success
- * releases the locks and frees paused. On failure (the device is full:
+ * re-reads every device's free memory (memory_saver's blocks, resumed
+ * first, included), releases the locks and frees paused. On failure (the device is full:
  * another process holds the memory) everything stays paused, the backup is
  * kept, and it can be called again. */
 npa_error npa_resume(npa_allocator *a, npa_paused *paused, char *why, size_t len);

@@ -200,6 +200,12 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
     return NPA_OK;
 }
 
+void npa_paused_sample_device_memory(npa_allocator *a, const npa_paused *p) {
+    (void)p; /* the proof that this thread holds every device lock */
+    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++)
+        if (a->devices[i]) npa_stats_sample_device_memory(a, a->devices[i], NULL, NULL);
+}
+
 npa_error npa_resume(npa_allocator *a, npa_paused *p, char *why, size_t len) {
     snprintf(why, len, "ok");
     npa_error err = map_back(a, p, why, len);
@@ -210,6 +216,7 @@ npa_error npa_resume(npa_allocator *a, npa_paused *p, char *why, size_t len) {
         each_page(a, p, unmap_page, ignored, sizeof ignored);
         return err;
     }
+    npa_paused_sample_device_memory(a, p);
     return refuse(a, p, NPA_OK); /* unlock and free: the process runs on */
 }
 

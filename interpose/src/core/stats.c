@@ -33,6 +33,17 @@ npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t
     return err;
 }
 
+void npa_sample_device_memory(npa_allocator *a, int device) {
+    int first = device < 0 ? 0 : device, last = device < 0 ? NPUALLOC_MAX_DEVICES - 1 : device;
+    for (int id = first; a && id <= last; id++) {
+        npa_device *d = npa_device_get(a, id, false);
+        if (!d) continue;
+        npa_lock_acquire(&d->lock);
+        npa_stats_sample_device_memory(a, d, NULL, NULL);
+        npa_lock_release(&d->lock);
+    }
+}
+
 void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
     if (!out) return;
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;

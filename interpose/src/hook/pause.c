@@ -56,6 +56,7 @@ static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released
         *released += saver_released;
         *backup += saver_backup;
         *held = true;
+        npa_paused_sample_device_memory(a, *paused);
         return NPUALLOC_CMD_OK;
     }
     npa_warn_once("pause refused, the process runs on: memory_saver: %s", why);
@@ -67,6 +68,7 @@ static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released
     npa_warn_once("and the cache's memory could not be mapped back (%s): the process stays paused, resume it", undo);
     npa_saver_command_hold();
     *held = true;
+    npa_paused_sample_device_memory(a, *paused);
     return NPUALLOC_CMD_EFAILED;
 }
 
@@ -101,6 +103,7 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
             return NPUALLOC_CMD_OK; /* the caller acknowledges the resume */
         }
         npa_warn_once("resume failed, still paused: %s", why);
+        npa_paused_sample_device_memory(a, paused); /* memory_saver's blocks may be back */
         set_state(r, NPUALLOC_PAUSED, released, backup);
         acknowledge(r, *seq, NPUALLOC_CMD_EFAILED);
     }

@@ -109,6 +109,16 @@ static void saver_stats_of(int device, npualloc_saver_stats *out)
     }
 }
 
+/* With saver_lock released (device locks come before it, hook.h): the
+ * allocator's figure of the device's free memory, after saver memory
+ * changed hands (device < 0: every device). */
+static void resample_device_memory(int device)
+{
+    npa_allocator *a = npa_hook_allocator_any();
+    if (a != NULL)
+        npa_sample_device_memory(a, device);
+}
+
 /* saver_lock held (one writer at a time). The device's figures, into the
  * region under its seqlock. */
 static void publish(int device)
@@ -186,6 +196,8 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
         free(b);
     }
     pthread_mutex_unlock(&saver_lock);
+    if (err == ACL_SUCCESS)
+        resample_device_memory(device);
     return err;
 }
 
@@ -214,14 +226,16 @@ int npa_saver_free(void *ptr, aclError *err)
             *err = NPA_REAL(aclrtReleaseMemAddress)(ptr);
         npa_device_leave(&sw);
     }
+    int device = b->device;
     if (*err == ACL_SUCCESS) { /* a paused block is simply freed: its backup goes too */
-        int device = b->device;
         *link = b->next;
         free(b->host);
         free(b);
         publish(device);
     }
     pthread_mutex_unlock(&saver_lock);
+    if (*err == ACL_SUCCESS)
+        resample_device_memory(device);
     return 1;
 }
 
@@ -379,6 +393,7 @@ NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
     size_t released, backup;
     aclError err = pause_blocks(tag_of(tag), false, why, why_len, &released, &backup);
     pthread_mutex_unlock(&saver_lock);
+    resample_device_memory(-1);
     return err;
 }
 
@@ -387,6 +402,7 @@ NPA_EXPORT int npualloc_saver_resume(const char *tag, char *why, size_t why_len)
     pthread_mutex_lock(&saver_lock);
     aclError err = resume_blocks(tag_of(tag), why, why_len);
     pthread_mutex_unlock(&saver_lock);
+    resample_device_memory(-1);
     return err;
 }
 

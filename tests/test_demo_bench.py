@@ -252,6 +252,7 @@ def test_hotpath_harness_rejects_bad_usage():
     proc = subprocess.run([str(HOTPATH), "--group", "3", "--pairs", "10", str(bench.SIZES)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+    assert "--pairs (10) must be a multiple of --group (3)" in proc.stderr      # says which rule
     proc = subprocess.run([str(HOTPATH), "--allocator", "glibc", "--fence-after", "4", str(bench.SIZES)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr   # fences are the core's

@@ -330,8 +330,12 @@ static int parse_options(int argc, char **argv) {
         }
         i++;
     }
+    if (opts.group >= 1 && (opts.pairs < opts.group || opts.pairs % opts.group)) {
+        fprintf(stderr, "hotpath: --pairs (%d) must be a multiple of --group (%d)\n", opts.pairs, opts.group);
+        return -1;
+    }
     if (!opts.sizes_path || opts.threads < 1 || opts.threads > MAX_THREADS || opts.batches < 1 ||
-        opts.group < 1 || opts.group > MAX_GROUP || opts.pairs < opts.group || opts.pairs % opts.group ||
+        opts.group < 1 || opts.group > MAX_GROUP ||
         (opts.fence_after >= 0 && opts.allocator != ALLOCATOR_CORE) ||
         (opts.shared_counter && opts.allocator != ALLOCATOR_GLIBC))
         return -1;

@@ -333,3 +333,51 @@ def test_every_thread_entering_the_allocator_waits_for_the_resume():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+EXIT_WHILE_PAUSED = PRELUDE + """\
+import sys, threading
+weights = malloc(3 * MiB)
+def churn():                       # the thread that applies the pause, then waits in the allocator
+    ok(acl.rt.set_device(0))
+    while True:
+        ok(acl.rt.free(malloc(MiB)))
+threading.Thread(target=churn, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.readline()
+print("exiting", flush=True)       # main returns: the exit waits for the resume
+"""
+
+
+def _waiting_in_futex(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/wchan") as f:
+            return "futex" in f.read()
+    except OSError:
+        return False
+
+
+def test_a_resume_that_lets_the_exit_through_is_acknowledged():
+    """The program's main returns while it is paused, so its exit waits on the
+    allocator; the resume gives the locks back and the exit runs on at once.
+    The resume must still be answered before the process is gone, or the
+    requester waits out its timeout and says the command was not answered."""
+    for attempt in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", EXIT_WHILE_PAUSED], env=_env(), text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline() == "ready\n"
+            assert "paused" in _cli("pause", str(proc.pid), "--timeout", "60").stdout
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "exiting\n"
+            while not _waiting_in_futex(proc.pid):       # main is in the exit, on a device lock
+                os.sched_yield()
+            resumed = _cli("resume", str(proc.pid), "--timeout", "60", check=False)
+            assert resumed.returncode == 0 and "resumed" in resumed.stdout, (attempt, resumed.stderr)
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, (attempt, err)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -30,7 +30,8 @@
  *      lock (5) in ascending order and holds them until its resume.
  *      Never nested with 1 or 2: a command that set a run-time key keeps
  *      it for later allocators (1, npa_hook_remember_config) after 3 is
- *      released.
+ *      released. Exit takes it (with none of ours held) to wait for a
+ *      command's acknowledgement before the region goes.
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
  *      region (8); record_history takes each device lock (5) under it;

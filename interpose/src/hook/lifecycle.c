@@ -435,6 +435,8 @@ void npa_hook_after_init(void)
  * finalized gets its cache returned, so the runtime sees no leak of ours. */
 static void at_exit(void)
 {
+    /* A pause (pause.c) holds the device locks until its resume: exit then
+     * waits for it, as any allocator call does (README). */
     if (pthread_mutex_trylock(&init_lock) != 0)
         return; /* another thread is mid-init or mid-finalize: never hang exit */
     if (state == ST_ACTIVE || state == ST_UNINIT)

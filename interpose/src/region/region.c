@@ -430,6 +430,12 @@ void npa_region_poll_slow(npa_allocator *allocator)
 
 void npa_region_remove(void)
 {
+    /* A command being applied is acknowledged before the process goes: a
+     * resume lets an exit that waited for it through the moment the locks
+     * are given back, before the resuming thread writes its answer, and the
+     * requester would then wait out its timeout for a command that worked. */
+    pthread_mutex_lock(&g_command_lock);
+    pthread_mutex_unlock(&g_command_lock);
     pthread_mutex_lock(&g_create_lock);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (state == REGION_LIVE && g_owner_pid == getpid()) {

@@ -58,7 +58,7 @@ static inline void npa_region_poll(npa_allocator *allocator)
 int npa_region_dir_open(char *path, size_t len);
 /* Where the users' region directories are: $NPUALLOC_SHM_DIR or /dev/shm. */
 const char *npa_region_base(void);
-/* At exit: unlink the file. */
+/* At exit: unlink the file, once a command being applied is acknowledged. */
 void npa_region_remove(void);
 /* In a forked child: forget the parent's region without touching its file. */
 void npa_region_forget_after_fork(void);

@@ -134,16 +134,29 @@ def _region_dirs(uid: int | None) -> Iterator[tuple[Path, int]]:
         os.close(base_fd)
 
 
-def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (counted after the last ')': the command
-    name may hold spaces), or None when there is no such process."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat's fields from the third on (split after the last ')':
+    the command name may hold spaces), or None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = text[text.rindex(b")") + 2:].split()
-    return int(fields[22 - 3])
+    return text[text.rindex(b")") + 2:].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat, or None when there is no such process."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[22 - 3])
+
+
+def process_ended(pid: int, start_time: int) -> bool:
+    """Whether the process that started at start_time is gone: no such pid,
+    a pid reused by a later process, or a zombie (field 3: it has exited,
+    only its parent's wait is left)."""
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in (b"Z", b"X") or int(fields[22 - 3]) != start_time
 
 
 def process_uid(pid: int) -> int | None:
@@ -211,6 +224,7 @@ class Region:
         if not (_may_command(uid) if writable else _may_read(uid)):
             raise OtherUserError(f"process {pid} belongs to another user")
         self._uid = uid
+        self._start_time = start_time
         self.path = region_base() / f"npualloc-{uid}" / f"npualloc.{pid}"
         # A region directory made beside a taken name may hold a stale file
         # of an earlier process with this pid: the first valid region wins.
@@ -363,6 +377,10 @@ class Region:
                                          f"({self.command_seq()}): not a region a process wrote")
             while not reader.npualloc_reader_acked(self._region, seq[0], status):
                 self._check_not_lost()  # posted into zero pages: no process will ever answer
+                if process_ended(self.pid, self._start_time) and not reader.npualloc_reader_acked(
+                        self._region, seq[0], status):  # an answer written just before it ended counts
+                    raise NoSuchProcessError(f"process {self.pid} ended before acknowledging the command "
+                                             "(it may or may not have been applied)")
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
                         f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is applied at "

@@ -6,10 +6,13 @@ import fcntl
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from region_helpers import Workload, assert_one_line_error, region_bytes, region_file, run_cli, write_region
+from conftest import ROOT
+from region_helpers import (Workload, assert_one_line_error, cli_env, region_bytes, region_file, run_cli,
+                            write_region)
 
 from npualloc import cli
 from npualloc.errors import CorruptRegionError
@@ -108,6 +111,31 @@ def test_command_not_acknowledged(tmp_path: Path, sleeper: int) -> None:
     write_region(tmp_path, sleeper, region_bytes(sleeper))
     proc = run_cli(["empty-cache", str(sleeper), "--timeout", "0.3"], tmp_path)
     assert_one_line_error(proc, 8, "next allocator call")
+
+
+def test_a_process_that_ends_before_acknowledging_is_said_to_have_ended(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The requester sees the process end (here it stays a zombie until we
+    wait for it) and says so at once, not after its timeout as if the
+    process were idle."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    target = subprocess.Popen(["sh", "-c", "read line"], stdin=subprocess.PIPE)
+    try:
+        path = write_region(tmp_path, target.pid, region_bytes(target.pid))
+        cli = subprocess.Popen([sys.executable, "-m", "npualloc", "empty-cache", str(target.pid), "--timeout", "600"],
+                               env=cli_env(tmp_path), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+        with Region(target.pid) as region:
+            while region.command_seq() == 0 and cli.poll() is None:   # posted: the CLI now waits for the answer
+                os.sched_yield()
+        assert path.exists()
+        target.stdin.close()                                          # the process ends without answering
+        out, err = cli.communicate(timeout=120)
+        assert_one_line_error(subprocess.CompletedProcess(cli.args, cli.returncode, out, err), 3,
+                              f"process {target.pid} ended before acknowledging the command")
+    finally:
+        target.kill()
+        target.wait()
 
 
 def test_bad_device_and_gc_value(tmp_path: Path, sleeper: int) -> None:

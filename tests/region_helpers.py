@@ -221,6 +221,14 @@ def run_cli(args: list[str], shm_dir: Path, timeout: float = 60, **kwargs: Any) 
                           capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
+def assert_shows_command(shown: str, w: Workload) -> None:
+    """The CLI shows the workload's own command line, its script's newlines
+    collapsed, cut to one line ending in "…" when long: whatever the length
+    of the interpreter's path, which moves where the cut falls."""
+    whole = " ".join(" ".join(w.proc.args).split())
+    assert shown == whole or (shown.endswith("…") and whole.startswith(shown[:-1]) and len(shown) >= 60), shown
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess, exit_code: int, fragment: str) -> None:
     assert proc.returncode == exit_code, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == ""

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from region_helpers import (Workload, cli_env, cli_with_trigger, region_bytes, region_file, run_cli,
-                            stuck_region_bytes, write_region)
+from region_helpers import (Workload, assert_shows_command, cli_env, cli_with_trigger, region_bytes, region_file,
+                            run_cli, stuck_region_bytes, write_region)
 
 import pytest
 
@@ -33,7 +33,9 @@ def test_stats_table_and_json_match_the_process(tmp_path: Path) -> None:
         inside = w.call("npualloc.memory_stats()")
         table = run_cli(["stats", str(w.pid)], tmp_path)
         assert table.returncode == 0 and table.stderr == "", table.stderr
-        assert f"pid {w.pid}" in table.stdout and "import acl" in table.stdout
+        header = table.stdout.splitlines()[0].split(" · ")
+        assert header[:2] == ["npualloc", f"pid {w.pid}"], header
+        assert_shows_command(header[2], w)
         for label in ("allocated", "reserved", "active", "segments", "cache hit rate", "fragmentation",
                       "device calls", "OOMs / retries", "pending frees", "executor destroys"):
             assert label in table.stdout, label
@@ -122,7 +124,7 @@ def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> Non
         assert by_pid[first.pid]["device"] == 0
         assert by_pid[first.pid]["allocated"] == npualloc.memory_allocated(pid=first.pid) >= 3 * MiB
         assert by_pid[second.pid]["reserved"] == npualloc.memory_reserved(pid=second.pid) > 0
-        assert "import acl" in by_pid[second.pid]["command"]
+        assert_shows_command(by_pid[second.pid]["command"], second)
         assert not stale.exists()
 
         table = run_cli(["ls"], tmp_path)

@@ -288,8 +288,8 @@ static int load_sizes(const char *path) {
 
 static int usage(void) {
     fprintf(stderr, "usage: npualloc-bench-hotpath [--allocator acl|stream|core|glibc] [--host-writes] "
-                    "[--shared-counter] [--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] [--max-size BYTES] "
-                    "SIZES_FILE\n");
+                    "[--shared-counter] [--threads N] [--batches B] [--pairs P] [--group G] [--fence-after M] "
+                    "[--max-size BYTES] SIZES_FILE\n");
     return 2;
 }
 

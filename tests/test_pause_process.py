@@ -371,8 +371,9 @@ def test_a_resume_that_lets_the_exit_through_is_acknowledged():
             proc.stdin.write("go\n")
             proc.stdin.flush()
             assert proc.stdout.readline() == "exiting\n"
-            while not _waiting_in_futex(proc.pid):       # main is in the exit, on a device lock
+            while not _waiting_in_futex(proc.pid) and proc.poll() is None:  # main is in the exit, on a device lock
                 os.sched_yield()
+            assert proc.poll() is None, (attempt, "the exit did not wait for the resume")
             resumed = _cli("resume", str(proc.pid), "--timeout", "60", check=False)
             assert resumed.returncode == 0 and "resumed" in resumed.stdout, (attempt, resumed.stderr)
             _, err = proc.communicate(timeout=120)

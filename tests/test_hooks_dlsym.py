@@ -198,3 +198,41 @@ print(set(rets), sim.aclsim_call_count(b"aclrtMalloc"))
     proc = run_python(code, env)
     assert proc.stdout.split() == ["{0}", "1"]
     assert proc.stderr == ""
+
+
+CLOSE_THE_HANDLE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef int (*one_pointer_fn)(void *);
+
+int main(int argc, char **argv)
+{
+    void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!h) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+    one_pointer_fn fn = (one_pointer_fn)dlsym(h, argv[2]);
+    Dl_info info;
+    printf("ours=%d\n", dladdr((void *)fn, &info) && info.dli_fname && strstr(info.dli_fname, "libnpualloc") != NULL);
+    dlclose(h);
+    printf("loaded=%d\n", dlopen(argv[1], RTLD_NOW | RTLD_NOLOAD) != NULL);
+    fflush(stdout);
+    printf("returned=%d\n", fn(NULL) != 0); /* ours, forwarding to the runtime's: an error for NULL */
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("libname, name", [("libnnopbase.so", "aclDestroyAclOpExecutor"),
+                                           ("libacl_rt.so", "aclrtFree")])
+def test_closing_the_handle_leaves_the_runtime_we_call_loaded(tmp_path_factory, libname, name):
+    """A program may dlclose the handle it found a function through while we
+    still forward to the runtime's (a later call, the exit's release of the
+    cache, a deferred executor destroy): the library stays loaded. Without
+    that, the handle was the library's last reference and the call crashed."""
+    prog = compile_c(tmp_path_factory, "close_handle", CLOSE_THE_HANDLE)
+    env = preload_env()
+    env["LD_LIBRARY_PATH"] = ""  # only the handle loads the runtime
+    out, proc = run_c(prog, env, str(SIM_LIB / libname), name)
+    assert out == {"ours": "1", "loaded": "1", "returned": "1"}

@@ -87,16 +87,9 @@ void *npa_self_fn(int index)
     return self_fns[index];
 }
 
-void npa_real_offer(int index, void *fn)
-{
-    void *expected = NULL;
-    if (fn != NULL && !is_self(fn))
-        atomic_compare_exchange_strong_explicit(&npa_real_fns[index], &expected, fn, memory_order_acq_rel,
-                                                memory_order_acquire);
-}
-
-/* Handles of the libraries found by steps 2-4, kept open for good: a handle
- * holds a reference, so the functions we cached cannot be unloaded under us. */
+/* Handles of the libraries we take functions from, kept open for good: a
+ * handle holds a reference, so the functions we cached cannot be unloaded
+ * under us. */
 /* After the stream locks in the lock order (hook.h); nothing of ours is taken under it. */
 static pthread_mutex_t open_lock = PTHREAD_MUTEX_INITIALIZER;
 #define MAX_HANDLES 8
@@ -123,6 +116,26 @@ static void *keep_open(const char *path, int flags)
 out:
     pthread_mutex_unlock(&open_lock);
     return h;
+}
+
+/* The library of a function we cached stays loaded for good: a program may
+ * dlclose the handle it looked the function up through while we still call
+ * it (for a cache miss, the exit's release of the cache, a deferred executor
+ * destroy); an unloaded runtime would make those calls jump into nothing. */
+static void keep_loaded(void *fn)
+{
+    Dl_info info;
+    if (dladdr(fn, &info) && info.dli_fname != NULL && info.dli_fname[0] != '\0')
+        keep_open(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+}
+
+void npa_real_offer(int index, void *fn)
+{
+    void *expected = NULL;
+    if (fn != NULL && !is_self(fn) &&
+        atomic_compare_exchange_strong_explicit(&npa_real_fns[index], &expected, fn, memory_order_acq_rel,
+                                                memory_order_acquire))
+        keep_loaded(fn);
 }
 
 struct loaded_search {
@@ -192,8 +205,10 @@ static void *resolve(npa_fn fn)
 static void *remember(npa_fn fn, void *p)
 {
     void *expected = NULL;
-    if (!atomic_compare_exchange_strong_explicit(&npa_real_fns[fn], &expected, p, memory_order_acq_rel,
-                                                 memory_order_acquire))
+    if (atomic_compare_exchange_strong_explicit(&npa_real_fns[fn], &expected, p, memory_order_acq_rel,
+                                                memory_order_acquire))
+        keep_loaded(p); /* RTLD_NEXT may have found it in a library the program opened RTLD_GLOBAL */
+    else
         p = expected; /* another thread (or a handle lookup) got there first */
     return p;
 }

@@ -25,7 +25,10 @@
  * given up. In all, not without progress: a reader that takes a page now and
  * then (another user's, at a name the user chose in /tmp) kept an OOM'ing
  * allocation waiting 40 s for a 712 KB snapshot, and would have for minutes. */
-#define WRITE_LIMIT_MS 5000
+#define WRITE_LIMIT_S 5
+#define WRITE_LIMIT_MS (WRITE_LIMIT_S * 1000)
+#define STRINGIFY(x) #x
+#define AS_TEXT(x) STRINGIFY(x)
 
 static int64_t monotonic_ms(void)
 {
@@ -229,7 +232,8 @@ const char *npa_snapshot_strerror(int err)
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";
-    case ETIMEDOUT: return "the FIFO's reader did not take it within 5 s (snapshot incomplete)";
+    case ETIMEDOUT:
+        return "the FIFO's reader did not take it within " AS_TEXT(WRITE_LIMIT_S) " s (snapshot incomplete)";
     case EEXIST: return "another file appeared at the name meanwhile (left as it is)";
     default: return strerror(err);
     }

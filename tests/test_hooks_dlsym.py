@@ -64,6 +64,38 @@ def test_ctypes_handle_lookups_without_npualloc_reach_the_runtime():
     assert json.loads(proc.stdout)["raw"] == 10
 
 
+# Every name npualloc exports in place of the runtime's (hook.h's npa_fn up
+# to NPA_FN_INTERPOSED_COUNT), by the library that defines it.
+INTERPOSED = {"libascendcl.so": ["aclInit", "aclFinalize", "aclrtSetDevice", "aclrtResetDevice",
+                                 "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtDestroyContext",
+                                 "aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached", "aclrtFree",
+                                 "aclrtFreeWithDevSync", "aclrtCreateStream", "aclrtDestroyStream",
+                                 "aclrtCreateStreamWithConfig"],
+              "libnnopbase.so": ["aclnnFinalize", "aclSetAclOpExecutorRepeatable", "aclDestroyAclOpExecutor"]}
+EVERY_LOOKUP = """
+import ctypes, json, os, sys
+lib = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", sys.argv[1]), mode=ctypes.RTLD_LOCAL)
+npa = ctypes.CDLL(os.environ["LD_PRELOAD"])
+addr = lambda f: ctypes.cast(f, ctypes.c_void_p).value
+wrong = []
+for name in sys.argv[2:]:
+    try:
+        if addr(getattr(lib, name)) != addr(getattr(npa, name)):
+            wrong.append(name)
+    except AttributeError:  # dlsym answered NULL
+        wrong.append(name + " (missing)")
+print(json.dumps(wrong))
+"""
+
+
+@pytest.mark.parametrize("libname", sorted(INTERPOSED))
+def test_every_interposed_name_looked_up_through_a_handle_is_ours(libname):
+    """aclrtDestroyContext was missing from the table of our own functions:
+    a handle lookup of it answered NULL (ctypes raised AttributeError)."""
+    proc = run_python(EVERY_LOOKUP, preload_env(), args=[libname, *INTERPOSED[libname]])
+    assert json.loads(proc.stdout) == []
+
+
 C_PROGRAM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -57,7 +57,7 @@ SELF(aclSetAclOpExecutorRepeatable) SELF(aclDestroyAclOpExecutor)
 static void *const self_fns[NPA_FN_INTERPOSED_COUNT] = {
 #define SELF(n) [NPA_FN_##n] = (void *)npa_self_##n
     SELF(aclInit), SELF(aclFinalize), SELF(aclrtSetDevice), SELF(aclrtResetDevice), SELF(aclrtCreateContext),
-    SELF(aclrtSetCurrentContext), SELF(aclrtMalloc),
+    SELF(aclrtSetCurrentContext), SELF(aclrtDestroyContext), SELF(aclrtMalloc),
     SELF(aclrtMallocAlign32), SELF(aclrtMallocCached), SELF(aclrtFree), SELF(aclrtFreeWithDevSync),
     SELF(aclrtCreateStream), SELF(aclrtDestroyStream), SELF(aclrtCreateStreamWithConfig), SELF(aclnnFinalize),
     SELF(aclSetAclOpExecutorRepeatable), SELF(aclDestroyAclOpExecutor),

@@ -59,11 +59,18 @@ static bool capacity_allows(fake_backend *f, int device, size_t size) {
     return size <= f->capacity - f->used[device];
 }
 
+/* Under f->lock. */
+static void note_stats_section(fake_backend *f, int device) {
+    npualloc_device_stats *s = device >= 0 && device < NPUALLOC_MAX_DEVICES ? f->stats[device] : NULL;
+    if (s && (__atomic_load_n(&s->seq, __ATOMIC_RELAXED) & 1)) f->calls_in_stats_section++;
+}
+
 static npa_error fake_malloc(void *ctx, int device, size_t size, void **ptr) {
     fake_backend *f = ctx;
     npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
     f->raw_malloc_calls++;
+    note_stats_section(f, device);
     if (!capacity_allows(f, device, size) || !reserve_entry(&f->segments, f->segment_count, &f->segment_capacity))
         err = NPA_ERR_OOM;
     void *p = NULL;
@@ -91,6 +98,7 @@ static npa_error fake_free(void *ctx, int device, void *ptr) {
     npa_error err = NPA_ERR_FREE;
     pthread_mutex_lock(&f->lock);
     f->raw_free_calls++;
+    note_stats_section(f, device);
     for (size_t i = 0; i < f->segment_count; i++) {
         if (f->segments[i].ptr != ptr || f->segments[i].device != device) continue;
         f->used[device] -= f->segments[i].size;
@@ -105,11 +113,11 @@ static npa_error fake_free(void *ctx, int device, void *ptr) {
 }
 
 static npa_error fake_synchronize(void *ctx, int device) {
-    (void)device;
     fake_backend *f = ctx;
     npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
     f->sync_calls++;
+    note_stats_section(f, device);
     if (f->fail_next_syncs > 0) {
         f->fail_next_syncs--;
         err = 107002; /* ACL_ERROR_RT_CONTEXT_NULL: the device could not be entered */
@@ -147,11 +155,11 @@ static int fake_fence_needed(void *ctx, int device) {
 }
 
 static npa_error fake_fence_record(void *ctx, int device, void **out) {
-    (void)device;
     fake_backend *f = ctx;
     fake_fence *fence = NULL;
     npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
+    note_stats_section(f, device);
     if (f->fail_next_fences > 0) {
         f->fail_next_fences--;
         err = 107002;
@@ -169,7 +177,6 @@ static npa_error fake_fence_record(void *ctx, int device, void **out) {
 
 static npa_error fake_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count,
                                            void **out) {
-    (void)device;
     fake_backend *f = ctx;
     *out = NULL;
     if (count > FAKE_STREAMS) return NPA_ERR_INVALID_PARAM;
@@ -178,6 +185,7 @@ static npa_error fake_fence_record_streams(void *ctx, int device, const uintptr_
     fake_fence *fence = calloc(1, sizeof *fence);
     if (!fence) return NPA_ERR_OOM;
     pthread_mutex_lock(&f->lock);
+    note_stats_section(f, device);
     if (f->fail_next_fences > 0) {
         f->fail_next_fences--;
         pthread_mutex_unlock(&f->lock);

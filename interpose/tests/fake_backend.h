@@ -68,6 +68,11 @@ typedef struct fake_backend {
     long stream_fence_records, stream_events;
 
     npualloc_device_stats *stats[NPUALLOC_MAX_DEVICES];
+    /* Raw mallocs and frees, synchronizes and fence records made while the
+     * device's stats (when stats[] gives them storage) were inside a
+     * section, seq odd: the core must never hold one open across a backend
+     * call, which may take seconds, while region readers give up. */
+    long calls_in_stats_section;
 } fake_backend;
 
 void fake_init(fake_backend *f, size_t capacity, bool host_memory);

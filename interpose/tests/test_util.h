@@ -74,6 +74,7 @@ static inline void fixture_init(fixture *fx, size_t capacity, const npa_config *
 
 static inline void fixture_destroy(fixture *fx) {
     npa_destroy(fx->a);
+    CHECK_EQ(fx->fake.calls_in_stats_section, 0);
     fake_destroy(&fx->fake);
 }
 

@@ -171,8 +171,15 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
     npa_error err;
     if (a->backend.fence_record_streams && collect_use_streams(d, &count))
         err = a->backend.fence_record_streams(a->backend.ctx, d->id, d->fence_streams, count, &fence);
-    else if ((err = a->backend.synchronize(a->backend.ctx, d->id)) == NPA_OK)
-        d->stats->num_sync_all_streams++; /* inside the caller's stats section */
+    else if ((err = a->backend.synchronize(a->backend.ctx, d->id)) == NPA_OK) {
+        /* Its own section, after the backend returned: a section open across
+         * a backend call (a synchronize may take seconds) would keep seq odd
+         * that long, and every reader of the region would find the stats
+         * mid-update and give up. */
+        npa_stats_begin(d);
+        d->stats->num_sync_all_streams++;
+        npa_stats_end(d);
+    }
     close_batch(a, d, &d->open_uses, err, fence);
 }
 
@@ -208,11 +215,7 @@ static void close_open(npa_allocator *a, npa_device *d, bool plain) {
         close_open_batch(a, d);
         if (!d->open_batch) d->open_blocks = d->open_bytes = 0;
     }
-    if (d->open_uses) {
-        npa_stats_begin(d);
-        close_uses_batch(a, d);
-        npa_stats_end(d);
-    }
+    if (d->open_uses) close_uses_batch(a, d);
 }
 
 void npa_pending_flush(npa_allocator *a, npa_device *d) {

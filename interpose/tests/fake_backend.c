@@ -25,6 +25,7 @@ void fake_init(fake_backend *f, size_t capacity, bool host_memory) {
     f->capacity = capacity;
     f->host_memory = host_memory;
     f->next_addr = FAKE_BASE;
+    for (int device = 0; device < NPUALLOC_MAX_DEVICES; device++) f->stats[device] = &f->default_stats[device];
 }
 
 void fake_destroy(fake_backend *f) {

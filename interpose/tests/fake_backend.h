@@ -67,7 +67,10 @@ typedef struct fake_backend {
     unsigned long long stream_recorded[FAKE_STREAMS], stream_completed[FAKE_STREAMS];
     long stream_fence_records, stream_events;
 
+    /* Where the core keeps each device's stats: default_stats unless a
+     * test points elsewhere (or at NULL: the core's own copy). */
     npualloc_device_stats *stats[NPUALLOC_MAX_DEVICES];
+    npualloc_device_stats default_stats[NPUALLOC_MAX_DEVICES];
     /* Raw mallocs and frees, synchronizes and fence records made while the
      * device's stats (when stats[] gives them storage) were inside a
      * section, seq odd: the core must never hold one open across a backend

@@ -80,6 +80,7 @@ static void test_storage_and_seqlock(void) {
     memset(shared, 0, sizeof shared);
     fixture fx;
     fake_init(&fx.fake, GiB, false);
+    fx.fake.stats[0] = NULL; /* device 0: no storage */
     fx.fake.stats[1] = &shared[1];
     npa_config config = merge_at_free_config(); /* the largest free block is the whole segment again */
     fixture_start(&fx, &config);

@@ -309,10 +309,8 @@ static void test_host_writes_wait_for_their_own_stream(void) {
  * synchronize instead, counted as one, outside any stats section (the
  * fixture's destroy checks that no backend call found one open). */
 static void test_without_stream_fences_a_synchronize_stands_in(void) {
-    static npualloc_device_stats storage;
     fixture fx;
     fake_init(&fx.fake, GiB, false);
-    fx.fake.stats[0] = &storage;
     fixture_start(&fx, NULL);
     void *p = alloc_on(&fx, 1, 4096);
     CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_OK);

@@ -200,6 +200,7 @@ static void run_stress(bool expandable, bool fenced, size_t capacity) {
     CHECK_EQ(total.corruptions, 0);
     CHECK_EQ(total.bad_frees, 0);
     CHECK(total.allocs > (long)ops_per_thread); /* most mallocs succeeded */
+    CHECK_EQ(fake.calls_in_stats_section, 0);
 
     npa_empty_cache(allocator, -1);
     for (int d = 0; d < DEVICES; d++) {

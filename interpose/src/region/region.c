@@ -290,8 +290,11 @@ void npa_region_publish_config(const npa_allocator *a)
     if (!a)
         return;
     char canonical[NPUALLOC_CONFIG_LEN];
-    npa_config_format(npa_get_config(a), canonical, sizeof canonical);
+    /* Formatted under the lock: else of two threads that each changed a
+     * key, the one that formatted first (the older config) could write last
+     * and leave it in the header. Formatting takes no lock. */
     pthread_mutex_lock(&g_create_lock);
+    npa_config_format(npa_get_config(a), canonical, sizeof canonical);
     copy_text(g_config, sizeof g_config, canonical);
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (r)

@@ -232,6 +232,12 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device);
  * pauses and resumes. Takes each device lock; a device the allocator never
  * used is left alone. */
 void npa_sample_device_memory(npa_allocator *a, int device);
+/* The allocator stops writing the backend's stats storage: each device
+ * keeps on in a copy of its own, and devices created later keep theirs. For
+ * an allocator that stops serving while another may take over the storage
+ * (a new runtime session's): each seqlock must have one writer, and two
+ * allocators' devices have two locks and two section counts. */
+void npa_detach_stats_storage(npa_allocator *a);
 
 /* Change the GC threshold at run time (0 turns GC off). -1, warned through
  * the backend, when a threshold is asked for while expandable segments are

@@ -112,6 +112,36 @@ static void test_storage_and_seqlock(void) {
     fixture_destroy(&fx);
 }
 
+/* An allocator that stops serving (aclFinalize) leaves the storage to the
+ * next one: from then on it writes a copy of its own, so each seqlock keeps
+ * one writer, and devices it creates later never take the storage. */
+static void test_detached_allocator_leaves_the_storage_alone(void) {
+    static npualloc_device_stats shared[2];
+    memset(shared, 0, sizeof shared);
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.stats[0] = &shared[0];
+    fx.fake.stats[1] = &shared[1];
+    fixture_start(&fx, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    npa_detach_stats_storage(fx.a);
+    npualloc_device_stats before = shared[0];
+    uint64_t seq = before.seq;
+    CHECK_EQ(seq % 2, 0);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    npa_count(fx.a, 0, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1);
+    npa_count(fx.a, 1, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1); /* creates device 1 */
+    CHECK(memcmp(&shared[0], &before, sizeof before) == 0);
+    CHECK_EQ(shared[1].seq, 0);
+    CHECK_EQ(shared[1].in_use, 0);
+    npualloc_device_stats own = stats_of(&fx, 0); /* carried on in its copy */
+    CHECK_EQ(own.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(own.allocated_bytes[NPUALLOC_POOL_ALL].freed, 4096);
+    CHECK_EQ(own.num_executor_destroys_skipped, 1);
+    CHECK_EQ(stats_of(&fx, 1).num_executor_destroys_skipped, 1);
+    fixture_destroy(&fx);
+}
+
 static void test_unused_device_reads_as_zero(void) {
     npa_config c;
     npa_config_defaults(&c);
@@ -169,6 +199,7 @@ int main(void) {
     RUN(test_update_rules_per_pool);
     RUN(test_inactive_split_rules);
     RUN(test_storage_and_seqlock);
+    RUN(test_detached_allocator_leaves_the_storage_alone);
     RUN(test_unused_device_reads_as_zero);
     RUN(test_hook_counters);
     RUN(test_device_free_bytes_follow_segments);

@@ -44,6 +44,23 @@ void npa_sample_device_memory(npa_allocator *a, int device) {
     }
 }
 
+void npa_detach_stats_storage(npa_allocator *a) {
+    if (!a) return;
+    pthread_mutex_lock(&a->init_lock); /* device_create reads stats_storage under it */
+    a->backend.stats_storage = NULL;
+    for (int id = 0; id < NPUALLOC_MAX_DEVICES; id++) {
+        npa_device *d = a->devices[id];
+        if (!d) continue;
+        npa_lock_acquire(&d->lock); /* every access to d->stats is made under it, with no section open */
+        if (d->stats != &d->local_stats) {
+            memcpy(&d->local_stats, d->stats, sizeof d->local_stats);
+            d->stats = &d->local_stats;
+        }
+        npa_lock_release(&d->lock);
+    }
+    pthread_mutex_unlock(&a->init_lock);
+}
+
 void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
     if (!out) return;
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;

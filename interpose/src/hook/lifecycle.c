@@ -413,6 +413,11 @@ void npa_hook_before_finalize(void)
     if (live) {
         release_everything(a);
         atomic_store_explicit(&npa_serving, NULL, memory_order_release);
+        /* The next session's allocator writes the region's stats from its
+         * first call on; this one (still reached by npa_hook_allocator_any
+         * and by calls already inside it) must no longer: two writers of one
+         * seqlock, under two device locks, can leave seq odd for good. */
+        npa_detach_stats_storage(a);
         state = ST_FINALIZED;
     }
     pthread_mutex_unlock(&init_lock);

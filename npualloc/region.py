@@ -370,7 +370,20 @@ class Region:
         deadline = time.monotonic() + timeout
         self._lock_requesters(deadline)
         try:
-            if reader.npualloc_reader_post(self._file, code, device, arg, seq) == constants.NPUALLOC_POST_SEQ_EXHAUSTED:
+            # A command an earlier requester gave up on (CommandTimeoutError)
+            # is still posted: the process may be reading its fields, so new
+            # ones may not be stored over them until it answers (BUSY).
+            while (posted := reader.npualloc_reader_post(self._file, code, device, arg, seq)) == \
+                    constants.NPUALLOC_POST_BUSY:
+                self._check_not_lost()
+                if process_ended(self.pid, self._start_time):
+                    raise NoSuchProcessError(f"process {self.pid} ended before answering an earlier command")
+                if time.monotonic() > deadline:
+                    raise CommandTimeoutError(
+                        f"process {self.pid} has not yet answered an earlier command (posted by a requester that "
+                        f"gave up waiting); nothing was posted: it answers at its next allocator call")
+                time.sleep(0.005)
+            if posted == constants.NPUALLOC_POST_SEQ_EXHAUSTED:
                 # A process counts one command at a time from 0: no real
                 # process gets here, a damaged or crafted region does.
                 raise CorruptRegionError(f"{self.path}: command sequence number is at its maximum "

@@ -191,6 +191,9 @@ def test_idle_process_times_out_and_applies_later(shm: Path) -> None:
         w.call(f"acl.rt.free({w.call('live')[0]})")
         with pytest.raises(CommandTimeoutError, match="next allocator call"):
             npualloc.empty_cache(pid=w.pid, timeout=0.2)
+        # Not stored over the one still posted: the process may be reading its fields.
+        with pytest.raises(CommandTimeoutError, match="earlier command"):
+            npualloc.reset_peak_memory_stats(pid=w.pid, timeout=0.2)
         assert npualloc.memory_reserved(pid=w.pid) >= 20 * MiB
         w.call("free()")  # the next allocator call applies the posted command
         assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 0

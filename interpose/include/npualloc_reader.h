@@ -39,6 +39,7 @@
 #define NPUALLOC_POST_OK 0
 #define NPUALLOC_POST_READ_ONLY 1      /* the file was opened read-only */
 #define NPUALLOC_POST_SEQ_EXHAUSTED 2  /* request_seq is at 2^64-1: no process counts that far */
+#define NPUALLOC_POST_BUSY 3           /* the last command is not acknowledged yet: nothing was written */
 
 /* One opened region file. The mapping covers exactly sizeof(npualloc_region)
  * bytes and exists only once every check passed. */
@@ -86,7 +87,9 @@ int32_t npualloc_reader_lost(const npualloc_region *region);
 uint64_t npualloc_reader_request_seq(const npualloc_region *region);
 /* Stores code, device and arg, then publishes them by request_seq + 1 with
  * release ordering; *seq gets the new number. The caller serialises
- * requesters (flock on file->fd). */
+ * requesters (flock on file->fd). NPUALLOC_POST_BUSY, writing nothing,
+ * while the last command posted is unacknowledged (the process may be
+ * reading its fields): wait for it, then post again. */
 int32_t npualloc_reader_post(npualloc_region_file *file, int32_t code, int32_t device, double arg, uint64_t *seq);
 /* 1 once the process acknowledged seq (ack_seq >= seq), *status then holds
  * its NPUALLOC_CMD_* answer; 0 while it has not. */

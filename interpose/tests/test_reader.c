@@ -212,13 +212,18 @@ static void test_post_and_ack(void) {
     CHECK_EQ(npualloc_reader_request_seq(file.region), 1);
     CHECK(c->code == NPUALLOC_CMD_SET_GC_THRESHOLD && c->device == 2 && c->arg == 0.75);
     CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 0);
+    /* Unacknowledged: the process may be reading the fields; nothing is stored over them. */
+    uint64_t busy_seq = 0;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RECORD_HISTORY, 0, 9.0, &busy_seq), NPUALLOC_POST_BUSY);
+    CHECK(busy_seq == 0 && c->request_seq == 1 && c->code == NPUALLOC_CMD_SET_GC_THRESHOLD && c->device == 2 &&
+          c->arg == 0.75);
     c->ack_status = NPUALLOC_CMD_EINVAL;
     c->ack_seq = 1;
     CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 1);
     CHECK_EQ(status, NPUALLOC_CMD_EINVAL);
 
     /* A crafted region at the end of the counter: refused, nothing stored. */
-    c->request_seq = UINT64_MAX;
+    c->request_seq = c->ack_seq = UINT64_MAX;
     CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_SNAPSHOT, 0, 1.0, &seq), NPUALLOC_POST_SEQ_EXHAUSTED);
     CHECK_EQ(c->request_seq, UINT64_MAX);
     CHECK_EQ(c->code, NPUALLOC_CMD_SET_GC_THRESHOLD);

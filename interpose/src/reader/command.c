@@ -21,6 +21,15 @@ int32_t npualloc_reader_post(npualloc_region_file *file, int32_t code, int32_t d
     uint64_t last = __atomic_load_n(&command->request_seq, __ATOMIC_RELAXED);
     if (last == UINT64_MAX)
         return NPUALLOC_POST_SEQ_EXHAUSTED;
+    /* The process reads code, device and arg one by one after it saw
+     * request_seq move (region.c's npa_region_poll_slow, pause.c): while the
+     * last command is unacknowledged it may be reading them now, and new
+     * fields stored under it would be applied as a mix of two commands, and
+     * acknowledged as the old one. Its release store of ack_seq comes after
+     * its last read of them: once ack_seq (acquire) has caught up, they are
+     * free to be rewritten. */
+    if (__atomic_load_n(&command->ack_seq, __ATOMIC_ACQUIRE) != last)
+        return NPUALLOC_POST_BUSY;
     __atomic_store_n(&command->code, code, __ATOMIC_RELAXED);
     __atomic_store_n(&command->device, device, __ATOMIC_RELAXED);
     __atomic_store(&command->arg, &arg, __ATOMIC_RELAXED);

@@ -304,12 +304,14 @@ class Region:
 
     def header(self) -> RegionHeader:
         h = self._region.header
+        state, paused, backup = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        reader_library().npualloc_reader_pause_state(self._region, state, paused, backup)
         header = RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
                               cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
                               config=ffi.string(h.config, len(h.config)).decode(errors="replace"),
                               device_count=h.device_count,
-                              state=PAUSE_STATES.get(h.pause_state, f"state {h.pause_state}"),
-                              paused_bytes=h.paused_bytes, backup_bytes=h.backup_bytes)
+                              state=PAUSE_STATES.get(state[0], f"state {state[0]}"),
+                              paused_bytes=int(paused[0]), backup_bytes=int(backup[0]))
         self._check_not_lost()
         return header
 

@@ -94,6 +94,11 @@ int32_t npualloc_reader_post(npualloc_region_file *file, int32_t code, int32_t d
 /* 1 once the process acknowledged seq (ack_seq >= seq), *status then holds
  * its NPUALLOC_CMD_* answer; 0 while it has not. */
 int32_t npualloc_reader_acked(const npualloc_region *region, uint64_t seq, int32_t *status);
+/* The header's pause_state (NPUALLOC_RUNNING, ...) and its byte counts:
+ * the state with acquire, then the counts, which are then at least as new
+ * as that state (the process stores them before it, with release). */
+void npualloc_reader_pause_state(const npualloc_region *region, uint32_t *state, uint64_t *paused_bytes,
+                                 uint64_t *backup_bytes);
 /* cffi:end */
 #pragma GCC visibility pop
 

@@ -195,6 +195,21 @@ static void test_a_file_shrunk_under_the_mapping_is_reported_not_fatal(void) {
     CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_TRUNCATED);
 }
 
+static void test_pause_state(void) {
+    npualloc_region r;
+    region_template(&r);
+    r.header.pause_state = NPUALLOC_PAUSED;
+    r.header.paused_bytes = 3u << 20;
+    r.header.backup_bytes = 1u << 20;
+    npualloc_region_file file;
+    CHECK_EQ(open_path(write_file("region", &r, sizeof r), 0, &file), NPUALLOC_OPEN_OK);
+    uint32_t state = 0;
+    uint64_t paused = 0, backup = 0;
+    npualloc_reader_pause_state(file.region, &state, &paused, &backup);
+    CHECK(state == NPUALLOC_PAUSED && paused == 3u << 20 && backup == 1u << 20);
+    npualloc_reader_close(&file);
+}
+
 static void test_post_and_ack(void) {
     npualloc_region r;
     region_template(&r);
@@ -428,6 +443,7 @@ int main(void) {
     RUN(test_open_refuses_what_is_not_our_regular_file);
     RUN(test_stats_copy_is_bounded);
     RUN(test_a_file_shrunk_under_the_mapping_is_reported_not_fatal);
+    RUN(test_pause_state);
     RUN(test_post_and_ack);
     RUN(test_snapshots_stay_consistent_under_a_writer);
     RUN(test_commands_arrive_whole);

@@ -7,7 +7,7 @@
  * expandable_segments, set under init_lock; record_history; record_stacks)
  * and the device table (published once per device with release/acquire).
  * Order: the allocator's init_lock before a device's lock (record_history
- * takes each under it; the GC threshold and expandable_segments setters take
+ * and npa_detach_stats_storage take each under it; the GC threshold and expandable_segments setters take
  * no lock under it); one device lock at a time, never two, except npa_pause
  * (pausable.c), which holds init_lock and then every device lock, ascending,
  * until npa_resume; the backend is called with the device lock held and must

@@ -34,7 +34,8 @@
  *      command's acknowledgement before the region goes.
  *   4. the allocator's device-table lock (core internal.h init_lock):
  *      device creation asks the runtime for memory info and may create the
- *      region (8); record_history takes each device lock (5) under it;
+ *      region (8); record_history and finalize's npa_detach_stats_storage
+ *      take each device lock (5) under it, one at a time;
  *      the GC threshold and expandable_segments setters (their torch_npu
  *      rule checked against each other) take nothing under it.
  *   5. a device lock (core internal.h npa_device.lock, a futex word:

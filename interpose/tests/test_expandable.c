@@ -234,6 +234,30 @@ static void test_a_page_whose_release_is_refused_stays_mapped(void) {
     fixture_destroy(&fx);
 }
 
+/* A map that fails part way undoes the pages it mapped; one whose release
+ * the runtime refuses stays mapped inside the unmapped block, counted by no
+ * stat. Releasing the range with it would lose the page for good: the range
+ * goes only once that page has gone too, tried again at each release. */
+static void test_a_page_left_by_a_failed_map_is_released_before_its_range(void) {
+    for (int refusals = 1; refusals <= 2; refusals++) {
+        fixture fx;
+        expandable_init(&fx, 30 * MiB, false);
+        fx.fake.fail_next_unmaps = refusals; /* the undo, then the OOM retry's release */
+        void *p = NULL;
+        /* Two 20 MiB pages: the second does not fit, the first is undone. */
+        CHECK_EQ(npa_malloc(fx.a, 0, 30 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
+        CHECK_EQ(fx.fake.fail_next_unmaps, 0);
+        CHECK_EQ(fx.fake.page_count, 0);
+        CHECK_EQ(fake_used(&fx.fake, 0), 0);
+        CHECK_EQ(fx.fake.va_releases, refusals == 1 ? 1 : 0); /* a refused page keeps its range */
+        npa_empty_cache(fx.a, 0);
+        CHECK_EQ(fx.fake.va_releases, fx.fake.va_reserves);
+        CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+        CHECK_EQ(fx.fake.bad_frees, 0);
+        fixture_destroy(&fx);
+    }
+}
+
 /* The small pool's free pages are what the large pool needs: the OOM retry
  * synchronizes, unmaps them and maps again. */
 static void test_oom_retry_unmaps_free_pages(void) {
@@ -508,6 +532,7 @@ int main(void) {
     RUN(test_best_fit_spares_growable_block);
     RUN(test_empty_cache_unmaps_free_pages);
     RUN(test_a_page_whose_release_is_refused_stays_mapped);
+    RUN(test_a_page_left_by_a_failed_map_is_released_before_its_range);
     RUN(test_oom_retry_unmaps_free_pages);
     RUN(test_frees_inside_the_range);
     RUN(test_trace_records_map_and_unmap);

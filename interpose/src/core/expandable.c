@@ -109,7 +109,8 @@ static bool unmap_page(npa_allocator *a, npa_device *d, npa_expandable *es, size
 }
 
 /* Maps pages [begin, end): all or none. A page still mapped (its release
- * was refused) is already there. */
+ * was refused) is already there; one whose undo is refused stays mapped
+ * too, inside the unmapped block, until npa_expandable_release_free. */
 static bool map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_t begin, size_t end) {
     for (size_t i = begin; i < end; i++) {
         void *addr = (void *)(es->base + i * es->page_size);
@@ -285,15 +286,31 @@ static void release_range(npa_allocator *a, npa_device *d, size_t index) {
     npa_expandable_forget(es);
 }
 
+/* Pages left mapped inside unmapped blocks: map_pages's undo could not
+ * release them (the runtime refused). They hold device memory no block and
+ * no stat counts, so each release tries them again; false while one stays. */
+static bool unmap_left_pages(npa_allocator *a, npa_device *d, npa_expandable *es, npa_block *first) {
+    bool all_gone = true;
+    for (npa_block *b = first; b; b = b->next) {
+        if (b->phase != NPA_PHASE_UNMAPPED) continue;
+        size_t end = (b->addr + b->size - es->base) / es->page_size; /* unmapped blocks span whole pages */
+        for (size_t i = (b->addr - es->base) / es->page_size; i < end; i++)
+            if (es->pages[i] && !unmap_page(a, d, es, i)) all_gone = false;
+    }
+    return all_gone;
+}
+
 void npa_expandable_release_free(npa_allocator *a, npa_device *d, size_t index) {
     npa_expandable *es = d->segments.items[index].expandable;
     npa_block *first = d->segments.items[index].first;
     for (npa_block *b = first; b; b = b->next)
         if (b->phase == NPA_PHASE_FREE) b = unmap_block(a, d, es, b);
+    bool all_gone = unmap_left_pages(a, d, es, first);
     /* torch's release_expandable_segment: nothing mapped, the range goes too
      * (torch keeps a range that was never mapped; npualloc gives it back as
-     * well, so an emptied cache holds no address space either). */
-    if (first->phase == NPA_PHASE_UNMAPPED && !first->next) release_range(a, d, index);
+     * well, so an emptied cache holds no address space either). A page
+     * still mapped keeps the range, and its handle, for the next release. */
+    if (all_gone && first->phase == NPA_PHASE_UNMAPPED && !first->next) release_range(a, d, index);
 }
 
 void npa_expandable_forget(npa_expandable *es) {

@@ -140,6 +140,20 @@ def test_empty_cache_command_releases_reserved(shm: Path) -> None:
         assert after == w.call("npualloc.memory_stats()")
 
 
+def test_empty_cache_command_on_a_device_that_cannot_synchronize_keeps_the_cache_and_says_why(shm: Path) -> None:
+    with Workload(shm) as w:
+        w.call(f"malloc({3 * MiB})")
+        w.call("free()")  # cached: an empty cache would synchronize, then release it
+        w.call("__import__('aclsim').aclsim.fail_next_calls('aclrtSynchronizeDevice', 1 << 20, 507899)")
+        with pytest.raises(CommandRejectedError, match="failed to apply"):
+            _post_and_trigger(w, shm, constants.NPUALLOC_CMD_EMPTY_CACHE, "malloc(4096)")
+        assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] >= 20 * MiB
+        w.call("__import__('aclsim').aclsim.fail_next_calls('aclrtSynchronizeDevice', 0, 0)")
+        stderr = w.stderr()
+    assert "npualloc: empty_cache from another process: device 0 could not be synchronized (error 507899)" in stderr, \
+        stderr
+
+
 def test_reset_peak_and_accumulated_commands(shm: Path) -> None:
     with Workload(shm) as w:
         w.call(f"malloc({40 * MiB})")

@@ -107,6 +107,26 @@ static void test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact(v
     fixture_destroy(&fx);
 }
 
+/* The pause empties the cache first; a device that cannot synchronize
+ * refuses it with the runtime's own error, for the requester to act on. */
+static void test_a_device_that_cannot_synchronize_refuses_with_its_error(void) {
+    fixture fx;
+    start(&fx, true);
+    char *live = alloc_exact(&fx, 0, 30 * MiB);
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 40 * MiB), 0, NULL), NPA_FREE_OK); /* whole free pages to give back */
+    fx.fake.fail_next_syncs = 1;
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), 107002);
+    CHECK(strstr(why, "could not be synchronized (error 107002)") != NULL);
+    CHECK(paused == NULL);
+    /* Nothing was paused and the locks are free: it pauses once it can. */
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_OK);
+    CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_OK);
+    CHECK_EQ(npa_free(fx.a, live, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 static void test_plain_segments_are_refused_untouched(void) {
     fixture fx;
     start(&fx, false);
@@ -151,6 +171,7 @@ int main(void) {
     RUN(test_pause_releases_everything_and_resume_restores);
     RUN(test_resume_without_memory_stays_paused_and_retries);
     RUN(test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact);
+    RUN(test_a_device_that_cannot_synchronize_refuses_with_its_error);
     RUN(test_plain_segments_are_refused_untouched);
     RUN(test_switched_on_at_run_time_pausable_once_plain_blocks_are_freed);
     return check_report();

@@ -47,7 +47,8 @@ static bool must_wait_before_release(const npa_device *d) {
 
 static npa_error release_locked(npa_allocator *a, npa_device *d) {
     npa_recent_flush(d);
-    if (must_wait_before_release(d) && !npa_synchronize_and_drain(a, d)) return NPA_ERR_FREE;
+    npa_error err = must_wait_before_release(d) ? npa_synchronize_and_drain(a, d) : NPA_OK;
+    if (err != NPA_OK) return err;
     npa_release_cached_segments(a, d);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
     return NPA_OK;

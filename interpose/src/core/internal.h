@@ -385,8 +385,8 @@ void npa_pending_add_uses(npa_allocator *a, npa_device *d, npa_block *b);
 /* After a synchronize: every pending free is safe. */
 void npa_pending_drain_all(npa_allocator *a, npa_device *d);
 /* Synchronizes the device and drains every pending free (num_sync_all_streams++);
- * false, with nothing drained, when the device could not be synchronized. */
-bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
+ * the synchronize's error, with nothing drained, when it failed. */
+npa_error npa_synchronize_and_drain(npa_allocator *a, npa_device *d);
 /* Whether frees wait for a fence: open or fenced batches exist. */
 static inline bool npa_pending_any(const npa_device *d) {
     return d->open_batch != NULL || d->open_uses != NULL || d->batches[NPA_BATCH_PLAIN] != NULL ||

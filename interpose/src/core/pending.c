@@ -241,13 +241,14 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     d->open_blocks = d->open_bytes = 0;
 }
 
-bool npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {
+npa_error npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {
     /* A synchronize that failed proves nothing about queued work: the
      * pending blocks stay pending until a fence or a later synchronize says. */
-    if (a->backend.synchronize(a->backend.ctx, d->id) != NPA_OK) return false;
+    npa_error err = a->backend.synchronize(a->backend.ctx, d->id);
+    if (err != NPA_OK) return err;
     npa_stats_begin(d);
     d->stats->num_sync_all_streams++;
     npa_stats_end(d);
     npa_pending_drain_all(a, d);
-    return true;
+    return NPA_OK;
 }

@@ -394,9 +394,14 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq
             continue;
         if (code == NPUALLOC_CMD_EMPTY_CACHE) {
             /* A device that could not be synchronized kept its cache: the
-             * requester must not be told it was emptied. */
-            if (npa_empty_cache(a, d) != NPA_OK)
+             * requester must not be told it was emptied, and the process's
+             * stderr says why, as the requester's error points there. */
+            npa_error err = npa_empty_cache(a, d);
+            if (err != NPA_OK) {
+                npa_warn_once("empty_cache from another process: device %d could not be synchronized "
+                              "(error %d): its cache and pending frees are kept", d, err);
                 status = NPUALLOC_CMD_EFAILED;
+            }
         } else if (code == NPUALLOC_CMD_RESET_PEAK) {
             npa_reset_peak_stats(a, d);
         } else {

@@ -60,6 +60,19 @@ if mode == "loop":
     assert acl.rt.synchronize_device() == 0
     print(json.dumps({"calls_after_first_step": calls, "distinct_blocks": len(addresses),
                       "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
+elif mode == "churn":
+    aclsim.set_op_duration_us(2000)   # each step's ops still queued when its stream is destroyed
+    stats = ffi.new("npualloc_device_stats *")
+    left = []
+    for step in range(steps):
+        s, ret = acl.rt.create_stream(); assert ret == 0
+        buf = malloc(N, s)
+        fill(buf, N, step & 0xFF, s)
+        free(buf, s)
+        assert acl.rt.destroy_stream(s) == 0
+        assert lib.npualloc_get_stats(0, stats) == 0
+        left.append((stats.reserved_bytes[0].current, aclsim.live_allocations(0)))
+    print(json.dumps({"left": left, "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
 else:
     record = mode == "record"
     slow_us = steps
@@ -111,6 +124,17 @@ def test_same_stream_loop_makes_no_runtime_call_after_the_first_step(policy):
     assert out["reports"] == []
     assert out["calls_after_first_step"] == {api: 0 for api in out["calls_after_first_step"]}
     assert out["distinct_blocks"] == 1
+    assert out["clobbers"] == 0 and out["invalid"] == 0
+
+
+def test_a_stream_made_and_destroyed_per_step_leaves_nothing_reserved():
+    """aclrtDestroyStream waits for the stream's queued work: the memory
+    cached for the stream goes back to the device there and then, so a
+    program making a stream per step does not reserve a segment per step,
+    and nothing went back while an op of the stream still used it."""
+    out = run("churn", 30)
+    assert out["reports"] == []
+    assert out["left"] == [[0, 0]] * 30
     assert out["clobbers"] == 0 and out["invalid"] == 0
 
 

@@ -210,6 +210,11 @@ npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, i
  * memory running out for the record makes the block's free wait for a
  * synchronize of the device instead. */
 npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device);
+/* The runtime destroyed stream, which waits for the work queued on it
+ * first: the free memory of the stream's pools goes back to the device, and
+ * the pools go once nothing is left in them (a later stream given the same
+ * handle starts with them). */
+void npa_stream_destroyed(npa_allocator *a, uintptr_t stream);
 
 /* torch_npu's emptyCache, on one device (device < 0: all): synchronize the
  * device, hand back every pending free (so every block the program has freed

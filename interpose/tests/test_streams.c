@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "check.h"
+#include "core/internal.h"
 #include "fake_backend.h"
 #include "test_util.h"
 
@@ -385,6 +386,79 @@ static void test_gc_leaves_stream_pools_to_the_oom_path(void) {
     fixture_destroy(&fx);
 }
 
+static size_t stream_pairs(fixture *fx) {
+    size_t n = 0;
+    for (const npa_pool_pair *p = npa_device_get(fx->a, 0, false)->streams; p; p = p->next) n++;
+    return n;
+}
+
+/* A destroyed stream's work is done (aclrtDestroyStream waits for it): its
+ * cached memory goes back to the device at once, plain and expandable, and
+ * its pools go once no block is left in them. A program that makes a stream
+ * per step neither reserves nor keeps pools per step. */
+static void destroyed_streams_cache_goes_back(bool expandable) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.stream_fences = true;
+    fx.fake.vmm = true;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = expandable;
+    fixture_start(&fx, &config);
+    for (int step = 0; step < 50; step++) { /* handles 1 and 2 by turns, as a runtime reuses them */
+        uintptr_t stream = 1 + (uintptr_t)step % 2;
+        CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, stream, 4096), stream, 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, stream, 30 * MiB), stream, 0, NULL), NPA_FREE_OK);
+        npa_stream_destroyed(fx.a, stream);
+        CHECK_EQ(stream_pairs(&fx), 0);
+        CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    }
+    CHECK_EQ(fx.fake.raw_malloc_calls, fx.fake.raw_free_calls);
+    CHECK_EQ(fx.fake.page_count, 0);
+    CHECK_EQ(fx.fake.va_reserves, fx.fake.va_releases);
+    CHECK_EQ(fx.fake.sync_calls, 0); /* the destroy already waited */
+
+    /* A block still live, and one waiting for another stream's event, keep
+     * their segments and the pools; freed and fenced, an empty_cache gives
+     * them back and the pools go. */
+    void *live = alloc_on(&fx, 3, 4096), *recorded = alloc_on(&fx, 3, 1 * MiB);
+    CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, recorded, 3, 0, NULL), NPA_FREE_OK);
+    npa_stream_destroyed(fx.a, 3);
+    CHECK_EQ(stream_pairs(&fx), 1);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* one small segment or page */
+    CHECK_EQ(npa_free_stream(fx.a, live, 3, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(stream_pairs(&fx), 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.num_device_alloc, s.num_device_free);
+
+    /* A stream given a destroyed one's handle while its pools still hold a
+     * block reuses what is free there. */
+    void *kept = alloc_on(&fx, 5, 4096), *spare = alloc_on(&fx, 5, 4096);
+    CHECK_EQ(npa_free_stream(fx.a, spare, 5, 0, NULL), NPA_FREE_OK);
+    npa_stream_destroyed(fx.a, 5);
+    CHECK(alloc_on(&fx, 5, 4096) == spare);
+    CHECK_EQ(npa_free_stream(fx.a, spare, 5, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, kept, 5, 0, NULL), NPA_FREE_OK);
+    /* An empty cache leaves no empty pools, a live stream's included: its
+     * next allocation makes them again. */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(stream_pairs(&fx), 0);
+    CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, 5, 4096), 5, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stream_pairs(&fx), 1);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_a_destroyed_streams_cache_goes_back(void) {
+    destroyed_streams_cache_goes_back(false);
+    destroyed_streams_cache_goes_back(true);
+}
+
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
     RUN(test_no_reuse_across_streams);
@@ -397,5 +471,6 @@ int main(void) {
     RUN(test_without_stream_fences_a_synchronize_stands_in);
     RUN(test_failed_stream_fence_keeps_blocks_pending);
     RUN(test_gc_leaves_stream_pools_to_the_oom_path);
+    RUN(test_a_destroyed_streams_cache_goes_back);
     return check_report();
 }

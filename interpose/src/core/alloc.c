@@ -27,6 +27,29 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     return a;
 }
 
+static bool pair_owns(const npa_pool_pair *p, const npa_segment *seg) {
+    return seg->first->pool == &p->small || seg->first->pool == &p->large; /* a segment's blocks share a pool */
+}
+
+static bool pair_holds(const npa_device *d, const npa_pool_pair *p) {
+    for (size_t i = 0; i < d->segments.count; i++)
+        if (pair_owns(p, &d->segments.items[i])) return true;
+    return false;
+}
+
+/* Frees the stream pools no segment is left to: a destroyed stream's go,
+ * and a live stream gets new ones on its next allocation. */
+static void drop_empty_stream_pools(npa_device *d) {
+    for (npa_pool_pair **link = &d->streams, *p; (p = *link);) {
+        if (!pair_holds(d, p)) {
+            *link = p->next;
+            free(p);
+        } else {
+            link = &p->next;
+        }
+    }
+}
+
 /* torch_npu's emptyCache: synchronize (which also completes every
  * outstanding fence), hand back every pending free, then give back every
  * cached segment. aclrtFree frees at once and unmapping does not wait for
@@ -50,6 +73,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
     npa_error err = must_wait_before_release(d) ? npa_synchronize_and_drain(a, d) : NPA_OK;
     if (err != NPA_OK) return err;
     npa_release_cached_segments(a, d);
+    drop_empty_stream_pools(d);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
     return NPA_OK;
 }
@@ -296,6 +320,38 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     p->next = d->streams;
     d->streams = p;
     return p;
+}
+
+/* aclrtDestroyStream waits for the stream's queued work, so what its pools
+ * cache is idle: it goes back to the device now, as an empty_cache would
+ * give it, rather than wait there for a stream that will not come (a
+ * program making a stream per step would otherwise reserve a segment per
+ * step). Live blocks keep the pair until they are freed and released. */
+static void release_destroyed_stream(npa_allocator *a, npa_device *d, npa_pool_pair *p) {
+    int64_t freed = d->stats->num_device_free;
+    npa_recent_flush(d);
+    for (size_t i = d->segments.count; i-- > 0;) { /* backwards: removing entry i leaves the rest in place */
+        npa_segment *seg = &d->segments.items[i];
+        if (!pair_owns(p, seg)) continue;
+        if (seg->expandable) npa_expandable_release_free(a, d, i);
+        else npa_segment_release(a, d, seg->first);
+    }
+    drop_empty_stream_pools(d);
+    if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
+}
+
+void npa_stream_destroyed(npa_allocator *a, uintptr_t stream) {
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        npa_lock_acquire(&d->lock);
+        for (npa_pool_pair *p = d->streams; p; p = p->next)
+            if (p->small.stream == stream) {
+                release_destroyed_stream(a, d, p);
+                break;
+            }
+        npa_lock_release(&d->lock);
+    }
 }
 
 /* A free block of pool for rounded bytes: a held block of exactly that

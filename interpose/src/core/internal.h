@@ -96,7 +96,8 @@ struct npa_pool {
 };
 
 /* The small and large pool of one stream (or the plain pair), chained per
- * device; never freed before the device, since blocks point at them. */
+ * device. Blocks point at their pools, so a stream's pair is freed only
+ * once no segment is left to it (an empty_cache, the stream's destroy). */
 typedef struct npa_pool_pair npa_pool_pair;
 struct npa_pool_pair {
     npa_pool small, large;

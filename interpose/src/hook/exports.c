@@ -433,6 +433,9 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
     aclError err = real(stream);
     if (err != ACL_SUCCESS && tracked)
         npa_streams_add(npa_thread_device(), stream);
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (err == ACL_SUCCESS && a != NULL)
+        npa_stream_destroyed(a, (uintptr_t)stream);
     return err;
 }
 

@@ -49,7 +49,11 @@ npualloc/include/%.h: interpose/include/%.h
 	@mkdir -p $(dir $@)
 	cp $< $@
 
-lib: $(NPA_LIB) npualloc/lib/libnpualloc.so $(NPA_PY_HEADERS)
+# Only an uninstrumented build's libraries go into the package: one built
+# with SANFLAGS (BUILD=build-asan ...) would need its sanitizer's runtime
+# preloaded into every process that loads it, the CLI's included.
+NPA_PACKAGE_LIBS = $(if $(SANFLAGS),,npualloc/lib/$(notdir $(1)))
+lib: $(NPA_LIB) $(call NPA_PACKAGE_LIBS,$(NPA_LIB)) $(NPA_PY_HEADERS)
 
 # C unit tests: each interpose/tests/test_*.c links the core objects and the
 # shared fake backend (interpose/tests/fake_backend.c), never the hooks.

@@ -16,7 +16,7 @@ npualloc/lib/libnpualloc_reader.so: $(NPA_READER_LIB)
 	@mkdir -p $(dir $@)
 	cp $< $@
 
-lib: $(NPA_READER_LIB) npualloc/lib/libnpualloc_reader.so npualloc/include/npualloc_reader.h
+lib: $(NPA_READER_LIB) $(call NPA_PACKAGE_LIBS,$(NPA_READER_LIB)) npualloc/include/npualloc_reader.h
 
 # The C test of the reader (a writer thread of the real core against reader
 # threads) links the reader's objects beside the core's.

@@ -171,7 +171,7 @@ int npa_region_dir_open(char *path, size_t len)
     int base_fd = open(base, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (base_fd < 0)
         return -1;
-    char name[64], prefix[64];
+    char name[64], prefix[sizeof name + 1]; /* room for name and its dot, as the compiler checks */
     snprintf(name, sizeof name, "npualloc-%u", (unsigned)geteuid());
     snprintf(prefix, sizeof prefix, "%s.", name);
     int created = mkdirat(base_fd, name, 0700) == 0;

@@ -210,10 +210,13 @@ npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, i
  * memory running out for the record makes the block's free wait for a
  * synchronize of the device instead. */
 npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device);
-/* The runtime destroyed stream, which waits for the work queued on it
- * first: the free memory of the stream's pools goes back to the device, and
- * the pools go once nothing is left in them (a later stream given the same
- * handle starts with them). */
+/* Around the runtime's destroy of stream (which waits for the work queued
+ * on it): retire before it sets the stream's pools aside (no allocation
+ * from them again; a block freed into them waits for the plain fences);
+ * destroyed, once it succeeded, gives their free memory back to the device
+ * and frees pools nothing is left in. After a failed destroy the stream
+ * gets new pools on its next allocation. */
+void npa_stream_retire(npa_allocator *a, uintptr_t stream);
 void npa_stream_destroyed(npa_allocator *a, uintptr_t stream);
 
 /* torch_npu's emptyCache, on one device (device < 0: all): synchronize the

@@ -392,6 +392,11 @@ static size_t stream_pairs(fixture *fx) {
     return n;
 }
 
+static void destroy_stream(fixture *fx, uintptr_t stream) {
+    npa_stream_retire(fx->a, stream);
+    npa_stream_destroyed(fx->a, stream); /* the runtime's destroy, which waits for the stream, in between */
+}
+
 /* A destroyed stream's work is done (aclrtDestroyStream waits for it): its
  * cached memory goes back to the device at once, plain and expandable, and
  * its pools go once no block is left in them. A program that makes a stream
@@ -410,7 +415,7 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
         uintptr_t stream = 1 + (uintptr_t)step % 2;
         CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, stream, 4096), stream, 0, NULL), NPA_FREE_OK);
         CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, stream, 30 * MiB), stream, 0, NULL), NPA_FREE_OK);
-        npa_stream_destroyed(fx.a, stream);
+        destroy_stream(&fx, stream);
         CHECK_EQ(stream_pairs(&fx), 0);
         CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
     }
@@ -420,15 +425,17 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
     CHECK_EQ(fx.fake.sync_calls, 0); /* the destroy already waited */
 
     /* A block still live, and one waiting for another stream's event, keep
-     * their segments and the pools; freed and fenced, an empty_cache gives
-     * them back and the pools go. */
+     * their segments and the pools. The live one freed later on the same
+     * handle waits for the plain fences (the handle may be a new stream's by
+     * then); fenced, an empty_cache gives both back and the pools go. */
     void *live = alloc_on(&fx, 3, 4096), *recorded = alloc_on(&fx, 3, 1 * MiB);
     CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
     CHECK_EQ(npa_free_stream(fx.a, recorded, 3, 0, NULL), NPA_FREE_OK);
-    npa_stream_destroyed(fx.a, 3);
+    destroy_stream(&fx, 3);
     CHECK_EQ(stream_pairs(&fx), 1);
     CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* one small segment or page */
     CHECK_EQ(npa_free_stream(fx.a, live, 3, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2);
     CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
     CHECK_EQ(stream_pairs(&fx), 0);
     npualloc_device_stats s = stats_of(&fx, 0);
@@ -436,13 +443,22 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
     CHECK_EQ(s.num_pending_frees, 0);
     CHECK_EQ(s.num_device_alloc, s.num_device_free);
 
-    /* A stream given a destroyed one's handle while its pools still hold a
-     * block reuses what is free there. */
+    /* The runtime hands the handle to a new stream as soon as its destroy
+     * returns, before npualloc is told: the new stream gets pools of its own,
+     * and what it freed on itself, its work perhaps still queued, stays. */
     void *kept = alloc_on(&fx, 5, 4096), *spare = alloc_on(&fx, 5, 4096);
     CHECK_EQ(npa_free_stream(fx.a, spare, 5, 0, NULL), NPA_FREE_OK);
+    npa_stream_retire(fx.a, 5);
+    void *fresh = alloc_on(&fx, 5, 4096);
+    CHECK(fresh != spare && fresh != kept);
+    CHECK_EQ(npa_free_stream(fx.a, fresh, 5, 0, NULL), NPA_FREE_OK);
+    long raw_frees = fx.fake.raw_free_calls, unmaps = fx.fake.page_unmaps;
     npa_stream_destroyed(fx.a, 5);
-    CHECK(alloc_on(&fx, 5, 4096) == spare);
-    CHECK_EQ(npa_free_stream(fx.a, spare, 5, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(fx.fake.raw_free_calls, raw_frees); /* neither kept's segment nor the new stream's */
+    CHECK_EQ(fx.fake.page_unmaps, unmaps);
+    CHECK(alloc_on(&fx, 5, 4096) == fresh);
+    CHECK_EQ(stream_pairs(&fx), 2);
+    CHECK_EQ(npa_free_stream(fx.a, fresh, 5, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(npa_free_stream(fx.a, kept, 5, 0, NULL), NPA_FREE_OK);
     /* An empty cache leaves no empty pools, a live stream's included: its
      * next allocation makes them again. */

@@ -27,13 +27,11 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     return a;
 }
 
-static bool pair_owns(const npa_pool_pair *p, const npa_segment *seg) {
-    return seg->first->pool == &p->small || seg->first->pool == &p->large; /* a segment's blocks share a pool */
-}
-
 static bool pair_holds(const npa_device *d, const npa_pool_pair *p) {
-    for (size_t i = 0; i < d->segments.count; i++)
-        if (pair_owns(p, &d->segments.items[i])) return true;
+    for (size_t i = 0; i < d->segments.count; i++) {
+        const npa_pool *pool = d->segments.items[i].first->pool; /* a segment's blocks share a pool */
+        if (pool == &p->small || pool == &p->large) return true;
+    }
     return false;
 }
 
@@ -305,7 +303,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
  * NULL when host memory ran out. */
 static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     for (npa_pool_pair **link = &d->streams, *p; (p = *link); link = &p->next) {
-        if (p->small.stream != stream) continue;
+        if (p->small.stream != stream || p->small.stream_destroyed) continue;
         if (link != &d->streams) {
             *link = p->next;
             p->next = d->streams;
@@ -322,34 +320,44 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     return p;
 }
 
-/* aclrtDestroyStream waits for the stream's queued work, so what its pools
- * cache is idle: it goes back to the device now, as an empty_cache would
- * give it, rather than wait there for a stream that will not come (a
- * program making a stream per step would otherwise reserve a segment per
- * step). Live blocks keep the pair until they are freed and released. */
-static void release_destroyed_stream(npa_allocator *a, npa_device *d, npa_pool_pair *p) {
-    int64_t freed = d->stats->num_device_free;
-    npa_recent_flush(d);
-    for (size_t i = d->segments.count; i-- > 0;) { /* backwards: removing entry i leaves the rest in place */
-        npa_segment *seg = &d->segments.items[i];
-        if (!pair_owns(p, seg)) continue;
-        if (seg->expandable) npa_expandable_release_free(a, d, i);
-        else npa_segment_release(a, d, seg->first);
-    }
-    drop_empty_stream_pools(d);
-    if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
-}
-
-void npa_stream_destroyed(npa_allocator *a, uintptr_t stream) {
+/* Around aclrtDestroyStream, which waits for the stream's queued work.
+ * Before it, the stream's pools are set aside: they serve no allocation (a
+ * stream the runtime gives the same handle afterwards gets new ones), and a
+ * block freed into them waits for the plain fences, as its handle may name
+ * that new stream by then. */
+void npa_stream_retire(npa_allocator *a, uintptr_t stream) {
     for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
         npa_lock_acquire(&d->lock);
         for (npa_pool_pair *p = d->streams; p; p = p->next)
-            if (p->small.stream == stream) {
-                release_destroyed_stream(a, d, p);
-                break;
-            }
+            if (p->small.stream == stream) p->small.stream_destroyed = p->large.stream_destroyed = true;
+        npa_lock_release(&d->lock);
+    }
+}
+
+/* After it: what the set-aside pools cache is idle (freed on the stream
+ * before its destroy waited, or since through fences), so it goes back to
+ * the device now, as an empty_cache would give it, rather than wait for a
+ * stream that will not come (a program making a stream per step would
+ * otherwise reserve a segment per step). Pools with live blocks stay until
+ * those are freed and an empty_cache releases them. */
+void npa_stream_destroyed(npa_allocator *a, uintptr_t stream) {
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        npa_lock_acquire(&d->lock);
+        int64_t freed = d->stats->num_device_free;
+        npa_recent_flush(d);
+        for (size_t s = d->segments.count; s-- > 0;) { /* backwards: removing entry s leaves the rest in place */
+            npa_segment *seg = &d->segments.items[s];
+            const npa_pool *pool = seg->first->pool;
+            if (!pool->stream_destroyed || pool->stream != stream) continue;
+            if (seg->expandable) npa_expandable_release_free(a, d, s);
+            else npa_segment_release(a, d, seg->first);
+        }
+        drop_empty_stream_pools(d);
+        if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
         npa_lock_release(&d->lock);
     }
 }
@@ -522,9 +530,10 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (b->pool->on_stream && (b->uses || b->uses_unknown || b->fence_own)) {
+    bool stream_ordered = b->pool->on_stream && !b->pool->stream_destroyed;
+    if (stream_ordered && (b->uses || b->uses_unknown || b->fence_own)) {
         npa_pending_add_uses(a, d, b);
-    } else if (!b->pool->on_stream && a->backend.fence_record &&
+    } else if (!stream_ordered && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         npa_pending_add(d, b);
     } else if (npa_recent_admits(d, b)) { /* reusable at once: on its own stream, or eager */

@@ -91,6 +91,10 @@ struct npa_pool {
      * stream runs next runs after the work that used it; only the streams
      * in its uses are fenced. Segments (and so blocks) never change pool. */
     bool on_stream;
+    /* The stream is being or was destroyed (npa_stream_retire): the pool
+     * serves no allocation, and a block freed into it waits for the plain
+     * pool's fences, since its handle may name a new stream by then. */
+    bool stream_destroyed;
     uintptr_t stream;        /* the stream's handle when on_stream (the default stream may be 0) */
     npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */
 };

@@ -430,10 +430,12 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
         return npa_no_runtime_error(NPA_FN_aclrtDestroyStream);
     /* Untracked first, so no fence records on a stream being destroyed. */
     int tracked = npa_streams_remove(stream);
+    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    if (a != NULL)
+        npa_stream_retire(a, (uintptr_t)stream);
     aclError err = real(stream);
     if (err != ACL_SUCCESS && tracked)
         npa_streams_add(npa_thread_device(), stream);
-    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (err == ACL_SUCCESS && a != NULL)
         npa_stream_destroyed(a, (uintptr_t)stream);
     return err;

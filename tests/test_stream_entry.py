@@ -194,6 +194,11 @@ assert addr != 0 and lib.npualloc_malloc_stream_error() == 0
 assert addr == int(ffi.cast("uintptr_t", p))                                 # the block freed above, reused
 assert lib.npualloc_free_stream_addr(addr, 0) == 0
 assert lib.npualloc_free_stream_addr(addr, 0) == 207002                     # double free
+# Destroying the default stream is the runtime's to refuse; its pools serve on.
+q = lib.npualloc_malloc_stream_addr(8192, 0, 0)
+assert q != 0 and lib.npualloc_free_stream_addr(q, 0) == 0
+assert acl.rt.destroy_stream(0) != 0
+assert lib.npualloc_malloc_stream_addr(8192, 0, 0) == q
 print("ok")
 """
 

@@ -470,6 +470,20 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
     fixture_destroy(&fx);
 }
 
+/* A program that allocates through the plain entry only destroys its
+ * streams without touching the cache: the recent blocks stay held. */
+static void test_a_stream_without_pools_destroyed_leaves_the_cache_alone(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false); /* no fences: plain frees are reusable at once, into the recent cache */
+    fixture_start(&fx, NULL);
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 4096), 0, NULL), NPA_FREE_OK);
+    unsigned held = npa_device_get(fx.a, 0, false)->recent.count;
+    CHECK(held > 0);
+    destroy_stream(&fx, 3);
+    CHECK_EQ(npa_device_get(fx.a, 0, false)->recent.count, held);
+    fixture_destroy(&fx);
+}
+
 static void test_a_destroyed_streams_cache_goes_back(void) {
     destroyed_streams_cache_goes_back(false);
     destroyed_streams_cache_goes_back(true);
@@ -488,5 +502,6 @@ int main(void) {
     RUN(test_failed_stream_fence_keeps_blocks_pending);
     RUN(test_gc_leaves_stream_pools_to_the_oom_path);
     RUN(test_a_destroyed_streams_cache_goes_back);
+    RUN(test_a_stream_without_pools_destroyed_leaves_the_cache_alone);
     return check_report();
 }

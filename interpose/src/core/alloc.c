@@ -342,22 +342,32 @@ void npa_stream_retire(npa_allocator *a, uintptr_t stream) {
  * stream that will not come (a program making a stream per step would
  * otherwise reserve a segment per step). Pools with live blocks stay until
  * those are freed and an empty_cache releases them. */
+static void release_retired(npa_allocator *a, npa_device *d, uintptr_t stream) {
+    int64_t freed = d->stats->num_device_free;
+    npa_recent_flush(d);
+    for (size_t s = d->segments.count; s-- > 0;) { /* backwards: removing entry s leaves the rest in place */
+        npa_segment *seg = &d->segments.items[s];
+        const npa_pool *pool = seg->first->pool;
+        if (!pool->stream_destroyed || pool->stream != stream) continue;
+        if (seg->expandable) npa_expandable_release_free(a, d, s);
+        else npa_segment_release(a, d, seg->first);
+    }
+    drop_empty_stream_pools(d);
+    if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
+}
+
 void npa_stream_destroyed(npa_allocator *a, uintptr_t stream) {
     for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
         npa_lock_acquire(&d->lock);
-        int64_t freed = d->stats->num_device_free;
-        npa_recent_flush(d);
-        for (size_t s = d->segments.count; s-- > 0;) { /* backwards: removing entry s leaves the rest in place */
-            npa_segment *seg = &d->segments.items[s];
-            const npa_pool *pool = seg->first->pool;
-            if (!pool->stream_destroyed || pool->stream != stream) continue;
-            if (seg->expandable) npa_expandable_release_free(a, d, s);
-            else npa_segment_release(a, d, seg->first);
-        }
-        drop_empty_stream_pools(d);
-        if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
+        /* Most streams never had pools (their programs allocate through
+         * aclrtMalloc): the device's cache is then left as it is. */
+        for (npa_pool_pair *p = d->streams; p; p = p->next)
+            if (p->small.stream_destroyed && p->small.stream == stream) {
+                release_retired(a, d, stream);
+                break;
+            }
         npa_lock_release(&d->lock);
     }
 }

@@ -430,7 +430,8 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
         return npa_no_runtime_error(NPA_FN_aclrtDestroyStream);
     /* Untracked first, so no fence records on a stream being destroyed. */
     int tracked = npa_streams_remove(stream);
-    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
+    /* The default stream (NULL) is the runtime's to refuse: its pools stay. */
+    npa_allocator *a = stream != NULL ? atomic_load_explicit(&npa_serving, memory_order_acquire) : NULL;
     if (a != NULL)
         npa_stream_retire(a, (uintptr_t)stream);
     aclError err = real(stream);

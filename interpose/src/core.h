@@ -211,13 +211,16 @@ npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, i
  * synchronize of the device instead. */
 npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device);
 /* Around the runtime's destroy of stream (which waits for the work queued
- * on it): retire before it sets the stream's pools aside (no allocation
- * from them again; a block freed into them waits for the plain fences);
- * destroyed, once it succeeded, gives their free memory back to the device
- * and frees pools nothing is left in. After a failed destroy the stream
- * gets new pools on its next allocation. */
-void npa_stream_retire(npa_allocator *a, uintptr_t stream);
-void npa_stream_destroyed(npa_allocator *a, uintptr_t stream);
+ * on it). retire, before it, sets the stream's pools aside (no allocation
+ * from them again; the handle, which the runtime may give a new stream,
+ * counts as another stream for their blocks) and returns this destroy's
+ * token. destroyed(token), once the destroy succeeded, gives what those
+ * pools cache back to the device and frees pools nothing is left in;
+ * not_destroyed(token), after a failed destroy, gives them back to the
+ * stream, which lives on. */
+uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream);
+void npa_stream_destroyed(npa_allocator *a, uint64_t token);
+void npa_stream_not_destroyed(npa_allocator *a, uint64_t token);
 
 /* torch_npu's emptyCache, on one device (device < 0: all): synchronize the
  * device, hand back every pending free (so every block the program has freed

@@ -393,8 +393,8 @@ static size_t stream_pairs(fixture *fx) {
 }
 
 static void destroy_stream(fixture *fx, uintptr_t stream) {
-    npa_stream_retire(fx->a, stream);
-    npa_stream_destroyed(fx->a, stream); /* the runtime's destroy, which waits for the stream, in between */
+    uint64_t token = npa_stream_retire(fx->a, stream);
+    npa_stream_destroyed(fx->a, token); /* the runtime's destroy, which waits for the stream, in between */
 }
 
 /* A destroyed stream's work is done (aclrtDestroyStream waits for it): its
@@ -426,7 +426,7 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
 
     /* A block still live, and one waiting for another stream's event, keep
      * their segments and the pools. The live one freed later on the same
-     * handle waits for the plain fences (the handle may be a new stream's by
+     * handle waits for an event there (the handle may be a new stream's by
      * then); fenced, an empty_cache gives both back and the pools go. */
     void *live = alloc_on(&fx, 3, 4096), *recorded = alloc_on(&fx, 3, 1 * MiB);
     CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
@@ -448,12 +448,12 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
      * and what it freed on itself, its work perhaps still queued, stays. */
     void *kept = alloc_on(&fx, 5, 4096), *spare = alloc_on(&fx, 5, 4096);
     CHECK_EQ(npa_free_stream(fx.a, spare, 5, 0, NULL), NPA_FREE_OK);
-    npa_stream_retire(fx.a, 5);
+    uint64_t token = npa_stream_retire(fx.a, 5);
     void *fresh = alloc_on(&fx, 5, 4096);
     CHECK(fresh != spare && fresh != kept);
     CHECK_EQ(npa_free_stream(fx.a, fresh, 5, 0, NULL), NPA_FREE_OK);
     long raw_frees = fx.fake.raw_free_calls, unmaps = fx.fake.page_unmaps;
-    npa_stream_destroyed(fx.a, 5);
+    npa_stream_destroyed(fx.a, token);
     CHECK_EQ(fx.fake.raw_free_calls, raw_frees); /* neither kept's segment nor the new stream's */
     CHECK_EQ(fx.fake.page_unmaps, unmaps);
     CHECK(alloc_on(&fx, 5, 4096) == fresh);
@@ -489,6 +489,72 @@ static void test_a_destroyed_streams_cache_goes_back(void) {
     destroyed_streams_cache_goes_back(true);
 }
 
+/* What the destroys of other threads and failed destroys must not do. */
+static void test_a_destroy_releases_only_what_it_set_aside(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.eager = true; /* reuse_policy eager: plain frees need no fence, so only a block's uses hold it */
+    fx.fake.stream_fences = true;
+    fixture_start(&fx, NULL);
+
+    /* A block recorded on stream 4 and freed while its own stream's destroy
+     * runs still waits for 4's event: the destroy waits for its own stream
+     * only. */
+    void *recorded = alloc_on(&fx, 3, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
+    uint64_t token = npa_stream_retire(fx.a, 3);
+    CHECK_EQ(npa_free(fx.a, recorded, 0, NULL), NPA_FREE_OK); /* aclrtFree, from a thread the destroy races */
+    long raw_frees = fx.fake.raw_free_calls;
+    npa_stream_destroyed(fx.a, token);
+    CHECK_EQ(fx.fake.raw_free_calls, raw_frees);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_fence_records, 1); /* on stream 4 */
+    CHECK_EQ(fx.fake.stream_events, 1);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+
+    /* A destroy the runtime refuses leaves the stream its pools: ten of them
+     * reserve one segment, not ten. */
+    for (int step = 0; step < 10; step++) {
+        CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, 6, 4096), 6, 0, NULL), NPA_FREE_OK);
+        npa_stream_not_destroyed(fx.a, npa_stream_retire(fx.a, 6));
+    }
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB);
+    CHECK_EQ(stream_pairs(&fx), 1);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+
+    /* Thread A destroys stream 7; the runtime gives the handle to a new
+     * stream, which frees a block on itself (its work still queued), and
+     * thread B starts destroying that one before A's release runs: A's
+     * release takes A's pools only. */
+    void *old = alloc_on(&fx, 7, 4096);
+    CHECK_EQ(npa_free_stream(fx.a, old, 7, 0, NULL), NPA_FREE_OK);
+    uint64_t first = npa_stream_retire(fx.a, 7);
+    CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, 7, 4096), 7, 0, NULL), NPA_FREE_OK);
+    uint64_t second = npa_stream_retire(fx.a, 7);
+    raw_frees = fx.fake.raw_free_calls;
+    npa_stream_destroyed(fx.a, first);
+    CHECK_EQ(fx.fake.raw_free_calls, raw_frees + 1); /* old's segment only */
+    npa_stream_destroyed(fx.a, second);
+    CHECK_EQ(fx.fake.raw_free_calls, raw_frees + 2);
+    CHECK_EQ(stream_pairs(&fx), 0);
+
+    /* A block written from the host waits for its own stream when freed;
+     * once that stream's destroy began, the destroy waits for it instead
+     * (no event on a handle that names nothing). */
+    void *written = alloc_flags(&fx, 8, 4096, NPA_STREAM_HOST_WRITES);
+    long events = fx.fake.stream_fence_records;
+    token = npa_stream_retire(fx.a, 8);
+    CHECK_EQ(npa_free(fx.a, written, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_fence_records, events);
+    npa_stream_destroyed(fx.a, token);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
     RUN(test_no_reuse_across_streams);
@@ -502,6 +568,7 @@ int main(void) {
     RUN(test_failed_stream_fence_keeps_blocks_pending);
     RUN(test_gc_leaves_stream_pools_to_the_oom_path);
     RUN(test_a_destroyed_streams_cache_goes_back);
+    RUN(test_a_destroy_releases_only_what_it_set_aside);
     RUN(test_a_stream_without_pools_destroyed_leaves_the_cache_alone);
     return check_report();
 }

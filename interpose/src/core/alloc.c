@@ -303,7 +303,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
  * NULL when host memory ran out. */
 static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     for (npa_pool_pair **link = &d->streams, *p; (p = *link); link = &p->next) {
-        if (p->small.stream != stream || p->small.stream_destroyed) continue;
+        if (p->small.stream != stream || p->small.retired_by) continue;
         if (link != &d->streams) {
             *link = p->next;
             p->next = d->streams;
@@ -321,34 +321,55 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
 }
 
 /* Around aclrtDestroyStream, which waits for the stream's queued work.
- * Before it, the stream's pools are set aside: they serve no allocation (a
- * stream the runtime gives the same handle afterwards gets new ones), and a
- * block freed into them waits for the plain fences, as its handle may name
- * that new stream by then. */
-void npa_stream_retire(npa_allocator *a, uintptr_t stream) {
-    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+ * Before it, the stream's pools are set aside under a token of this
+ * destroy: they serve no allocation (a stream the runtime gives the same
+ * handle afterwards gets new ones), and that handle counts as another
+ * stream for their blocks. */
+uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
+    if (!a) return 0;
+    uint64_t token = __atomic_add_fetch(&a->retire_tokens, 1, __ATOMIC_RELAXED);
+    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
         npa_device *d = npa_device_get(a, i, false);
         if (!d) continue;
         npa_lock_acquire(&d->lock);
         for (npa_pool_pair *p = d->streams; p; p = p->next)
-            if (p->small.stream == stream) p->small.stream_destroyed = p->large.stream_destroyed = true;
+            if (p->small.stream == stream && !p->small.retired_by) p->small.retired_by = p->large.retired_by = token;
+        npa_lock_release(&d->lock);
+    }
+    return token;
+}
+
+/* Runs fn on every device whose pools token set aside, under its lock. */
+static void for_retired(npa_allocator *a, uint64_t token, void (*fn)(npa_allocator *, npa_device *, uint64_t)) {
+    for (int i = 0; a && token && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        npa_lock_acquire(&d->lock);
+        /* Most streams never had pools (their programs allocate through
+         * aclrtMalloc): the device is then left as it is. */
+        for (npa_pool_pair *p = d->streams; p; p = p->next)
+            if (p->small.retired_by == token) {
+                fn(a, d, token);
+                break;
+            }
         npa_lock_release(&d->lock);
     }
 }
 
-/* After it: what the set-aside pools cache is idle (freed on the stream
- * before its destroy waited, or since through fences), so it goes back to
- * the device now, as an empty_cache would give it, rather than wait for a
+/* What the pools cache is idle (freed on the stream before its destroy
+ * waited, or since through its uses' events), so it goes back to the
+ * device now, as an empty_cache would give it, rather than wait for a
  * stream that will not come (a program making a stream per step would
- * otherwise reserve a segment per step). Pools with live blocks stay until
- * those are freed and an empty_cache releases them. */
-static void release_retired(npa_allocator *a, npa_device *d, uintptr_t stream) {
+ * otherwise reserve a segment per step). Only this destroy's pools: those
+ * of a stream given the same handle since, and being destroyed in turn,
+ * may still be in use. Pools with live blocks stay until those are freed
+ * and an empty_cache releases them. */
+static void release_retired(npa_allocator *a, npa_device *d, uint64_t token) {
     int64_t freed = d->stats->num_device_free;
     npa_recent_flush(d);
     for (size_t s = d->segments.count; s-- > 0;) { /* backwards: removing entry s leaves the rest in place */
         npa_segment *seg = &d->segments.items[s];
-        const npa_pool *pool = seg->first->pool;
-        if (!pool->stream_destroyed || pool->stream != stream) continue;
+        if (seg->first->pool->retired_by != token) continue;
         if (seg->expandable) npa_expandable_release_free(a, d, s);
         else npa_segment_release(a, d, seg->first);
     }
@@ -356,21 +377,15 @@ static void release_retired(npa_allocator *a, npa_device *d, uintptr_t stream) {
     if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
 }
 
-void npa_stream_destroyed(npa_allocator *a, uintptr_t stream) {
-    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        /* Most streams never had pools (their programs allocate through
-         * aclrtMalloc): the device's cache is then left as it is. */
-        for (npa_pool_pair *p = d->streams; p; p = p->next)
-            if (p->small.stream_destroyed && p->small.stream == stream) {
-                release_retired(a, d, stream);
-                break;
-            }
-        npa_lock_release(&d->lock);
-    }
+void npa_stream_destroyed(npa_allocator *a, uint64_t token) { for_retired(a, token, release_retired); }
+
+static void give_back_retired(npa_allocator *a, npa_device *d, uint64_t token) {
+    (void)a;
+    for (npa_pool_pair *p = d->streams; p; p = p->next)
+        if (p->small.retired_by == token) p->small.retired_by = p->large.retired_by = 0;
 }
+
+void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) { for_retired(a, token, give_back_retired); }
 
 /* A free block of pool for rounded bytes: a held block of exactly that
  * size, else best fit, else best fit once the held blocks are merged back
@@ -512,7 +527,7 @@ void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper) {
 /* Notes that b (of a stream's pool) is used on stream too. Without host
  * memory for the note, its free waits for a synchronize instead. */
 static void note_use(npa_block *b, uintptr_t stream) {
-    if (stream == b->pool->stream || b->uses_unknown) return;
+    if ((stream == b->pool->stream && !b->pool->retired_by) || b->uses_unknown) return;
     npa_stream_set *set = b->uses;
     for (size_t i = 0; set && i < set->count; i++)
         if (set->streams[i] == stream) return;
@@ -540,10 +555,9 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    bool stream_ordered = b->pool->on_stream && !b->pool->stream_destroyed;
-    if (stream_ordered && (b->uses || b->uses_unknown || b->fence_own)) {
+    if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
         npa_pending_add_uses(a, d, b);
-    } else if (!stream_ordered && a->backend.fence_record &&
+    } else if (!b->pool->on_stream && a->backend.fence_record &&
                (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
         npa_pending_add(d, b);
     } else if (npa_recent_admits(d, b)) { /* reusable at once: on its own stream, or eager */

@@ -68,7 +68,8 @@ struct npa_block {
     bool is_small;           /* small pool (2 MiB segments) */
     bool in_expandable;      /* part of an expandable segment */
     bool uses_unknown;       /* recorded on a stream that could not be noted (no host memory): its free waits for a synchronize */
-    bool fence_own;          /* NPA_STREAM_HOST_WRITES: its free waits for an event on its own stream too */
+    bool fence_own;          /* NPA_STREAM_HOST_WRITES: its free waits for an event on its own stream too
+                              * (npa_block_fences_own: not once that stream's destroy began) */
 };
 
 static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NULL || b->next != NULL; }
@@ -91,13 +92,19 @@ struct npa_pool {
      * stream runs next runs after the work that used it; only the streams
      * in its uses are fenced. Segments (and so blocks) never change pool. */
     bool on_stream;
-    /* The stream is being or was destroyed (npa_stream_retire): the pool
-     * serves no allocation, and a block freed into it waits for the plain
-     * pool's fences, since its handle may name a new stream by then. */
-    bool stream_destroyed;
+    /* 0 while the stream lives; else the token of the destroy that set the
+     * pool aside (npa_stream_retire). A set-aside pool serves no allocation,
+     * and its handle, which may name a new stream by then, counts as another
+     * stream: its blocks wait for an event there when freed or recorded on it. */
+    uint64_t retired_by;
     uintptr_t stream;        /* the stream's handle when on_stream (the default stream may be 0) */
     npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */
 };
+
+/* Whether b's free waits for an event on its own stream (host writes). Not
+ * once the stream's destroy began: the destroy waits for that work itself,
+ * and an event recorded on a destroyed stream's handle names nothing. */
+static inline bool npa_block_fences_own(const npa_block *b) { return b->fence_own && !b->pool->retired_by; }
 
 /* The small and large pool of one stream (or the plain pair), chained per
  * device. Blocks point at their pools, so a stream's pair is freed only
@@ -274,6 +281,7 @@ struct npa_allocator {
     npa_config config;
     pthread_mutex_t init_lock;
     npa_device *devices[NPUALLOC_MAX_DEVICES];
+    uint64_t retire_tokens; /* npa_stream_retire's, handed out atomically */
 };
 
 static inline bool npa_backend_has_vmm(const npa_backend *b) {

@@ -157,7 +157,7 @@ static bool collect_use_streams(npa_device *d, size_t *count) {
     *count = 0;
     for (npa_block *b = d->open_uses; b; b = b->link) {
         if (b->uses_unknown) return false;
-        if (b->fence_own && !add_fence_stream(d, count, b->pool->stream)) return false;
+        if (npa_block_fences_own(b) && !add_fence_stream(d, count, b->pool->stream)) return false;
         for (size_t i = 0; b->uses && i < b->uses->count; i++)
             if (!add_fence_stream(d, count, b->uses->streams[i])) return false;
     }

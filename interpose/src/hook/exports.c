@@ -432,13 +432,14 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
     int tracked = npa_streams_remove(stream);
     /* The default stream (NULL) is the runtime's to refuse: its pools stay. */
     npa_allocator *a = stream != NULL ? atomic_load_explicit(&npa_serving, memory_order_acquire) : NULL;
-    if (a != NULL)
-        npa_stream_retire(a, (uintptr_t)stream);
+    uint64_t token = npa_stream_retire(a, (uintptr_t)stream);
     aclError err = real(stream);
     if (err != ACL_SUCCESS && tracked)
         npa_streams_add(npa_thread_device(), stream);
-    if (err == ACL_SUCCESS && a != NULL)
-        npa_stream_destroyed(a, (uintptr_t)stream);
+    if (err == ACL_SUCCESS)
+        npa_stream_destroyed(a, token);
+    else
+        npa_stream_not_destroyed(a, token);
     return err;
 }
 

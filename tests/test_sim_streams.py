@@ -150,6 +150,41 @@ def test_async_copy_checks_memory_when_it_executes():
     assert "aclsim: invalid device access by aclrtMemcpyAsync" in proc.stderr
 
 
+def test_a_device_synchronize_during_a_destroy_waits_for_that_streams_work():
+    """aclrtDestroyStream waits for the stream's work; a synchronize of the
+    device from another thread meanwhile waits for that work too (the
+    stream is the device's until its work is done), so memory the work
+    writes may be freed after it."""
+    sim("""
+        import threading
+        busy, ret = acl.rt.create_event(); ok(ret)
+        def attempt(duration_us):
+            a = dev(256)
+            s, ret = acl.rt.create_stream(); ok(ret)
+            aclsim.set_op_duration_us(duration_us)
+            fill(a, 256, 7, s)
+            ok(acl.rt.record_event(busy, s))
+            entered = aclsim.call_count("aclrtDestroyStream")
+            results = []
+            def destroy():
+                results.append(acl.rt.set_device(0))                 # the thread's own current device
+                results.append(acl.rt.destroy_stream(s))
+            destroyer = threading.Thread(target=destroy)
+            destroyer.start()
+            while aclsim.call_count("aclrtDestroyStream") == entered and destroyer.is_alive():
+                pass                                             # until the destroy has begun
+            queued = still_queued(busy)
+            ok(acl.rt.synchronize_device())
+            assert read(a, 256) == b"\x07" * 256                # the fill ran before the synchronize returned
+            destroyer.join()
+            assert results == [0, 0]
+            ok(acl.rt.free(a))
+            return queued
+        while_queued(attempt)
+        assert aclsim.invalid_accesses() == 0
+    """)
+
+
 def test_stream_handle_errors():
     sim("""
         assert acl.rt.destroy_stream(0) == 100000               # the default stream stays

@@ -107,6 +107,10 @@ again:
 
 void sim_stream_destroy(struct sim_stream *s)
 {
+    /* Its work first, while the stream is still the device's: a device
+     * synchronize meanwhile, from another thread, waits for that work too,
+     * as it waits for all the device's queued tasks on real hardware. */
+    sim_stream_wait_idle(s);
     struct sim_device *d = sim_device(s->device);
     for (struct sim_stream **link = &d->streams; *link != NULL; link = &(*link)->next_on_device) {
         if (*link == s) {
@@ -114,7 +118,6 @@ void sim_stream_destroy(struct sim_stream *s)
             break;
         }
     }
-    sim_stream_wait_idle(s);
     s->stopping = 1;
     pthread_cond_signal(&s->work);
     pthread_mutex_unlock(&sim_lock);

@@ -40,7 +40,9 @@
  *      rule checked against each other) take nothing under it.
  *   5. a device lock (core internal.h npa_device.lock, a futex word:
  *      core lock.h; any thread may release it): one device at a
- *      time, never two (except a pause: all, ascending, under 4). It guards
+ *      time, never two (except a pause: all, ascending, under 4; and
+ *      aclrtDestroyStream takes each in turn, with none of ours held,
+ *      before and after the runtime's destroy). It guards
  *      all of the device's state, the recent cache of freed small blocks
  *      (core recent.c) included. Under it the core calls the backend: raw
  *      malloc/free, synchronize, mem info, VMM calls (the runtime), and

@@ -154,7 +154,8 @@ def test_a_device_synchronize_during_a_destroy_waits_for_that_streams_work():
     """aclrtDestroyStream waits for the stream's work; a synchronize of the
     device from another thread meanwhile waits for that work too (the
     stream is the device's until its work is done), so memory the work
-    writes may be freed after it."""
+    writes may be freed after it; the handle is no caller's any more (a
+    second destroy is refused)."""
     sim("""
         import threading
         busy, ret = acl.rt.create_event(); ok(ret)
@@ -174,6 +175,7 @@ def test_a_device_synchronize_during_a_destroy_waits_for_that_streams_work():
             while aclsim.call_count("aclrtDestroyStream") == entered and destroyer.is_alive():
                 pass                                             # until the destroy has begun
             queued = still_queued(busy)
+            assert acl.rt.destroy_stream(s) == 107000            # being destroyed: no second destroy
             ok(acl.rt.synchronize_device())
             assert read(a, 256) == b"\x07" * 256                # the fill ran before the synchronize returned
             destroyer.join()

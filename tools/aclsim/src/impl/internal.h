@@ -103,6 +103,8 @@ struct sim_device {
     uint64_t generation;            /* bumped when refcount drops to 0: threads' stale contexts die */
     struct sim_stream *default_stream;
     struct sim_stream *streams;     /* every stream of the device, default one included */
+    struct sim_stream *dying;       /* streams being destroyed, their work not yet done: no longer
+                                     * any caller's, still the device's for a synchronize */
     struct sim_arena arena;
     uint64_t used_bytes;            /* capacity charged: allocations + physical handles */
     uint64_t alloc_bytes;           /* accounted bytes of live aclrtMalloc-family blocks */

@@ -97,27 +97,37 @@ void sim_stream_wait_idle(struct sim_stream *s)
 void sim_device_wait_idle(struct sim_device *d)
 {
 again:
-    for (struct sim_stream *s = d->streams; s != NULL; s = s->next_on_device) {
-        if (s->completed < s->submitted) {
-            pthread_cond_wait(&sim_progress, &sim_lock);
-            goto again; /* the list may have changed while waiting */
+    for (int dying = 0; dying < 2; dying++)
+        for (struct sim_stream *s = dying ? d->dying : d->streams; s != NULL; s = s->next_on_device) {
+            if (s->completed < s->submitted) {
+                pthread_cond_wait(&sim_progress, &sim_lock);
+                goto again; /* the lists may have changed while waiting */
+            }
+        }
+}
+
+static void unlink_stream(struct sim_stream **list, struct sim_stream *s)
+{
+    for (struct sim_stream **link = list; *link != NULL; link = &(*link)->next_on_device) {
+        if (*link == s) {
+            *link = s->next_on_device;
+            return;
         }
     }
 }
 
 void sim_stream_destroy(struct sim_stream *s)
 {
-    /* Its work first, while the stream is still the device's: a device
+    /* No caller's from now on (a second destroy is refused, a device reset
+     * passes it by), but the device's until its work is done: a device
      * synchronize meanwhile, from another thread, waits for that work too,
      * as it waits for all the device's queued tasks on real hardware. */
-    sim_stream_wait_idle(s);
     struct sim_device *d = sim_device(s->device);
-    for (struct sim_stream **link = &d->streams; *link != NULL; link = &(*link)->next_on_device) {
-        if (*link == s) {
-            *link = s->next_on_device;
-            break;
-        }
-    }
+    unlink_stream(&d->streams, s);
+    s->next_on_device = d->dying;
+    d->dying = s;
+    sim_stream_wait_idle(s);
+    unlink_stream(&d->dying, s);
     s->stopping = 1;
     pthread_cond_signal(&s->work);
     pthread_mutex_unlock(&sim_lock);

@@ -73,6 +73,25 @@ elif mode == "churn":
         assert lib.npualloc_get_stats(0, stats) == 0
         left.append((stats.reserved_bytes[0].current, aclsim.live_allocations(0)))
     print(json.dumps({"left": left, "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
+elif mode == "outlive":
+    # Tensors that outlive their stream, freed on it afterwards as MindTorch frees them.
+    s, ret = acl.rt.create_stream(); assert ret == 0
+    aclsim.set_op_duration_us(2000)
+    bufs = [malloc(N, s) for _ in range(steps)]
+    for step, buf in enumerate(bufs):
+        fill(buf, N, step & 0xFF, s)
+    assert acl.rt.destroy_stream(s) == 0
+    before = {api: aclsim.call_count(api) for api in COUNTED}
+    for buf in bufs:
+        free(buf, s)
+    calls = {api: aclsim.call_count(api) - before[api] for api in COUNTED}
+    stats = ffi.new("npualloc_device_stats *")
+    assert lib.npualloc_get_stats(0, stats) == 0
+    pending = stats.num_pending_frees
+    lib.npualloc_empty_cache(0)
+    assert lib.npualloc_get_stats(0, stats) == 0
+    print(json.dumps({"calls": calls, "pending": pending, "reserved": stats.reserved_bytes[0].current,
+                      "invalid": aclsim.invalid_accesses()}))
 else:
     record = mode == "record"
     slow_us = steps
@@ -136,6 +155,17 @@ def test_a_stream_made_and_destroyed_per_step_leaves_nothing_reserved():
     assert out["reports"] == []
     assert out["left"] == [[0, 0]] * 30
     assert out["clobbers"] == 0 and out["invalid"] == 0
+
+
+def test_blocks_that_outlive_their_stream_are_freed_without_runtime_calls():
+    """Freed on their stream after its destroy (which waited for their work),
+    they need no event (none on a handle that names nothing) and no
+    synchronize; the next empty_cache gives them back."""
+    out = run("outlive", 10)
+    assert out["reports"] == []
+    assert out["calls"] == {api: 0 for api in out["calls"]}
+    assert out["pending"] == 0  # nothing waits for an event to come
+    assert out["reserved"] == 0 and out["invalid"] == 0
 
 
 def _raced(mode: str, caught: bool = False) -> dict:

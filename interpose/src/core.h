@@ -212,9 +212,7 @@ npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, i
 npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device);
 /* Around the runtime's destroy of stream (which waits for the work queued
  * on it). retire, before it, sets the stream's pools aside (no allocation
- * from them again; the handle, which the runtime may give a new stream,
- * counts as another stream for their blocks) and returns this destroy's
- * token. destroyed(token), once the destroy succeeded, gives what those
+ * from them again) and returns this destroy's token. destroyed(token), once the destroy succeeded, gives what those
  * pools cache back to the device and frees pools nothing is left in;
  * not_destroyed(token), after a failed destroy, gives them back to the
  * stream, which lives on. */

@@ -426,16 +426,22 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
 
     /* A block still live, and one waiting for another stream's event, keep
      * their segments and the pools. The live one freed later on the same
-     * handle waits for an event there (the handle may be a new stream's by
-     * then); fenced, an empty_cache gives both back and the pools go. */
+     * handle waits for nothing (no event on a handle that names nothing),
+     * is handed out to no one, and stays until a release that synchronizes:
+     * an empty_cache gives both back and the pools go. */
     void *live = alloc_on(&fx, 3, 4096), *recorded = alloc_on(&fx, 3, 1 * MiB);
     CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
     CHECK_EQ(npa_free_stream(fx.a, recorded, 3, 0, NULL), NPA_FREE_OK);
     destroy_stream(&fx, 3);
     CHECK_EQ(stream_pairs(&fx), 1);
     CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* one small segment or page */
+    long events = fx.fake.stream_events;
     CHECK_EQ(npa_free_stream(fx.a, live, 3, 0, NULL), NPA_FREE_OK);
-    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_events, events + 1); /* stream 4's, for the recorded block only */
+    void *other = alloc_on(&fx, 3, 4096);         /* a new stream 3 gets new pools */
+    CHECK(other != live);
+    CHECK_EQ(npa_free_stream(fx.a, other, 3, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
     CHECK_EQ(stream_pairs(&fx), 0);
     npualloc_device_stats s = stats_of(&fx, 0);

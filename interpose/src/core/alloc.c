@@ -323,8 +323,7 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
 /* Around aclrtDestroyStream, which waits for the stream's queued work.
  * Before it, the stream's pools are set aside under a token of this
  * destroy: they serve no allocation (a stream the runtime gives the same
- * handle afterwards gets new ones), and that handle counts as another
- * stream for their blocks. */
+ * handle afterwards gets new ones). */
 uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
     if (!a) return 0;
     uint64_t token = __atomic_add_fetch(&a->retire_tokens, 1, __ATOMIC_RELAXED);
@@ -527,7 +526,7 @@ void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper) {
 /* Notes that b (of a stream's pool) is used on stream too. Without host
  * memory for the note, its free waits for a synchronize instead. */
 static void note_use(npa_block *b, uintptr_t stream) {
-    if ((stream == b->pool->stream && !b->pool->retired_by) || b->uses_unknown) return;
+    if (stream == b->pool->stream || b->uses_unknown) return;
     npa_stream_set *set = b->uses;
     for (size_t i = 0; set && i < set->count; i++)
         if (set->streams[i] == stream) return;

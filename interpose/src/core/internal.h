@@ -94,8 +94,11 @@ struct npa_pool {
     bool on_stream;
     /* 0 while the stream lives; else the token of the destroy that set the
      * pool aside (npa_stream_retire). A set-aside pool serves no allocation,
-     * and its handle, which may name a new stream by then, counts as another
-     * stream: its blocks wait for an event there when freed or recorded on it. */
+     * and only that destroy's release (after the runtime waited for the
+     * stream) gives its memory back without a synchronize: its handle may
+     * name a new stream by then, whose work a block freed there later may
+     * still be queued behind, so after that only empty_cache or the OOM
+     * retry, which synchronize, release it. */
     uint64_t retired_by;
     uintptr_t stream;        /* the stream's handle when on_stream (the default stream may be 0) */
     npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */

@@ -476,6 +476,30 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
     fixture_destroy(&fx);
 }
 
+/* Blocks recorded on a stream that is then destroyed: no event is recorded
+ * on its handle afterwards (it names nothing); a synchronize stands in, for
+ * a block freed before the destroy and waiting in the open batch as for one
+ * freed after it. */
+static void test_no_event_on_a_destroyed_stream_a_block_was_recorded_on(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *before = alloc_on(&fx, 1, 4096), *after = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, before, 2, 0), NPA_OK);
+    CHECK_EQ(npa_record_stream(fx.a, after, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, before, 1, 0, NULL), NPA_FREE_OK);
+    destroy_stream(&fx, 2);
+    CHECK_EQ(npa_free_stream(fx.a, after, 1, 0, NULL), NPA_FREE_OK);
+    long syncs = fx.fake.sync_calls;
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_events, 0);
+    CHECK_EQ(fx.fake.sync_calls, syncs + 1);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    void *again = alloc_on(&fx, 1, 4096);
+    CHECK(again == before || again == after); /* reusable on stream 1 */
+    CHECK_EQ(npa_free_stream(fx.a, again, 1, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 /* A program that allocates through the plain entry only destroys its
  * streams without touching the cache: the recent blocks stay held. */
 static void test_a_stream_without_pools_destroyed_leaves_the_cache_alone(void) {
@@ -575,6 +599,7 @@ int main(void) {
     RUN(test_gc_leaves_stream_pools_to_the_oom_path);
     RUN(test_a_destroyed_streams_cache_goes_back);
     RUN(test_a_destroy_releases_only_what_it_set_aside);
+    RUN(test_no_event_on_a_destroyed_stream_a_block_was_recorded_on);
     RUN(test_a_stream_without_pools_destroyed_leaves_the_cache_alone);
     return check_report();
 }

@@ -320,6 +320,24 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
     return p;
 }
 
+/* Blocks of other streams recorded on the stream being destroyed: an event
+ * there once it is gone would name nothing (on CANN, a freed stream), and
+ * until the destroy is done its work may still use them, so a synchronize
+ * stands in for that stream's event when they are freed (or now, for those
+ * freed and waiting for the batch's events to be recorded). */
+static void forget_uses_on(npa_device *d, uintptr_t stream) {
+    for (size_t i = 0; i < d->segments.count; i++)
+        for (npa_block *b = d->segments.items[i].first; b; b = b->next) {
+            npa_stream_set *set = b->uses;
+            for (size_t k = 0; set && k < set->count; k++)
+                if (set->streams[k] == stream) {
+                    set->streams[k] = set->streams[--set->count];
+                    b->uses_unknown = true;
+                    break;
+                }
+        }
+}
+
 /* Around aclrtDestroyStream, which waits for the stream's queued work.
  * Before it, the stream's pools are set aside under a token of this
  * destroy: they serve no allocation (a stream the runtime gives the same
@@ -333,6 +351,7 @@ uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
         npa_lock_acquire(&d->lock);
         for (npa_pool_pair *p = d->streams; p; p = p->next)
             if (p->small.stream == stream && !p->small.retired_by) p->small.retired_by = p->large.retired_by = token;
+        forget_uses_on(d, stream);
         npa_lock_release(&d->lock);
     }
     return token;

@@ -67,7 +67,8 @@ struct npa_block {
     uint8_t phase;           /* npa_block_phase */
     bool is_small;           /* small pool (2 MiB segments) */
     bool in_expandable;      /* part of an expandable segment */
-    bool uses_unknown;       /* recorded on a stream that could not be noted (no host memory): its free waits for a synchronize */
+    bool uses_unknown;       /* recorded on a stream that could not be noted (no host memory) or that
+                              * was destroyed since (npa_stream_retire): its free waits for a synchronize */
     bool fence_own;          /* NPA_STREAM_HOST_WRITES: its free waits for an event on its own stream too
                               * (npa_block_fences_own: not once that stream's destroy began) */
 };

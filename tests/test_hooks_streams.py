@@ -210,3 +210,78 @@ def test_a_device_that_cannot_be_entered_keeps_its_blocks_pending():
     assert out["faulty"]["enter_tries"] >= 1
     assert out["faulty"]["pending"] == out["freed"] == 1 and out["faulty"]["raw_kept"]
     assert out["cleared"] == {"pending": 0, "raw_left": 0}
+
+
+# A plain block (aclrtMalloc) is the workspace of an op queued on stream S and
+# freed with aclrtFree; S is destroyed meanwhile ("during": from another thread,
+# while the op runs; "refused": first, from a thread with no current device,
+# which the runtime refuses). The next aclrtMalloc of that size misses and fences
+# the open frees: it may hand the block out only once S's op is done (an event
+# recorded after the op says so; the simulator also reports a workspace
+# changed while its op ran, when the op had stamped it).
+DESTROYED_MEANWHILE = """
+import ctypes, json, sys, threading
+import acl
+from aclsim import aclsim
+mode, second = sys.argv[1], sys.argv[2] == "second"
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+ops = aclsim.Ops()
+NOT_READY = (0, 0)
+rt = ctypes.CDLL(None); rt.aclrtDestroyStream.argtypes = [ctypes.c_void_p]
+busy, _ = acl.rt.create_event()
+started, _ = acl.rt.create_event()
+WS = 20 << 20                          # alone in its segment: a malloc of its size misses
+early = []
+def attempt(duration_us):
+    s, ret = acl.rt.create_stream(); assert ret == 0
+    other = acl.rt.create_stream()[0] if second else None
+    destroys = []
+    if mode == "refused":
+        t = threading.Thread(target=lambda: destroys.append(rt.aclrtDestroyStream(ctypes.c_void_p(s))))
+        t.start(); t.join()
+    dst, _ = acl.rt.malloc(1 << 16, 0)
+    aclsim.set_op_duration_us(duration_us)
+    n, ex, st = ops.fill_get_workspace_size(dst, 1 << 16, 1); assert st == 0
+    ws, _ = acl.rt.malloc(WS, 0)
+    assert acl.rt.record_event(started, s) == 0
+    assert ops.fill(ws, n, ex, s) == 0 and acl.rt.record_event(busy, s) == 0
+    assert acl.rt.free(ws) == 0
+    assert acl.rt.synchronize_event(started) == 0   # the op has begun: it sees a write from now on
+    if mode == "during":
+        entered = aclsim.call_count("aclrtDestroyStream")
+        def destroy():
+            assert acl.rt.set_device(0) == 0
+            destroys.append(acl.rt.destroy_stream(s))
+        t = threading.Thread(target=destroy); t.start()
+        while aclsim.call_count("aclrtDestroyStream") == entered and t.is_alive():
+            pass                       # until the destroy has begun
+    queued = acl.rt.query_event_status(busy) == NOT_READY
+    q, _ = acl.rt.malloc(WS, 0)
+    early.append(q == ws and acl.rt.query_event_status(busy) == NOT_READY)   # handed out under the op
+    assert acl.rt.memset(q, WS, 0x5A, WS) == 0   # its new owner writes it at once
+    if mode == "during":
+        t.join()
+        assert destroys == [0], destroys
+    else:
+        assert destroys != [0] and acl.rt.destroy_stream(s) == 0, destroys
+    if other is not None:
+        assert acl.rt.destroy_stream(other) == 0
+    assert acl.rt.synchronize_device() == 0
+    for p in (q, dst):
+        assert acl.rt.free(p) == 0
+    return queued
+for retry in range(6):
+    if attempt(50_000 << retry):
+        break
+else:
+    raise AssertionError("the op always ended before the malloc")
+print(json.dumps({"early": any(early), "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
+"""
+
+
+@pytest.mark.parametrize("policy", ["auto", "safe"])
+@pytest.mark.parametrize("mode,second", [("during", "only"), ("during", "second"), ("refused", "only")])
+def test_a_block_freed_while_its_stream_is_destroyed_waits_for_its_work(policy, mode, second):
+    proc = run_python(DESTROYED_MEANWHILE, preload_env(PYTORCH_NPU_ALLOC_CONF=f"reuse_policy:{policy}"),
+                      args=[mode, second])
+    assert json.loads(proc.stdout) == {"early": False, "clobbers": 0, "invalid": 0}, proc.stderr

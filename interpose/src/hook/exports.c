@@ -428,14 +428,15 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
     __typeof__(&aclrtDestroyStream) real = NPA_REAL(aclrtDestroyStream);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtDestroyStream);
-    /* Untracked first, so no fence records on a stream being destroyed. */
-    int tracked = npa_streams_remove(stream);
+    /* Untracked first, so no fence records on a stream being destroyed;
+     * until the runtime's destroy returns, the device's fences synchronize
+     * instead, which waits for the stream's work. */
+    int tracked = npa_streams_dying(stream);
     /* The default stream (NULL) is the runtime's to refuse: its pools stay. */
     npa_allocator *a = stream != NULL ? atomic_load_explicit(&npa_serving, memory_order_acquire) : NULL;
     uint64_t token = npa_stream_retire(a, (uintptr_t)stream);
     aclError err = real(stream);
-    if (err != ACL_SUCCESS && tracked)
-        npa_streams_add(npa_thread_device(), stream);
+    npa_streams_dead(tracked, stream, err == ACL_SUCCESS);
     if (err == ACL_SUCCESS)
         npa_stream_destroyed(a, token);
     else

@@ -188,7 +188,12 @@ void npa_device_leave(npa_devswitch *s);
 /* ---- streams.c ------------------------------------------------------------ */
 
 void npa_streams_add(int device, aclrtStream stream);
-int npa_streams_remove(aclrtStream stream); /* 1 when it was tracked */
+/* Around the runtime's destroy: dying untracks the stream and counts it as
+ * dying on its device (fences over that device's streams synchronize until
+ * it is dead), returning 1 + that device, 0 when it was not tracked; dead,
+ * with that value, ends the count and tracks a refused stream again. */
+int npa_streams_dying(aclrtStream stream);
+void npa_streams_dead(int tracked, aclrtStream stream, int destroyed);
 int npa_streams_live(void);                 /* created and not yet destroyed */
 /* A fence over every live stream of the device and its default stream,
  * whatever the reuse policy (the executors need one always), into *fence.

@@ -25,12 +25,17 @@ typedef struct dev_streams {
     size_t nstreams, cap_streams;
     aclrtEvent *pool;
     size_t npool, cap_pool;
+    /* Streams whose aclrtDestroyStream runs: no longer among the live ones
+     * (no event may name a stream being destroyed), but their queued work
+     * may still use blocks freed meanwhile, so while one is dying a fence
+     * over the device's streams synchronizes instead, which waits for it. */
+    int dying;
 } dev_streams;
 
 static dev_streams devs[NPUALLOC_MAX_DEVICES] = {
     [0 ... NPUALLOC_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER},
 };
-static atomic_int live_streams;
+static atomic_int live_streams, dying_streams; /* over every device, for the auto policy */
 
 static int push(void ***v, size_t *n, size_t *cap, void *item)
 {
@@ -78,7 +83,7 @@ void npa_streams_add(int device, aclrtStream stream)
     pthread_mutex_unlock(&d->lock);
 }
 
-int npa_streams_remove(aclrtStream stream)
+int npa_streams_dying(aclrtStream stream)
 {
     for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
         dev_streams *d = &devs[dev];
@@ -86,13 +91,29 @@ int npa_streams_remove(aclrtStream stream)
         for (size_t i = 0; i < d->nstreams; i++)
             if (d->streams[i] == stream) {
                 d->streams[i] = d->streams[--d->nstreams];
+                d->dying++;
+                atomic_fetch_add_explicit(&dying_streams, 1, memory_order_relaxed);
                 pthread_mutex_unlock(&d->lock);
                 atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
-                return 1;
+                return dev + 1;
             }
         pthread_mutex_unlock(&d->lock);
     }
     return 0;
+}
+
+void npa_streams_dead(int tracked, aclrtStream stream, int destroyed)
+{
+    if (tracked <= 0 || tracked > NPUALLOC_MAX_DEVICES)
+        return;
+    int device = tracked - 1;
+    if (!destroyed) /* refused: live again, on the device it was tracked on, whoever calls */
+        npa_streams_add(device, stream);
+    dev_streams *d = &devs[device];
+    pthread_mutex_lock(&d->lock);
+    d->dying--;
+    pthread_mutex_unlock(&d->lock);
+    atomic_fetch_sub_explicit(&dying_streams, 1, memory_order_relaxed);
 }
 
 int npa_streams_live(void)
@@ -145,6 +166,13 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
     if (f != NULL) {
         f->device = device;
         f->count = 0;
+    }
+    /* No host memory for the fence; or a stream being destroyed, which may
+     * still use the blocks and which no event may name: a synchronize below
+     * waits for it. */
+    if (f == NULL || (streams == NULL && d->dying > 0)) {
+        complete = 0;
+    } else {
         for (size_t i = 0; i < n; i++) {
             aclrtStream stream = streams != NULL  ? (aclrtStream)streams[i]
                                  : i < d->nstreams ? d->streams[i]
@@ -158,8 +186,6 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
                 complete = 0;
             }
         }
-    } else {
-        complete = 0;
     }
     pthread_mutex_unlock(&d->lock);
     if (!complete) {
@@ -201,7 +227,7 @@ int npa_fence_needed(void *ctx, int device)
     case NPA_REUSE_AUTO:
         /* Only the default stream exists: work on it runs in order, so a block
          * freed now is safe for whatever is queued after. */
-        return npa_streams_live() > 0;
+        return npa_streams_live() > 0 || atomic_load_explicit(&dying_streams, memory_order_relaxed) > 0;
     case NPA_REUSE_SAFE:
         break;
     }
@@ -277,6 +303,8 @@ void npa_streams_forget_after_fork(void)
     for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
         devs[dev].nstreams = 0;
         devs[dev].npool = 0;
+        devs[dev].dying = 0;
     }
     atomic_store_explicit(&live_streams, 0, memory_order_relaxed);
+    atomic_store_explicit(&dying_streams, 0, memory_order_relaxed);
 }

@@ -325,17 +325,29 @@ static npa_pool_pair *stream_pools(npa_device *d, uintptr_t stream) {
  * until the destroy is done its work may still use them, so a synchronize
  * stands in for that stream's event when they are freed (or now, for those
  * freed and waiting for the batch's events to be recorded). */
-static void forget_uses_on(npa_device *d, uintptr_t stream) {
+static void forget_uses_on(npa_device *d, uintptr_t stream, uint64_t token) {
     for (size_t i = 0; i < d->segments.count; i++)
         for (npa_block *b = d->segments.items[i].first; b; b = b->next) {
             npa_stream_set *set = b->uses;
             for (size_t k = 0; set && k < set->count; k++)
                 if (set->streams[k] == stream) {
                     set->streams[k] = set->streams[--set->count];
+                    b->unknown_by = b->uses_unknown ? NPA_UNKNOWN_STAYS : token;
                     b->uses_unknown = true;
                     break;
                 }
         }
+}
+
+/* Once the destroy returned, the stream's work is done: the blocks whose
+ * uses it alone made unknown need no synchronize any more. */
+static void settle_uses_on(npa_device *d, uint64_t token) {
+    for (size_t i = 0; i < d->segments.count; i++)
+        for (npa_block *b = d->segments.items[i].first; b; b = b->next)
+            if (b->uses_unknown && b->unknown_by == token) {
+                b->uses_unknown = false;
+                b->unknown_by = 0;
+            }
 }
 
 /* Around aclrtDestroyStream, which waits for the stream's queued work.
@@ -351,7 +363,7 @@ uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
         npa_lock_acquire(&d->lock);
         for (npa_pool_pair *p = d->streams; p; p = p->next)
             if (p->small.stream == stream && !p->small.retired_by) p->small.retired_by = p->large.retired_by = token;
-        forget_uses_on(d, stream);
+        forget_uses_on(d, stream, token);
         npa_lock_release(&d->lock);
     }
     return token;
@@ -395,7 +407,16 @@ static void release_retired(npa_allocator *a, npa_device *d, uint64_t token) {
     if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
 }
 
-void npa_stream_destroyed(npa_allocator *a, uint64_t token) { for_retired(a, token, release_retired); }
+void npa_stream_destroyed(npa_allocator *a, uint64_t token) {
+    for (int i = 0; a && token && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        npa_lock_acquire(&d->lock);
+        settle_uses_on(d, token);
+        npa_lock_release(&d->lock);
+    }
+    for_retired(a, token, release_retired);
+}
 
 static void give_back_retired(npa_allocator *a, npa_device *d, uint64_t token) {
     (void)a;
@@ -545,7 +566,11 @@ void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper) {
 /* Notes that b (of a stream's pool) is used on stream too. Without host
  * memory for the note, its free waits for a synchronize instead. */
 static void note_use(npa_block *b, uintptr_t stream) {
-    if (stream == b->pool->stream || b->uses_unknown) return;
+    if (stream == b->pool->stream) return;
+    if (b->uses_unknown) { /* not noted: a synchronize stands in for it too, whatever settles meanwhile */
+        b->unknown_by = NPA_UNKNOWN_STAYS;
+        return;
+    }
     npa_stream_set *set = b->uses;
     for (size_t i = 0; set && i < set->count; i++)
         if (set->streams[i] == stream) return;
@@ -554,6 +579,7 @@ static void note_use(npa_block *b, uintptr_t stream) {
         npa_stream_set *grown = realloc(set, sizeof *set + capacity * sizeof set->streams[0]);
         if (!grown) {
             b->uses_unknown = true;
+            b->unknown_by = NPA_UNKNOWN_STAYS;
             return;
         }
         if (!set) grown->count = 0;

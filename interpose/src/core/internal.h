@@ -69,9 +69,13 @@ struct npa_block {
     bool in_expandable;      /* part of an expandable segment */
     bool uses_unknown;       /* recorded on a stream that could not be noted (no host memory) or that
                               * was destroyed since (npa_stream_retire): its free waits for a synchronize */
+    uint64_t unknown_by;     /* when uses_unknown: the destroy (token) that was its only cause, which
+                              * settles it once the runtime returns; NPA_UNKNOWN_STAYS for any other */
     bool fence_own;          /* NPA_STREAM_HOST_WRITES: its free waits for an event on its own stream too
                               * (npa_block_fences_own: not once that stream's destroy began) */
 };
+
+#define NPA_UNKNOWN_STAYS UINT64_MAX
 
 static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NULL || b->next != NULL; }
 

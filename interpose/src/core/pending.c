@@ -61,6 +61,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         free(b->uses);
         b->uses = NULL;
         b->uses_unknown = false;
+        b->unknown_by = 0;
         b->fence_own = false;
         d->stats->num_pending_frees--;
         if (offered < d->recent.capacity && npa_recent_admits(d, b)) {

@@ -194,7 +194,7 @@ void npa_streams_add(int device, aclrtStream stream);
  * with that value, ends the count and tracks a refused stream again. */
 int npa_streams_dying(aclrtStream stream);
 void npa_streams_dead(int tracked, aclrtStream stream, int destroyed);
-int npa_streams_live(void);                 /* created and not yet destroyed */
+int npa_streams_live(void);                 /* created and not yet destroyed (dying included) */
 /* A fence over every live stream of the device and its default stream,
  * whatever the reuse policy (the executors need one always), into *fence.
  * ACL_SUCCESS with *fence NULL only when the fence could not be recorded and

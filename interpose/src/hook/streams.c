@@ -35,7 +35,7 @@ typedef struct dev_streams {
 static dev_streams devs[NPUALLOC_MAX_DEVICES] = {
     [0 ... NPUALLOC_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER},
 };
-static atomic_int live_streams, dying_streams; /* over every device, for the auto policy */
+static atomic_int live_streams; /* created and not yet destroyed (dying ones too), for the auto policy */
 
 static int push(void ***v, size_t *n, size_t *cap, void *item)
 {
@@ -92,9 +92,7 @@ int npa_streams_dying(aclrtStream stream)
             if (d->streams[i] == stream) {
                 d->streams[i] = d->streams[--d->nstreams];
                 d->dying++;
-                atomic_fetch_add_explicit(&dying_streams, 1, memory_order_relaxed);
                 pthread_mutex_unlock(&d->lock);
-                atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
                 return dev + 1;
             }
         pthread_mutex_unlock(&d->lock);
@@ -106,14 +104,15 @@ void npa_streams_dead(int tracked, aclrtStream stream, int destroyed)
 {
     if (tracked <= 0 || tracked > NPUALLOC_MAX_DEVICES)
         return;
-    int device = tracked - 1;
-    if (!destroyed) /* refused: live again, on the device it was tracked on, whoever calls */
-        npa_streams_add(device, stream);
-    dev_streams *d = &devs[device];
+    dev_streams *d = &devs[tracked - 1];
     pthread_mutex_lock(&d->lock);
     d->dying--;
+    /* Refused: tracked again, on the device it was on, whoever calls. */
+    if (!destroyed && push(&d->streams, &d->nstreams, &d->cap_streams, stream) != 0)
+        npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", tracked - 1);
     pthread_mutex_unlock(&d->lock);
-    atomic_fetch_sub_explicit(&dying_streams, 1, memory_order_relaxed);
+    if (destroyed) /* counted live until now: the auto policy fenced while its work could still run */
+        atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
 }
 
 int npa_streams_live(void)
@@ -227,7 +226,7 @@ int npa_fence_needed(void *ctx, int device)
     case NPA_REUSE_AUTO:
         /* Only the default stream exists: work on it runs in order, so a block
          * freed now is safe for whatever is queued after. */
-        return npa_streams_live() > 0 || atomic_load_explicit(&dying_streams, memory_order_relaxed) > 0;
+        return npa_streams_live() > 0;
     case NPA_REUSE_SAFE:
         break;
     }
@@ -306,5 +305,4 @@ void npa_streams_forget_after_fork(void)
         devs[dev].dying = 0;
     }
     atomic_store_explicit(&live_streams, 0, memory_order_relaxed);
-    atomic_store_explicit(&dying_streams, 0, memory_order_relaxed);
 }

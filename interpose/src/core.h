@@ -212,10 +212,12 @@ npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, i
 npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device);
 /* Around the runtime's destroy of stream (which waits for the work queued
  * on it). retire, before it, sets the stream's pools aside (no allocation
- * from them again) and returns this destroy's token. destroyed(token), once the destroy succeeded, gives what those
- * pools cache back to the device and frees pools nothing is left in;
- * not_destroyed(token), after a failed destroy, gives them back to the
- * stream, which lives on. */
+ * from them again), makes other blocks' uses of the stream unknown (a
+ * synchronize stands in for an event there) and returns this destroy's
+ * token. destroyed(token), once the destroy succeeded, settles those uses,
+ * gives what the set-aside pools cache back to the device and frees pools
+ * nothing is left in; not_destroyed(token), after a failed destroy, gives
+ * the pools back to the stream, which lives on (its uses stay unknown). */
 uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream);
 void npa_stream_destroyed(npa_allocator *a, uint64_t token);
 void npa_stream_not_destroyed(npa_allocator *a, uint64_t token);

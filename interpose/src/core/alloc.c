@@ -70,7 +70,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
     npa_recent_flush(d);
     npa_error err = must_wait_before_release(d) ? npa_synchronize_and_drain(a, d) : NPA_OK;
     if (err != NPA_OK) return err;
-    npa_release_cached_segments(a, d);
+    npa_release_cached_segments(a, d, 0);
     drop_empty_stream_pools(d);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
     return NPA_OK;
@@ -397,12 +397,7 @@ static void for_retired(npa_allocator *a, uint64_t token, void (*fn)(npa_allocat
 static void release_retired(npa_allocator *a, npa_device *d, uint64_t token) {
     int64_t freed = d->stats->num_device_free;
     npa_recent_flush(d);
-    for (size_t s = d->segments.count; s-- > 0;) { /* backwards: removing entry s leaves the rest in place */
-        npa_segment *seg = &d->segments.items[s];
-        if (seg->first->pool->retired_by != token) continue;
-        if (seg->expandable) npa_expandable_release_free(a, d, s);
-        else npa_segment_release(a, d, seg->first);
-    }
+    npa_release_cached_segments(a, d, token);
     drop_empty_stream_pools(d);
     if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
 }

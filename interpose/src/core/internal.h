@@ -368,8 +368,10 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_p
 bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b);
 /* torch's release_blocks over both pools: every cached unsplit segment, and
  * every whole free page of the expandable segments (the caller has
- * synchronized the device when npa_expandable_unmappable said so). */
-void npa_release_cached_segments(npa_allocator *a, npa_device *d);
+ * synchronized the device when npa_expandable_unmappable said so). With a
+ * retire token (never 0), only those of the pools it set aside, whose
+ * stream's destroy waited for their work. */
+void npa_release_cached_segments(npa_allocator *a, npa_device *d, uint64_t only_retired_by);
 
 /* expandable.c: torch's expandable segments over the backend's VMM calls. */
 /* torch's try_allocate_expandable_block: a FREE block of at least size bytes

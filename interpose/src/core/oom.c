@@ -50,7 +50,7 @@ static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, si
     /* A device that cannot be synchronized keeps its pending frees (their
      * work may still run) and its cache: the retry then gets what it gets. */
     npa_recent_flush(d);
-    if (npa_synchronize_and_drain(a, d) == NPA_OK) npa_release_cached_segments(a, d);
+    if (npa_synchronize_and_drain(a, d) == NPA_OK) npa_release_cached_segments(a, d, 0);
     npa_stats_begin(d);
     d->stats->num_alloc_retries++;
     npa_stats_end(d);

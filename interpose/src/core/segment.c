@@ -101,9 +101,10 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
     return true;
 }
 
-void npa_release_cached_segments(npa_allocator *a, npa_device *d) {
+void npa_release_cached_segments(npa_allocator *a, npa_device *d, uint64_t only_retired_by) {
     /* Backwards, so removing entry i leaves the unvisited ones in place. */
     for (size_t i = d->segments.count; i-- > 0;) {
+        if (only_retired_by && d->segments.items[i].first->pool->retired_by != only_retired_by) continue;
         if (d->segments.items[i].expandable) npa_expandable_release_free(a, d, i);
         else npa_segment_release(a, d, d->segments.items[i].first);
     }

@@ -27,6 +27,21 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     return a;
 }
 
+/* Runs fn(a, d, arg) on one device (if it exists) or on every existing one
+ * (device < 0), under its lock. */
+static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *, uint64_t),
+                        uint64_t arg) {
+    if (!a) return;
+    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
+        if (device >= 0 && i != device) continue;
+        npa_device *d = npa_device_get(a, i, false);
+        if (!d) continue;
+        npa_lock_acquire(&d->lock);
+        fn(a, d, arg);
+        npa_lock_release(&d->lock);
+    }
+}
+
 static bool pair_holds(const npa_device *d, const npa_pool_pair *p) {
     for (size_t i = 0; i < d->segments.count; i++) {
         const npa_pool *pool = d->segments.items[i].first->pool; /* a segment's blocks share a pool */
@@ -339,8 +354,7 @@ static void forget_uses_on(npa_device *d, uintptr_t stream, uint64_t token) {
         }
 }
 
-/* Once the destroy returned, the stream's work is done: the blocks whose
- * uses it alone made unknown need no synchronize any more. */
+/* Clears the marks forget_uses_on left for token alone. */
 static void settle_uses_on(npa_device *d, uint64_t token) {
     for (size_t i = 0; i < d->segments.count; i++)
         for (npa_block *b = d->segments.items[i].first; b; b = b->next)
@@ -369,32 +383,26 @@ uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
     return token;
 }
 
-/* Runs fn on every device whose pools token set aside, under its lock. */
-static void for_retired(npa_allocator *a, uint64_t token, void (*fn)(npa_allocator *, npa_device *, uint64_t)) {
-    for (int i = 0; a && token && i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        /* Most streams never had pools (their programs allocate through
-         * aclrtMalloc): the device is then left as it is. */
-        for (npa_pool_pair *p = d->streams; p; p = p->next)
-            if (p->small.retired_by == token) {
-                fn(a, d, token);
-                break;
-            }
-        npa_lock_release(&d->lock);
-    }
+static bool holds_retired(const npa_device *d, uint64_t token) {
+    for (const npa_pool_pair *p = d->streams; p; p = p->next)
+        if (p->small.retired_by == token) return true;
+    return false;
 }
 
-/* What the pools cache is idle (freed on the stream before its destroy
+/* The destroy returned: the stream's work is done. The blocks whose uses
+ * it alone made unknown need no synchronize any more, and what its
+ * set-aside pools cache is idle (freed on the stream before its destroy
  * waited, or since through its uses' events), so it goes back to the
  * device now, as an empty_cache would give it, rather than wait for a
  * stream that will not come (a program making a stream per step would
  * otherwise reserve a segment per step). Only this destroy's pools: those
  * of a stream given the same handle since, and being destroyed in turn,
  * may still be in use. Pools with live blocks stay until those are freed
- * and an empty_cache releases them. */
-static void release_retired(npa_allocator *a, npa_device *d, uint64_t token) {
+ * and an empty_cache releases them. Most streams never had pools (their
+ * programs allocate through aclrtMalloc): the cache is then left alone. */
+static void destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
+    settle_uses_on(d, token);
+    if (!holds_retired(d, token)) return;
     int64_t freed = d->stats->num_device_free;
     npa_recent_flush(d);
     npa_release_cached_segments(a, d, token);
@@ -403,23 +411,18 @@ static void release_retired(npa_allocator *a, npa_device *d, uint64_t token) {
 }
 
 void npa_stream_destroyed(npa_allocator *a, uint64_t token) {
-    for (int i = 0; a && token && i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        settle_uses_on(d, token);
-        npa_lock_release(&d->lock);
-    }
-    for_retired(a, token, release_retired);
+    if (token) for_devices(a, -1, destroyed_on, token);
 }
 
-static void give_back_retired(npa_allocator *a, npa_device *d, uint64_t token) {
+static void not_destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
     (void)a;
     for (npa_pool_pair *p = d->streams; p; p = p->next)
         if (p->small.retired_by == token) p->small.retired_by = p->large.retired_by = 0;
 }
 
-void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) { for_retired(a, token, give_back_retired); }
+void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
+    if (token) for_devices(a, -1, not_destroyed_on, token);
+}
 
 /* A free block of pool for rounded bytes: a held block of exactly that
  * size, else best fit, else best fit once the held blocks are merged back
@@ -673,19 +676,6 @@ npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int h
                                                                                              : NPA_ERR_INVALID_PARAM;
 }
 
-/* Runs fn on one device (if it exists) or on every existing one (device < 0). */
-static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *)) {
-    if (!a) return;
-    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
-        if (device >= 0 && i != device) continue;
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        fn(a, d);
-        npa_lock_release(&d->lock);
-    }
-}
-
 npa_error npa_empty_cache(npa_allocator *a, int device) {
     npa_error first = NPA_OK;
     for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
@@ -700,4 +690,9 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
     return first;
 }
 
-void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, npa_pending_flush); }
+static void flush_pending(npa_allocator *a, npa_device *d, uint64_t unused) {
+    (void)unused;
+    npa_pending_flush(a, d);
+}
+
+void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, flush_pending, 0); }

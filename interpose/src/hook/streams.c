@@ -70,6 +70,13 @@ static void settle_before_first_stream(void)
     }
 }
 
+/* d->lock held. */
+static void track_locked(dev_streams *d, int device, aclrtStream stream)
+{
+    if (push(&d->streams, &d->nstreams, &d->cap_streams, stream) != 0)
+        npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", device);
+}
+
 void npa_streams_add(int device, aclrtStream stream)
 {
     if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_acq_rel) == 0)
@@ -78,8 +85,7 @@ void npa_streams_add(int device, aclrtStream stream)
         return; /* counted for the auto policy; fences there fall back to a sync */
     dev_streams *d = &devs[device];
     pthread_mutex_lock(&d->lock);
-    if (push(&d->streams, &d->nstreams, &d->cap_streams, stream) != 0)
-        npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", device);
+    track_locked(d, device, stream);
     pthread_mutex_unlock(&d->lock);
 }
 
@@ -107,9 +113,8 @@ void npa_streams_dead(int tracked, aclrtStream stream, int destroyed)
     dev_streams *d = &devs[tracked - 1];
     pthread_mutex_lock(&d->lock);
     d->dying--;
-    /* Refused: tracked again, on the device it was on, whoever calls. */
-    if (!destroyed && push(&d->streams, &d->nstreams, &d->cap_streams, stream) != 0)
-        npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", tracked - 1);
+    if (!destroyed) /* refused: tracked again, on the device it was on, whoever calls */
+        track_locked(d, tracked - 1, stream);
     pthread_mutex_unlock(&d->lock);
     if (destroyed) /* counted live until now: the auto policy fenced while its work could still run */
         atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);

@@ -197,7 +197,7 @@ size_t npa_expandable_reach(const npa_block *b) {
     return b->size + (b->next && b->next->phase == NPA_PHASE_UNMAPPED ? b->next->size : 0);
 }
 
-/* The whole pages inside a free block, [*begin, *end) as page indices. */
+/* The whole pages inside a block, [*begin, *end) as page indices. */
 static bool whole_pages(const npa_expandable *es, const npa_block *b, size_t *begin, size_t *end) {
     *begin = (b->addr - es->base + es->page_size - 1) / es->page_size;
     *end = (b->addr + b->size - es->base) / es->page_size;
@@ -292,9 +292,9 @@ static void release_range(npa_allocator *a, npa_device *d, size_t index) {
 static bool unmap_left_pages(npa_allocator *a, npa_device *d, npa_expandable *es, npa_block *first) {
     bool all_gone = true;
     for (npa_block *b = first; b; b = b->next) {
-        if (b->phase != NPA_PHASE_UNMAPPED) continue;
-        size_t end = (b->addr + b->size - es->base) / es->page_size; /* unmapped blocks span whole pages */
-        for (size_t i = (b->addr - es->base) / es->page_size; i < end; i++)
+        size_t begin, end; /* an unmapped block spans whole pages */
+        if (b->phase != NPA_PHASE_UNMAPPED || !whole_pages(es, b, &begin, &end)) continue;
+        for (size_t i = begin; i < end; i++)
             if (es->pages[i] && !unmap_page(a, d, es, i)) all_gone = false;
     }
     return all_gone;

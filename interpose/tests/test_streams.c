@@ -426,22 +426,34 @@ static void destroyed_streams_cache_goes_back(bool expandable) {
 
     /* A block still live, and one waiting for another stream's event, keep
      * their segments and the pools. The live one freed later on the same
-     * handle waits for nothing (no event on a handle that names nothing),
-     * is handed out to no one, and stays until a release that synchronizes:
-     * an empty_cache gives both back and the pools go. */
+     * handle is handed out to no one and waits, as a plain block, for the
+     * fence over every stream: the handle may name a new stream by then,
+     * whose use would read as the block's own. Once both have waited, their
+     * segment goes back with no synchronize, and their pools go. */
     void *live = alloc_on(&fx, 3, 4096), *recorded = alloc_on(&fx, 3, 1 * MiB);
     CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
     CHECK_EQ(npa_free_stream(fx.a, recorded, 3, 0, NULL), NPA_FREE_OK);
     destroy_stream(&fx, 3);
     CHECK_EQ(stream_pairs(&fx), 1);
     CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* one small segment or page */
-    long events = fx.fake.stream_events;
+    long events = fx.fake.stream_events, plain_fences = fx.fake.fence_records - fx.fake.stream_fence_records;
     CHECK_EQ(npa_free_stream(fx.a, live, 3, 0, NULL), NPA_FREE_OK);
     npa_process_pending(fx.a, 0);
     CHECK_EQ(fx.fake.stream_events, events + 1); /* stream 4's, for the recorded block only */
+    CHECK_EQ(fx.fake.fence_records - fx.fake.stream_fence_records, plain_fences + 1); /* live's */
     void *other = alloc_on(&fx, 3, 4096);         /* a new stream 3 gets new pools */
     CHECK(other != live);
     CHECK_EQ(npa_free_stream(fx.a, other, 3, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stream_pairs(&fx), 2);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 4 * MiB);
+    fx.fake.completed_epoch = fx.fake.recorded_epoch; /* the plain fences only */
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 4 * MiB); /* recorded still waits for 4 */
+    fake_complete_stream(&fx.fake, 4);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the new stream 3's */
+    CHECK_EQ(stream_pairs(&fx), 1);
+    CHECK_EQ(fx.fake.sync_calls, 0);
     CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
     CHECK_EQ(stream_pairs(&fx), 0);
     npualloc_device_stats s = stats_of(&fx, 0);
@@ -532,6 +544,69 @@ static void test_a_destroyed_streams_cache_goes_back(void) {
     destroyed_streams_cache_goes_back(true);
 }
 
+/* A block per short-lived stream, freed after that stream's destroy: each
+ * goes back to the device once free, after the fence over every stream
+ * (safe) or at once (eager: nothing fences), so the reservation is one
+ * step's, not a segment more per step until an OOM retry. No event names a
+ * destroyed handle and nothing synchronizes. Under eager, a block recorded
+ * on another stream still waits for that stream's event. */
+static void blocks_outliving_their_stream(bool eager, bool expandable) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.eager = eager;
+    fx.fake.answers_fence_needed = true; /* as the hook's backend: reuse_policy says whether plain frees wait */
+    fx.fake.stream_fences = true;
+    fx.fake.vmm = true;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = expandable;
+    fixture_start(&fx, &config);
+    for (int step = 0; step < 50; step++) {
+        uintptr_t stream = 1 + (uintptr_t)step % 2;
+        void *outliving = alloc_on(&fx, stream, 1 * MiB);
+        destroy_stream(&fx, stream);
+        CHECK_EQ(npa_free_stream(fx.a, outliving, stream, 0, NULL), NPA_FREE_OK);
+        if (!eager) {
+            CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+            npa_process_pending(fx.a, 0); /* records the fence */
+            fake_complete_fences(&fx.fake);
+            npa_process_pending(fx.a, 0);
+        }
+        npualloc_device_stats s = stats_of(&fx, 0);
+        CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+        CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 0);
+        CHECK_EQ(stream_pairs(&fx), 0);
+    }
+    CHECK_EQ(fx.fake.fence_records, eager ? 0 : 50);
+    CHECK_EQ(fx.fake.stream_events, 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+
+    void *recorded = alloc_on(&fx, 1, 4096);
+    CHECK_EQ(npa_record_stream(fx.a, recorded, 4, 0), NPA_OK);
+    destroy_stream(&fx, 1);
+    CHECK_EQ(npa_free_stream(fx.a, recorded, 1, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(fx.fake.stream_events, eager ? 1 : 0); /* safe: the fence over every stream covers 4 */
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB);
+    if (eager) fake_complete_stream(&fx.fake, 4);
+    else fake_complete_fences(&fx.fake);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(stream_pairs(&fx), 0);
+    CHECK_EQ(fx.fake.raw_malloc_calls, fx.fake.raw_free_calls);
+    CHECK_EQ(fx.fake.page_count, 0);
+    CHECK_EQ(fx.fake.bad_frees, 0);
+    fixture_destroy(&fx);
+}
+
+static void test_blocks_outliving_their_stream_go_back_once_freed(void) {
+    blocks_outliving_their_stream(false, false);
+    blocks_outliving_their_stream(false, true);
+    blocks_outliving_their_stream(true, false);
+    blocks_outliving_their_stream(true, true);
+}
+
 /* What the destroys of other threads and failed destroys must not do. */
 static void test_a_destroy_releases_only_what_it_set_aside(void) {
     fixture fx;
@@ -612,6 +687,7 @@ int main(void) {
     RUN(test_gc_leaves_stream_pools_to_the_oom_path);
     RUN(test_a_destroyed_streams_cache_goes_back);
     RUN(test_a_destroy_releases_only_what_it_set_aside);
+    RUN(test_blocks_outliving_their_stream_go_back_once_freed);
     RUN(test_no_event_on_a_destroyed_stream_a_block_was_recorded_on);
     RUN(test_a_stream_without_pools_destroyed_leaves_the_cache_alone);
     return check_report();

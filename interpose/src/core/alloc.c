@@ -51,10 +51,12 @@ static bool pair_holds(const npa_device *d, const npa_pool_pair *p) {
 }
 
 /* Frees the stream pools no segment is left to: a destroyed stream's go,
- * and a live stream gets new ones on its next allocation. */
-static void drop_empty_stream_pools(npa_device *d) {
+ * and a live stream gets new ones on its next allocation. With
+ * only_retired_by, only pools set aside that way (a malloc may hold a live
+ * stream's pair, still empty). */
+static void drop_empty_stream_pools(npa_device *d, uint64_t only_retired_by) {
     for (npa_pool_pair **link = &d->streams, *p; (p = *link);) {
-        if (!pair_holds(d, p)) {
+        if ((!only_retired_by || p->small.retired_by == only_retired_by) && !pair_holds(d, p)) {
             *link = p->next;
             free(p);
         } else {
@@ -86,7 +88,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
     npa_error err = must_wait_before_release(d) ? npa_synchronize_and_drain(a, d) : NPA_OK;
     if (err != NPA_OK) return err;
     npa_release_cached_segments(a, d, 0);
-    drop_empty_stream_pools(d);
+    drop_empty_stream_pools(d, 0);
     npa_stats_sample_device_memory(a, d, NULL, NULL);
     return NPA_OK;
 }
@@ -383,6 +385,25 @@ uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
     return token;
 }
 
+/* Gives back the idle segments of the pools retired_by names and frees
+ * those pools once empty. */
+static void release_retired(npa_allocator *a, npa_device *d, uint64_t retired_by) {
+    int64_t freed = d->stats->num_device_free;
+    npa_release_cached_segments(a, d, retired_by);
+    drop_empty_stream_pools(d, retired_by);
+    if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
+}
+
+/* Called where blocks may have gone back to their pools, outside any stats
+ * section (a release calls the backend): the segments of gone streams that
+ * their last blocks left free go back now, since nothing allocates from
+ * them again. */
+static inline void release_gone_freed(npa_allocator *a, npa_device *d) {
+    if (__builtin_expect(!d->gone_freed, 1)) return;
+    d->gone_freed = false;
+    release_retired(a, d, NPA_STREAM_GONE);
+}
+
 static bool holds_retired(const npa_device *d, uint64_t token) {
     for (const npa_pool_pair *p = d->streams; p; p = p->next)
         if (p->small.retired_by == token) return true;
@@ -403,11 +424,10 @@ static bool holds_retired(const npa_device *d, uint64_t token) {
 static void destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
     settle_uses_on(d, token);
     if (!holds_retired(d, token)) return;
-    int64_t freed = d->stats->num_device_free;
     npa_recent_flush(d);
-    npa_release_cached_segments(a, d, token);
-    drop_empty_stream_pools(d);
-    if (d->stats->num_device_free != freed) npa_stats_sample_device_memory(a, d, NULL, NULL);
+    release_retired(a, d, token);
+    for (npa_pool_pair *p = d->streams; p; p = p->next)
+        if (p->small.retired_by == token) p->small.retired_by = p->large.retired_by = NPA_STREAM_GONE;
 }
 
 void npa_stream_destroyed(npa_allocator *a, uint64_t token) {
@@ -448,6 +468,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
 
     npa_lock_acquire(&d->lock);
     npa_pending_poll(a, d);
+    release_gone_freed(a, d);
     npa_block *b = NULL;
     bool cache_hit = false, cap_hit = false;
     size_t rounded = SIZE_MAX;
@@ -461,6 +482,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         b = take_cached_block(a, d, pool, rounded);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             npa_pending_flush(a, d);
+            release_gone_freed(a, d);
             b = take_cached_block(a, d, pool, rounded);
         }
         cache_hit = b != NULL;
@@ -522,6 +544,7 @@ static void merge_into_pool(npa_device *d, npa_block *b, bool counted) {
     b->phase = NPA_PHASE_FREE;
     b->requested = 0;
     npa_pool_insert(pool, b);
+    if (pool->retired_by == NPA_STREAM_GONE) d->gone_freed = true;
     if (npa_block_is_split(b)) {
         inactive_blocks += 1;
         inactive_bytes += (int64_t)b->size;
@@ -587,6 +610,23 @@ static void note_use(npa_block *b, uintptr_t stream) {
     set->streams[set->count++] = stream;
 }
 
+static bool plain_fence_needed(const npa_allocator *a, const npa_device *d) {
+    return a->backend.fence_record && (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id));
+}
+
+/* A block of a stream whose destroy returned: that stream's work is done,
+ * but the runtime may have given its handle to a new stream, and a use
+ * there, recorded or freed on under that handle, reads as the block's own.
+ * So it waits as a plain block does, for the reuse policy's fence over
+ * every live stream; where the policy fences nothing (no stream lives, or
+ * eager), for the streams it was recorded on. Its segment then goes back
+ * to the device once free (release_gone_freed). */
+static void free_into_gone_pool(npa_allocator *a, npa_device *d, npa_block *b) {
+    if (plain_fence_needed(a, d)) npa_pending_add(d, b);
+    else if (b->uses || b->uses_unknown) npa_pending_add_uses(a, d, b);
+    else npa_free_block(a, d, b);
+}
+
 /* torch's free: the allocation ends now. A plain block becomes reusable now
  * or once the fence of its batch completes (the reuse policy); a stream's
  * block now, or once its other streams' events complete. */
@@ -597,10 +637,11 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
+    if (__builtin_expect(b->pool->retired_by == NPA_STREAM_GONE, 0)) {
+        free_into_gone_pool(a, d, b);
+    } else if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
         npa_pending_add_uses(a, d, b);
-    } else if (!b->pool->on_stream && a->backend.fence_record &&
-               (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id))) {
+    } else if (!b->pool->on_stream && plain_fence_needed(a, d)) {
         npa_pending_add(d, b);
     } else if (npa_recent_admits(d, b)) { /* reusable at once: on its own stream, or eager */
         npa_recent_put(d, b);
@@ -622,6 +663,7 @@ static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_o
     if (b) {
         if (op != OP_FREE && b->pool->on_stream) note_use(b, stream);
         if (op != OP_RECORD) free_allocated(a, d, b);
+        release_gone_freed(a, d);
         result = 1;
     } else if (npa_segments_find(&d->segments, addr) >= 0) {
         if (op != OP_RECORD) {
@@ -693,6 +735,7 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
 static void flush_pending(npa_allocator *a, npa_device *d, uint64_t unused) {
     (void)unused;
     npa_pending_flush(a, d);
+    release_gone_freed(a, d);
 }
 
 void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, flush_pending, 0); }

@@ -97,17 +97,19 @@ struct npa_pool {
      * stream runs next runs after the work that used it; only the streams
      * in its uses are fenced. Segments (and so blocks) never change pool. */
     bool on_stream;
-    /* 0 while the stream lives; else the token of the destroy that set the
-     * pool aside (npa_stream_retire). A set-aside pool serves no allocation,
-     * and only that destroy's release (after the runtime waited for the
-     * stream) gives its memory back without a synchronize: its handle may
-     * name a new stream by then, whose work a block freed there later may
-     * still be queued behind, so after that only empty_cache or the OOM
-     * retry, which synchronize, release it. */
+    /* 0 while the stream lives; the token of the destroy that set the pool
+     * aside (npa_stream_retire) while that destroy runs; NPA_STREAM_GONE
+     * once it returned. A set-aside pool serves no allocation. Its blocks
+     * freed once the stream is gone go back to the device as their
+     * segments empty, after a fence (free_into_gone_pool). */
     uint64_t retired_by;
     uintptr_t stream;        /* the stream's handle when on_stream (the default stream may be 0) */
     npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */
 };
+
+/* npa_pool.retired_by of a pool whose stream's destroy returned (tokens
+ * count up from 1 and never reach it). */
+#define NPA_STREAM_GONE UINT64_MAX
 
 /* Whether b's free waits for an event on its own stream (host writes). Not
  * once the stream's destroy began: the destroy waits for that work itself,
@@ -255,6 +257,7 @@ typedef struct npa_device {
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     bool largest_moved;      /* a pool's or the recent cache's largest block changed: largest_free_block is stale */
+    bool gone_freed;         /* a block went back to a gone stream's pool: its segment may be free (release_gone) */
     npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */

@@ -51,7 +51,9 @@ static bool batch_full(const npa_device *d) {
  * first) held whole there, so the next mallocs of their sizes skip best
  * fit, split and merge as after an eager free. The rest go straight to the
  * pool: offered to the cache, each would only push out a block put there
- * just before. The drains that empty the cache (a synchronize) merge all. */
+ * just before. The drains that empty the cache (a synchronize) merge all.
+ * A gone stream's block is never held: no malloc takes it, and merged it
+ * lets its segment go back. */
 static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, bool whole) {
     unsigned offered = whole ? 0 : d->recent.capacity;
     npa_stats_begin(d);
@@ -64,7 +66,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->unknown_by = 0;
         b->fence_own = false;
         d->stats->num_pending_frees--;
-        if (offered < d->recent.capacity && npa_recent_admits(d, b)) {
+        if (offered < d->recent.capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_recent_admits(d, b)) {
             npa_recent_put(d, b);
             offered++;
         } else {

@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
@@ -306,9 +306,12 @@ class Region:
         h = self._region.header
         state, paused, backup = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
         reader_library().npualloc_reader_pause_state(self._region, state, paused, backup)
+        config = ffi.new("char[]", constants.NPUALLOC_CONFIG_LEN)
+        self._read_seqlocked(lambda: reader_library().npualloc_reader_config(self._region, SEQLOCK_ATTEMPTS, config),
+                             "the config text")
         header = RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
                               cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
-                              config=ffi.string(h.config, len(h.config)).decode(errors="replace"),
+                              config=ffi.string(config).decode(errors="replace"),
                               device_count=h.device_count,
                               state=PAUSE_STATES.get(state[0], f"state {state[0]}"),
                               paused_bytes=int(paused[0]), backup_bytes=int(backup[0]))
@@ -324,34 +327,38 @@ class Region:
 
     def read_device_stats(self, device: int) -> Any:
         """A consistent copy of one device's stats (npualloc_device_stats *)."""
-        return self._read_seqlocked(reader_library().npualloc_reader_stats, "npualloc_device_stats *", device,
-                                    "stats")
+        return self._read_device(reader_library().npualloc_reader_stats, "npualloc_device_stats *", device, "stats")
 
     def read_saver_stats(self, device: int) -> Any:
         """A consistent copy of one device's memory_saver figures (npualloc_saver_stats *)."""
-        return self._read_seqlocked(reader_library().npualloc_reader_saver_stats, "npualloc_saver_stats *", device,
-                                    "memory_saver figures")
+        return self._read_device(reader_library().npualloc_reader_saver_stats, "npualloc_saver_stats *", device,
+                                 "memory_saver figures")
 
-    def _read_seqlocked(self, read: Any, ctype: str, device: int, what: str) -> Any:
+    def _read_device(self, read: Any, ctype: str, device: int, what: str) -> Any:
         if not 0 <= device < constants.NPUALLOC_MAX_DEVICES:
             raise ValueError(f"device {device} out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
         copy = ffi.new(ctype)
+        self._read_seqlocked(lambda: read(self._region, device, SEQLOCK_ATTEMPTS, copy), f"device {device} {what}")
+        return copy
+
+    def _read_seqlocked(self, attempt: Callable[[], int], what: str) -> None:
+        """Runs attempt (a reader library copy under a seqlock) until it returns
+        NPUALLOC_READ_OK, within what is left of this region's seqlock wait."""
         started = time.monotonic()
-        status = read(self._region, device, SEQLOCK_ATTEMPTS, copy)
+        status = attempt()
         if status == constants.NPUALLOC_READ_OK:
-            return copy
+            return
         deadline = started + max(self._seqlock_wait.left, 0.0)
         try:
             while status != constants.NPUALLOC_READ_OK:
                 if status == constants.NPUALLOC_READ_LOST:
                     self._check_not_lost()
                 if time.monotonic() >= deadline:
-                    raise CorruptRegionError(f"{self.path}: device {device} {what} stayed mid-update "
+                    raise CorruptRegionError(f"{self.path}: {what} stayed mid-update "
                                              "(a writer died or stopped inside its seqlock?)")
-                status = read(self._region, device, SEQLOCK_ATTEMPTS, copy)
+                status = attempt()
         finally:
             self._seqlock_wait.left -= time.monotonic() - started
-        return copy
 
     def command_seq(self) -> int:
         """The sequence number of the last command posted to the process."""

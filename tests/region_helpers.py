@@ -63,11 +63,22 @@ WORKLOAD = textwrap.dedent("""
             churn_errors.append(traceback.format_exc())
             stop.set()
 
-    def start_churn(threads):
+    def _rewrite_config(seed, texts):
+        # As _churn, but each call sets the config: texts by turns.
+        try:
+            while not stop.is_set():
+                npualloc.set_config(texts[churn_counts[seed] % len(texts)])
+                churn_counts[seed] += 1
+        except BaseException:
+            churn_errors.append(traceback.format_exc())
+            stop.set()
+
+    def start_churn(threads, config_texts=None):
         stop.clear()
         churn_errors.clear()
         churn_counts[:] = [0] * threads
-        churners[:] = [threading.Thread(target=_churn, args=(i,)) for i in range(threads)]
+        churners[:] = [threading.Thread(target=_churn, args=(i,)) if config_texts is None else
+                       threading.Thread(target=_rewrite_config, args=(i, config_texts)) for i in range(threads)]
         for t in churners:
             t.start()
 

@@ -182,6 +182,31 @@ def test_config_commands_change_the_config_and_a_forked_child_keeps_it(shm: Path
         assert w.call("fork_child_allocates(4096)")[3] == config
 
 
+def test_the_config_text_is_read_whole_while_the_process_rewrites_it(shm: Path) -> None:
+    """Another process reads the header's config text while a thread of the
+    process changes the config over and over: every read is one of the two
+    texts, never one's start over the other's tail (the text has a seqlock)."""
+    settings = ["garbage_collection_threshold:0.5", "garbage_collection_threshold:0.25"]
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        texts = [w.call(f"npualloc.set_config({s!r}) or npualloc.get_config()") for s in settings]
+        assert texts[0] != texts[1] and all(s in t for s, t in zip(settings, texts)), texts
+        w.call(f"start_churn(1, {settings!r})")
+        seen: dict[str, int] = {}
+        reads = 0
+        with Region(w.pid) as region:
+            while min(seen.get(t, 0) for t in texts) < 100 or reads < 2000:
+                text = region.header().config
+                seen[text] = seen.get(text, 0) + 1
+                reads += 1
+                if reads % 1000 == 0:
+                    w.call("churn_progress()")  # raises once the rewriting thread failed
+        rewrites = w.call("churn_progress()")
+        w.call("stop_churn()")
+    assert set(seen) == set(texts), {t: n for t, n in seen.items() if t not in texts}
+    assert rewrites > 200
+
+
 @pytest.mark.parametrize("code, arg, fragment", [
     (constants.NPUALLOC_CMD_SET_GC_THRESHOLD, 1.5, "rejected the argument"),
     (constants.NPUALLOC_CMD_SET_GC_THRESHOLD, float("nan"), "rejected the argument"),

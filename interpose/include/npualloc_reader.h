@@ -76,6 +76,9 @@ int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uin
 /* The same for one device's memory_saver figures (their own seqlock). */
 int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t device, uint32_t attempts,
                                     npualloc_saver_stats *out);
+/* The same for the header's config text, into out's NPUALLOC_CONFIG_LEN
+ * bytes, NUL-terminated. */
+int32_t npualloc_reader_config(const npualloc_region *region, uint32_t attempts, char *out);
 
 /* 1 once the region's file shrank under the mapping (its owner truncated it
  * after the checks): the access that found it read zeros instead of ending

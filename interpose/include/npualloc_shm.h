@@ -8,7 +8,8 @@
  * trusting any other field. Stats are published with one seqlock per device
  * (npualloc_device_stats.seq: odd while a writer is inside); copy, re-read seq,
  * retry when it changed or was odd, then npualloc_stats_from_region on the
- * copy (each stat's freed is implied in the region).
+ * copy (each stat's freed is implied in the region). The header's config
+ * text, which a config change rewrites, has its own (header.config_seq).
  *
  * Bump NPUALLOC_SHM_VERSION on any change of layout or meaning of a field
  * below. A new command code needs no bump: a process that predates it
@@ -21,7 +22,7 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 4
+#define NPUALLOC_SHM_VERSION 5
 #define NPUALLOC_MAX_DEVICES 16
 #define NPUALLOC_CONFIG_LEN 512
 #define NPUALLOC_CMDLINE_LEN 256
@@ -127,7 +128,7 @@ typedef struct npualloc_command {
 typedef struct npualloc_region_header {
     uint64_t magic;
     uint32_t version;
-    uint32_t pad0;
+    uint32_t config_seq;     /* seqlock of config, odd while it is rewritten (version 5) */
     uint64_t size;           /* sizeof(npualloc_region) of the writer */
     int32_t pid;
     uint32_t uid;

@@ -92,7 +92,7 @@ static void test_open_validates_in_order(void) {
     file = open_damaged(older_version, sizeof(npualloc_region) / 2, NPUALLOC_OPEN_BAD_VERSION);
     CHECK_EQ(file.version, NPUALLOC_SHM_VERSION - 1);
     open_damaged(bad_magic, sizeof(npualloc_region) / 2, NPUALLOC_OPEN_BAD_MAGIC);
-    open_damaged(NULL, offsetof(npualloc_region_header, pad0) - 1, NPUALLOC_OPEN_TRUNCATED);
+    open_damaged(NULL, offsetof(npualloc_region_header, config_seq) - 1, NPUALLOC_OPEN_TRUNCATED);
 }
 
 static void test_open_refuses_what_is_not_our_regular_file(void) {
@@ -167,6 +167,18 @@ static void test_stats_copy_is_bounded(void) {
     r.saver[1].seq = 3;
     CHECK_EQ(npualloc_reader_saver_stats(&r, 1, 50, &saver), NPUALLOC_READ_BUSY);
     CHECK_EQ(npualloc_reader_saver_stats(&r, NPUALLOC_MAX_DEVICES, 1, &saver), NPUALLOC_READ_BAD_DEVICE);
+
+    /* The config text: whole, NUL-terminated even when the region's is not. */
+    char config[NPUALLOC_CONFIG_LEN];
+    strcpy(r.header.config, "garbage_collection_threshold:0.5");
+    r.header.config_seq = 4;
+    CHECK_EQ(npualloc_reader_config(&r, 1, config), NPUALLOC_READ_OK);
+    CHECK(strcmp(config, "garbage_collection_threshold:0.5") == 0);
+    memset(r.header.config, 'x', sizeof r.header.config);
+    CHECK_EQ(npualloc_reader_config(&r, 1, config), NPUALLOC_READ_OK);
+    CHECK_EQ(strlen(config), NPUALLOC_CONFIG_LEN - 1);
+    r.header.config_seq = 5; /* being rewritten, for good */
+    CHECK_EQ(npualloc_reader_config(&r, 50, config), NPUALLOC_READ_BUSY);
 }
 
 /* The region's owner truncates the file after the reader mapped it: the

@@ -42,7 +42,7 @@ static int32_t check_header(npualloc_region_file *file)
 static int32_t check_prefix(npualloc_region_file *file)
 {
     npualloc_region_header prefix;
-    const size_t length = offsetof(npualloc_region_header, pad0);
+    const size_t length = offsetof(npualloc_region_header, config_seq);
     if (file->size < (off_t)length)
         return NPUALLOC_OPEN_OK;
     if (pread(file->fd, &prefix, length, 0) != (ssize_t)length)

@@ -1,20 +1,24 @@
-/* The reading side of the per-device seqlocks: the device stats, whose
- * writer is npa_stats_begin/npa_stats_end (core/internal.h), and the
- * memory_saver figures (hook/saver.c's publish). Both writers make seq odd,
- * fence (release), store the figures, then make seq even with a release
+/* The reading side of the region's seqlocks: the device stats, whose
+ * writer is npa_stats_begin/npa_stats_end (core/internal.h), the
+ * memory_saver figures (hook/saver.c's publish) and the header's config text
+ * (region/region.c's npa_region_publish_config). Each writer makes seq odd,
+ * fences (release), stores the figures, then makes seq even with a release
  * store. Here: seq with acquire, the copy, an acquire fence, seq again. The
  * acquire fence keeps the copy's loads before the second seq load; on
  * aarch64 nothing else would (x86-64 never reorders loads with loads). */
 #include "npualloc_reader.h"
 
 #include <sched.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <string.h>
 
 _Static_assert(offsetof(npualloc_device_stats, seq) == 0 && offsetof(npualloc_saver_stats, seq) == 0,
                "each seqlocked struct starts with its seq");
 _Static_assert(sizeof(npualloc_device_stats) % sizeof(uint64_t) == 0 &&
-                   sizeof(npualloc_saver_stats) % sizeof(uint64_t) == 0,
+                   sizeof(npualloc_saver_stats) % sizeof(uint64_t) == 0 &&
+                   offsetof(npualloc_region_header, config) % sizeof(uint64_t) == 0 &&
+                   NPUALLOC_CONFIG_LEN % sizeof(uint64_t) == 0,
                "the copy moves whole words");
 
 /* Word by word with relaxed atomic loads: a copy that races a writer is
@@ -33,22 +37,31 @@ static void copy_words(void *out, const void *source, size_t size)
     }
 }
 
-/* source and out start with their uint64_t seq. */
-static int32_t seqlock_copy(const void *source, void *out, size_t size, uint32_t attempts)
+/* A seqlock's counter: a uint64_t, or with narrow a uint32_t (the header's). */
+static uint64_t load_seq(const void *seq, bool narrow, bool acquire)
 {
-    const uint64_t *seq = source;
+    if (narrow)
+        return acquire ? __atomic_load_n((const uint32_t *)seq, __ATOMIC_ACQUIRE)
+                       : __atomic_load_n((const uint32_t *)seq, __ATOMIC_RELAXED);
+    return acquire ? __atomic_load_n((const uint64_t *)seq, __ATOMIC_ACQUIRE)
+                   : __atomic_load_n((const uint64_t *)seq, __ATOMIC_RELAXED);
+}
+
+/* The copy succeeded only if seq stayed the same even number around it; the
+ * counter only grows, so the copy of a seq inside source is that number. */
+static int32_t seqlock_copy(const void *seq, bool narrow, const void *source, void *out, size_t size,
+                            uint32_t attempts)
+{
     for (uint32_t attempt = 0; attempt < attempts; attempt++) {
         if (attempt > 0)
             sched_yield(); /* let a writer that was preempted inside finish */
-        uint64_t before = __atomic_load_n(seq, __ATOMIC_ACQUIRE);
+        uint64_t before = load_seq(seq, narrow, true);
         if (before & 1)
             continue;
         copy_words(out, source, size);
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
-        if (__atomic_load_n(seq, __ATOMIC_RELAXED) == before) {
-            memcpy(out, &before, sizeof before);
+        if (load_seq(seq, narrow, false) == before)
             return NPUALLOC_READ_OK;
-        }
     }
     return NPUALLOC_READ_BUSY;
 }
@@ -58,7 +71,8 @@ int32_t npualloc_reader_stats(const npualloc_region *region, int32_t device, uin
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NPUALLOC_READ_BAD_DEVICE;
-    int32_t status = seqlock_copy(&region->devices[device], out, sizeof *out, attempts);
+    const npualloc_device_stats *stats = &region->devices[device];
+    int32_t status = seqlock_copy(&stats->seq, false, stats, out, sizeof *out, attempts);
     if (npualloc_reader_lost(region))
         return NPUALLOC_READ_LOST;
     if (status == NPUALLOC_READ_OK)
@@ -71,6 +85,15 @@ int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t devic
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return NPUALLOC_READ_BAD_DEVICE;
-    int32_t status = seqlock_copy(&region->saver[device], out, sizeof *out, attempts);
+    const npualloc_saver_stats *saver = &region->saver[device];
+    int32_t status = seqlock_copy(&saver->seq, false, saver, out, sizeof *out, attempts);
+    return npualloc_reader_lost(region) ? NPUALLOC_READ_LOST : status;
+}
+
+int32_t npualloc_reader_config(const npualloc_region *region, uint32_t attempts, char *out)
+{
+    const npualloc_region_header *h = &region->header;
+    int32_t status = seqlock_copy(&h->config_seq, true, h->config, out, NPUALLOC_CONFIG_LEN, attempts);
+    out[NPUALLOC_CONFIG_LEN - 1] = '\0'; /* a foreign region's text may have none */
     return npualloc_reader_lost(region) ? NPUALLOC_READ_LOST : status;
 }

@@ -297,8 +297,14 @@ void npa_region_publish_config(const npa_allocator *a)
     npa_config_format(npa_get_config(a), canonical, sizeof canonical);
     copy_text(g_config, sizeof g_config, canonical);
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
-    if (r)
-        copy_text(r->header.config, sizeof r->header.config, g_config);
+    if (r) { /* readers see it whole or retry (npualloc_reader_config): the stats' seqlock protocol */
+        npualloc_region_header *h = &r->header;
+        uint32_t seq = __atomic_load_n(&h->config_seq, __ATOMIC_RELAXED);
+        __atomic_store_n(&h->config_seq, seq + 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        copy_text(h->config, sizeof h->config, g_config);
+        __atomic_store_n(&h->config_seq, seq + 2, __ATOMIC_RELEASE);
+    }
     pthread_mutex_unlock(&g_create_lock);
 }
 

@@ -134,41 +134,59 @@ def _region_dirs(uid: int | None) -> Iterator[tuple[Path, int]]:
         os.close(base_fd)
 
 
+class HiddenProcessError(OtherUserError):
+    """/proc/<pid> exists but may not be read: another user's process, with
+    /proc mounted hidepid=1 (hidepid=2 hides it altogether: no such process)."""
+
+    def __init__(self, pid: int):
+        super().__init__(f"process {pid} belongs to another user (/proc hides its details)")
+
+
+def _proc_file(pid: int, name: str) -> bytes | None:
+    """/proc/<pid>/<name>, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except PermissionError:
+        raise HiddenProcessError(pid) from None
+
+
 def _stat_fields(pid: int) -> list[bytes] | None:
     """/proc/<pid>/stat's fields from the third on (split after the last ')':
     the command name may hold spaces), or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return text[text.rindex(b")") + 2:].split()
+    text = _proc_file(pid, "stat")
+    return None if text is None else text[text.rindex(b")") + 2:].split()
 
 
 def process_start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat, or None when there is no such process."""
+    """Field 22 of /proc/<pid>/stat, or None when there is no such process.
+    HiddenProcessError for another user's that /proc hides."""
     fields = _stat_fields(pid)
     return None if fields is None else int(fields[22 - 3])
 
 
 def process_ended(pid: int, start_time: int) -> bool:
     """Whether the process that started at start_time is gone: no such pid,
-    a pid reused by a later process, or a zombie (field 3: it has exited,
-    only its parent's wait is left)."""
-    fields = _stat_fields(pid)
+    a pid reused by a later process (one /proc hides from us included: the
+    process we read before was not hidden), or a zombie (field 3: it has
+    exited, only its parent's wait is left)."""
+    try:
+        fields = _stat_fields(pid)
+    except HiddenProcessError:
+        return True
     return fields is None or fields[0] in (b"Z", b"X") or int(fields[22 - 3]) != start_time
 
 
 def process_uid(pid: int) -> int | None:
     """The effective uid of a process (its region directory is named by it),
-    or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[2])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+    or None when there is no such process. HiddenProcessError for another
+    user's that /proc hides."""
+    text = _proc_file(pid, "status")
+    for line in (text or b"").splitlines():
+        if line.startswith(b"Uid:"):
+            return int(line.split()[2])
     return None
 
 
@@ -473,7 +491,11 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
     if match is None:
         return
     pid = int(match.group(1) or match.group(2))
-    if process_start_time(pid) is None:
+    try:
+        ended = process_start_time(pid) is None
+    except HiddenProcessError:
+        ended = True  # another user's process has the pid now: the one that left it is gone
+    if ended:
         try:
             _remove_stale(dir_fd, name, os.lstat(name, dir_fd=dir_fd).st_ino)
         except OSError:

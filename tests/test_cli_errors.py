@@ -15,7 +15,8 @@ from region_helpers import (Workload, assert_one_line_error, cli_env, region_byt
                             write_region)
 
 from npualloc import cli
-from npualloc.errors import CorruptRegionError
+from npualloc import region as region_module
+from npualloc.errors import CorruptRegionError, OtherUserError
 from npualloc.region import Region, RegionHeader
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
@@ -246,3 +247,31 @@ def test_a_command_to_a_region_shrunk_under_the_requester_fails_at_once(tmp_path
         os.truncate(path, 0)
         with pytest.raises(CorruptRegionError, match="truncated while being read"):
             region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, timeout=30)
+
+
+def test_processes_proc_hides_are_another_users_not_a_traceback(tmp_path: Path, sleeper: int,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """With /proc mounted hidepid=1 a user may not read another user's
+    /proc/<pid>/stat or status (PermissionError; another user can take a
+    recycled pid of ours on purpose). `stats` of such a pid says whose it is;
+    `ls` removes our leftover file named by it, as one of a dead pid, and
+    lists on."""
+    real_open = open
+
+    def proc_hides_sleeper(path: object, *args: object, **kwargs: object) -> object:
+        if str(path).startswith(f"/proc/{sleeper}/"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    leftover = region_file(tmp_path, sleeper).with_name(f"npualloc.{sleeper}.snapshot.3")
+    leftover.parent.mkdir(mode=0o700)
+    leftover.write_bytes(b"")
+    monkeypatch.setattr(region_module, "open", proc_hides_sleeper, raising=False)
+    assert cli.main(["stats", str(sleeper)]) == OtherUserError.exit_code
+    assert capsys.readouterr().err == f"npualloc: process {sleeper} belongs to another user (/proc hides its details)\n"
+    assert cli.main(["ls"]) == 0
+    shown = capsys.readouterr()
+    assert shown.out == "no process is running under npualloc\n" and shown.err == ""
+    assert not leftover.exists()

@@ -73,6 +73,9 @@ _OPEN_REFUSALS: dict[int, tuple[type[NpuallocError], str]] = {
     constants.NPUALLOC_OPEN_BAD_SIZE: (CorruptRegionError, "{path} declares a {declared_size}-byte region, expected "
                                                            "{region_size}"),
     constants.NPUALLOC_OPEN_BAD_DEVICES: (CorruptRegionError, "{path} has an inconsistent header"),
+    constants.NPUALLOC_OPEN_SHRANK: (CorruptRegionError, "{path} was truncated while being opened"),
+    constants.NPUALLOC_OPEN_TOO_MANY: (NpuallocError, "cannot open {path}: this process has "
+                                                      f"{constants.NPUALLOC_READER_OPEN_MAX} regions open already"),
 }
 PAUSE_STATES = {constants.NPUALLOC_RUNNING: "running", constants.NPUALLOC_PAUSING: "pausing",
                 constants.NPUALLOC_PAUSED: "paused", constants.NPUALLOC_RESUMING: "resuming"}

@@ -28,6 +28,11 @@
 #define NPUALLOC_OPEN_BAD_VERSION 7    /* .version: another npualloc's layout */
 #define NPUALLOC_OPEN_BAD_SIZE 8       /* .declared_size != sizeof(npualloc_region) */
 #define NPUALLOC_OPEN_BAD_DEVICES 9    /* header.device_count > NPUALLOC_MAX_DEVICES */
+#define NPUALLOC_OPEN_SHRANK 10        /* the file shrank while being opened (.size is what it had before) */
+#define NPUALLOC_OPEN_TOO_MANY 11      /* NPUALLOC_READER_OPEN_MAX regions are open already: close one */
+/* Regions a process may have open at once: each is guarded against its file
+ * shrinking under the mapping (npualloc_reader_lost), in a fixed table. */
+#define NPUALLOC_READER_OPEN_MAX 256
 
 /* npualloc_reader_stats results. */
 #define NPUALLOC_READ_OK 0

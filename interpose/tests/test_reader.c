@@ -207,6 +207,27 @@ static void test_a_file_shrunk_under_the_mapping_is_reported_not_fatal(void) {
     CHECK_EQ(open_path(path, 0, &file), NPUALLOC_OPEN_TRUNCATED);
 }
 
+/* Every open region is guarded; past the guard's table an open is refused
+ * (an unguarded mapping would let the file's owner end the reader), and a
+ * close makes room again. */
+static void test_regions_open_at_once_are_bounded(void) {
+    static npualloc_region r;
+    region_template(&r);
+    const char *path = write_file("region", &r, sizeof r);
+    static npualloc_region_file files[NPUALLOC_READER_OPEN_MAX + 1];
+    for (int i = 0; i < NPUALLOC_READER_OPEN_MAX; i++) CHECK_EQ(open_path(path, 0, &files[i]), NPUALLOC_OPEN_OK);
+    npualloc_region_file refused;
+    CHECK_EQ(open_path(path, 0, &refused), NPUALLOC_OPEN_TOO_MANY);
+    CHECK(refused.region == NULL);
+    CHECK_EQ(refused.fd, -1);
+    npualloc_reader_close(&files[7]);
+    CHECK_EQ(open_path(path, 0, &files[7]), NPUALLOC_OPEN_OK);
+    CHECK_EQ(truncate(path, 0), 0); /* the last one opened is guarded too */
+    npualloc_device_stats out;
+    CHECK_EQ(npualloc_reader_stats(files[7].region, 0, 1, &out), NPUALLOC_READ_LOST);
+    for (int i = 0; i < NPUALLOC_READER_OPEN_MAX; i++) npualloc_reader_close(&files[i]);
+}
+
 static void test_pause_state(void) {
     npualloc_region r;
     region_template(&r);
@@ -455,6 +476,7 @@ int main(void) {
     RUN(test_open_refuses_what_is_not_our_regular_file);
     RUN(test_stats_copy_is_bounded);
     RUN(test_a_file_shrunk_under_the_mapping_is_reported_not_fatal);
+    RUN(test_regions_open_at_once_are_bounded);
     RUN(test_pause_state);
     RUN(test_post_and_ack);
     RUN(test_snapshots_stay_consistent_under_a_writer);

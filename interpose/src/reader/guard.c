@@ -16,7 +16,10 @@
 
 #include "guard.h"
 
-#define GUARDED_MAX 256 /* regions open at once; past that a mapping goes unguarded */
+/* A fixed table, so the handler walks it without a lock or an allocation;
+ * past it, npualloc_reader_open refuses (an unguarded mapping would let the
+ * file's owner end the reader). */
+#define GUARDED_MAX NPUALLOC_READER_OPEN_MAX
 
 static struct {
     _Atomic uintptr_t base; /* 0: a free slot */
@@ -56,16 +59,17 @@ static void install(void)
     sigaction(SIGBUS, &ours, &g_previous);
 }
 
-void npa_reader_guard(const npualloc_region *region)
+int npa_reader_guard(const npualloc_region *region)
 {
     pthread_once(&g_installed, install);
     for (int i = 0; i < GUARDED_MAX; i++) {
         uintptr_t free_slot = 0;
         if (atomic_compare_exchange_strong(&g_guarded[i].base, &free_slot, (uintptr_t)region)) {
             atomic_store_explicit(&g_guarded[i].lost, 0, memory_order_release); /* before any read of it */
-            return;
+            return 0;
         }
     }
+    return -1;
 }
 
 void npa_reader_unguard(const npualloc_region *region)

@@ -6,7 +6,8 @@
 
 #include "npualloc_reader.h"
 
-void npa_reader_guard(const npualloc_region *region);
+/* 0 once region is guarded; -1 when NPUALLOC_READER_OPEN_MAX are already. */
+int npa_reader_guard(const npualloc_region *region);
 void npa_reader_unguard(const npualloc_region *region);
 
 #endif

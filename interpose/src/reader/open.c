@@ -46,7 +46,7 @@ static int32_t check_prefix(npualloc_region_file *file)
     if (file->size < (off_t)length)
         return NPUALLOC_OPEN_OK;
     if (pread(file->fd, &prefix, length, 0) != (ssize_t)length)
-        return NPUALLOC_OPEN_TRUNCATED; /* shortened meanwhile */
+        return NPUALLOC_OPEN_SHRANK;
     if (prefix.magic != NPUALLOC_SHM_MAGIC)
         return NPUALLOC_OPEN_BAD_MAGIC;
     file->version = prefix.version;
@@ -92,10 +92,11 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
         return refuse(file, NPUALLOC_OPEN_MAP_FAILED);
     }
     file->region = map;
-    npa_reader_guard(map);
+    if (npa_reader_guard(map) != 0)
+        return refuse(file, NPUALLOC_OPEN_TOO_MANY); /* before a byte of it is read */
     verdict = check_header(file);
     if (npualloc_reader_lost(map))
-        verdict = NPUALLOC_OPEN_TRUNCATED;
+        verdict = NPUALLOC_OPEN_SHRANK;
     return verdict == NPUALLOC_OPEN_OK ? verdict : refuse(file, verdict);
 }
 

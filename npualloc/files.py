@@ -42,8 +42,10 @@ def _reason(err: int) -> str:
             errno.EEXIST: "another file appeared at the name meanwhile (left as it is)"}.get(err, os.strerror(err))
 
 
-def read_regular_file(path: str | Path, owner: int | None = None) -> bytes:
-    """The bytes of the regular file at path (of owner's, when given)."""
+def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None) -> bytes:
+    """The bytes of the regular file at path (of owner's, when given), at most
+    max_bytes: a larger file (a sparse one of terabytes costs its maker nothing)
+    is refused, not read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
@@ -55,9 +57,12 @@ def read_regular_file(path: str | Path, owner: int | None = None) -> bytes:
                                    f"{stat.filemode(info.st_mode)[0]!r}; a FIFO or device is never read)")
         if owner is not None and info.st_uid != owner:
             raise FileRefusedError(f"cannot read {path}: it belongs to another user (uid {info.st_uid})")
-        chunks = []
-        while chunk := os.read(fd, _CHUNK):
+        chunks, read = [], 0
+        while info.st_size <= max_bytes and read <= max_bytes and (chunk := os.read(fd, _CHUNK)):
             chunks.append(chunk)
+            read += len(chunk)  # the file may grow while it is read
+        if info.st_size > max_bytes or read > max_bytes:
+            raise FileRefusedError(f"cannot read {path}: larger than {max_bytes >> 20} MiB")
         return b"".join(chunks)
     except OSError as e:
         raise FileRefusedError(f"cannot read {path}: {_reason(e.errno)}") from None

@@ -41,6 +41,16 @@ MAX_SNAPSHOT_BYTES = 1 << 30
 # needs a size: 32 bytes per entry, so this is 3.2 MB per device.
 DEFAULT_MAX_ENTRIES = 100_000
 
+# The most segments, blocks and trace entries, and the most frames, a loaded
+# snapshot may hold, counted each time one is reached: a pickle may name one
+# list from any number of places (its memo), so a crafted file of a few
+# hundred KB unpickles into billions of trace entries for plot and replay to
+# walk (an audit's: 1e10 from 400 KB, gigabytes within a minute). Ours hold at
+# most DEFAULT_MAX_ENTRIES trace entries on each of 16 devices, beside the
+# blocks; frames are only counted (len), never walked.
+MAX_SNAPSHOT_ENTRIES = 4_000_000
+MAX_SNAPSHOT_FRAMES = 100_000_000
+
 
 class _PlainDataUnpickler(pickle.Unpickler):
     """Snapshots are dicts, lists, tuples, ints, floats, strings and booleans only."""
@@ -58,9 +68,64 @@ def loads(data: bytes) -> Snapshot:
         snapshot = _PlainDataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError) as e:
         raise NpuallocError(f"not a memory snapshot pickle ({e})") from None
-    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments", []), list):
+    if not isinstance(snapshot, dict):
         raise NpuallocError("not a memory snapshot (expected torch's _snapshot() dict)")
+    _check_shape(snapshot)
     return snapshot
+
+
+def _refuse_past(count: int, limit: int, what: str) -> None:
+    if count > limit:
+        raise NpuallocError(f"not a memory snapshot: it holds more than {limit:,} {what}")
+
+
+def _expect(value: object, kinds: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(value, kinds):
+        raise NpuallocError(f"not a memory snapshot: {where} is {type(value).__name__}")
+    return value
+
+
+def _check_record(record: object, fields: dict[str, type | tuple[type, ...]], required: tuple[str, ...],
+                  where: str) -> int:
+    """record is a dict whose fields, where present (required ones always),
+    have their kinds; returns how many frames it holds (a list when present)."""
+    _expect(record, dict, where)
+    for name, kinds in fields.items():
+        if name in record or name in required:
+            _expect(record.get(name), kinds, f"{where}[{name!r}]")
+    return len(_expect(record.get("frames", []), list, f"{where}['frames']"))
+
+
+_SEGMENT_FIELDS = {"device": int, "address": int, "total_size": int, "blocks": list}
+_BLOCK_FIELDS = {"size": int, "requested_size": int, "state": str}
+_TRACE_FIELDS = {"action": str, "addr": int, "size": int, "time_us": (int, float)}
+
+
+def _check_shape(snapshot: Snapshot) -> None:
+    """The fields plot, replay and memory_viz read have torch's kinds, and the
+    whole fits MAX_SNAPSHOT_ENTRIES and MAX_SNAPSHOT_FRAMES: bad input is an
+    NpuallocError, never a traceback or a walk without end. The entries are
+    counted from the lists' lengths before any is walked, so a file naming one
+    list many times over is refused at once."""
+    segments = _expect(snapshot.get("segments", []), list, "segments")
+    traces = _expect(snapshot.get("device_traces", []), list, "device_traces")
+    entries = len(segments) + sum(len(_expect(trace, list, f"device_traces[{d}]")) for d, trace in enumerate(traces))
+    _refuse_past(entries, MAX_SNAPSHOT_ENTRIES, "segments, blocks and trace entries (one list may be named many times)")
+    for i, segment in enumerate(segments):
+        _expect(segment, dict, f"segments[{i}]")
+        entries += len(_expect(segment.get("blocks"), list, f"segments[{i}]['blocks']"))
+        _refuse_past(entries, MAX_SNAPSHOT_ENTRIES,
+                     "segments, blocks and trace entries (one list may be named many times)")
+    frames = 0
+    for i, segment in enumerate(segments):
+        where = f"segments[{i}]"
+        frames += _check_record(segment, _SEGMENT_FIELDS, ("address", "total_size", "blocks"), where)
+        for j, block in enumerate(segment["blocks"]):
+            frames += _check_record(block, _BLOCK_FIELDS, ("size", "state"), f"{where}['blocks'][{j}]")
+    for device, trace in enumerate(traces):
+        for k, entry in enumerate(trace):
+            frames += _check_record(entry, _TRACE_FIELDS, ("action",), f"device_traces[{device}][{k}]")
+    _refuse_past(frames, MAX_SNAPSHOT_FRAMES, "stack frames")
 
 
 def _gunzip(data: bytes) -> bytes:
@@ -76,7 +141,7 @@ def _gunzip(data: bytes) -> bytes:
 
 def load(path: str | Path) -> Snapshot:
     """A snapshot file: ours, torch's _dump_snapshot, or either gzip-compressed."""
-    data = read_regular_file(path)
+    data = read_regular_file(path, MAX_SNAPSHOT_BYTES)
     try:
         return loads(data)
     except NpuallocError as e:
@@ -99,7 +164,7 @@ def _read_snapshot_file(path: Path) -> bytes:
     """Reads and removes the file the process wrote for us; never through a
     link and only our own regular file, though the directory is the user's own (region_dir.c)."""
     try:
-        data = read_regular_file(path, owner=os.geteuid())
+        data = read_regular_file(path, MAX_SNAPSHOT_BYTES, owner=os.geteuid())
     except FileRefusedError as e:
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
     path.unlink(missing_ok=True)

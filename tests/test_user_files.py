@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -271,7 +272,7 @@ def test_the_loader_refuses_a_fifo_and_a_link(tmp_path: Path) -> None:
     link.symlink_to(real)
     with pytest.raises(FileRefusedError, match="symbolic link"):
         npualloc.snapshot.load(link)
-    assert loads(read_regular_file(real)) == npualloc.snapshot.load(real)
+    assert loads(read_regular_file(real, npualloc.snapshot.MAX_SNAPSHOT_BYTES)) == npualloc.snapshot.load(real)
 
 
 def test_the_loader_refuses_a_gzip_bomb_and_a_corrupt_gzip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,3 +291,48 @@ def test_the_loader_refuses_a_gzip_bomb_and_a_corrupt_gzip(tmp_path: Path, monke
     corrupt.write_bytes(gzip.compress(SNAPSHOT)[:10] + b"\xff" * 8)  # the header, then an invalid block
     with pytest.raises(npualloc.NpuallocError, match=f"{corrupt}: not a gzip file"):
         npualloc.snapshot.load(corrupt)
+
+
+def test_a_file_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse file costs its maker nothing however large: the loader refuses
+    anything past MAX_SNAPSHOT_BYTES from its size, before reading it."""
+    monkeypatch.setattr(npualloc.snapshot, "MAX_SNAPSHOT_BYTES", 1 << 20)
+    sparse = tmp_path / "huge.pickle"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 40)
+    with pytest.raises(FileRefusedError, match=f"cannot read {sparse}: larger than 1 MiB"):
+        npualloc.snapshot.load(sparse)
+
+
+@pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
+def test_a_snapshot_naming_one_trace_many_times_is_refused(tmp_path: Path, command: list[str]) -> None:
+    """The pickle's memo lets one list be named any number of times: 200 KB
+    that unpickle into a trace of 10^8 entries, which plot and replay walked
+    until memory ran out. Counted as reached, they are refused at once."""
+    trace = [{"action": "alloc", "addr": 4096 * i, "size": 512, "stream": 0, "frames": []} for i in range(10_000)]
+    bomb = tmp_path / "bomb.pickle"
+    bomb.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace] * 10_000}))
+    assert bomb.stat().st_size < 1 << 20
+    with pytest.raises(npualloc.NpuallocError, match="more than 4,000,000 segments, blocks and trace entries"):
+        npualloc.snapshot.load(bomb)
+    args = [a.format(path=bomb, out=tmp_path / "p.png") for a in command]
+    assert_one_line_error(run_cli(args, tmp_path, timeout=120), 1, "more than 4,000,000")
+
+
+@pytest.mark.parametrize("snapshot, where", [
+    ({"segments": [1]}, "segments[0] is int"),
+    ({"segments": {}}, "segments is dict"),
+    ({"segments": [{"address": 0, "total_size": "zz", "blocks": []}]}, "segments[0]['total_size'] is str"),
+    ({"segments": [{"address": 0, "total_size": 1, "blocks": [{"size": 1}]}]}, "segments[0]['blocks'][0]['state'] is NoneType"),
+    ({"device_traces": [[1]]}, "device_traces[0][0] is int"),
+    ({"device_traces": [[{"action": "alloc", "size": "zz"}]]}, "device_traces[0][0]['size'] is str"),
+    ({"device_traces": [[{"action": "alloc", "frames": 3}]]}, "device_traces[0][0]['frames'] is int"),
+])
+def test_a_snapshot_of_the_wrong_shape_is_refused_with_where(tmp_path: Path, snapshot: dict, where: str) -> None:
+    """Fields plot, replay and memory_viz read, of another kind than torch's:
+    one line naming the field, exit 1, never a traceback or a usage error."""
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    with pytest.raises(npualloc.NpuallocError, match=re.escape(f"not a memory snapshot: {where}")):
+        npualloc.snapshot.load(path)
+    assert_one_line_error(run_cli(["plot", str(path), "-o", str(tmp_path / "p.png")], tmp_path), 1, where)

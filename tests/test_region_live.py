@@ -64,6 +64,22 @@ def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
         assert npualloc.memory_summary(pid=w.pid) == w.call("npualloc.memory_summary()")
 
 
+def test_exit_leaves_a_region_another_process_put_at_our_name(shm: Path) -> None:
+    """Processes in two pid namespaces that share the region directory may
+    have the same pid: the later one renames its region over the earlier's.
+    The earlier one's exit then removes only its own file, not the other's
+    live region."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        path = region_file(shm, w.pid)
+        theirs = path.with_name("theirs.tmp")
+        theirs.write_bytes(path.read_bytes())
+        os.rename(theirs, path)
+        replaced = path.stat().st_ino
+        assert w.close() == 0
+    assert path.exists() and path.stat().st_ino == replaced
+
+
 def test_leftover_region_with_our_pid_is_replaced(shm: Path) -> None:
     with Workload(shm) as w:
         path = write_region(shm, w.pid, b"garbage from a process long gone")

@@ -53,6 +53,10 @@ static int g_dir_fd = -1;
 static dev_t g_dir_dev;
 static ino_t g_dir_ino;
 static char g_name[32];
+/* The region file's own inode: the name may come to hold another file
+ * (a process with our pid in another pid namespace sharing the directory
+ * renames its region over ours), which our exit must leave alone. */
+static ino_t g_file_ino;
 static char g_config[NPUALLOC_CONFIG_LEN];
 static atomic_flag g_warned = ATOMIC_FLAG_INIT;
 static int g_hooks_registered;
@@ -190,9 +194,10 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
         warn_once("cannot create", g_path, errno);
         return NULL;
     }
+    struct stat created;
     /* fallocate, not ftruncate: on a full tmpfs touching a sparse page would
      * raise SIGBUS in the host; here it fails cleanly instead. */
-    int err = fchmod(fd, 0600) ? errno : posix_fallocate(fd, 0, sizeof(npualloc_region));
+    int err = fchmod(fd, 0600) || fstat(fd, &created) ? errno : posix_fallocate(fd, 0, sizeof(npualloc_region));
     npualloc_region *r = err ? MAP_FAILED
                              : mmap(NULL, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (!err && r == MAP_FAILED)
@@ -204,6 +209,7 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
         return NULL;
     }
     fill_header(r);
+    g_file_ino = created.st_ino;
     if (renameat(dir_fd, tmp, dir_fd, name)) {
         warn_once("cannot publish", g_path, errno);
         munmap(r, sizeof(npualloc_region));
@@ -453,12 +459,14 @@ void npa_region_remove(void)
     pthread_mutex_lock(&g_create_lock);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (state == REGION_LIVE && g_owner_pid == getpid()) {
-        /* The fd stays open: a command may still be writing through it. */
+        /* The fd stays open: a command may still be writing through it. Only
+         * our own file goes, and only through the directory we made it in:
+         * with that closed by the program, the file stays for `npualloc ls`
+         * to remove (its pid is dead), as g_path may lead through links. */
         int dir_fd = region_dir_fd();
-        if (dir_fd >= 0)
+        struct stat named;
+        if (dir_fd >= 0 && fstatat(dir_fd, g_name, &named, AT_SYMLINK_NOFOLLOW) == 0 && named.st_ino == g_file_ino)
             unlinkat(dir_fd, g_name, 0);
-        else
-            unlink(g_path);
         atomic_store_explicit(&g_state, REGION_REMOVED, memory_order_relaxed);
     } else if (state == REGION_UNTRIED || state == REGION_FORKED) {
         /* Exiting: an allocator call from a late destructor must not create a file. */

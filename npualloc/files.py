@@ -20,6 +20,7 @@ import select
 import stat
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import NpuallocError
 
@@ -35,6 +36,11 @@ class FileRefusedError(NpuallocError):
     """What is at a path named by the user is not ours to read or write; it is left as it is."""
 
 
+class RegularFile(NamedTuple):
+    data: bytes
+    uid: int  # its owner, as the descriptor read showed it
+
+
 def _reason(err: int) -> str:
     return {errno.ELOOP: "it is a symbolic link (never followed; left as it is)",
             errno.ENXIO: "a FIFO with no reader (nothing written)",
@@ -42,7 +48,7 @@ def _reason(err: int) -> str:
             errno.EEXIST: "another file appeared at the name meanwhile (left as it is)"}.get(err, os.strerror(err))
 
 
-def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None) -> bytes:
+def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None) -> RegularFile:
     """The bytes of the regular file at path (of owner's, when given), at most
     max_bytes: a larger file (a sparse one of terabytes costs its maker nothing)
     is refused, not read."""
@@ -63,7 +69,7 @@ def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None
             read += len(chunk)  # the file may grow while it is read
         if info.st_size > max_bytes or read > max_bytes:
             raise FileRefusedError(f"cannot read {path}: larger than {max_bytes >> 20} MiB")
-        return b"".join(chunks)
+        return RegularFile(b"".join(chunks), info.st_uid)
     except OSError as e:
         raise FileRefusedError(f"cannot read {path}: {_reason(e.errno)}") from None
     finally:

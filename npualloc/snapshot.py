@@ -20,6 +20,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import resource
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -141,11 +144,53 @@ def _gunzip(data: bytes) -> bytes:
 
 def load(path: str | Path) -> Snapshot:
     """A snapshot file: ours, torch's _dump_snapshot, or either gzip-compressed."""
-    data = read_regular_file(path, MAX_SNAPSHOT_BYTES)
+    file = read_regular_file(path, MAX_SNAPSHOT_BYTES)
     try:
-        return loads(data)
+        if file.uid not in (os.geteuid(), 0):
+            _load_in_a_bounded_child(file.data)
+        return loads(file.data)
     except NpuallocError as e:
         raise NpuallocError(f"{path}: {e}") from None
+
+
+# A pickle can unpickle into far more memory than its bytes: an empty list per
+# byte takes 64 times as much (an audit's 20 KB .gz: 1.8 GB; a 1 GiB one would
+# take 64 GB), where a real snapshot takes 11 times (tools/traces). A file of
+# another user's is therefore loaded once first in a child process whose data
+# segment is capped at this, and loaded here only if that one succeeded.
+FOREIGN_SNAPSHOT_MEMORY = 4 << 30
+_LOAD_IN_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from npualloc.snapshot import loads
+try:
+    loads(sys.stdin.buffer.read())
+except MemoryError:
+    sys.exit(3)
+except Exception as e:
+    sys.stderr.write(str(e))
+    sys.exit(4)
+"""
+
+
+def _load_in_a_bounded_child(data: bytes) -> None:
+    child = subprocess.Popen([sys.executable, "-c", _LOAD_IN_CHILD, str(Path(__file__).resolve().parents[1])],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        # Before it gets the data: what it unpickles counts against the cap.
+        resource.prlimit(child.pid, resource.RLIMIT_DATA, (FOREIGN_SNAPSHOT_MEMORY, FOREIGN_SNAPSHOT_MEMORY))
+        _, error = child.communicate(data)
+    except OSError as e:
+        raise NpuallocError(f"cannot load it on trial (another user owns the file): {e.strerror}") from None
+    finally:
+        child.kill()
+        child.wait()
+    if child.returncode == 3:
+        raise NpuallocError(f"it unpickles into more than {FOREIGN_SNAPSHOT_MEMORY >> 20} MiB (not a memory "
+                            "snapshot; loaded on trial because another user owns the file)")
+    if child.returncode != 0:
+        raise NpuallocError(error.decode(errors="replace").strip() or
+                            f"its trial load ended with status {child.returncode}")
 
 
 def _in_process_bytes() -> bytes:
@@ -164,7 +209,7 @@ def _read_snapshot_file(path: Path) -> bytes:
     """Reads and removes the file the process wrote for us; never through a
     link and only our own regular file, though the directory is the user's own (region_dir.c)."""
     try:
-        data = read_regular_file(path, MAX_SNAPSHOT_BYTES, owner=os.geteuid())
+        data = read_regular_file(path, MAX_SNAPSHOT_BYTES, owner=os.geteuid()).data
     except FileRefusedError as e:
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
     path.unlink(missing_ok=True)

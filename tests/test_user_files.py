@@ -272,7 +272,7 @@ def test_the_loader_refuses_a_fifo_and_a_link(tmp_path: Path) -> None:
     link.symlink_to(real)
     with pytest.raises(FileRefusedError, match="symbolic link"):
         npualloc.snapshot.load(link)
-    assert loads(read_regular_file(real, npualloc.snapshot.MAX_SNAPSHOT_BYTES)) == npualloc.snapshot.load(real)
+    assert loads(read_regular_file(real, npualloc.snapshot.MAX_SNAPSHOT_BYTES).data) == npualloc.snapshot.load(real)
 
 
 def test_the_loader_refuses_a_gzip_bomb_and_a_corrupt_gzip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,3 +336,23 @@ def test_a_snapshot_of_the_wrong_shape_is_refused_with_where(tmp_path: Path, sna
     with pytest.raises(npualloc.NpuallocError, match=re.escape(f"not a memory snapshot: {where}")):
         npualloc.snapshot.load(path)
     assert_one_line_error(run_cli(["plot", str(path), "-o", str(tmp_path / "p.png")], tmp_path), 1, where)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")
+def test_another_users_snapshot_is_loaded_on_trial_with_bounded_memory(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty list per byte unpickles into 64 times the bytes: a file of
+    another user's is loaded first in a child whose memory is capped (here
+    256 MiB against 16 million lists, about 1 GB), and refused when that
+    fails; a real one loads as it would from our own file."""
+    monkeypatch.setattr(npualloc.snapshot, "FOREIGN_SNAPSHOT_MEMORY", 256 << 20)
+    lists = 16 << 20
+    bomb = tmp_path / "bomb.pickle.gz"
+    bomb.write_bytes(gzip.compress(b"\x80\x02}(X\x08\x00\x00\x00segments](" + b"]" * lists + b"eu."))
+    fine = tmp_path / "fine.pickle"
+    fine.write_bytes(SNAPSHOT)
+    for path in (bomb, fine):
+        os.chown(path, 65534, 65534)
+    with pytest.raises(npualloc.NpuallocError, match=f"{bomb}: it unpickles into more than 256 MiB"):
+        npualloc.snapshot.load(bomb)
+    assert npualloc.snapshot.load(fine) == loads(SNAPSHOT)

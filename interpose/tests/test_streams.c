@@ -386,6 +386,22 @@ static void test_gc_leaves_stream_pools_to_the_oom_path(void) {
     fixture_destroy(&fx);
 }
 
+/* fixture_streams with virtual memory offered, expandable segments on or
+ * off, and reuse_policy eager (plain frees wait for nothing) or safe, asked
+ * as the hook's backend is asked. */
+static void fixture_streams_vmm(fixture *fx, bool expandable, bool eager) {
+    fake_init(&fx->fake, GiB, false);
+    fx->fake.fences = true;
+    fx->fake.eager = eager;
+    fx->fake.answers_fence_needed = true;
+    fx->fake.stream_fences = true;
+    fx->fake.vmm = true;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = expandable;
+    fixture_start(fx, &config);
+}
+
 static size_t stream_pairs(fixture *fx) {
     size_t n = 0;
     for (const npa_pool_pair *p = npa_device_get(fx->a, 0, false)->streams; p; p = p->next) n++;
@@ -403,14 +419,7 @@ static void destroy_stream(fixture *fx, uintptr_t stream) {
  * per step neither reserves nor keeps pools per step. */
 static void destroyed_streams_cache_goes_back(bool expandable) {
     fixture fx;
-    fake_init(&fx.fake, GiB, false);
-    fx.fake.fences = true;
-    fx.fake.stream_fences = true;
-    fx.fake.vmm = true;
-    npa_config config;
-    npa_config_defaults(&config);
-    config.expandable_segments = expandable;
-    fixture_start(&fx, &config);
+    fixture_streams_vmm(&fx, expandable, false);
     for (int step = 0; step < 50; step++) { /* handles 1 and 2 by turns, as a runtime reuses them */
         uintptr_t stream = 1 + (uintptr_t)step % 2;
         CHECK_EQ(npa_free_stream(fx.a, alloc_on(&fx, stream, 4096), stream, 0, NULL), NPA_FREE_OK);
@@ -552,16 +561,7 @@ static void test_a_destroyed_streams_cache_goes_back(void) {
  * on another stream still waits for that stream's event. */
 static void blocks_outliving_their_stream(bool eager, bool expandable) {
     fixture fx;
-    fake_init(&fx.fake, GiB, false);
-    fx.fake.fences = true;
-    fx.fake.eager = eager;
-    fx.fake.answers_fence_needed = true; /* as the hook's backend: reuse_policy says whether plain frees wait */
-    fx.fake.stream_fences = true;
-    fx.fake.vmm = true;
-    npa_config config;
-    npa_config_defaults(&config);
-    config.expandable_segments = expandable;
-    fixture_start(&fx, &config);
+    fixture_streams_vmm(&fx, expandable, eager);
     for (int step = 0; step < 50; step++) {
         uintptr_t stream = 1 + (uintptr_t)step % 2;
         void *outliving = alloc_on(&fx, stream, 1 * MiB);

@@ -64,6 +64,28 @@ static void test_oom_sequence(void) {
     fixture_destroy(&fx);
 }
 
+/* A full device whose freed blocks still wait for their fence (a stream's
+ * work was queued): the OOM retry synchronizes and hands them back, and the
+ * malloc then finds its block among them instead of failing. */
+static void test_the_oom_retry_looks_again_among_the_frees_it_drained(void) {
+    fixture fx;
+    fake_init(&fx.fake, 20 * MiB, false);
+    fx.fake.fences = true; /* reuse_policy safe: a plain free waits for its fence */
+    fixture_start(&fx, NULL);
+    void *blocks[4];
+    for (int i = 0; i < 4; i++) blocks[i] = alloc_exact(&fx, 0, 4 * MiB); /* one 20 MiB segment, 4 MiB left */
+    CHECK_EQ(npa_free(fx.a, blocks[3], 0, NULL), NPA_FREE_OK);             /* pending, beside the 4 MiB left */
+    void *p = alloc_exact(&fx, 0, 8 * MiB);
+    CHECK(p == blocks[3]);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(s.num_alloc_retries, 1);
+    CHECK_EQ(fx.fake.sync_calls, 1);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 3); /* the segment, then the two refused growths around the retry */
+    CHECK_EQ(s.num_pending_frees, 0);
+    fixture_destroy(&fx);
+}
+
 static void test_oom_hints_fragmentation(void) {
     fixture fx;
     fixture_init(&fx, 20 * MiB, NULL);
@@ -321,6 +343,7 @@ static void test_gc_threshold_set_at_run_time(void) {
 
 int main(void) {
     RUN(test_oom_sequence);
+    RUN(test_the_oom_retry_looks_again_among_the_frees_it_drained);
     RUN(test_oom_hints_fragmentation);
     RUN(test_oversize_release_step);
     RUN(test_failure_injection_retries_once);

@@ -486,7 +486,13 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             b = take_cached_block(a, d, pool, rounded);
         }
         cache_hit = b != NULL;
-        if (!b) b = npa_grow(a, d, pool, rounded, &cap_hit);
+        /* The OOM retry (in npa_grow) synchronized and handed back every
+         * pending free, which torch, whose frees rarely wait, need not look
+         * at again; here every free may have been waiting, and one may fit. */
+        if (!b && !(b = npa_grow(a, d, pool, rounded, &cap_hit))) {
+            b = take_cached_block(a, d, pool, rounded);
+            cache_hit = b != NULL;
+        }
     }
     if (!b) {
         char msg[512];

@@ -60,6 +60,7 @@ static void test_oom_sequence(void) {
     CHECK(strstr(line, "allocated 14680064 bytes") != NULL);
     CHECK(strstr(line, "reserved 14680064 bytes") != NULL);
     CHECK(strstr(line, "device free 6291456 of 20971520 bytes") != NULL);
+    CHECK(strstr(line, "the device itself is full") != NULL);
     CHECK(s.device_free_bytes == 6 * MiB);
     fixture_destroy(&fx);
 }
@@ -153,6 +154,8 @@ static void test_failure_injection_retries_once(void) {
     char line[1024];
     CHECK_EQ(malloc_capturing_stderr(&fx, 4 * MiB, line, sizeof line), NPA_ERR_OOM);
     CHECK_EQ(stats_of(&fx, 0).num_ooms, 1);
+    CHECK(strstr(line, "the device refused the allocation though it reports that much free") != NULL);
+    CHECK(strstr(line, "itself is full") == NULL); /* with a GiB free */
     fixture_destroy(&fx);
 }
 

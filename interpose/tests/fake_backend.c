@@ -50,14 +50,14 @@ static bool reserve_entry(fake_segment **items, size_t count, size_t *capacity) 
     return true;
 }
 
-/* Lock held. The device memory a raw malloc or a page map may take: an
- * injected failure or a full device says no. */
-static bool capacity_allows(fake_backend *f, int device, size_t size) {
+/* Lock held. Whether a raw malloc or a page map may take size bytes: an
+ * injected failure, or a full device (207001), says no. */
+static npa_error capacity_allows(fake_backend *f, int device, size_t size) {
     if (f->fail_next_mallocs > 0) {
         f->fail_next_mallocs--;
-        return false;
+        return f->fail_malloc_error ? f->fail_malloc_error : NPA_ERR_OOM;
     }
-    return size <= f->capacity - f->used[device];
+    return size <= f->capacity - f->used[device] ? NPA_OK : NPA_ERR_OOM;
 }
 
 /* Under f->lock. */
@@ -68,12 +68,11 @@ static void note_stats_section(fake_backend *f, int device) {
 
 static npa_error fake_malloc(void *ctx, int device, size_t size, void **ptr) {
     fake_backend *f = ctx;
-    npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
     f->raw_malloc_calls++;
     note_stats_section(f, device);
-    if (!capacity_allows(f, device, size) || !reserve_entry(&f->segments, f->segment_count, &f->segment_capacity))
-        err = NPA_ERR_OOM;
+    npa_error err = capacity_allows(f, device, size);
+    if (err == NPA_OK && !reserve_entry(&f->segments, f->segment_count, &f->segment_capacity)) err = NPA_ERR_OOM;
     void *p = NULL;
     if (err == NPA_OK) {
         if (f->host_memory) {
@@ -274,14 +273,14 @@ static npa_error fake_va_release(void *ctx, int device, void *base) {
 
 static npa_error fake_page_map(void *ctx, int device, void *addr, size_t size, void **handle) {
     fake_backend *f = ctx;
-    npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
     f->page_maps++;
-    if (!capacity_allows(f, device, size) || !reserve_entry(&f->pages, f->page_count, &f->page_capacity) ||
-        (f->host_memory &&
-         mmap(addr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)) {
+    npa_error err = capacity_allows(f, device, size);
+    if (err == NPA_OK && (!reserve_entry(&f->pages, f->page_count, &f->page_capacity) ||
+                          (f->host_memory && mmap(addr, size, PROT_READ | PROT_WRITE,
+                                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)))
         err = NPA_ERR_OOM;
-    } else {
+    if (err == NPA_OK) {
         f->pages[f->page_count++] = (fake_segment){addr, size, device};
         f->used[device] += size;
         *handle = addr;

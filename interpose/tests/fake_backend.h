@@ -26,7 +26,8 @@ typedef struct fake_backend {
     size_t used[NPUALLOC_MAX_DEVICES];
     bool host_memory;          /* segments are real, writable host memory */
     unsigned long long next_addr; /* fake address space when !host_memory */
-    int fail_next_mallocs;     /* the next N raw mallocs fail with 207001 */
+    int fail_next_mallocs;     /* the next N raw mallocs and page maps fail, */
+    npa_error fail_malloc_error; /* with this error (0: 207001, out of memory) */
     int fail_next_syncs;       /* the next N synchronizes fail (nothing completes) */
     int fail_next_fences;      /* the next N fence records fail (no fence, no synchronize) */
     char last_warning[512];    /* the backend's warn: the latest message */

@@ -159,6 +159,37 @@ static void test_failure_injection_retries_once(void) {
     fixture_destroy(&fx);
 }
 
+/* A runtime that fails for another reason than memory (a device lost, ACL
+ * finalized by another thread meanwhile) gets no retry, no synchronize and
+ * no OOM report: the malloc returns its error, as torch raises it; plain
+ * segments and expandable ones alike. */
+static void runtime_errors_are_not_out_of_memory(bool expandable) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.vmm = true;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = expandable;
+    fixture_start(&fx, &config);
+    fx.fake.fail_next_mallocs = 1;
+    fx.fake.fail_malloc_error = 507899; /* ACL_ERROR_RT_INTERNAL_ERROR */
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 4 * MiB, line, sizeof line), 507899);
+    CHECK_EQ(line[0], '\0');
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(s.num_alloc_retries, 0);
+    CHECK_EQ(fx.fake.sync_calls, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK(alloc_exact(&fx, 0, 4 * MiB) != NULL); /* the next one is served */
+    fixture_destroy(&fx);
+}
+
+static void test_runtime_errors_are_not_out_of_memory(void) {
+    runtime_errors_are_not_out_of_memory(false);
+    runtime_errors_are_not_out_of_memory(true);
+}
+
 static void test_fraction_cap(void) {
     npa_config c;
     npa_config_defaults(&c);
@@ -350,6 +381,7 @@ int main(void) {
     RUN(test_oom_hints_fragmentation);
     RUN(test_oversize_release_step);
     RUN(test_failure_injection_retries_once);
+    RUN(test_runtime_errors_are_not_out_of_memory);
     RUN(test_fraction_cap);
     RUN(test_fraction_below_smallest_segment_is_refused);
     RUN(test_gc_frees_oldest_first_and_stops);

@@ -470,7 +470,8 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_pending_poll(a, d);
     release_gone_freed(a, d);
     npa_block *b = NULL;
-    bool cache_hit = false, cap_hit = false;
+    bool cache_hit = false;
+    npa_refusal why = {0};
     size_t rounded = SIZE_MAX;
     if (size <= NPA_MAX_REQUEST) {
         rounded = npa_round_size(&a->config, npa_entry_size(entry, size));
@@ -489,14 +490,18 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         /* The OOM retry (in npa_grow) synchronized and handed back every
          * pending free, which torch, whose frees rarely wait, need not look
          * at again; here every free may have been waiting, and one may fit. */
-        if (!b && !(b = npa_grow(a, d, pool, rounded, &cap_hit))) {
+        if (!b && !(b = npa_grow(a, d, pool, rounded, &why)) && why.error == NPA_OK) {
             b = take_cached_block(a, d, pool, rounded);
             cache_hit = b != NULL;
         }
     }
+    if (!b && why.error != NPA_OK) { /* not out of memory: the runtime's error, as torch raises it */
+        npa_lock_release(&d->lock);
+        return why.error;
+    }
     if (!b) {
         char msg[512];
-        npa_oom_report(a, d, size, rounded, cap_hit, msg, sizeof msg);
+        npa_oom_report(a, d, size, rounded, why.cap_hit, msg, sizeof msg);
         npa_lock_release(&d->lock);
         ssize_t unused = write(STDERR_FILENO, msg, strlen(msg));
         (void)unused;

@@ -108,37 +108,41 @@ static bool unmap_page(npa_allocator *a, npa_device *d, npa_expandable *es, size
     return false;
 }
 
-/* Maps pages [begin, end): all or none. A page still mapped (its release
- * was refused) is already there; one whose undo is refused stays mapped
- * too, inside the unmapped block, until npa_expandable_release_free. */
-static bool map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_t begin, size_t end) {
+/* Maps pages [begin, end): all or none (the error of the map that failed).
+ * A page still mapped (its release was refused) is already there; one
+ * whose undo is refused stays mapped too, inside the unmapped block, until
+ * npa_expandable_release_free. */
+static npa_error map_pages(npa_allocator *a, npa_device *d, npa_expandable *es, size_t begin, size_t end) {
     for (size_t i = begin; i < end; i++) {
         void *addr = (void *)(es->base + i * es->page_size);
-        if (es->pages[i] || a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size, &es->pages[i]) == NPA_OK)
-            continue;
+        npa_error err = es->pages[i] ? NPA_OK : a->backend.page_map(a->backend.ctx, d->id, addr, es->page_size,
+                                                                     &es->pages[i]);
+        if (err == NPA_OK) continue;
         es->pages[i] = NULL;
         while (i-- > begin) unmap_page(a, d, es, i);
-        return false;
+        return err;
     }
-    return true;
+    return NPA_OK;
 }
 
 /* torch's map_block: maps the pages covering the first size bytes of the
  * unmapped block u, merges them with free neighbours and puts the result in
  * the pool; NULL when the cap or the device refused. */
 static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es, npa_block *u, size_t size,
-                            bool *cap_hit) {
+                            npa_refusal *why) {
     size_t pages = (size + es->page_size - 1) / es->page_size;
     size_t bytes = pages * es->page_size; /* u spans whole pages, so bytes <= u->size */
     size_t reserved = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current;
     if (d->limit_bytes && (bytes > d->limit_bytes || reserved > d->limit_bytes - bytes)) {
-        *cap_hit = true;
+        why->cap_hit = true;
         return NULL;
     }
     npa_block *rest = bytes < u->size ? npa_slab_get(&d->slab) : NULL;
     if (bytes < u->size && !rest) return NULL;
     size_t begin = (u->addr - es->base) / es->page_size;
-    if (!map_pages(a, d, es, begin, begin + pages)) {
+    npa_error err = map_pages(a, d, es, begin, begin + pages);
+    if (err != NPA_OK) {
+        npa_refusal_note(why, err);
         if (rest) npa_slab_put(&d->slab, rest);
         return NULL;
     }
@@ -173,19 +177,19 @@ static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es,
     return b;
 }
 
-npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, bool *cap_hit) {
-    *cap_hit = false;
+npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, npa_refusal *why) {
+    why->cap_hit = false;
     npa_expandable *es = pool->expandable ? pool->expandable : reserve(a, d, pool);
     if (!es) return NULL;
     npa_block *c = find_candidate(first_block(d, es), size);
     if (!c) return NULL; /* the range has no room left: the OOM path unmaps free pages */
     /* c is unmapped [-> ...], or free -> unmapped [-> ...]: map until c fits. */
-    if (c->phase == NPA_PHASE_UNMAPPED && !(c = map_block(a, d, es, c, c->size < size ? c->size : size, cap_hit)))
+    if (c->phase == NPA_PHASE_UNMAPPED && !(c = map_block(a, d, es, c, c->size < size ? c->size : size, why)))
         return NULL;
     while (c->size < size) {
         npa_block *next = c->next;
         size_t missing = size - c->size;
-        if (!(c = map_block(a, d, es, next, next->size < missing ? next->size : missing, cap_hit))) return NULL;
+        if (!(c = map_block(a, d, es, next, next->size < missing ? next->size : missing, why))) return NULL;
     }
     npa_stats_begin(d);
     npa_pool_remove(pool, c);

@@ -363,9 +363,21 @@ npa_segment *npa_segments_add(npa_segment_table *t, uintptr_t base, size_t size,
 void npa_segments_remove(npa_segment_table *t, size_t index);
 /* Index of the segment containing addr, or -1. */
 ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr);
-/* A new segment as one FREE block outside any pool, or NULL. *cap_hit tells
- * whether the per-process cap (rather than the device) refused it. */
-npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_pool *pool, bool *cap_hit);
+/* Why a growth got no memory. torch retries and reports only an out of
+ * memory; any other error of the runtime's ends the malloc with that error
+ * at once (a device lost, a runtime finalized meanwhile). */
+typedef struct npa_refusal {
+    bool cap_hit;    /* the per-process cap refused it, not the device */
+    npa_error error; /* the runtime's error when it was not 207001; else NPA_OK */
+} npa_refusal;
+
+/* Notes a failed raw call's error in why, unless it says out of memory. */
+static inline void npa_refusal_note(npa_refusal *why, npa_error err) {
+    if (err != NPA_OK && err != NPA_ERR_OOM) why->error = err;
+}
+
+/* A new segment as one FREE block outside any pool, or NULL (why says why). */
+npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_pool *pool, npa_refusal *why);
 /* Gives a cached whole-segment block back to the device; false (nothing
  * done) when b is not a whole free segment. */
 bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b);
@@ -382,7 +394,7 @@ void npa_release_cached_segments(npa_allocator *a, npa_device *d, uint64_t only_
  * unmapped space together fit it; NULL when the cap (*cap_hit), the device
  * or the address space refuses. A reservation the device refuses sets
  * pool->vmm_refused. */
-npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, bool *cap_hit);
+npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, npa_refusal *why);
 /* What best fit ranks an expandable block by: its size plus the unmapped
  * space right after it (torch's expandable_size). */
 size_t npa_expandable_reach(const npa_block *b);
@@ -422,8 +434,9 @@ static inline bool npa_pending_any(const npa_device *d) {
 /* gc.c */
 void npa_gc(npa_allocator *a, npa_device *d);
 
-/* oom.c: steps 3-6 of the malloc path; NULL when all of them failed. */
-npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit);
+/* oom.c: steps 3-6 of the malloc path; NULL when all of them failed, or at
+ * once when the runtime failed for another reason than memory (why). */
+npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, npa_refusal *why);
 /* Step 7: counts the OOM and writes the one-line report into msg. */
 void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t rounded, bool cap_hit,
                     char *msg, size_t msg_len);

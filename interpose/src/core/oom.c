@@ -34,19 +34,20 @@ static bool release_oversize_blocks(npa_allocator *a, npa_device *d, npa_pool *p
  * expandable_segments is read afresh at each growth: set at run time, it
  * changes how the pool grows from then on, and the segments it already has,
  * of either kind, stay in it as they are (a pool may hold both). */
-static npa_block *new_memory(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
+static npa_block *new_memory(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, npa_refusal *why) {
     if (npa_expandable_on(a) && !pool->vmm_refused) {
-        npa_block *b = npa_expandable_alloc(a, d, pool, rounded, cap_hit);
+        npa_block *b = npa_expandable_alloc(a, d, pool, rounded, why);
         if (b || !pool->vmm_refused) return b;
     }
-    return npa_segment_alloc(a, d, npa_segment_size(rounded), pool, cap_hit);
+    return npa_segment_alloc(a, d, npa_segment_size(rounded), pool, why);
 }
 
-static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
+static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, npa_refusal *why) {
     if (npa_gc_threshold(a) > 0.0) npa_gc(a, d);
-    npa_block *b = new_memory(a, d, pool, rounded, cap_hit);
-    if (b) return b;
-    if (release_oversize_blocks(a, d, pool, rounded) && (b = new_memory(a, d, pool, rounded, cap_hit))) return b;
+    npa_block *b = new_memory(a, d, pool, rounded, why);
+    if (b || why->error != NPA_OK) return b;
+    if (release_oversize_blocks(a, d, pool, rounded) && (b = new_memory(a, d, pool, rounded, why))) return b;
+    if (why->error != NPA_OK) return NULL;
     /* A device that cannot be synchronized keeps its pending frees (their
      * work may still run) and its cache: the retry then gets what it gets. */
     npa_recent_flush(d);
@@ -54,11 +55,11 @@ static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, si
     npa_stats_begin(d);
     d->stats->num_alloc_retries++;
     npa_stats_end(d);
-    return new_memory(a, d, pool, rounded, cap_hit);
+    return new_memory(a, d, pool, rounded, why);
 }
 
-npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, bool *cap_hit) {
-    npa_block *b = grow_steps(a, d, pool, rounded, cap_hit);
+npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, npa_refusal *why) {
+    npa_block *b = grow_steps(a, d, pool, rounded, why);
     /* The device's free memory changed hands here (segments in, maybe some
      * out): re-read it so `npualloc stats` shows the live figure. Asking the
      * runtime, rather than adding up our own deltas, also counts other

@@ -44,17 +44,19 @@ ptrdiff_t npa_segments_find(const npa_segment_table *t, uintptr_t addr) {
     return addr - s->base < s->size ? (ptrdiff_t)(i - 1) : -1;
 }
 
-npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_pool *pool, bool *cap_hit) {
+npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_pool *pool, npa_refusal *why) {
     bool is_small = pool->is_small;
     npualloc_device_stats *s = d->stats;
     size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
-    *cap_hit = d->limit_bytes && (size > d->limit_bytes || reserved > d->limit_bytes - size);
-    if (*cap_hit) return NULL;
+    why->cap_hit = d->limit_bytes && (size > d->limit_bytes || reserved > d->limit_bytes - size);
+    if (why->cap_hit) return NULL;
 
     npa_block *b = npa_slab_get(&d->slab);
     if (!b) return NULL;
     void *ptr = NULL;
-    if (a->backend.raw_malloc(a->backend.ctx, d->id, size, &ptr) != NPA_OK || !ptr) {
+    npa_error err = a->backend.raw_malloc(a->backend.ctx, d->id, size, &ptr);
+    if (err != NPA_OK || !ptr) {
+        npa_refusal_note(why, err);
         npa_slab_put(&d->slab, b);
         return NULL;
     }

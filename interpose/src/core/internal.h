@@ -385,7 +385,8 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b);
  * every whole free page of the expandable segments (the caller has
  * synchronized the device when npa_expandable_unmappable said so). With a
  * retire token (never 0), only those of the pools it set aside, whose
- * stream's destroy waited for their work. */
+ * stream's destroy waited for their work; with NPA_STREAM_GONE, those of
+ * the pools of destroyed streams (what is free there waited for its fence). */
 void npa_release_cached_segments(npa_allocator *a, npa_device *d, uint64_t only_retired_by);
 
 /* expandable.c: torch's expandable segments over the backend's VMM calls. */

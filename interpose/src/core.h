@@ -46,6 +46,10 @@ typedef struct npa_backend {
      * error: neither a fence nor a synchronize could be had, so the frees it
      * was asked for stay pending (retried at the next poll). */
     npa_error (*fence_record)(void *ctx, int device, void **fence);
+    /* Optional: fence_record whatever the reuse policy says (which decides
+     * reuse, not release): for memory that goes back to the device once the
+     * fence completes. NULL: fence_record stands in. */
+    npa_error (*fence_record_always)(void *ctx, int device, void **fence);
     /* Optional: 0 when a free made now needs no fence (eager right now), so
      * the block is reusable at once instead of waiting for the next poll. */
     int (*fence_needed)(void *ctx, int device);

@@ -154,8 +154,8 @@ static int fake_fence_needed(void *ctx, int device) {
     return needed;
 }
 
-static npa_error fake_fence_record(void *ctx, int device, void **out) {
-    fake_backend *f = ctx;
+/* A fence, or with the policy eager (and not always) none. */
+static npa_error record_fence(fake_backend *f, int device, bool always, void **out) {
     fake_fence *fence = NULL;
     npa_error err = NPA_OK;
     pthread_mutex_lock(&f->lock);
@@ -163,7 +163,7 @@ static npa_error fake_fence_record(void *ctx, int device, void **out) {
     if (f->fail_next_fences > 0) {
         f->fail_next_fences--;
         err = 107002;
-    } else if (!f->eager) {
+    } else if (always || !f->eager) {
         fence = calloc(1, sizeof *fence);
         if (fence) {
             fence->epoch = ++f->recorded_epoch;
@@ -173,6 +173,16 @@ static npa_error fake_fence_record(void *ctx, int device, void **out) {
     pthread_mutex_unlock(&f->lock);
     *out = fence;
     return err;
+}
+
+static npa_error fake_fence_record(void *ctx, int device, void **out) { return record_fence(ctx, device, false, out); }
+
+static npa_error fake_fence_record_always(void *ctx, int device, void **out) {
+    fake_backend *f = ctx;
+    pthread_mutex_lock(&f->lock);
+    f->fence_records_always++;
+    pthread_mutex_unlock(&f->lock);
+    return record_fence(f, device, true, out);
 }
 
 static npa_error fake_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count,
@@ -354,6 +364,7 @@ npa_backend fake_iface(fake_backend *f) {
     }
     if (f->fences) {
         b.fence_record = fake_fence_record;
+        b.fence_record_always = fake_fence_record_always;
         if (f->answers_fence_needed) b.fence_needed = fake_fence_needed;
         b.fence_done = fake_fence_done;
         b.fence_release = fake_fence_release;

@@ -59,6 +59,7 @@ typedef struct fake_backend {
     unsigned long long recorded_epoch, completed_epoch;
     int auto_complete_polls;   /* 0: only explicit completion */
     long fence_records, fence_releases;
+    long fence_records_always; /* of them, asked for whatever the policy (fence_record_always) */
     long fence_queries;        /* fence_done calls, of both kinds */
     /* Per-stream fences (fence_record_streams), offered when stream_fences
      * is set: stream handles are 0 .. FAKE_STREAMS-1; each stream counts its

@@ -418,9 +418,10 @@ static bool holds_retired(const npa_device *d, uint64_t token) {
  * stream that will not come (a program making a stream per step would
  * otherwise reserve a segment per step). Only this destroy's pools: those
  * of a stream given the same handle since, and being destroyed in turn,
- * may still be in use. Pools with live blocks stay until those are freed
- * and an empty_cache releases them. Most streams never had pools (their
- * programs allocate through aclrtMalloc): the cache is then left alone. */
+ * may still be in use. Pools with live blocks are marked gone: their
+ * blocks go back as they are freed (free_into_gone_pool). Most streams
+ * never had pools (their programs allocate through aclrtMalloc): the cache
+ * is then left alone. */
 static void destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
     settle_uses_on(d, token);
     if (!holds_retired(d, token)) return;
@@ -628,14 +629,12 @@ static bool plain_fence_needed(const npa_allocator *a, const npa_device *d) {
 /* A block of a stream whose destroy returned: that stream's work is done,
  * but the runtime may have given its handle to a new stream, and a use
  * there, recorded or freed on under that handle, reads as the block's own.
- * So it waits as a plain block does, for the reuse policy's fence over
- * every live stream; where the policy fences nothing (no stream lives, or
- * eager), for the streams it was recorded on. Its segment then goes back
- * to the device once free (release_gone_freed). */
+ * So it waits, with the plain frees, for a fence over every live stream,
+ * whatever the reuse policy (eager decides reuse, and this memory goes back
+ * to the device once free: release_gone_freed). */
 static void free_into_gone_pool(npa_allocator *a, npa_device *d, npa_block *b) {
-    if (plain_fence_needed(a, d)) npa_pending_add(d, b);
-    else if (b->uses || b->uses_unknown) npa_pending_add_uses(a, d, b);
-    else npa_free_block(a, d, b);
+    if (a->backend.fence_record) npa_pending_add_gone(d, b);
+    else npa_free_block(a, d, b); /* a backend with no fences has no streams to wait for */
 }
 
 /* torch's free: the allocation ends now. A plain block becomes reusable now

@@ -257,7 +257,7 @@ typedef struct npa_device {
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
     bool largest_moved;      /* a pool's or the recent cache's largest block changed: largest_free_block is stale */
-    bool gone_freed;         /* a block went back to a gone stream's pool: its segment may be free (release_gone) */
+    bool gone_freed;         /* a block went back to a gone stream's pool: its segment may be free (release_gone_freed) */
     npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
@@ -268,6 +268,7 @@ typedef struct npa_device {
     npa_block *open_batch;   /* pending frees not yet covered by a fence */
     npa_block *open_uses;    /* frees of blocks with stream uses, not yet covered by their streams' fence */
     size_t open_blocks, open_bytes; /* in both open lists: when to close them (pending.c) */
+    size_t open_gone;        /* blocks of gone streams' pools in open_batch: its fence is then fence_record_always */
     uintptr_t *fence_streams; /* scratch: the distinct streams of open_uses */
     size_t fence_streams_capacity;
     /* Fenced batches per kind, oldest first: PLAIN waits on the reuse
@@ -417,6 +418,9 @@ void npa_pending_poll(npa_allocator *a, npa_device *d);
 void npa_pending_flush(npa_allocator *a, npa_device *d);
 /* A plain free waiting for the policy's fence. */
 void npa_pending_add(npa_device *d, npa_block *b);
+/* A free into a gone stream's pool, in the same batch, whose fence then
+ * covers every live stream whatever the policy (fence_record_always). */
+void npa_pending_add_gone(npa_device *d, npa_block *b);
 /* A freed block with stream uses: reusable once events recorded on those
  * streams complete (one event per stream for every such block freed
  * before the next poll). */

@@ -112,7 +112,9 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
 
 static void close_open_batch(npa_allocator *a, npa_device *d) {
     void *fence = NULL;
-    npa_error err = a->backend.fence_record(a->backend.ctx, d->id, &fence);
+    npa_error err = d->open_gone && a->backend.fence_record_always
+                        ? a->backend.fence_record_always(a->backend.ctx, d->id, &fence)
+                        : a->backend.fence_record(a->backend.ctx, d->id, &fence);
     close_batch(a, d, &d->open_batch, err, fence);
 }
 
@@ -127,6 +129,11 @@ void npa_pending_add(npa_device *d, npa_block *b) {
     open_add(d, &d->open_batch, b);
     d->open_blocks++;
     d->open_bytes += b->size;
+}
+
+void npa_pending_add_gone(npa_device *d, npa_block *b) {
+    npa_pending_add(d, b);
+    d->open_gone++;
 }
 
 /* Blocks of streams are fenced at the next poll, as torch records their
@@ -216,7 +223,7 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
 static void close_open(npa_allocator *a, npa_device *d, bool plain) {
     if (plain && d->open_batch) {
         close_open_batch(a, d);
-        if (!d->open_batch) d->open_blocks = d->open_bytes = 0;
+        if (!d->open_batch) d->open_blocks = d->open_bytes = d->open_gone = 0;
     }
     if (d->open_uses) close_uses_batch(a, d);
 }
@@ -241,7 +248,7 @@ void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
     blocks = d->open_uses;
     d->open_uses = NULL;
     complete_blocks(a, d, blocks, false);
-    d->open_blocks = d->open_bytes = 0;
+    d->open_blocks = d->open_bytes = d->open_gone = 0;
 }
 
 npa_error npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {

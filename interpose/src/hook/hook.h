@@ -208,6 +208,7 @@ aclError npa_fence_record_always(int device, void **fence);
 npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence);
 int npa_fence_needed(void *ctx, int device);                  /* backend: honours reuse_policy */
 npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
+npa_error npa_fence_record_all(void *ctx, int device, void **fence); /* backend: npa_fence_record_always */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);
 void npa_streams_destroy_events(int device); /* device < 0: all; before reset/finalize */

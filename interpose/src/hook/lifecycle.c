@@ -298,6 +298,7 @@ static const npa_backend backend = {
     .mem_get_info = be_mem_get_info,
     .fence_needed = npa_fence_needed,
     .fence_record = npa_fence_record,
+    .fence_record_always = npa_fence_record_all,
     .fence_done = npa_fence_done,
     .fence_release = npa_fence_release,
     .fence_record_streams = npa_fence_record_streams,

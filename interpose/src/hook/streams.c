@@ -238,6 +238,12 @@ int npa_fence_needed(void *ctx, int device)
     return 1;
 }
 
+npa_error npa_fence_record_all(void *ctx, int device, void **fence)
+{
+    (void)ctx;
+    return npa_fence_record_always(device, fence);
+}
+
 npa_error npa_fence_record(void *ctx, int device, void **fence)
 {
     *fence = NULL;

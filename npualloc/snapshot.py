@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import resource
+import signal
 import subprocess
 import sys
 import zlib
@@ -44,14 +45,17 @@ MAX_SNAPSHOT_BYTES = 1 << 30
 # needs a size: 32 bytes per entry, so this is 3.2 MB per device.
 DEFAULT_MAX_ENTRIES = 100_000
 
-# The most segments, blocks and trace entries, and the most frames, a loaded
-# snapshot may hold, counted each time one is reached: a pickle may name one
-# list from any number of places (its memo), so a crafted file of a few
-# hundred KB unpickles into billions of trace entries for plot and replay to
-# walk (an audit's: 1e10 from 400 KB, gigabytes within a minute). Ours hold at
-# most DEFAULT_MAX_ENTRIES trace entries on each of 16 devices, beside the
-# blocks; frames are only counted (len), never walked.
-MAX_SNAPSHOT_ENTRIES = 4_000_000
+# How many segments, blocks and trace entries a loaded snapshot may hold.
+# A pickle may name one object from any number of places (its memo), so a
+# crafted file of a few hundred KB unpickles into billions of trace entries
+# for plot and replay to walk (an audit's: 1e10 from 400 KB, gigabytes within
+# a minute). A snapshot naming one list of them twice is refused, and the
+# entries of its lists may number one per SNAPSHOT_BYTES_PER_ENTRY bytes of
+# the pickle (a dict of a few fields, some 40 bytes in tools/traces; one dict
+# named again costs 2), or MIN_SNAPSHOT_ENTRIES for a small file. Frames are
+# only counted (len), never walked, up to MAX_SNAPSHOT_FRAMES.
+SNAPSHOT_BYTES_PER_ENTRY = 16
+MIN_SNAPSHOT_ENTRIES = 4_000_000
 MAX_SNAPSHOT_FRAMES = 100_000_000
 
 
@@ -73,7 +77,7 @@ def loads(data: bytes) -> Snapshot:
         raise NpuallocError(f"not a memory snapshot pickle ({e})") from None
     if not isinstance(snapshot, dict):
         raise NpuallocError("not a memory snapshot (expected torch's _snapshot() dict)")
-    _check_shape(snapshot)
+    _check_shape(snapshot, max(MIN_SNAPSHOT_ENTRIES, len(data) // SNAPSHOT_BYTES_PER_ENTRY))
     return snapshot
 
 
@@ -104,21 +108,26 @@ _BLOCK_FIELDS = {"size": int, "requested_size": int, "state": str}
 _TRACE_FIELDS = {"action": str, "addr": int, "size": int, "time_us": (int, float)}
 
 
-def _check_shape(snapshot: Snapshot) -> None:
+def _check_shape(snapshot: Snapshot, max_entries: int) -> None:
     """The fields plot, replay and memory_viz read have torch's kinds, and the
-    whole fits MAX_SNAPSHOT_ENTRIES and MAX_SNAPSHOT_FRAMES: bad input is an
+    whole fits max_entries and MAX_SNAPSHOT_FRAMES: bad input is an
     NpuallocError, never a traceback or a walk without end. The entries are
-    counted from the lists' lengths before any is walked, so a file naming one
-    list many times over is refused at once."""
+    counted from the lists' lengths before any is walked, and a list named
+    twice is refused, so a file naming one list many times over is refused
+    at once."""
     segments = _expect(snapshot.get("segments", []), list, "segments")
     traces = _expect(snapshot.get("device_traces", []), list, "device_traces")
-    entries = len(segments) + sum(len(_expect(trace, list, f"device_traces[{d}]")) for d, trace in enumerate(traces))
-    _refuse_past(entries, MAX_SNAPSHOT_ENTRIES, "segments, blocks and trace entries (one list may be named many times)")
+    lists = [(f"device_traces[{d}]", _expect(trace, list, f"device_traces[{d}]")) for d, trace in enumerate(traces)]
     for i, segment in enumerate(segments):
         _expect(segment, dict, f"segments[{i}]")
-        entries += len(_expect(segment.get("blocks"), list, f"segments[{i}]['blocks']"))
-        _refuse_past(entries, MAX_SNAPSHOT_ENTRIES,
-                     "segments, blocks and trace entries (one list may be named many times)")
+        lists.append((f"segments[{i}]['blocks']", _expect(segment.get("blocks"), list, f"segments[{i}]['blocks']")))
+    seen: set[int] = {id(segments)}
+    for where, items in lists:
+        if id(items) in seen:
+            raise NpuallocError(f"not a memory snapshot: {where} is a list named twice")
+        seen.add(id(items))
+    _refuse_past(len(segments) + sum(len(items) for _, items in lists), max_entries,
+                 "segments, blocks and trace entries for its size")
     frames = 0
     for i, segment in enumerate(segments):
         where = f"segments[{i}]"
@@ -155,10 +164,15 @@ def load(path: str | Path) -> Snapshot:
 
 # A pickle can unpickle into far more memory than its bytes: an empty list per
 # byte takes 64 times as much (an audit's 20 KB .gz: 1.8 GB; a 1 GiB one would
-# take 64 GB), where a real snapshot takes 11 times (tools/traces). A file of
-# another user's is therefore loaded once first in a child process whose data
-# segment is capped at this, and loaded here only if that one succeeded.
+# take 64 GB), where a real snapshot takes 11 times (tools/traces); and dict
+# keys that all hash alike take quadratic time (a review's 279 KB: 4.4 s). A
+# file of another user's is therefore loaded once first in a child process
+# with its data segment and CPU time capped, and a wall-clock wait for it
+# (a child starved of the CPU on a loaded machine still ends), and loaded
+# here only if that one succeeded.
 FOREIGN_SNAPSHOT_MEMORY = 4 << 30
+FOREIGN_SNAPSHOT_CPU_S = 120
+FOREIGN_SNAPSHOT_WAIT_S = 600
 _LOAD_IN_CHILD = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -173,21 +187,40 @@ except Exception as e:
 """
 
 
+def _within_hard_limit(value: int, kind: int) -> tuple[int, int]:
+    """(value, value), or less where this process's hard limit (which the
+    child inherits) is lower: only a privileged process may raise it."""
+    hard = resource.getrlimit(kind)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    return value, value
+
+
 def _load_in_a_bounded_child(data: bytes) -> None:
-    child = subprocess.Popen([sys.executable, "-c", _LOAD_IN_CHILD, str(Path(__file__).resolve().parents[1])],
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # -I and cwd "/": nothing from the environment or the current directory
+    # is imported (a pickle.py planted in /tmp, where such files lie, would
+    # run as us); the package is imported from where this file is.
+    child = subprocess.Popen([sys.executable, "-I", "-c", _LOAD_IN_CHILD, str(Path(__file__).resolve().parents[1])],
+                             cwd="/", stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    why = "another user owns the file"
     try:
-        # Before it gets the data: what it unpickles counts against the cap.
-        resource.prlimit(child.pid, resource.RLIMIT_DATA, (FOREIGN_SNAPSHOT_MEMORY, FOREIGN_SNAPSHOT_MEMORY))
-        _, error = child.communicate(data)
+        # Before it gets the data: what it unpickles counts against the caps.
+        resource.prlimit(child.pid, resource.RLIMIT_DATA,
+                         _within_hard_limit(FOREIGN_SNAPSHOT_MEMORY, resource.RLIMIT_DATA))
+        resource.prlimit(child.pid, resource.RLIMIT_CPU, _within_hard_limit(FOREIGN_SNAPSHOT_CPU_S, resource.RLIMIT_CPU))
+        _, error = child.communicate(data, timeout=FOREIGN_SNAPSHOT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise NpuallocError(f"its trial load did not end within {FOREIGN_SNAPSHOT_WAIT_S} s ({why})") from None
     except OSError as e:
-        raise NpuallocError(f"cannot load it on trial (another user owns the file): {e.strerror}") from None
+        raise NpuallocError(f"cannot load it on trial ({why}): {e.strerror}") from None
     finally:
         child.kill()
         child.wait()
     if child.returncode == 3:
         raise NpuallocError(f"it unpickles into more than {FOREIGN_SNAPSHOT_MEMORY >> 20} MiB (not a memory "
-                            "snapshot; loaded on trial because another user owns the file)")
+                            f"snapshot; loaded on trial because {why})")
+    if child.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        raise NpuallocError(f"it takes more than {FOREIGN_SNAPSHOT_CPU_S} s of CPU to unpickle (not a memory "
+                            f"snapshot; loaded on trial because {why})")
     if child.returncode != 0:
         raise NpuallocError(error.decode(errors="replace").strip() or
                             f"its trial load ended with status {child.returncode}")

@@ -10,6 +10,8 @@ import os
 import pickle
 import re
 import stat
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -313,10 +315,27 @@ def test_a_snapshot_naming_one_trace_many_times_is_refused(tmp_path: Path, comma
     bomb = tmp_path / "bomb.pickle"
     bomb.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace] * 10_000}))
     assert bomb.stat().st_size < 1 << 20
-    with pytest.raises(npualloc.NpuallocError, match="more than 4,000,000 segments, blocks and trace entries"):
+    with pytest.raises(npualloc.NpuallocError, match=re.escape("device_traces[1] is a list named twice")):
         npualloc.snapshot.load(bomb)
     args = [a.format(path=bomb, out=tmp_path / "p.png") for a in command]
-    assert_one_line_error(run_cli(args, tmp_path, timeout=120), 1, "more than 4,000,000")
+    assert_one_line_error(run_cli(args, tmp_path, timeout=120), 1, "is a list named twice")
+
+
+def test_a_snapshot_holds_as_many_entries_as_its_bytes_allow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MIN_SNAPSHOT_ENTRIES (1000 here), a snapshot may hold one entry per
+    SNAPSHOT_BYTES_PER_ENTRY bytes: 2000 entries of their own load (a long
+    recorded history is a large file), 2000 names of one entry are refused
+    (2 bytes each in the pickle)."""
+    monkeypatch.setattr(npualloc.snapshot, "MIN_SNAPSHOT_ENTRIES", 1000)
+    own = tmp_path / "own.pickle"
+    own.write_bytes(pickle.dumps({"segments": [], "device_traces": [
+        [{"action": "alloc", "addr": 512 * i, "size": 512, "stream": 0, "frames": []} for i in range(2000)]]}))
+    assert len(npualloc.snapshot.load(own)["device_traces"][0]) == 2000
+    entry = {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "frames": []}
+    named = tmp_path / "named.pickle"
+    named.write_bytes(pickle.dumps({"segments": [], "device_traces": [[entry] * 2000]}))
+    with pytest.raises(npualloc.NpuallocError, match="more than 1,000 segments, blocks and trace entries for its size"):
+        npualloc.snapshot.load(named)
 
 
 @pytest.mark.parametrize("snapshot, where", [
@@ -356,3 +375,56 @@ def test_another_users_snapshot_is_loaded_on_trial_with_bounded_memory(tmp_path:
     with pytest.raises(npualloc.NpuallocError, match=f"{bomb}: it unpickles into more than 256 MiB"):
         npualloc.snapshot.load(bomb)
     assert npualloc.snapshot.load(fine) == loads(SNAPSHOT)
+
+
+def _colliding_keys_pickle(count: int) -> bytes:
+    """A snapshot-shaped pickle with one dict of count int keys that all hash
+    to 0 (multiples of 2**61 - 1), written opcode by opcode: building it as a
+    dict here would take the quadratic time it makes the loader take."""
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s)]) + s.encode()  # SHORT_BINUNICODE
+
+    def long1(value: int) -> bytes:
+        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        return b"\x8a" + bytes([len(raw)]) + raw  # LONG1
+
+    step = (1 << 61) - 1
+    keys = b"".join(long1(k * step) + b"K\x00" for k in range(1, count + 1))  # key, BININT1 0
+    return b"\x80\x04}(" + text("segments") + b"]" + text("x") + b"}(" + keys + b"uu."
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")
+def test_the_trial_load_is_bounded_in_time_and_imports_nothing_from_here(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Colliding dict keys unpickle in quadratic time: the trial child's CPU is
+    capped (1 s here; 40 000 keys take far longer), and neither it nor this
+    process loads the file. A pickle.py in the current directory (such files
+    lie in /tmp, where anyone may put one) is not imported by the child."""
+    monkeypatch.setattr(npualloc.snapshot, "FOREIGN_SNAPSHOT_CPU_S", 1)
+    slow = tmp_path / "slow.pickle"
+    slow.write_bytes(_colliding_keys_pickle(40_000))
+    planted = tmp_path / "pickle.py"
+    planted.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    fine = tmp_path / "fine.pickle"
+    fine.write_bytes(SNAPSHOT)
+    for path in (slow, fine):
+        os.chown(path, 65534, 65534)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(npualloc.NpuallocError, match=f"{slow}: it takes more than 1 s of CPU to unpickle"):
+        npualloc.snapshot.load(slow)
+    assert npualloc.snapshot.load(fine) == loads(SNAPSHOT)
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")
+def test_the_trial_load_works_under_a_lower_hard_memory_limit(tmp_path: Path) -> None:
+    """A process whose hard data limit is below FOREIGN_SNAPSHOT_MEMORY may not
+    raise it for the child: the child gets that lower limit, and loads."""
+    fine = tmp_path / "fine.pickle"
+    fine.write_bytes(SNAPSHOT)
+    os.chown(fine, 65534, 65534)
+    script = f"import npualloc.snapshot as s; print(sorted(s.load({str(fine)!r})))"
+    done = subprocess.run(["sh", "-c", 'ulimit -d 3000000 && exec "$0" -c "$1"', sys.executable, script],
+                          capture_output=True, text=True, timeout=120, cwd=str(Path(npualloc.__file__).parents[1]))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(sorted(loads(SNAPSHOT)))

@@ -17,17 +17,16 @@ frames (hook/pystack.c); otherwise every "frames" is [].
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import resource
 import signal
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 from typing import Any
 
+from . import _snapshot_check
 from ._ffi import constants, ffi
 from .errors import CorruptRegionError, NpuallocError
 from .files import FileRefusedError, read_regular_file, write_user_file
@@ -36,124 +35,23 @@ from .region import COMMAND_TIMEOUT_S, Region
 
 Snapshot = dict[str, Any]
 
-# The most a snapshot may inflate to: a gzip bomb (megabytes that inflate to
-# tens of gigabytes) is refused before it takes the memory. Ours hold at most
-# DEFAULT_MAX_ENTRIES trace entries per device and the segments' blocks.
-MAX_SNAPSHOT_BYTES = 1 << 30
-
 # torch's _record_memory_history defaults to an unbounded trace; a ring in C
 # needs a size: 32 bytes per entry, so this is 3.2 MB per device.
 DEFAULT_MAX_ENTRIES = 100_000
 
-# How many segments, blocks and trace entries a loaded snapshot may hold.
-# A pickle may name one object from any number of places (its memo), so a
-# crafted file of a few hundred KB unpickles into billions of trace entries
-# for plot and replay to walk (an audit's: 1e10 from 400 KB, gigabytes within
-# a minute). A snapshot naming one list of them twice is refused, and the
-# entries of its lists may number one per SNAPSHOT_BYTES_PER_ENTRY bytes of
-# the pickle (a dict of a few fields, some 40 bytes in tools/traces; one dict
-# named again costs 2), or MIN_SNAPSHOT_ENTRIES for a small file. Frames are
-# only counted (len), never walked, up to MAX_SNAPSHOT_FRAMES.
-SNAPSHOT_BYTES_PER_ENTRY = 16
-MIN_SNAPSHOT_ENTRIES = 4_000_000
-MAX_SNAPSHOT_FRAMES = 100_000_000
-
-
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Snapshots are dicts, lists, tuples, ints, floats, strings and booleans only."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"a memory snapshot holds no objects, but this one names {module}.{name}")
-
 
 def loads(data: bytes) -> Snapshot:
     """A snapshot from pickle bytes (gzip-compressed or not), refusing anything
-    that is not plain data."""
-    if data[:2] == b"\x1f\x8b":
-        data = _gunzip(data)
+    that is not plain data (_snapshot_check)."""
     try:
-        snapshot = _PlainDataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError) as e:
-        raise NpuallocError(f"not a memory snapshot pickle ({e})") from None
-    if not isinstance(snapshot, dict):
-        raise NpuallocError("not a memory snapshot (expected torch's _snapshot() dict)")
-    _check_shape(snapshot, max(MIN_SNAPSHOT_ENTRIES, len(data) // SNAPSHOT_BYTES_PER_ENTRY))
-    return snapshot
-
-
-def _refuse_past(count: int, limit: int, what: str) -> None:
-    if count > limit:
-        raise NpuallocError(f"not a memory snapshot: it holds more than {limit:,} {what}")
-
-
-def _expect(value: object, kinds: type | tuple[type, ...], where: str) -> Any:
-    if not isinstance(value, kinds):
-        raise NpuallocError(f"not a memory snapshot: {where} is {type(value).__name__}")
-    return value
-
-
-def _check_record(record: object, fields: dict[str, type | tuple[type, ...]], required: tuple[str, ...],
-                  where: str) -> int:
-    """record is a dict whose fields, where present (required ones always),
-    have their kinds; returns how many frames it holds (a list when present)."""
-    _expect(record, dict, where)
-    for name, kinds in fields.items():
-        if name in record or name in required:
-            _expect(record.get(name), kinds, f"{where}[{name!r}]")
-    return len(_expect(record.get("frames", []), list, f"{where}['frames']"))
-
-
-_SEGMENT_FIELDS = {"device": int, "address": int, "total_size": int, "blocks": list}
-_BLOCK_FIELDS = {"size": int, "requested_size": int, "state": str}
-_TRACE_FIELDS = {"action": str, "addr": int, "size": int, "time_us": (int, float)}
-
-
-def _check_shape(snapshot: Snapshot, max_entries: int) -> None:
-    """The fields plot, replay and memory_viz read have torch's kinds, and the
-    whole fits max_entries and MAX_SNAPSHOT_FRAMES: bad input is an
-    NpuallocError, never a traceback or a walk without end. The entries are
-    counted from the lists' lengths before any is walked, and a list named
-    twice is refused, so a file naming one list many times over is refused
-    at once."""
-    segments = _expect(snapshot.get("segments", []), list, "segments")
-    traces = _expect(snapshot.get("device_traces", []), list, "device_traces")
-    lists = [(f"device_traces[{d}]", _expect(trace, list, f"device_traces[{d}]")) for d, trace in enumerate(traces)]
-    for i, segment in enumerate(segments):
-        _expect(segment, dict, f"segments[{i}]")
-        lists.append((f"segments[{i}]['blocks']", _expect(segment.get("blocks"), list, f"segments[{i}]['blocks']")))
-    seen: set[int] = {id(segments)}
-    for where, items in lists:
-        if id(items) in seen:
-            raise NpuallocError(f"not a memory snapshot: {where} is a list named twice")
-        seen.add(id(items))
-    _refuse_past(len(segments) + sum(len(items) for _, items in lists), max_entries,
-                 "segments, blocks and trace entries for its size")
-    frames = 0
-    for i, segment in enumerate(segments):
-        where = f"segments[{i}]"
-        frames += _check_record(segment, _SEGMENT_FIELDS, ("address", "total_size", "blocks"), where)
-        for j, block in enumerate(segment["blocks"]):
-            frames += _check_record(block, _BLOCK_FIELDS, ("size", "state"), f"{where}['blocks'][{j}]")
-    for device, trace in enumerate(traces):
-        for k, entry in enumerate(trace):
-            frames += _check_record(entry, _TRACE_FIELDS, ("action",), f"device_traces[{device}][{k}]")
-    _refuse_past(frames, MAX_SNAPSHOT_FRAMES, "stack frames")
-
-
-def _gunzip(data: bytes) -> bytes:
-    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip's framing
-    try:
-        inflated = inflater.decompress(data, MAX_SNAPSHOT_BYTES)
-    except zlib.error as e:
-        raise NpuallocError(f"not a gzip file ({e})") from None
-    if inflater.unconsumed_tail:
-        raise NpuallocError(f"it inflates to more than {MAX_SNAPSHOT_BYTES >> 20} MiB: not a memory snapshot")
-    return inflated
+        return _snapshot_check.loads(data)
+    except _snapshot_check.NotASnapshot as e:
+        raise NpuallocError(str(e)) from None
 
 
 def load(path: str | Path) -> Snapshot:
     """A snapshot file: ours, torch's _dump_snapshot, or either gzip-compressed."""
-    file = read_regular_file(path, MAX_SNAPSHOT_BYTES)
+    file = read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES)
     try:
         if file.uid not in (os.geteuid(), 0):
             _load_in_a_bounded_child(file.data)
@@ -173,40 +71,48 @@ def load(path: str | Path) -> Snapshot:
 FOREIGN_SNAPSHOT_MEMORY = 4 << 30
 FOREIGN_SNAPSHOT_CPU_S = 120
 FOREIGN_SNAPSHOT_WAIT_S = 600
+# The child loads _snapshot_check.py by its path and nothing else of ours:
+# the package's imports (cffi, psutil) may be reachable only through the
+# environment, which -I leaves out.
 _LOAD_IN_CHILD = """
-import sys
-sys.path.insert(0, sys.argv[1])
-from npualloc.snapshot import loads
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("npualloc_snapshot_check", sys.argv[1])
+check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(check)
 try:
-    loads(sys.stdin.buffer.read())
+    check.loads(sys.stdin.buffer.read())
 except MemoryError:
     sys.exit(3)
-except Exception as e:
+except check.NotASnapshot as e:
     sys.stderr.write(str(e))
     sys.exit(4)
 """
 
 
-def _within_hard_limit(value: int, kind: int) -> tuple[int, int]:
-    """(value, value), or less where this process's hard limit (which the
-    child inherits) is lower: only a privileged process may raise it."""
-    hard = resource.getrlimit(kind)[1]
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    return value, value
+def _within_hard_limit(soft: int, hard: int, kind: int) -> tuple[int, int]:
+    """(soft, hard), each no more than this process's hard limit (which the
+    child inherits): only a privileged process may raise it."""
+    ours = resource.getrlimit(kind)[1]
+    if ours == resource.RLIM_INFINITY:
+        return soft, hard
+    return min(soft, ours), min(hard, ours)
 
 
 def _load_in_a_bounded_child(data: bytes) -> None:
     # -I and cwd "/": nothing from the environment or the current directory
     # is imported (a pickle.py planted in /tmp, where such files lie, would
-    # run as us); the package is imported from where this file is.
-    child = subprocess.Popen([sys.executable, "-I", "-c", _LOAD_IN_CHILD, str(Path(__file__).resolve().parents[1])],
+    # run as us).
+    child = subprocess.Popen([sys.executable, "-I", "-c", _LOAD_IN_CHILD, _snapshot_check.__file__],
                              cwd="/", stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     why = "another user owns the file"
     try:
         # Before it gets the data: what it unpickles counts against the caps.
         resource.prlimit(child.pid, resource.RLIMIT_DATA,
-                         _within_hard_limit(FOREIGN_SNAPSHOT_MEMORY, resource.RLIMIT_DATA))
-        resource.prlimit(child.pid, resource.RLIMIT_CPU, _within_hard_limit(FOREIGN_SNAPSHOT_CPU_S, resource.RLIMIT_CPU))
+                         _within_hard_limit(FOREIGN_SNAPSHOT_MEMORY, FOREIGN_SNAPSHOT_MEMORY, resource.RLIMIT_DATA))
+        # A soft CPU limit below the hard one: its overrun is a SIGXCPU, told
+        # apart from a SIGKILL (an out-of-memory killer, a cgroup's limit).
+        resource.prlimit(child.pid, resource.RLIMIT_CPU,
+                         _within_hard_limit(FOREIGN_SNAPSHOT_CPU_S, FOREIGN_SNAPSHOT_CPU_S + 5, resource.RLIMIT_CPU))
         _, error = child.communicate(data, timeout=FOREIGN_SNAPSHOT_WAIT_S)
     except subprocess.TimeoutExpired:
         raise NpuallocError(f"its trial load did not end within {FOREIGN_SNAPSHOT_WAIT_S} s ({why})") from None
@@ -218,9 +124,11 @@ def _load_in_a_bounded_child(data: bytes) -> None:
     if child.returncode == 3:
         raise NpuallocError(f"it unpickles into more than {FOREIGN_SNAPSHOT_MEMORY >> 20} MiB (not a memory "
                             f"snapshot; loaded on trial because {why})")
-    if child.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+    if child.returncode == -signal.SIGXCPU:
         raise NpuallocError(f"it takes more than {FOREIGN_SNAPSHOT_CPU_S} s of CPU to unpickle (not a memory "
                             f"snapshot; loaded on trial because {why})")
+    if child.returncode == -signal.SIGKILL:
+        raise NpuallocError(f"its trial load was killed (out of memory?) ({why})")
     if child.returncode != 0:
         raise NpuallocError(error.decode(errors="replace").strip() or
                             f"its trial load ended with status {child.returncode}")
@@ -242,7 +150,7 @@ def _read_snapshot_file(path: Path) -> bytes:
     """Reads and removes the file the process wrote for us; never through a
     link and only our own regular file, though the directory is the user's own (region_dir.c)."""
     try:
-        data = read_regular_file(path, MAX_SNAPSHOT_BYTES, owner=os.geteuid()).data
+        data = read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid()).data
     except FileRefusedError as e:
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
     path.unlink(missing_ok=True)

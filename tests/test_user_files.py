@@ -274,14 +274,14 @@ def test_the_loader_refuses_a_fifo_and_a_link(tmp_path: Path) -> None:
     link.symlink_to(real)
     with pytest.raises(FileRefusedError, match="symbolic link"):
         npualloc.snapshot.load(link)
-    assert loads(read_regular_file(real, npualloc.snapshot.MAX_SNAPSHOT_BYTES).data) == npualloc.snapshot.load(real)
+    assert loads(read_regular_file(real, npualloc._snapshot_check.MAX_SNAPSHOT_BYTES).data) == npualloc.snapshot.load(real)
 
 
 def test_the_loader_refuses_a_gzip_bomb_and_a_corrupt_gzip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A gzip file that inflates past MAX_SNAPSHOT_BYTES is refused before it
     takes that memory (here a 1 MiB limit and 2 MiB of zeros), and a corrupt
     one is an error naming the file, never a traceback."""
-    monkeypatch.setattr(npualloc.snapshot, "MAX_SNAPSHOT_BYTES", 1 << 20)
+    monkeypatch.setattr(npualloc._snapshot_check, "MAX_SNAPSHOT_BYTES", 1 << 20)
     bomb = tmp_path / "bomb.pickle.gz"
     bomb.write_bytes(gzip.compress(bytes(2 << 20)))
     with pytest.raises(npualloc.NpuallocError, match="inflates to more than 1 MiB"):
@@ -298,7 +298,7 @@ def test_the_loader_refuses_a_gzip_bomb_and_a_corrupt_gzip(tmp_path: Path, monke
 def test_a_file_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse file costs its maker nothing however large: the loader refuses
     anything past MAX_SNAPSHOT_BYTES from its size, before reading it."""
-    monkeypatch.setattr(npualloc.snapshot, "MAX_SNAPSHOT_BYTES", 1 << 20)
+    monkeypatch.setattr(npualloc._snapshot_check, "MAX_SNAPSHOT_BYTES", 1 << 20)
     sparse = tmp_path / "huge.pickle"
     with open(sparse, "wb") as f:
         f.truncate(1 << 40)
@@ -326,7 +326,7 @@ def test_a_snapshot_holds_as_many_entries_as_its_bytes_allow(tmp_path: Path, mon
     SNAPSHOT_BYTES_PER_ENTRY bytes: 2000 entries of their own load (a long
     recorded history is a large file), 2000 names of one entry are refused
     (2 bytes each in the pickle)."""
-    monkeypatch.setattr(npualloc.snapshot, "MIN_SNAPSHOT_ENTRIES", 1000)
+    monkeypatch.setattr(npualloc._snapshot_check, "MIN_SNAPSHOT_ENTRIES", 1000)
     own = tmp_path / "own.pickle"
     own.write_bytes(pickle.dumps({"segments": [], "device_traces": [
         [{"action": "alloc", "addr": 512 * i, "size": 512, "stream": 0, "frames": []} for i in range(2000)]]}))

@@ -27,10 +27,7 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
     return a;
 }
 
-/* Runs fn(a, d, arg) on one device (if it exists) or on every existing one
- * (device < 0), under its lock. */
-static void for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *, uint64_t),
-                        uint64_t arg) {
+void npa_for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *, void *), void *arg) {
     if (!a) return;
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
         if (device >= 0 && i != device) continue;
@@ -366,23 +363,29 @@ static void settle_uses_on(npa_device *d, uint64_t token) {
             }
 }
 
+/* A destroy of a stream: its handle, and the token set-aside pools get. */
+typedef struct stream_retire {
+    uintptr_t stream;
+    uint64_t token;
+} stream_retire;
+
+static void retire_on(npa_allocator *a, npa_device *d, void *arg) {
+    (void)a;
+    const stream_retire *r = arg;
+    for (npa_pool_pair *p = d->streams; p; p = p->next)
+        if (p->small.stream == r->stream && !p->small.retired_by) p->small.retired_by = p->large.retired_by = r->token;
+    forget_uses_on(d, r->stream, r->token);
+}
+
 /* Around aclrtDestroyStream, which waits for the stream's queued work.
  * Before it, the stream's pools are set aside under a token of this
  * destroy: they serve no allocation (a stream the runtime gives the same
  * handle afterwards gets new ones). */
 uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream) {
     if (!a) return 0;
-    uint64_t token = __atomic_add_fetch(&a->retire_tokens, 1, __ATOMIC_RELAXED);
-    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        for (npa_pool_pair *p = d->streams; p; p = p->next)
-            if (p->small.stream == stream && !p->small.retired_by) p->small.retired_by = p->large.retired_by = token;
-        forget_uses_on(d, stream, token);
-        npa_lock_release(&d->lock);
-    }
-    return token;
+    stream_retire r = {.stream = stream, .token = __atomic_add_fetch(&a->retire_tokens, 1, __ATOMIC_RELAXED)};
+    npa_for_devices(a, -1, retire_on, &r);
+    return r.token;
 }
 
 /* Gives back the idle segments of the pools retired_by names and frees
@@ -422,7 +425,8 @@ static bool holds_retired(const npa_device *d, uint64_t token) {
  * blocks go back as they are freed (free_into_gone_pool). Most streams
  * never had pools (their programs allocate through aclrtMalloc): the cache
  * is then left alone. */
-static void destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
+static void destroyed_on(npa_allocator *a, npa_device *d, void *arg) {
+    uint64_t token = *(const uint64_t *)arg;
     settle_uses_on(d, token);
     if (!holds_retired(d, token)) return;
     npa_recent_flush(d);
@@ -432,17 +436,18 @@ static void destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
 }
 
 void npa_stream_destroyed(npa_allocator *a, uint64_t token) {
-    if (token) for_devices(a, -1, destroyed_on, token);
+    if (token) npa_for_devices(a, -1, destroyed_on, &token);
 }
 
-static void not_destroyed_on(npa_allocator *a, npa_device *d, uint64_t token) {
+static void not_destroyed_on(npa_allocator *a, npa_device *d, void *arg) {
     (void)a;
+    uint64_t token = *(const uint64_t *)arg;
     for (npa_pool_pair *p = d->streams; p; p = p->next)
         if (p->small.retired_by == token) p->small.retired_by = p->large.retired_by = 0;
 }
 
 void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
-    if (token) for_devices(a, -1, not_destroyed_on, token);
+    if (token) npa_for_devices(a, -1, not_destroyed_on, &token);
 }
 
 /* A free block of pool for rounded bytes: a held block of exactly that
@@ -728,24 +733,22 @@ npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int h
                                                                                              : NPA_ERR_INVALID_PARAM;
 }
 
+/* arg: the first error of the devices released so far. */
+static void release_on(npa_allocator *a, npa_device *d, void *arg) {
+    npa_error err = release_locked(a, d), *first = arg;
+    if (*first == NPA_OK) *first = err;
+}
+
 npa_error npa_empty_cache(npa_allocator *a, int device) {
     npa_error first = NPA_OK;
-    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
-        if (device >= 0 && i != device) continue;
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        npa_error err = release_locked(a, d);
-        npa_lock_release(&d->lock);
-        if (first == NPA_OK) first = err;
-    }
+    npa_for_devices(a, device, release_on, &first);
     return first;
 }
 
-static void flush_pending(npa_allocator *a, npa_device *d, uint64_t unused) {
+static void flush_pending(npa_allocator *a, npa_device *d, void *unused) {
     (void)unused;
     npa_pending_flush(a, d);
     release_gone_freed(a, d);
 }
 
-void npa_process_pending(npa_allocator *a, int device) { for_devices(a, device, flush_pending, 0); }
+void npa_process_pending(npa_allocator *a, int device) { npa_for_devices(a, device, flush_pending, NULL); }

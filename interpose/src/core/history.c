@@ -76,14 +76,18 @@ void npa_set_record_stacks(npa_allocator *a, bool on) {
     if (a) __atomic_store_n(&a->config.record_stacks, on, __ATOMIC_RELAXED);
 }
 
+typedef struct trace_visit {
+    npa_trace_visitor visitor;
+    void *arg;
+} trace_visit;
+
+static void visit_on(npa_allocator *a, npa_device *d, void *arg) {
+    (void)a;
+    const trace_visit *v = arg;
+    npa_history_visit(d, v->visitor, v->arg);
+}
+
 void npa_visit_trace(npa_allocator *a, int device, npa_trace_visitor visitor, void *arg) {
-    if (!a || !visitor) return;
-    for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++) {
-        if (device >= 0 && i != device) continue;
-        npa_device *d = npa_device_get(a, i, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        npa_history_visit(d, visitor, arg);
-        npa_lock_release(&d->lock);
-    }
+    if (!visitor) return;
+    npa_for_devices(a, device, visit_on, &(trace_visit){.visitor = visitor, .arg = arg});
 }

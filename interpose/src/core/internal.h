@@ -311,6 +311,10 @@ static inline bool npa_expandable_on(const npa_allocator *a) {
 npa_device *npa_device_create_slow(npa_allocator *a, int device);
 /* The device's state, created on first use when create is set; NULL for a
  * bad id (or no host memory). Inline: every malloc and free starts here. */
+/* Runs fn(a, d, arg) on one device (if it exists) or on every existing one
+ * (device < 0), each under its lock, one at a time. */
+void npa_for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *, void *), void *arg);
+
 static inline npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
     npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);

@@ -219,9 +219,11 @@ npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int h
  * from them again), makes other blocks' uses of the stream unknown (a
  * synchronize stands in for an event there) and returns this destroy's
  * token. destroyed(token), once the destroy succeeded, settles those uses,
- * gives what the set-aside pools cache back to the device and frees pools
- * nothing is left in; not_destroyed(token), after a failed destroy, gives
- * the pools back to the stream, which lives on (its uses stay unknown). */
+ * gives what the set-aside pools cache back to the device, frees pools
+ * nothing is left in and marks the others gone (their blocks go back as
+ * they are freed, after a fence); not_destroyed(token), after a failed
+ * destroy, gives the pools back to the stream, which lives on (its uses
+ * stay unknown). */
 uint64_t npa_stream_retire(npa_allocator *a, uintptr_t stream);
 void npa_stream_destroyed(npa_allocator *a, uint64_t token);
 void npa_stream_not_destroyed(npa_allocator *a, uint64_t token);

@@ -170,7 +170,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         return ACLNN_SUCCESS;
     }
     void *fence = NULL;
-    if (device >= 0 && npa_fence_record_always(device, &fence) != ACL_SUCCESS) {
+    if (device >= 0 && npa_fence_record_always(NULL, device, &fence) != ACL_SUCCESS) {
         /* Neither a fence nor a synchronize: a kernel in flight may still
          * use the executor, and destroying it could crash the host. Keeping
          * it costs only host memory. */

@@ -196,19 +196,19 @@ int npa_streams_dying(aclrtStream stream);
 void npa_streams_dead(int tracked, aclrtStream stream, int destroyed);
 int npa_streams_live(void);                 /* created and not yet destroyed (dying included) */
 /* A fence over every live stream of the device and its default stream,
- * whatever the reuse policy (the executors need one always), into *fence.
- * ACL_SUCCESS with *fence NULL only when the fence could not be recorded and
- * the device was synchronized instead. An error (the device cannot be
- * entered, or the synchronize failed) leaves *fence NULL and proves
- * nothing: the caller must go on treating the work as queued. */
-aclError npa_fence_record_always(int device, void **fence);
+ * whatever the reuse policy (the executors need one always; and it is
+ * backend.fence_record_always, ctx unused), into *fence. ACL_SUCCESS with
+ * *fence NULL only when the fence could not be recorded and the device was
+ * synchronized instead. An error (the device cannot be entered, or the
+ * synchronize failed) leaves *fence NULL and proves nothing: the caller
+ * must go on treating the work as queued. */
+npa_error npa_fence_record_always(void *ctx, int device, void **fence);
 /* backend.fence_record_streams: one event on each stream named (blocks of
  * the stream-aware entry recorded on other streams), whatever the policy;
  * falls back to a synchronize as npa_fence_record_always does. */
 npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence);
 int npa_fence_needed(void *ctx, int device);                  /* backend: honours reuse_policy */
 npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
-npa_error npa_fence_record_all(void *ctx, int device, void **fence); /* backend: npa_fence_record_always */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);
 void npa_streams_destroy_events(int device); /* device < 0: all; before reset/finalize */

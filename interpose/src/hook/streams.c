@@ -210,8 +210,9 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
     return err;
 }
 
-aclError npa_fence_record_always(int device, void **fence)
+npa_error npa_fence_record_always(void *ctx, int device, void **fence)
 {
+    (void)ctx;
     return record_fence(device, NULL, 0, fence);
 }
 
@@ -238,16 +239,10 @@ int npa_fence_needed(void *ctx, int device)
     return 1;
 }
 
-npa_error npa_fence_record_all(void *ctx, int device, void **fence)
-{
-    (void)ctx;
-    return npa_fence_record_always(device, fence);
-}
-
 npa_error npa_fence_record(void *ctx, int device, void **fence)
 {
     *fence = NULL;
-    return npa_fence_needed(ctx, device) ? npa_fence_record_always(device, fence) : NPA_OK;
+    return npa_fence_needed(ctx, device) ? npa_fence_record_always(ctx, device, fence) : NPA_OK;
 }
 
 int npa_fence_done(void *ctx, void *fence)

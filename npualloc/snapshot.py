@@ -18,7 +18,6 @@ frames (hook/pystack.c); otherwise every "frames" is [].
 from __future__ import annotations
 
 import os
-import pickle
 import resource
 import signal
 import subprocess

@@ -194,3 +194,45 @@ def test_stream_handle_errors():
         ok(acl.rt.destroy_stream(s))
         assert acl.rt.synchronize_stream(s) == 107000           # destroyed stream
     """)
+
+
+def test_a_forced_destroy_drops_what_has_not_run():
+    """aclrtDestroyStreamForce does not wait: the op its worker has taken
+    ends, what is queued behind it never runs, and an event record dropped
+    so never completes, even after a synchronize."""
+    sim("""
+        def attempt(duration_us):
+            a, b = dev(256), dev(256)
+            s, ret = acl.rt.create_stream(); ok(ret)
+            after_a, ret = acl.rt.create_event(); ok(ret)
+            after_b, ret = acl.rt.create_event(); ok(ret)
+            aclsim.set_op_duration_us(duration_us)
+            fill(a, 256, 7, s)
+            aclsim.set_op_duration_us(0)
+            ok(acl.rt.record_event(after_a, s))
+            fill(b, 256, 9, s)
+            ok(acl.rt.record_event(after_b, s))
+            ok(acl.rt.destroy_stream_force(s))
+            dropped = still_queued(after_a)                      # so the fill of a was still running
+            if dropped:
+                assert read(a, 256) == b"\\x07" * 256            # it ended before the destroy returned
+                assert read(b, 256) == bytes(256)                # the fill of b never ran
+                ok(acl.rt.synchronize_device())
+                assert still_queued(after_b)
+            assert acl.rt.synchronize_stream(s) == 107000
+            return dropped
+        while_queued(attempt)
+        assert aclsim.invalid_accesses() == 0
+    """)
+
+
+def test_a_forced_reset_releases_the_device_whatever_its_count():
+    sim("""
+        ok(acl.rt.set_device(0))                                 # a second reference
+        ok(acl.rt.reset_device_force(0))
+        assert acl.rt.get_device()[1] == 107002                  # released: no current device
+        assert acl.rt.reset_device_force(0) == 107000            # already released
+        ok(acl.rt.set_device(0))
+        ok(acl.rt.reset_device(0))                               # counted afresh: one reference, one reset
+        assert acl.rt.get_device()[1] == 107002
+    """)

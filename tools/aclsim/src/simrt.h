@@ -27,6 +27,7 @@ SIMRT_EXPORT aclError simrt_Finalize(void);
 SIMRT_EXPORT aclError simrt_SetDevice(int32_t deviceId);
 SIMRT_EXPORT aclError simrt_GetDevice(int32_t *deviceId);
 SIMRT_EXPORT aclError simrt_ResetDevice(int32_t deviceId);
+SIMRT_EXPORT aclError simrt_ResetDeviceForce(int32_t deviceId);
 SIMRT_EXPORT aclError simrt_GetDeviceCount(uint32_t *count);
 SIMRT_EXPORT aclError simrt_SynchronizeDevice(void);
 
@@ -45,6 +46,7 @@ SIMRT_EXPORT aclError simrt_GetMemInfo(aclrtMemAttr attr, size_t *free, size_t *
 
 SIMRT_EXPORT aclError simrt_CreateStream(aclrtStream *stream);
 SIMRT_EXPORT aclError simrt_DestroyStream(aclrtStream stream);
+SIMRT_EXPORT aclError simrt_DestroyStreamForce(aclrtStream stream);
 SIMRT_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream);
 SIMRT_EXPORT aclError simrt_CreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag);
 

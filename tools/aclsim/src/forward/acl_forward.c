@@ -13,6 +13,7 @@ EXPORT aclError aclFinalize(void) { return simrt_Finalize(); }
 EXPORT aclError aclrtSetDevice(int32_t deviceId) { return simrt_SetDevice(deviceId); }
 EXPORT aclError aclrtGetDevice(int32_t *deviceId) { return simrt_GetDevice(deviceId); }
 EXPORT aclError aclrtResetDevice(int32_t deviceId) { return simrt_ResetDevice(deviceId); }
+EXPORT aclError aclrtResetDeviceForce(int32_t deviceId) { return simrt_ResetDeviceForce(deviceId); }
 EXPORT aclError aclrtGetDeviceCount(uint32_t *count) { return simrt_GetDeviceCount(count); }
 EXPORT aclError aclrtSynchronizeDevice(void) { return simrt_SynchronizeDevice(); }
 
@@ -54,6 +55,7 @@ EXPORT aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total)
 
 EXPORT aclError aclrtCreateStream(aclrtStream *stream) { return simrt_CreateStream(stream); }
 EXPORT aclError aclrtDestroyStream(aclrtStream stream) { return simrt_DestroyStream(stream); }
+EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream) { return simrt_DestroyStreamForce(stream); }
 EXPORT aclError aclrtSynchronizeStream(aclrtStream stream) { return simrt_SynchronizeStream(stream); }
 EXPORT aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag)
 {

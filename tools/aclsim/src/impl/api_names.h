@@ -2,10 +2,10 @@
  * the enum and the name lookup can never disagree. */
 #define SIM_API_LIST(X)                                                                                        \
     X(aclInit) X(aclFinalize)                                                                                  \
-    X(aclrtSetDevice) X(aclrtGetDevice) X(aclrtResetDevice) X(aclrtGetDeviceCount) X(aclrtSynchronizeDevice)   \
+    X(aclrtSetDevice) X(aclrtGetDevice) X(aclrtResetDevice) X(aclrtResetDeviceForce) X(aclrtGetDeviceCount) X(aclrtSynchronizeDevice)   \
     X(aclrtMalloc) X(aclrtMallocAlign32) X(aclrtMallocCached) X(aclrtFree) X(aclrtFreeWithDevSync)             \
     X(aclrtMemset) X(aclrtMemsetAsync) X(aclrtMemcpy) X(aclrtMemcpyAsync) X(aclrtGetMemInfo)                   \
-    X(aclrtCreateStream) X(aclrtDestroyStream) X(aclrtSynchronizeStream) X(aclrtCreateStreamWithConfig)                                       \
+    X(aclrtCreateStream) X(aclrtDestroyStream) X(aclrtSynchronizeStream) X(aclrtCreateStreamWithConfig) X(aclrtDestroyStreamForce)\
     X(aclrtCreateEvent) X(aclrtCreateEventWithFlag) X(aclrtRecordEvent) X(aclrtQueryEventStatus)               \
     X(aclrtQueryEvent) X(aclrtSynchronizeEvent) X(aclrtStreamWaitEvent) X(aclrtDestroyEvent)     \
     X(aclrtCreateEventExWithFlag) X(aclrtEventElapsedTime) X(aclrtCreateContext) X(aclrtDestroyContext)       \

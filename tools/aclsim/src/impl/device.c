@@ -141,6 +141,26 @@ SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
     return ACL_SUCCESS;
 }
 
+/* aclrtResetDeviceForce releases the device whatever its reference count
+ * (streams drained and destroyed, as the last aclrtResetDevice does); CANN
+ * documents an error for a device already released, without its code. */
+SIM_EXPORT aclError simrt_ResetDeviceForce(int32_t deviceId)
+{
+    struct sim_device *d;
+    aclError ret = enter_device_call(SIM_API_aclrtResetDeviceForce, deviceId, &d);
+    if (ret != ACL_SUCCESS)
+        return ret;
+    pthread_mutex_lock(&sim_lock);
+    if (d->refcount == 0) {
+        ret = ACL_ERROR_RT_PARAM_INVALID;
+    } else {
+        d->refcount = 1;
+        detach_device(d, deviceId);
+    }
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
+}
+
 /* A context is a device reference with an identity: created with one
  * attach, destroyed with one detach, and current for a thread through
  * aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never

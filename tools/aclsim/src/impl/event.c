@@ -52,6 +52,11 @@ void sim_event_task_done(struct sim_event *ev, uint64_t seq)
     unref(ev);
 }
 
+void sim_event_task_discard(struct sim_event *ev)
+{
+    unref(ev);
+}
+
 void sim_event_task_wait(struct sim_event *ev, uint64_t seq)
 {
     while (ev->done_seq < seq)

@@ -183,6 +183,7 @@ aclError sim_synchronize_current_device(enum sim_api api);
 /* ---- events (event.c), lock held ---- */
 void sim_event_task_done(struct sim_event *ev, uint64_t seq);
 void sim_event_task_wait(struct sim_event *ev, uint64_t seq);
+void sim_event_task_discard(struct sim_event *ev); /* a record or wait dropped unrun */
 
 /* ---- executors (executor.c) ---- */
 void sim_executor_run(struct sim_executor *e, void *ws, uint64_t ws_size); /* on a worker, lock not held */

@@ -35,6 +35,25 @@ static void run_task(struct sim_task *t)
     }
 }
 
+/* Lock held. A task dropped unrun by aclrtDestroyStreamForce: its copy, fill
+ * or op never happens and its event record never completes; what it holds is
+ * let go. */
+static void discard_task(struct sim_task *t)
+{
+    switch (t->kind) {
+    case TASK_COPY:
+    case TASK_FILL:
+        break;
+    case TASK_OP:
+        sim_executor_task_done(t->u.op.exec);
+        break;
+    case TASK_EVENT_RECORD:
+    case TASK_EVENT_WAIT:
+        sim_event_task_discard(t->u.event.ev);
+        break;
+    }
+}
+
 static void *worker_main(void *arg)
 {
     struct sim_stream *s = arg;
@@ -137,6 +156,26 @@ void sim_stream_destroy(struct sim_stream *s)
     free(s);
 }
 
+/* Lock held. The tasks no worker has taken are dropped; the head, which
+ * its worker may be running, is left to end. Dropped tasks count as
+ * completed, so a synchronize of the stream waiting meanwhile returns. */
+static void discard_queued(struct sim_stream *s)
+{
+    if (s->head == NULL)
+        return;
+    struct sim_task *t = s->head->next;
+    s->head->next = NULL;
+    s->tail = s->head;
+    while (t != NULL) {
+        struct sim_task *next = t->next;
+        discard_task(t);
+        free(t);
+        s->completed++;
+        t = next;
+    }
+    pthread_cond_broadcast(&sim_progress);
+}
+
 /* Lock held. Whether handle is a live stream (handles are checked against
  * the live set so a destroyed stream is an error, not a wild pointer). */
 static int is_live_stream(const struct sim_stream *handle)
@@ -193,10 +232,14 @@ SIM_EXPORT aclError simrt_CreateStreamWithConfig(aclrtStream *stream, uint32_t p
     return create_stream(SIM_API_aclrtCreateStreamWithConfig, stream);
 }
 
-/* Destroying a stream waits for its queued work first. */
-SIM_EXPORT aclError simrt_DestroyStream(aclrtStream stream)
+/* aclrtDestroyStream waits for the stream's queued work first;
+ * aclrtDestroyStreamForce does not: CANN drops what has not run ("does not
+ * wait for unfinished tasks"; its samples: "discarding all tasks"). What
+ * becomes of an event record so dropped CANN does not say: here it never
+ * completes, the outcome that hurts whoever waits on it. */
+static aclError destroy_stream(enum sim_api api, aclrtStream stream, int force)
 {
-    sim_count(SIM_API_aclrtDestroyStream);
+    sim_count(api);
     if (stream == NULL)
         return ACL_ERROR_INVALID_PARAM;
     struct sim_stream *s;
@@ -204,12 +247,25 @@ SIM_EXPORT aclError simrt_DestroyStream(aclrtStream stream)
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
-    if (s == sim_device(s->device)->default_stream)
+    if (s == sim_device(s->device)->default_stream) {
         ret = ACL_ERROR_INVALID_PARAM; /* the default stream lives as long as the device */
-    else
+    } else {
+        if (force)
+            discard_queued(s);
         sim_stream_destroy(s);
+    }
     pthread_mutex_unlock(&sim_lock);
     return ret;
+}
+
+SIM_EXPORT aclError simrt_DestroyStream(aclrtStream stream)
+{
+    return destroy_stream(SIM_API_aclrtDestroyStream, stream, 0);
+}
+
+SIM_EXPORT aclError simrt_DestroyStreamForce(aclrtStream stream)
+{
+    return destroy_stream(SIM_API_aclrtDestroyStreamForce, stream, 1);
 }
 
 SIM_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream)

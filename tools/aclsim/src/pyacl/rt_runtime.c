@@ -13,23 +13,20 @@
         return PyLong_FromLong(ret_);   \
     } while (0)
 
-static PyObject *py_set_device(PyObject *self, PyObject *args)
-{
-    (void)self;
-    int id;
-    if (!PyArg_ParseTuple(args, "i", &id))
-        return NULL;
-    CALL_RET(aclrtSetDevice(id));
-}
+/* The functions taking one device id and returning ret. */
+#define ONE_DEVICE(pyname, fn)                                           \
+    static PyObject *pyname(PyObject *self, PyObject *args)              \
+    {                                                                    \
+        (void)self;                                                      \
+        int id;                                                          \
+        if (!PyArg_ParseTuple(args, "i", &id))                           \
+            return NULL;                                                 \
+        CALL_RET(fn(id));                                                \
+    }
 
-static PyObject *py_reset_device(PyObject *self, PyObject *args)
-{
-    (void)self;
-    int id;
-    if (!PyArg_ParseTuple(args, "i", &id))
-        return NULL;
-    CALL_RET(aclrtResetDevice(id));
-}
+ONE_DEVICE(py_set_device, aclrtSetDevice)
+ONE_DEVICE(py_reset_device, aclrtResetDevice)
+ONE_DEVICE(py_reset_device_force, aclrtResetDeviceForce)
 
 static PyObject *py_get_device(PyObject *self, PyObject *args)
 {
@@ -73,6 +70,7 @@ static PyObject *py_create_stream(PyObject *self, PyObject *args)
     }
 
 ONE_HANDLE(py_destroy_stream, aclrtDestroyStream)
+ONE_HANDLE(py_destroy_stream_force, aclrtDestroyStreamForce)
 ONE_HANDLE(py_synchronize_stream, aclrtSynchronizeStream)
 ONE_HANDLE(py_synchronize_event, aclrtSynchronizeEvent)
 ONE_HANDLE(py_destroy_event, aclrtDestroyEvent)
@@ -186,11 +184,13 @@ ONE_HANDLE(py_set_context, aclrtSetCurrentContext)
 PyMethodDef pyacl_rt_runtime_methods[] = {
     {"set_device", py_set_device, METH_VARARGS, "ret = acl.rt.set_device(device_id)"},
     {"reset_device", py_reset_device, METH_VARARGS, "ret = acl.rt.reset_device(device_id)"},
+    {"reset_device_force", py_reset_device_force, METH_VARARGS, "ret = acl.rt.reset_device_force(device_id)"},
     {"get_device", py_get_device, METH_NOARGS, "device_id, ret = acl.rt.get_device()"},
     {"get_device_count", py_get_device_count, METH_NOARGS, "count, ret = acl.rt.get_device_count()"},
     {"synchronize_device", py_synchronize_device, METH_NOARGS, "ret = acl.rt.synchronize_device()"},
     {"create_stream", py_create_stream, METH_NOARGS, "stream, ret = acl.rt.create_stream()"},
     {"destroy_stream", py_destroy_stream, METH_VARARGS, "ret = acl.rt.destroy_stream(stream)"},
+    {"destroy_stream_force", py_destroy_stream_force, METH_VARARGS, "ret = acl.rt.destroy_stream_force(stream)"},
     {"synchronize_stream", py_synchronize_stream, METH_VARARGS, "ret = acl.rt.synchronize_stream(stream)"},
     {"create_event", py_create_event, METH_NOARGS, "event, ret = acl.rt.create_event()"},
     {"record_event", py_record_event, METH_VARARGS, "ret = acl.rt.record_event(event, stream)"},

@@ -67,10 +67,10 @@ def test_ctypes_handle_lookups_without_npualloc_reach_the_runtime():
 # Every name npualloc exports in place of the runtime's (hook.h's npa_fn up
 # to NPA_FN_INTERPOSED_COUNT), by the library that defines it.
 INTERPOSED = {"libascendcl.so": ["aclInit", "aclFinalize", "aclrtSetDevice", "aclrtResetDevice",
-                                 "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtDestroyContext",
+                                 "aclrtResetDeviceForce", "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtDestroyContext",
                                  "aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached", "aclrtFree",
                                  "aclrtFreeWithDevSync", "aclrtCreateStream", "aclrtDestroyStream",
-                                 "aclrtCreateStreamWithConfig"],
+                                 "aclrtDestroyStreamForce", "aclrtCreateStreamWithConfig"],
               "libnnopbase.so": ["aclnnFinalize", "aclSetAclOpExecutorRepeatable", "aclDestroyAclOpExecutor"]}
 EVERY_LOOKUP = """
 import ctypes, json, os, sys

@@ -49,7 +49,9 @@ int main(int argc, char **argv)
     count = (count_fn)dlsym(h, "aclsim_call_count");
     live = (uint64_t (*)(int32_t))dlsym(h, "aclsim_live_allocations");
     atexit(report);
-    if (CALL("aclInit", NULL) || CALL("aclrtSetDevice", 0)) return 3;
+    /* force: the device is set twice, so only aclrtResetDeviceForce releases it */
+    int force = strstr(mode, "force") != NULL;
+    if (CALL("aclInit", NULL) || CALL("aclrtSetDevice", 0) || (force && CALL("aclrtSetDevice", 0))) return 3;
     void *streams[2];
     CALL("aclrtCreateStream", &streams[0]);
     CALL("aclrtCreateStream", &streams[1]); /* two streams: frees are fenced (auto) */
@@ -61,10 +63,11 @@ int main(int argc, char **argv)
     CALL("aclrtMalloc", &keep, (size_t)4096, 0);
     if (strstr(mode, "keep") == NULL)
         CALL("aclrtFree", keep);
-    CALL("aclrtDestroyStream", streams[0]);
-    CALL("aclrtDestroyStream", streams[1]);
+    const char *destroy = force ? "aclrtDestroyStreamForce" : "aclrtDestroyStream";
+    CALL(destroy, streams[0]);
+    CALL(destroy, streams[1]);
     if (strstr(mode, "reset")) {
-        printf("reset=%d\n", CALL("aclrtResetDevice", 0));
+        printf("reset=%d\n", CALL(force ? "aclrtResetDeviceForce" : "aclrtResetDevice", 0));
         printf("live_after_reset=%llu\n", (unsigned long long)live(0));
     }
     if (strstr(mode, "finalize")) {
@@ -94,8 +97,11 @@ def run_c(prog, env, mode):
     return dict(line.split("=", 1) for line in proc.stdout.splitlines()), proc
 
 
-@pytest.mark.parametrize("mode", ["finalize", "reset+finalize"])
+@pytest.mark.parametrize("mode", ["finalize", "reset+finalize", "force+reset+finalize"])
 def test_finalize_gives_the_cache_back_and_then_npualloc_is_silent(c_program, mode):
+    """force: streams destroyed with aclrtDestroyStreamForce and the device,
+    set twice, released by aclrtResetDeviceForce: the cache goes back there
+    too."""
     out, proc = run_c(c_program, preload_env(), mode)
     assert out["finalize"] == "0"
     if "reset" in mode:

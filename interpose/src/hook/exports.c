@@ -311,11 +311,12 @@ NPA_EXPORT aclError aclrtSetDevice(int32_t deviceId)
     return err;
 }
 
-NPA_EXPORT aclError aclrtResetDevice(int32_t deviceId)
+/* aclrtResetDevice, or aclrtResetDeviceForce (which releases the device
+ * whatever its reference count): either may tear the device down. */
+static aclError reset_device(aclError (*real)(int32_t), enum npa_fn fn, int32_t deviceId)
 {
-    __typeof__(&aclrtResetDevice) real = NPA_REAL(aclrtResetDevice);
     if (real == NULL)
-        return npa_no_runtime_error(NPA_FN_aclrtResetDevice);
+        return npa_no_runtime_error(fn);
     if (!npa_hook_disabled())
         npa_hook_before_reset(deviceId);
     aclError err = real(deviceId);
@@ -323,6 +324,16 @@ NPA_EXPORT aclError aclrtResetDevice(int32_t deviceId)
      * the runtime again on this thread's next allocation. */
     npa_device_forget_current();
     return err;
+}
+
+NPA_EXPORT aclError aclrtResetDevice(int32_t deviceId)
+{
+    return reset_device(NPA_REAL(aclrtResetDevice), NPA_FN_aclrtResetDevice, deviceId);
+}
+
+NPA_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId)
+{
+    return reset_device(NPA_REAL(aclrtResetDeviceForce), NPA_FN_aclrtResetDeviceForce, deviceId);
 }
 
 /* A context belongs to one device, and creating one or making it current
@@ -423,20 +434,22 @@ NPA_EXPORT aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t pr
     return note_created_stream(real(stream, priority, flag), stream);
 }
 
-NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
+/* aclrtDestroyStream, which waits for the stream's queued work, or
+ * aclrtDestroyStreamForce, which drops what has not run: either way none of
+ * its work is left to run once it returns. */
+static aclError destroy_stream(aclError (*real)(aclrtStream), enum npa_fn fn, aclrtStream stream)
 {
-    __typeof__(&aclrtDestroyStream) real = NPA_REAL(aclrtDestroyStream);
     if (real == NULL)
-        return npa_no_runtime_error(NPA_FN_aclrtDestroyStream);
+        return npa_no_runtime_error(fn);
     /* Untracked first, so no fence records on a stream being destroyed;
      * until the runtime's destroy returns, the device's fences synchronize
      * instead, which waits for the stream's work. */
-    int tracked = npa_streams_dying(stream);
+    npa_stream_death death = npa_streams_dying(stream);
     /* The default stream (NULL) is the runtime's to refuse: its pools stay. */
     npa_allocator *a = stream != NULL ? atomic_load_explicit(&npa_serving, memory_order_acquire) : NULL;
     uint64_t token = npa_stream_retire(a, (uintptr_t)stream);
     aclError err = real(stream);
-    npa_streams_dead(tracked, stream, err == ACL_SUCCESS);
+    npa_streams_dead(death, stream, err == ACL_SUCCESS);
     if (err == ACL_SUCCESS)
         npa_stream_destroyed(a, token);
     else
@@ -444,9 +457,19 @@ NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
     return err;
 }
 
+NPA_EXPORT aclError aclrtDestroyStream(aclrtStream stream)
+{
+    return destroy_stream(NPA_REAL(aclrtDestroyStream), NPA_FN_aclrtDestroyStream, stream);
+}
+
+NPA_EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream)
+{
+    return destroy_stream(NPA_REAL(aclrtDestroyStreamForce), NPA_FN_aclrtDestroyStreamForce, stream);
+}
+
 #define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
-SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtCreateContext)
+SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce) SELF(aclrtCreateContext)
 SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
-SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtCreateStreamWithConfig)
+SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtDestroyStreamForce) SELF(aclrtCreateStreamWithConfig)
 #undef SELF

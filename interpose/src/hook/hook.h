@@ -102,6 +102,7 @@ typedef enum npa_fn {
     NPA_FN_aclFinalize,
     NPA_FN_aclrtSetDevice,
     NPA_FN_aclrtResetDevice,
+    NPA_FN_aclrtResetDeviceForce,
     NPA_FN_aclrtCreateContext,
     NPA_FN_aclrtSetCurrentContext,
     NPA_FN_aclrtDestroyContext,
@@ -112,6 +113,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtFreeWithDevSync,
     NPA_FN_aclrtCreateStream,
     NPA_FN_aclrtDestroyStream,
+    NPA_FN_aclrtDestroyStreamForce,
     NPA_FN_aclrtCreateStreamWithConfig,
     NPA_FN_aclnnFinalize,
     NPA_FN_aclSetAclOpExecutorRepeatable,
@@ -190,10 +192,16 @@ void npa_device_leave(npa_devswitch *s);
 void npa_streams_add(int device, aclrtStream stream);
 /* Around the runtime's destroy: dying untracks the stream and counts it as
  * dying on its device (fences over that device's streams synchronize until
- * it is dead), returning 1 + that device, 0 when it was not tracked; dead,
- * with that value, ends the count and tracks a refused stream again. */
-int npa_streams_dying(aclrtStream stream);
-void npa_streams_dead(int tracked, aclrtStream stream, int destroyed);
+ * it is dead); dead, with what dying returned, ends the count, tracks a
+ * refused stream again, and once destroyed settles the events that fences
+ * recorded on it before: none of its work is left to run, and an event
+ * behind work aclrtDestroyStreamForce dropped may never complete. */
+typedef struct npa_stream_death {
+    int tracked;             /* 1 + the device it was live on, 0 when not tracked */
+    uint64_t fences_before;  /* fences recorded before it was untracked */
+} npa_stream_death;
+npa_stream_death npa_streams_dying(aclrtStream stream);
+void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed);
 int npa_streams_live(void);                 /* created and not yet destroyed (dying included) */
 /* A fence over every live stream of the device and its default stream,
  * whatever the reuse policy (the executors need one always; and it is

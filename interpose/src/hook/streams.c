@@ -9,10 +9,23 @@
 
 #include "hook.h"
 
+/* One event of a fence and the stream it was recorded on. settled: that
+ * stream was destroyed after the record and before the event completed;
+ * whatever the record waited for has run or been dropped (aclrtDestroyStreamForce
+ * drops it, and what becomes of the event then the runtime does not say), so
+ * the event is not waited for. */
+typedef struct fence_slot {
+    aclrtEvent event;
+    aclrtStream stream;
+    atomic_bool settled;
+} fence_slot;
+
 typedef struct npa_fence {
     int device;
     int count;
-    aclrtEvent events[];
+    uint64_t seq;                    /* from fences_recorded, when recorded */
+    struct npa_fence *prev, *next;   /* the device's outstanding fences */
+    fence_slot slots[];
 } npa_fence;
 
 /* Per device: its live streams and a pool of idle events (creating an event
@@ -30,12 +43,16 @@ typedef struct dev_streams {
      * may still use blocks freed meanwhile, so while one is dying a fence
      * over the device's streams synchronizes instead, which waits for it. */
     int dying;
+    npa_fence *outstanding; /* recorded and not yet released, for npa_streams_dead */
 } dev_streams;
 
 static dev_streams devs[NPUALLOC_MAX_DEVICES] = {
     [0 ... NPUALLOC_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER},
 };
 static atomic_int live_streams; /* created and not yet destroyed (dying ones too), for the auto policy */
+/* Fences recorded so far, every device's: a destroy settles only those
+ * recorded before it began (a stream given the same handle since is new). */
+static atomic_uint_fast64_t fences_recorded;
 
 static int push(void ***v, size_t *n, size_t *cap, void *item)
 {
@@ -89,32 +106,53 @@ void npa_streams_add(int device, aclrtStream stream)
     pthread_mutex_unlock(&d->lock);
 }
 
-int npa_streams_dying(aclrtStream stream)
+npa_stream_death npa_streams_dying(aclrtStream stream)
 {
-    for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
+    npa_stream_death death = {0};
+    for (int dev = 0; dev < NPUALLOC_MAX_DEVICES && !death.tracked; dev++) {
         dev_streams *d = &devs[dev];
         pthread_mutex_lock(&d->lock);
         for (size_t i = 0; i < d->nstreams; i++)
             if (d->streams[i] == stream) {
                 d->streams[i] = d->streams[--d->nstreams];
                 d->dying++;
-                pthread_mutex_unlock(&d->lock);
-                return dev + 1;
+                death.tracked = dev + 1;
+                break;
             }
         pthread_mutex_unlock(&d->lock);
     }
-    return 0;
+    /* After the untracking: a fence recorded later names the stream only if
+     * its caller named it (a use racing the destroy, or a new stream with
+     * the same handle), and is not settled by this destroy. */
+    death.fences_before = atomic_load_explicit(&fences_recorded, memory_order_acquire);
+    return death;
 }
 
-void npa_streams_dead(int tracked, aclrtStream stream, int destroyed)
+/* d->lock held. The events recorded on stream by fences up to seq. */
+static void settle_on(dev_streams *d, aclrtStream stream, uint64_t seq)
 {
-    if (tracked <= 0 || tracked > NPUALLOC_MAX_DEVICES)
+    for (npa_fence *f = d->outstanding; f != NULL; f = f->next)
+        for (int i = 0; f->seq <= seq && i < f->count; i++)
+            if (f->slots[i].stream == stream)
+                atomic_store_explicit(&f->slots[i].settled, true, memory_order_release);
+}
+
+void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed)
+{
+    if (destroyed) /* any device's fences may have named it (a use recorded there) */
+        for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
+            dev_streams *d = &devs[dev];
+            pthread_mutex_lock(&d->lock);
+            settle_on(d, stream, death.fences_before);
+            pthread_mutex_unlock(&d->lock);
+        }
+    if (death.tracked <= 0 || death.tracked > NPUALLOC_MAX_DEVICES)
         return;
-    dev_streams *d = &devs[tracked - 1];
+    dev_streams *d = &devs[death.tracked - 1];
     pthread_mutex_lock(&d->lock);
     d->dying--;
     if (!destroyed) /* refused: tracked again, on the device it was on, whoever calls */
-        track_locked(d, tracked - 1, stream);
+        track_locked(d, death.tracked - 1, stream);
     pthread_mutex_unlock(&d->lock);
     if (destroyed) /* counted live until now: the auto policy fenced while its work could still run */
         atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
@@ -166,10 +204,14 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
     int complete = 1;
     pthread_mutex_lock(&d->lock);
     size_t n = streams != NULL ? count : d->nstreams + 1;
-    npa_fence *f = malloc(sizeof(npa_fence) + n * sizeof(aclrtEvent));
+    npa_fence *f = malloc(sizeof(npa_fence) + n * sizeof(fence_slot));
     if (f != NULL) {
-        f->device = device;
-        f->count = 0;
+        *f = (npa_fence){.device = device,
+                         .seq = atomic_fetch_add_explicit(&fences_recorded, 1, memory_order_acq_rel) + 1,
+                         .next = d->outstanding};
+        if (d->outstanding != NULL)
+            d->outstanding->prev = f;
+        d->outstanding = f;
     }
     /* No host memory for the fence; or a stream being destroyed, which may
      * still use the blocks and which no event may name: a synchronize below
@@ -183,7 +225,10 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
                                                    : NULL; /* NULL: the default stream */
             aclrtEvent ev = take_event(d);
             if (ev != NULL && record(ev, stream) == ACL_SUCCESS) {
-                f->events[f->count++] = ev;
+                fence_slot *slot = &f->slots[f->count++];
+                slot->event = ev;
+                slot->stream = stream;
+                atomic_init(&slot->settled, false);
             } else {
                 if (ev != NULL)
                     give_event(d, ev);
@@ -253,10 +298,12 @@ int npa_fence_done(void *ctx, void *fence)
     if (query == NULL)
         return 1;
     for (int i = 0; i < f->count; i++) {
+        if (atomic_load_explicit(&f->slots[i].settled, memory_order_acquire))
+            continue;
         aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
         /* A query that fails names an event whose stream or context is gone,
          * and with it the work we were waiting for. */
-        if (query(f->events[i], &status) == ACL_SUCCESS && status != ACL_EVENT_RECORDED_STATUS_COMPLETE)
+        if (query(f->slots[i].event, &status) == ACL_SUCCESS && status != ACL_EVENT_RECORDED_STATUS_COMPLETE)
             return 0;
     }
     return 1;
@@ -268,8 +315,14 @@ void npa_fence_release(void *ctx, void *fence)
     npa_fence *f = fence;
     dev_streams *d = &devs[f->device];
     pthread_mutex_lock(&d->lock);
+    if (f->prev != NULL)
+        f->prev->next = f->next;
+    else
+        d->outstanding = f->next;
+    if (f->next != NULL)
+        f->next->prev = f->prev;
     for (int i = 0; i < f->count; i++)
-        give_event(d, f->events[i]);
+        give_event(d, f->slots[i].event);
     pthread_mutex_unlock(&d->lock);
     free(f);
 }
@@ -309,6 +362,7 @@ void npa_streams_forget_after_fork(void)
         devs[dev].nstreams = 0;
         devs[dev].npool = 0;
         devs[dev].dying = 0;
+        devs[dev].outstanding = NULL;
     }
     atomic_store_explicit(&live_streams, 0, memory_order_relaxed);
 }

@@ -5,10 +5,11 @@ work queued before the free has completed."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
-from conftest import preload_env, run_python
+from conftest import SIM_LIB, compile_c, preload_env, run_python
 from sim_programs import WHILE_QUEUED
 
 HAZARD = """
@@ -360,3 +361,76 @@ def test_fences_behind_work_a_forced_destroy_dropped_do_not_hold_frees():
     out = json.loads(proc.stdout)
     assert out["pending"] < 40 and out["reserved"] <= 4 << 20
     assert out["retries"] == 0 and out["invalid"] == 0
+
+
+# Two threads create the process's first streams at once while a slow op
+# runs on the default stream. C, so that nothing like the GIL orders them.
+FIRST_STREAMS = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+
+static void *rt, *ops;
+#define FN(h, name) ((int (*)())dlsym(h, name))
+
+static void *create_first(void *out)
+{
+    FN(rt, "aclrtSetDevice")(0);
+    FN(rt, "aclrtCreateStream")((void **)out);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    rt = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    ops = dlopen(argv[2], RTLD_NOW | RTLD_GLOBAL);
+    uint64_t (*count)(const char *) = (uint64_t (*)(const char *))dlsym(rt, "aclsim_call_count");
+    void (*duration)(uint64_t) = (void (*)(uint64_t))dlsym(rt, "aclsim_set_op_duration_us");
+    if (FN(rt, "aclInit")(NULL) || FN(rt, "aclrtSetDevice")(0)) return 3;
+    for (int retry = 0; retry < 8; retry++) {
+        void *dst = NULL, *ws = NULL, *ex = NULL, *done = NULL, *first = NULL, *second = NULL;
+        uint64_t ws_size = 0;
+        int status = -1;
+        FN(rt, "aclrtMalloc")(&dst, (size_t)4096, 0);
+        duration((uint64_t)200000 << retry);
+        FN(ops, "aclnnSimFillGetWorkspaceSize")(dst, (uint64_t)4096, 1, &ws_size, &ex);
+        duration(0);
+        FN(rt, "aclrtMalloc")(&ws, (size_t)(ws_size ? ws_size : 512), 0);
+        FN(rt, "aclrtCreateEvent")(&done);
+        FN(ops, "aclnnSimFill")(ws, ws_size, ex, NULL);
+        FN(rt, "aclrtRecordEvent")(done, NULL);
+        uint64_t syncs = count("aclrtSynchronizeDevice");
+        pthread_t t;
+        pthread_create(&t, NULL, create_first, &first);
+        while (count("aclrtSynchronizeDevice") == syncs)
+            ; /* until the first creator synchronizes */
+        FN(rt, "aclrtQueryEventStatus")(done, &status);
+        int running = status == 0;
+        FN(rt, "aclrtCreateStream")(&second);
+        FN(rt, "aclrtQueryEventStatus")(done, &status);
+        pthread_join(t, NULL);
+        if (running) {
+            printf("second_returned_with_op_done=%d\n", status == 1);
+            return 0;
+        }
+        FN(rt, "aclrtSynchronizeDevice")();
+        FN(rt, "aclrtDestroyStream")(first);
+        FN(rt, "aclrtDestroyStream")(second);
+    }
+    return 5; /* the op always ended before the second creator came */
+}
+"""
+
+
+def test_a_second_first_stream_waits_for_the_first_ones_synchronize(tmp_path_factory):
+    """Under reuse_policy:auto the first stream's creation synchronizes the
+    devices in use (blocks freed eagerly until then may still be read by the
+    default stream). A second thread creating a stream meanwhile found the
+    count no longer 0 and handed its stream out before that synchronize
+    ended; it now waits for it."""
+    prog = compile_c(tmp_path_factory, "first_streams", FIRST_STREAMS)
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), str(SIM_LIB / "libopapi.so")],
+                          env=preload_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "second_returned_with_op_done=1"

@@ -20,6 +20,9 @@
  * back into the program, except by a pause (3), whose 4 and 5 stay held
  * until its resume, so allocator calls of other threads wait meanwhile.
  * Checked against every lock site (issue 11 item 16).
+ *   0. first_stream_lock (streams.c): the first stream's creation, which
+ *      synchronizes the devices in use; under it only 7 and the runtime.
+ *      Not taken by fork_prepare: the child re-initialises it.
  *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
  *      polls fences, synchronizes, and counts into a device's stats (5).

@@ -94,10 +94,19 @@ static void track_locked(dev_streams *d, int device, aclrtStream stream)
         npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", device);
 }
 
+/* The switch from no stream to some, one creator at a time: a second
+ * stream created while the first one's creator synchronizes would be handed
+ * out before the default stream's work ended, blocks freed eagerly under it
+ * and all. Taken with none of ours held; under it the runtime and a first
+ * lookup of its functions (7 in hook.h); a forked child starts it afresh. */
+static pthread_mutex_t first_stream_lock = PTHREAD_MUTEX_INITIALIZER;
+
 void npa_streams_add(int device, aclrtStream stream)
 {
+    pthread_mutex_lock(&first_stream_lock);
     if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_acq_rel) == 0)
         settle_before_first_stream();
+    pthread_mutex_unlock(&first_stream_lock);
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return; /* counted for the auto policy; fences there fall back to a sync */
     dev_streams *d = &devs[device];
@@ -365,4 +374,5 @@ void npa_streams_forget_after_fork(void)
         devs[dev].outstanding = NULL;
     }
     atomic_store_explicit(&live_streams, 0, memory_order_relaxed);
+    pthread_mutex_init(&first_stream_lock, NULL); /* a parent's thread may have held it */
 }

@@ -285,7 +285,13 @@ int npa_fence_needed(void *ctx, int device)
         return 0;
     case NPA_REUSE_AUTO:
         /* Only the default stream exists: work on it runs in order, so a block
-         * freed now is safe for whatever is queued after. */
+         * freed now is safe for whatever is queued after. Against a first
+         * stream's creator (fetch_add, then synchronize) this load is the
+         * other half of a store-buffering pair: the program's launches before
+         * the free must be visible to that synchronize, or the load must see
+         * the stream. The free's stats section opens with a release fence
+         * before it (a full barrier on aarch64 and x86 alike), and the
+         * runtime's own launch and synchronize share its locks. */
         return npa_streams_live() > 0;
     case NPA_REUSE_SAFE:
         break;

@@ -35,10 +35,13 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
     for (int i = 0; i < GUARDED_MAX; i++) {
         uintptr_t base = atomic_load_explicit(&g_guarded[i].base, memory_order_acquire);
         if (base != 0 && address - base < sizeof(npualloc_region)) {
-            /* mmap is a plain system call, safe in a handler. */
+            /* Lost before the zero pages appear: another thread reading the
+             * mapping would otherwise find a seq of 0 there, take the zeros
+             * for figures and still be told nothing was lost. mmap is a plain
+             * system call, safe in a handler. */
+            atomic_store_explicit(&g_guarded[i].lost, 1, memory_order_seq_cst);
             mmap((void *)base, sizeof(npualloc_region), PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-            atomic_store_explicit(&g_guarded[i].lost, 1, memory_order_release);
             return; /* the access runs again, on the zero pages */
         }
     }

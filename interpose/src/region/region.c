@@ -234,8 +234,10 @@ npualloc_region *npa_region_get(void)
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_acquire);
     if (r)
         return r;
+    /* LIVE with no region seen yet: the creator's two stores may be read
+     * in either order, so look again under the lock. */
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
-    if (state != REGION_UNTRIED && state != REGION_FORKED)
+    if (state != REGION_UNTRIED && state != REGION_FORKED && state != REGION_LIVE)
         return NULL;
 
     pthread_mutex_lock(&g_create_lock);

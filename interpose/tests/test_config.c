@@ -68,9 +68,19 @@ static void test_syntax_variants(void) {
     CHECK_EQ(w.count, 0);
     /* Commas inside brackets belong to the list. */
     CHECK_EQ(parse("roundup_power2_divisions:[ 1:2 , >:4 ],max_split_size_mb:30", &c, &w), 0);
-    CHECK_EQ(c.roundup_power2_divisions[0], 4); /* torch: '>' starts at the last interval named */
+    CHECK_EQ(c.roundup_power2_divisions[0], 2); /* torch: '>' starts after the last interval named */
     CHECK_EQ(c.roundup_power2_divisions[1], 4);
+    CHECK_EQ(c.roundup_power2_divisions[NPA_ROUNDUP_INTERVALS - 1], 4);
     CHECK_EQ(c.max_split_size, 30 * MiB);
+    CHECK_EQ(parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8]", &c, &w), 0);
+    CHECK_EQ(c.roundup_power2_divisions[0], 1);  /* the first entry fills the intervals below it */
+    CHECK_EQ(c.roundup_power2_divisions[8], 1);  /* 256 MB */
+    CHECK_EQ(c.roundup_power2_divisions[9], 2);  /* 512 MB */
+    CHECK_EQ(c.roundup_power2_divisions[10], 4); /* 1024 MB keeps its own, '>' fills from 2048 MB */
+    CHECK_EQ(c.roundup_power2_divisions[11], 8);
+    CHECK_EQ(parse("roundup_power2_divisions:[>:4]", &c, &w), 0);
+    CHECK_EQ(c.roundup_power2_divisions[0], 0);  /* alone: every interval after the first */
+    CHECK_EQ(c.roundup_power2_divisions[1], 4);
 }
 
 /* Each bad entry: exactly one warning naming the key, the default kept. */

@@ -72,8 +72,8 @@ static void test_power2_divisions_list(void) {
     CHECK_EQ(npa_round_size(&c, 600 * KiB + 1), 768 * KiB);      /* interval 0, 2 divisions */
     CHECK_EQ(npa_round_size(&c, MiB + 1), MiB + 512 * KiB);       /* interval 0 */
     CHECK_EQ(npa_round_size(&c, 2 * MiB + 1), 2 * MiB + 512);     /* interval 1 untouched: 0 */
-    /* torch's '>' starts at the last interval named, overriding its 8. */
-    CHECK_EQ(npa_round_size(&c, 4 * MiB + 1), 4 * MiB + 512);      /* interval 2 from '>': 1 */
+    /* torch's '>' starts after the last interval named, which keeps its 8. */
+    CHECK_EQ(npa_round_size(&c, 4 * MiB + 1), 4 * MiB + 512 * KiB); /* interval 2: eighths of 4 MiB */
     CHECK_EQ(npa_round_size(&c, 9 * MiB), 9 * MiB);                /* interval 3 from '>': 1 */
     CHECK_EQ(npa_round_size(&c, ((size_t)1 << 40) + 1), ((size_t)1 << 40) + 512); /* clamped to interval 15 */
 
@@ -82,10 +82,12 @@ static void test_power2_divisions_list(void) {
     for (int i = 0; i < 8; i++) CHECK_EQ(c.roundup_power2_divisions[i], 1); /* the first entry fills below */
     CHECK_EQ(c.roundup_power2_divisions[8], 1);
     CHECK_EQ(c.roundup_power2_divisions[9], 2);
-    /* torch's '>' fills from the last interval named, so 1024:4 becomes 8. */
-    for (int i = 10; i < NPA_ROUNDUP_INTERVALS; i++) CHECK_EQ(c.roundup_power2_divisions[i], 8);
+    /* torch's '>' fills after the last interval named: 1024:4 stays 4. */
+    CHECK_EQ(c.roundup_power2_divisions[10], 4);
+    for (int i = 11; i < NPA_ROUNDUP_INTERVALS; i++) CHECK_EQ(c.roundup_power2_divisions[i], 8);
     CHECK_EQ(npa_round_size(&c, 600 * MiB + 1), 768 * MiB); /* interval 9 (512 MiB), halves: 256 MiB steps */
-    CHECK_EQ(npa_round_size(&c, 1100 * MiB), 1152 * MiB);  /* interval 10 (1 GiB), eighths */
+    CHECK_EQ(npa_round_size(&c, 1100 * MiB), 1280 * MiB);  /* interval 10 (1 GiB), quarters */
+    CHECK_EQ(npa_round_size(&c, 2100 * MiB), 2304 * MiB);  /* interval 11 (2 GiB), eighths */
 }
 
 static void test_segment_sizes(void) {

@@ -121,9 +121,10 @@ static bool apply_division_entry(span item, unsigned table[NPA_ROUNDUP_INTERVALS
     if (!parse_uint(val, &divisions) || (divisions && !is_power_of_two(divisions)) || divisions > MAX_DIVISIONS)
         return snprintf(why, WHY_LEN, "divisions must be 0 or a power of 2"), false;
     if (span_is(key, ">")) {
-        /* As torch: ">" fills from the last interval named (inclusive, so it
-         * overrides that entry) to the end; alone, it fills every interval. */
-        for (size_t i = *last_index; i < NPA_ROUNDUP_INTERVALS; i++)
+        /* As torch (c10's AllocatorConfig, torch_npu's): ">" fills every
+         * interval after the last one named; with none named yet, every one
+         * after the first (which then keeps what it had). */
+        for (size_t i = *last_index + 1; i < NPA_ROUNDUP_INTERVALS; i++)
             table[i] = (unsigned)divisions;
         return true;
     }

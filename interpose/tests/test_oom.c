@@ -375,6 +375,28 @@ static void test_gc_threshold_set_at_run_time(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's GC clock counts pool searches only while a threshold is set:
+ * blocks cached before it was set are all of one age, so they go together.
+ * Counting every search made the older one alone go (A: aged by the 30 MiB
+ * search), and the 18 MiB request then took a segment of its own. */
+static void test_blocks_cached_before_the_threshold_are_of_one_age(void) {
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, NULL);
+    void *a = alloc_exact(&fx, 0, 16 * MiB);
+    void *b = alloc_exact(&fx, 0, 16 * MiB);
+    alloc_exact(&fx, 0, 16 * MiB);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    alloc_exact(&fx, 0, 30 * MiB); /* a search that finds nothing, GC off */
+    CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.65), 0); /* limit 65 MiB; 78 reserved */
+    alloc_exact(&fx, 0, 18 * MiB);
+    CHECK(!still_cached(&fx, a));
+    CHECK(!still_cached(&fx, b));
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 64 * MiB);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_oom_sequence);
     RUN(test_the_oom_retry_looks_again_among_the_frees_it_drained);
@@ -387,5 +409,6 @@ int main(void) {
     RUN(test_gc_frees_oldest_first_and_stops);
     RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);
+    RUN(test_blocks_cached_before_the_threshold_are_of_one_age);
     return check_report();
 }

@@ -240,8 +240,7 @@ const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config
 /* torch's get_free_block: only the lower_bound is considered; the oversize
  * rules keep small requests off blocks >= max_split_size and stop large ones
  * from taking a block more than max_non_split_rounding bigger. */
-static npa_block *get_free_block(const npa_config *c, npa_pool *pool, size_t size) {
-    pool->search_count++;
+static npa_block *best_fit(const npa_config *c, npa_pool *pool, size_t size) {
     npa_block *b = npa_pool_lower_bound(pool, size);
     if (!b) return NULL;
     /* torch: an expandable block ranks by how far it can grow, so the block
@@ -251,7 +250,6 @@ static npa_block *get_free_block(const npa_config *c, npa_pool *pool, size_t siz
         b = next;
     if (size < c->max_split_size && b->size >= c->max_split_size) return NULL;
     if (size >= c->max_split_size && b->size - size >= c->max_non_split_rounding) return NULL; /* no overflow */
-    npa_pool_remove(pool, b);
     return b;
 }
 
@@ -450,17 +448,30 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
     if (token) npa_for_devices(a, -1, not_destroyed_on, &token);
 }
 
-/* A free block of pool for rounded bytes: a held block of exactly that
- * size, else best fit, else best fit once the held blocks are merged back
- * (they may fit it together with their neighbours); NULL on a miss. */
+/* A free block of pool for rounded bytes, out of the pool: a held block of
+ * exactly that size, else torch's best fit. Best fit runs on the pool torch
+ * would have: a block it would cut, or a miss, with blocks held (unmerged)
+ * first merges them all back, since with its free neighbours a held block
+ * may be the better fit (a 2560 B request cut from a segment's free tail
+ * beside a held block, which torch would have merged with that tail, left
+ * no room for the next 829440 B: a second segment, or an OOM on a device
+ * that torch's layout fits). An exact fit is the same either way and keeps
+ * the cache. NULL on a miss. */
 static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded) {
-    npa_block *b = NULL;
-    if (pool->is_small && d->recent.count) b = npa_recent_take(d, pool, rounded);
-    if (!b) b = get_free_block(&a->config, pool, rounded);
-    if (!b && pool->is_small && d->recent.count) {
-        npa_recent_flush(d);
-        b = get_free_block(&a->config, pool, rounded);
+    bool held = pool->is_small && d->recent.count;
+    if (held) {
+        npa_block *b = npa_recent_take(d, pool, rounded);
+        if (b) return b;
     }
+    /* torch's GC clock: a search counts only while the threshold is set, so
+     * what was cached before it is all of one age. */
+    if (npa_gc_threshold(a) > 0.0) pool->search_count++;
+    npa_block *b = best_fit(&a->config, pool, rounded);
+    if (held && d->recent.count && (!b || b->size != rounded)) {
+        npa_recent_flush(d);
+        b = best_fit(&a->config, pool, rounded);
+    }
+    if (b) npa_pool_remove(pool, b);
     return b;
 }
 

@@ -82,7 +82,14 @@ static bool must_wait_before_release(const npa_device *d) {
 
 static npa_error release_locked(npa_allocator *a, npa_device *d) {
     npa_recent_flush(d);
-    npa_error err = must_wait_before_release(d) ? npa_synchronize_and_drain(a, d) : NPA_OK;
+    npa_error err = NPA_OK;
+    if (must_wait_before_release(d)) {
+        err = npa_synchronize_and_drain(a, d);
+    } else { /* torch counts its release's synchronize_and_free_events, events to wait for or none */
+        npa_stats_begin(d);
+        d->stats->num_sync_all_streams++;
+        npa_stats_end(d);
+    }
     if (err != NPA_OK) return err;
     npa_release_cached_segments(a, d, 0);
     drop_empty_stream_pools(d, 0);

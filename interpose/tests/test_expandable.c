@@ -528,6 +528,27 @@ static void test_without_vmm_plain_segments(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's should_split asks the setting in force, not the block's
+ * segment: once expandable_segments is on, a plain 20 MiB block serving
+ * 19.5 MiB is split, its 512 KiB tail an inactive split block. */
+static void test_split_rule_follows_the_setting(void) {
+    fixture fx;
+    fake_init(&fx.fake, 200 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, NULL);
+    char *a = alloc_exact(&fx, 0, 3 * MiB); /* a plain 20 MiB segment */
+    free_ok(&fx, a);
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    char *b = alloc_exact(&fx, 0, 20 * MiB - 512 * KiB);
+    CHECK(b == a);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 20 * MiB - 512 * KiB);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, 512 * KiB);
+    free_ok(&fx, b);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_growth_by_pages_merges_with_tail);
     RUN(test_small_pool_pages);
@@ -539,6 +560,7 @@ int main(void) {
     RUN(test_frees_inside_the_range);
     RUN(test_trace_records_map_and_unmap);
     RUN(test_switched_at_run_time);
+    RUN(test_split_rule_follows_the_setting);
     RUN(test_oom_retry_over_both_kinds);
     RUN(test_switch_refused);
     RUN(test_without_vmm_plain_segments);

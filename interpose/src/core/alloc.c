@@ -260,10 +260,13 @@ static npa_block *best_fit(const npa_config *c, npa_pool *pool, size_t size) {
     return b;
 }
 
-static bool should_split(const npa_config *c, const npa_block *b, size_t size) {
+/* torch's rule asks the setting in force, not the block's segment: a plain
+ * large block is split finely once expandable_segments is switched on, and
+ * an expandable one by the large-pool rule once it is off. */
+static bool should_split(const npa_allocator *a, const npa_block *b, size_t size) {
     size_t remaining = b->size - size;
-    if (b->is_small || b->in_expandable) return remaining >= NPA_MIN_BLOCK_SIZE;
-    return size < c->max_split_size && remaining > NPA_SMALL_SIZE;
+    if (b->is_small || npa_expandable_on(a)) return remaining >= NPA_MIN_BLOCK_SIZE;
+    return size < a->config.max_split_size && remaining > NPA_SMALL_SIZE;
 }
 
 /* torch's alloc_found_block: b is out of its pool; split off the tail if the
@@ -273,7 +276,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
                               bool cache_hit) {
     npualloc_device_stats *s = d->stats;
     bool already_split = npa_block_is_split(b);
-    npa_block *rest = should_split(&a->config, b, size) ? npa_slab_get(&d->slab) : NULL;
+    npa_block *rest = should_split(a, b, size) ? npa_slab_get(&d->slab) : NULL;
     bool counts_split = !b->in_expandable;
 
     npa_stats_begin(d);

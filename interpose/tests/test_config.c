@@ -31,14 +31,14 @@ static int parse(const char *text, npa_config *c, warnings *w) {
 static void test_valid_keys(void) {
     npa_config c;
     warnings w;
-    CHECK_EQ(parse("max_split_size_mb:64,max_non_split_rounding_mb:8,garbage_collection_threshold:0.6,"
+    CHECK_EQ(parse("max_split_size_mb:64,max_non_split_rounding_mb:32,garbage_collection_threshold:0.6,"
                    "per_process_memory_fraction:0.75,reuse_policy:safe,record_history:1000,"
                    "oom_snapshot:/tmp/oom.pickle,roundup_power2_divisions:4,recent_blocks:3",
                    &c, &w),
              0);
     CHECK_EQ(w.count, 0);
     CHECK_EQ(c.max_split_size, 64 * MiB);
-    CHECK_EQ(c.max_non_split_rounding, 8 * MiB);
+    CHECK_EQ(c.max_non_split_rounding, 32 * MiB);
     CHECK(c.garbage_collection_threshold == 0.6);
     CHECK(c.per_process_memory_fraction == 0.75);
     CHECK_EQ(c.reuse_policy, NPA_REUSE_SAFE);
@@ -101,6 +101,8 @@ static void test_invalid_values_warn_once_and_keep_default(void) {
     expect_rejected("max_split_size_mb:abc", "max_split_size_mb");
     expect_rejected("max_split_size_mb:99999999999999999999999", "max_split_size_mb");
     expect_rejected("max_non_split_rounding_mb:1.5", "max_non_split_rounding_mb");
+    expect_rejected("max_non_split_rounding_mb:0", "max_non_split_rounding_mb"); /* torch: at least 20 */
+    expect_rejected("max_non_split_rounding_mb:19", "max_non_split_rounding_mb");
     expect_rejected("garbage_collection_threshold:0", "garbage_collection_threshold");
     expect_rejected("garbage_collection_threshold:1", "garbage_collection_threshold");
     expect_rejected("garbage_collection_threshold:nan", "garbage_collection_threshold");
@@ -220,7 +222,7 @@ static void test_format_round_trip(void) {
     const char *inputs[] = {
         "max_split_size_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.3333333333333333",
         "roundup_power2_divisions:[256:1,512:2,1024:4,>:8],reuse_policy:safe,record_history:5",
-        "roundup_power2_divisions:8,max_non_split_rounding_mb:0,oom_snapshot:/tmp/x.pickle",
+        "roundup_power2_divisions:8,max_non_split_rounding_mb:40,oom_snapshot:/tmp/x.pickle",
         "roundup_power2_divisions:[1:0,2:4]",
         "expandable_segments:True,per_process_memory_fraction:0.5",
         "recent_blocks:0,reuse_policy:eager",

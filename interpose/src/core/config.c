@@ -77,21 +77,22 @@ static bool is_power_of_two(uint64_t v) { return v && (v & (v - 1)) == 0; }
 
 static unsigned log2_floor(uint64_t v) { return 63u - (unsigned)__builtin_clzll(v); }
 
-static bool set_max_split_size(npa_config *c, span v, char *why) {
+/* torch's rule for both MB sizes: at least kLargeBuffer (20 MB). */
+static bool parse_mb_from_20(span v, size_t *bytes, char *why) {
     uint64_t mb;
     if (!parse_uint(v, &mb)) return snprintf(why, WHY_LEN, "expected a whole number of MB"), false;
     if (mb < NPA_LARGE_BUFFER / NPA_MiB) return snprintf(why, WHY_LEN, "must be at least 20"), false;
     if (mb > SIZE_MAX / NPA_MiB) return snprintf(why, WHY_LEN, "too large"), false;
-    c->max_split_size = (size_t)mb * NPA_MiB;
+    *bytes = (size_t)mb * NPA_MiB;
     return true;
 }
 
+static bool set_max_split_size(npa_config *c, span v, char *why) {
+    return parse_mb_from_20(v, &c->max_split_size, why);
+}
+
 static bool set_max_non_split_rounding(npa_config *c, span v, char *why) {
-    uint64_t mb;
-    if (!parse_uint(v, &mb)) return snprintf(why, WHY_LEN, "expected a whole number of MB"), false;
-    if (mb > SIZE_MAX / NPA_MiB) return snprintf(why, WHY_LEN, "too large"), false;
-    c->max_non_split_rounding = (size_t)mb * NPA_MiB;
-    return true;
+    return parse_mb_from_20(v, &c->max_non_split_rounding, why);
 }
 
 static bool set_gc_threshold(npa_config *c, span v, char *why) {

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_python, sim_env
+from conftest import preload_env, run_python, sim_env
 from region_helpers import Workload
 
 import npualloc
@@ -119,6 +119,15 @@ def test_set_gc_threshold_zero_turns_gc_off_in_process(tmp_path: Path, monkeypat
             w.call("npualloc.set_gc_threshold(0.5)")  # now refused beside expandable segments
         with pytest.raises(AssertionError, match="ValueError"):
             w.call("npualloc.set_gc_threshold(1.0)")
+
+
+def test_max_split_size_is_the_setting_before_the_first_allocation() -> None:
+    """torch reports the configured max_split_size as soon as its allocator
+    exists; npualloc reported -1 ("unset") until the first allocation."""
+    code = "import npualloc; print(npualloc.memory_stats()['max_split_size'], npualloc.memory_allocated())"
+    proc = run_python(code, preload_env(PYTORCH_NPU_ALLOC_CONF="max_split_size_mb:25"))
+    assert proc.stdout.split() == [str(25 * MiB), "0"]
+    assert run_python(code, preload_env()).stdout.split() == ["-1", "0"]
 
 
 def test_mem_get_info_inside_follows_the_runtime(tmp_path: Path) -> None:

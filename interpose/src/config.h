@@ -46,6 +46,10 @@ bool npa_config_excludes_expandable(const npa_config *config);
  * caller serializes the check and the store against each other. */
 bool npa_config_set_expandable(npa_config *config, bool on, npa_config_warn_fn warn, void *arg);
 bool npa_config_set_gc_threshold(npa_config *config, double threshold, npa_config_warn_fn warn, void *arg);
+/* memory_stats()'s max_split_size: the configured bytes, -1 when unlimited (torch's "unset"). */
+static inline long long npa_config_max_split_stat(const npa_config *config) {
+    return config->max_split_size == (size_t)-1 ? -1 : (long long)config->max_split_size;
+}
 /* The config in force as canonical "key:value,..." text; returns the length written. */
 size_t npa_config_format(const npa_config *config, char *buf, size_t len);
 

@@ -11,7 +11,7 @@ void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes) {
     npualloc_device_stats *s = d->stats;
     npa_stats_begin(d);
     s->in_use = 1;
-    s->max_split_size = a->config.max_split_size == SIZE_MAX ? -1 : (int64_t)a->config.max_split_size;
+    s->max_split_size = npa_config_max_split_stat(&a->config);
     s->device_free_bytes = (int64_t)free_bytes;
     s->device_total_bytes = (int64_t)d->total_bytes;
     s->reserved_limit_bytes = (int64_t)d->limit_bytes;
@@ -66,7 +66,7 @@ void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;
     if (!d) {
         memset(out, 0, sizeof *out);
-        if (a) out->max_split_size = a->config.max_split_size == SIZE_MAX ? -1 : (int64_t)a->config.max_split_size;
+        if (a) out->max_split_size = npa_config_max_split_stat(&a->config);
         return;
     }
     npa_lock_acquire(&d->lock);

@@ -33,8 +33,9 @@ NPA_EXPORT int npualloc_get_stats(int device, npualloc_device_stats *out)
     if (a != NULL) {
         npa_get_stats(a, device, out);
     } else {
+        /* No allocation yet: torch's figures are all 0 but the setting. */
         memset(out, 0, sizeof(*out));
-        out->max_split_size = -1; /* torch's "unset" */
+        out->max_split_size = npa_config_max_split_stat(npa_hook_config());
     }
     return 0;
 }

@@ -248,3 +248,66 @@ def test_fork_while_threads_allocate(tmp_path):
     assert out["parent_reserved"] > 0
     assert out["parent_segments"] == out["parent_raw_blocks"] > 0
     assert proc.stderr == ""
+
+
+# A thread cancelled (deferred, the default) while it makes the process's
+# first aclrtMalloc: npualloc's set-up there opens the region's file under
+# its init lock. Then the main thread allocates.
+CANCELLED = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+
+static void *rt;
+static pthread_barrier_t posted;
+#define FN(name) ((int (*)())dlsym(rt, name))
+
+static void *worker(void *arg)
+{
+    int *result = arg;
+    FN("aclrtSetDevice")(0);
+    pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, NULL);
+    pthread_barrier_wait(&posted); /* main cancels now */
+    pthread_barrier_wait(&posted);
+    pthread_setcancelstate(PTHREAD_CANCEL_ENABLE, NULL); /* not a cancellation point */
+    void *p = NULL;
+    *result = FN("aclrtMalloc")(&p, (size_t)4096, 0);
+    if (*result == 0)
+        FN("aclrtFree")(p);
+    pthread_testcancel();
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    rt = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (FN("aclInit")(NULL) || FN("aclrtSetDevice")(0)) return 3;
+    pthread_barrier_init(&posted, NULL, 2);
+    int worker_result = -1;
+    pthread_t t;
+    pthread_create(&t, NULL, worker, &worker_result);
+    pthread_barrier_wait(&posted);
+    pthread_cancel(t);
+    pthread_barrier_wait(&posted);
+    void *res = NULL;
+    pthread_join(t, &res);
+    void *p = NULL;
+    int main_result = FN("aclrtMalloc")(&p, (size_t)4096, 0);
+    printf("cancelled=%d worker=%d main=%d\n", res == PTHREAD_CANCELED, worker_result, main_result);
+    return 0;
+}
+"""
+
+
+def test_a_thread_cancelled_in_its_first_allocation_leaves_no_lock_held(tmp_path_factory):
+    """The cancel acted inside npualloc's set-up (the region's open under its
+    init lock): the thread unwound with the lock held and the main thread's
+    allocation waited for good. Cancellation is held off under npualloc's
+    locks: the worker's allocation completes, the cancel acts at its next
+    cancellation point, and the main thread allocates."""
+    prog = compile_c(tmp_path_factory, "cancelled", CANCELLED)
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so")], env=preload_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "cancelled=1 worker=0 main=0"
+    assert proc.stderr == ""

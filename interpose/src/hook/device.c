@@ -52,27 +52,31 @@ void npa_device_forget_current(void)
  * so its count stays above zero). */
 aclError npa_device_enter(int device, npa_devswitch *s)
 {
+    /* Until the leave: what follows calls the runtime, often under a device
+     * lock (hook.h's npa_cancel_off). */
+    npa_cancel_off();
     s->device = device;
     s->prev = npa_thread_device();
     s->switched = 0;
     if (s->prev == device)
         return ACL_SUCCESS;
     __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
-    if (set == NULL)
-        return npa_no_runtime_error(NPA_FN_aclrtSetDevice);
-    aclError err = set(device);
+    aclError err = set != NULL ? set(device) : npa_no_runtime_error(NPA_FN_aclrtSetDevice);
     if (err == ACL_SUCCESS)
         s->switched = 1;
+    else
+        npa_cancel_on(); /* no leave follows a failed enter */
     return err;
 }
 
 void npa_device_leave(npa_devswitch *s)
 {
-    if (!s->switched)
-        return;
-    __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
-    __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
-    reset(s->device);
-    if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS)
-        reset(s->prev);
+    if (s->switched) {
+        __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
+        __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
+        reset(s->device);
+        if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS)
+            reset(s->prev);
+    }
+    npa_cancel_on();
 }

@@ -114,8 +114,8 @@ static void forward_destroy(aclOpExecutor *e, int device)
 void npa_exec_drain(int force)
 {
     if (force) {
-        pthread_mutex_lock(&exec_lock);
-    } else if (pthread_mutex_trylock(&exec_lock) != 0) {
+        npa_mutex_lock(&exec_lock);
+    } else if (npa_mutex_trylock(&exec_lock) != 0) {
         return; /* another thread is draining: the allocation path never waits here */
     }
     size_t kept = 0;
@@ -132,7 +132,7 @@ void npa_exec_drain(int force)
     }
     npending = kept;
     npa_entry_work_mark(NPA_WORK_EXECUTORS, kept != 0);
-    pthread_mutex_unlock(&exec_lock);
+    npa_mutex_unlock(&exec_lock);
 }
 
 NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
@@ -143,9 +143,9 @@ NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
     aclnnStatus ret = real(executor);
     if (ret == ACLNN_SUCCESS && executor != NULL && !npa_hook_disabled()) {
         npa_hook_register_handlers();
-        pthread_mutex_lock(&exec_lock);
+        npa_mutex_lock(&exec_lock);
         set_insert(executor);
-        pthread_mutex_unlock(&exec_lock);
+        npa_mutex_unlock(&exec_lock);
     }
     npa_exec_poll();
     return ret;
@@ -161,9 +161,9 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
      * its stats) now if no allocation did, so the destroy is counted. */
     npa_hook_allocator();
     int device = npa_thread_device();
-    pthread_mutex_lock(&exec_lock);
+    npa_mutex_lock(&exec_lock);
     int repeatable = set_remove(executor);
-    pthread_mutex_unlock(&exec_lock);
+    npa_mutex_unlock(&exec_lock);
     if (!repeatable) {
         /* Phase 2 destroyed it already, or this is a second destroy. */
         count(device, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED);
@@ -183,12 +183,12 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         forward_destroy(executor, device);
         return ACLNN_SUCCESS;
     }
-    pthread_mutex_lock(&exec_lock);
+    npa_mutex_lock(&exec_lock);
     if (npending == cap_pending) {
         size_t ncap = cap_pending ? cap_pending * 2 : 16;
         deferred *np = realloc(pending, ncap * sizeof(*np));
         if (np == NULL) {
-            pthread_mutex_unlock(&exec_lock);
+            npa_mutex_unlock(&exec_lock);
             npa_hook_synchronize(device);
             npa_fence_release(NULL, fence);
             forward_destroy(executor, device);
@@ -199,7 +199,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
     }
     pending[npending++] = (deferred){executor, fence, device};
     npa_entry_work_mark(NPA_WORK_EXECUTORS, true);
-    pthread_mutex_unlock(&exec_lock);
+    npa_mutex_unlock(&exec_lock);
     npa_exec_poll();
     return ACLNN_SUCCESS;
 }
@@ -220,12 +220,12 @@ SELF(aclSetAclOpExecutorRepeatable) SELF(aclDestroyAclOpExecutor) SELF(aclnnFina
 
 void npa_exec_lock_for_fork(void)
 {
-    pthread_mutex_lock(&exec_lock);
+    npa_mutex_lock(&exec_lock);
 }
 
 void npa_exec_unlock_after_fork(void)
 {
-    pthread_mutex_unlock(&exec_lock);
+    npa_mutex_unlock(&exec_lock);
 }
 
 void npa_exec_forget_after_fork(void)

@@ -13,6 +13,7 @@
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
  *   pause.c     `npualloc pause <pid>`: the whole process paused until resume
  *   warn.c      once-only stderr warnings
+ *   cancel.c    thread cancellation held off under our locks
  *   pystack.c   Python stacks of recorded allocations (record_stacks:python)
  *
  * Lock order of libnpualloc.so, outermost first. A thread holding one of
@@ -79,6 +80,7 @@
 #ifndef NPUALLOC_HOOK_H
 #define NPUALLOC_HOOK_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -95,6 +97,49 @@
 #define NPA_TLS __thread __attribute__((tls_model("initial-exec")))
 #define NPA_LIKELY(x) __builtin_expect(!!(x), 1)
 #define NPA_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* ---- cancel.c ------------------------------------------------------------- */
+
+/* A thread that pthread_cancel (deferred, the default) stops at a
+ * cancellation point of ours, a runtime call that waits or a write, a
+ * dlopen or an open, unwinds with whatever lock of ours it held, and every
+ * later allocator call waits for it for good (an audit's thread cancelled
+ * in its first aclrtMalloc: the region's open, under init_lock). So
+ * cancellation is off while a thread holds one of our mutexes (the
+ * npa_mutex_ calls) or calls the runtime for the core, under a device lock
+ * (npa_device_enter to npa_device_leave, the fence query, a warning's
+ * write): a cancel sent meanwhile acts at the program's next cancellation
+ * point. Nested holds count; the outermost restores the thread's state. */
+extern NPA_TLS unsigned npa_cancel_depth;
+extern NPA_TLS int npa_cancel_saved;
+static inline void npa_cancel_off(void)
+{
+    if (npa_cancel_depth++ == 0)
+        pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &npa_cancel_saved);
+}
+static inline void npa_cancel_on(void)
+{
+    if (--npa_cancel_depth == 0)
+        pthread_setcancelstate(npa_cancel_saved, NULL);
+}
+static inline void npa_mutex_lock(pthread_mutex_t *m)
+{
+    npa_cancel_off();
+    pthread_mutex_lock(m);
+}
+static inline void npa_mutex_unlock(pthread_mutex_t *m)
+{
+    pthread_mutex_unlock(m);
+    npa_cancel_on();
+}
+static inline int npa_mutex_trylock(pthread_mutex_t *m)
+{
+    npa_cancel_off();
+    int busy = pthread_mutex_trylock(m);
+    if (busy)
+        npa_cancel_on();
+    return busy;
+}
 
 /* ---- realacl.c ------------------------------------------------------------ */
 

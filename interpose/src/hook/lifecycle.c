@@ -106,7 +106,7 @@ int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_c
 {
     npa_hook_config();
     bool applied = true;
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&any_allocator, memory_order_acquire);
     if (a == NULL) {
         if (key == NPA_KEY_GC_THRESHOLD)
@@ -116,16 +116,16 @@ int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_c
         else
             store_key(parsed, key);
     }
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
     *allocator = a;
     return applied ? 0 : -1;
 }
 
 void npa_hook_remember_config(const npa_config *parsed, npa_runtime_key key)
 {
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     store_key(parsed, key);
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
 }
 
 /* ---- the backend ---------------------------------------------------------- */
@@ -344,7 +344,7 @@ npa_allocator *npa_hook_init(void)
 {
     if (npa_hook_disabled())
         return NULL;
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a == NULL && state == ST_UNINIT) {
         const npa_config *c = npa_hook_config();
@@ -360,7 +360,7 @@ npa_allocator *npa_hook_init(void)
             npa_warn_once("cannot create the allocator (out of host memory?); calls go to the runtime uncached");
         }
     }
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
     if (a != NULL)
         npa_hook_register_handlers();
     return a;
@@ -397,10 +397,10 @@ static void release_everything(npa_allocator *a)
 
 void npa_hook_before_context_destroy(void)
 {
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     if (state == ST_ACTIVE || state == ST_UNINIT)
         release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire));
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
 }
 
 /* After this nothing of ours calls the runtime: later allocator calls pass
@@ -408,7 +408,7 @@ void npa_hook_before_context_destroy(void)
  * an aclInit starts a new session with a fresh cache. */
 void npa_hook_before_finalize(void)
 {
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     int live = state != ST_FINALIZED;
     if (live) {
@@ -421,17 +421,17 @@ void npa_hook_before_finalize(void)
         npa_detach_stats_storage(a);
         state = ST_FINALIZED;
     }
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
 }
 
 void npa_hook_after_init(void)
 {
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     /* A new runtime session: the old cache's segments died with the last
      * one, so the next allocation builds a new allocator. */
     if (state == ST_FINALIZED)
         state = ST_UNINIT;
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
 }
 
 /* ---- exit and fork -------------------------------------------------------- */
@@ -443,11 +443,11 @@ static void at_exit(void)
 {
     /* A pause (pause.c) holds the device locks until its resume: exit then
      * waits for it, as any allocator call does (README). */
-    if (pthread_mutex_trylock(&init_lock) != 0)
+    if (npa_mutex_trylock(&init_lock) != 0)
         return; /* another thread is mid-init or mid-finalize: never hang exit */
     if (state == ST_ACTIVE || state == ST_UNINIT)
         release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire));
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
     npa_region_remove();
 }
 
@@ -457,7 +457,7 @@ static void fork_prepare(void)
      * space is copied, or the child would inherit a lock nobody releases.
      * Taken in the lock order of hook.h. The core's own locks need no such
      * care: the child never touches the parent's allocator again. */
-    pthread_mutex_lock(&init_lock);
+    npa_mutex_lock(&init_lock);
     npa_exec_lock_for_fork();
     npa_streams_lock_for_fork();
     npa_saver_lock_for_fork();
@@ -474,7 +474,7 @@ static void fork_parent(void)
     npa_saver_unlock_after_fork();
     npa_streams_unlock_after_fork();
     npa_exec_unlock_after_fork();
-    pthread_mutex_unlock(&init_lock);
+    npa_mutex_unlock(&init_lock);
 }
 
 static void fork_child(void)

@@ -254,12 +254,12 @@ void npa_pystack_take(void)
         return;
     bool had_gil = holds_gil(mine);
     int gil_state = had_gil ? 0 : py.gil_ensure();
-    pthread_mutex_lock(&stack_lock);
+    npa_mutex_lock(&stack_lock);
     if (tables_state == 0)
         tables_state = allocate_tables() ? 1 : -1;
     if (tables_state == 1)
         taken = capture_locked();
-    pthread_mutex_unlock(&stack_lock);
+    npa_mutex_unlock(&stack_lock);
     if (!had_gil)
         py.gil_release(gil_state);
 }
@@ -275,7 +275,7 @@ uint32_t npa_pystack_capture(void *ctx)
 void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg)
 {
     (void)ctx;
-    pthread_mutex_lock(&stack_lock);
+    npa_mutex_lock(&stack_lock);
     if (stack != 0 && stack <= stack_count) {
         const stack_entry *s = &stacks[stack - 1];
         for (uint32_t i = 0; i < s->depth; i++) {
@@ -283,15 +283,15 @@ void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void 
             visit(codes[f->code].filename, f->line, codes[f->code].name, arg);
         }
     }
-    pthread_mutex_unlock(&stack_lock);
+    npa_mutex_unlock(&stack_lock);
 }
 
 void npa_pystack_lock_for_fork(void)
 {
-    pthread_mutex_lock(&stack_lock);
+    npa_mutex_lock(&stack_lock);
 }
 
 void npa_pystack_unlock_after_fork(void)
 {
-    pthread_mutex_unlock(&stack_lock);
+    npa_mutex_unlock(&stack_lock);
 }

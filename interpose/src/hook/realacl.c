@@ -102,7 +102,7 @@ static int handle_count;
 static void *keep_open(const char *path, int flags)
 {
     void *h = NULL;
-    pthread_mutex_lock(&open_lock);
+    npa_mutex_lock(&open_lock);
     for (int i = 0; i < handle_count; i++)
         if (strcmp(handles[i].path, path) == 0) {
             h = handles[i].handle;
@@ -114,7 +114,7 @@ static void *keep_open(const char *path, int flags)
         handles[handle_count++].handle = h;
     }
 out:
-    pthread_mutex_unlock(&open_lock);
+    npa_mutex_unlock(&open_lock);
     return h;
 }
 
@@ -246,10 +246,10 @@ int npa_no_runtime_error(npa_fn fn)
 
 void npa_realacl_lock_for_fork(void)
 {
-    pthread_mutex_lock(&open_lock);
+    npa_mutex_lock(&open_lock);
 }
 
 void npa_realacl_unlock_after_fork(void)
 {
-    pthread_mutex_unlock(&open_lock);
+    npa_mutex_unlock(&open_lock);
 }

@@ -177,7 +177,7 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
                        .tag = region >> 1, .backup = region & 1};
     /* Under the lock: a pause of the whole process (pause.c) holds it, and
      * no allocation may be made while it is paused. */
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     void *base = NULL;
     aclError err = NPA_REAL(aclrtReserveMemAddress)(&base, b->size, 0, NULL, 0);
     if (err == ACL_SUCCESS) {
@@ -195,7 +195,7 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
     } else {
         free(b);
     }
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     if (err == ACL_SUCCESS)
         resample_device_memory(device);
     return err;
@@ -203,13 +203,13 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
 
 int npa_saver_free(void *ptr, aclError *err)
 {
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     saver_block **link = &blocks;
     while (*link != NULL && (*link)->addr != (uintptr_t)ptr)
         link = &(*link)->next;
     saver_block *b = *link;
     if (b == NULL) {
-        pthread_mutex_unlock(&saver_lock);
+        npa_mutex_unlock(&saver_lock);
         return 0;
     }
     /* aclrtFree does not wait for queued work, but the physical memory goes
@@ -233,7 +233,7 @@ int npa_saver_free(void *ptr, aclError *err)
         free(b);
         publish(device);
     }
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     if (*err == ACL_SUCCESS)
         resample_device_memory(device);
     return 1;
@@ -247,9 +247,9 @@ NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
         npa_saver_region = -1;
         return 0;
     }
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     int index = tag_index(tag, true);
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     if (index < 0)
         return -1;
     /* Counted before this thread's region is set, so its next malloc sees the word set. */
@@ -389,29 +389,29 @@ static aclError resume_blocks(int which, char *why, size_t len)
 
 NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
 {
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     size_t released, backup;
     aclError err = pause_blocks(tag_of(tag), false, why, why_len, &released, &backup);
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     resample_device_memory(-1);
     return err;
 }
 
 NPA_EXPORT int npualloc_saver_resume(const char *tag, char *why, size_t why_len)
 {
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     aclError err = resume_blocks(tag_of(tag), why, why_len);
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     resample_device_memory(-1);
     return err;
 }
 
 aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t *backup)
 {
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     aclError err = pause_blocks(EVERY_TAG, true, why, len, released, backup);
     if (err != ACL_SUCCESS)
-        pthread_mutex_unlock(&saver_lock);
+        npa_mutex_unlock(&saver_lock);
     return err; /* on success saver_lock stays held, until npa_saver_command_done */
 }
 
@@ -422,18 +422,18 @@ aclError npa_saver_command_resume(char *why, size_t len)
 
 void npa_saver_command_hold(void)
 {
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
 }
 
 void npa_saver_command_done(void)
 {
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
 }
 
 NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *paused, size_t *backup)
 {
     size_t all = 0, unmapped = 0, backed_up = 0;
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     int t = tag_of(tag);
     for (saver_block *b = blocks; b; b = b->next) {
         if (t != EVERY_TAG && b->tag != t)
@@ -442,7 +442,7 @@ NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *
         unmapped += b->physical == NULL ? b->size : 0;
         backed_up += b->host != NULL ? b->size : 0;
     }
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     if (allocated != NULL)
         *allocated = all;
     if (paused != NULL)
@@ -456,20 +456,20 @@ NPA_EXPORT int npualloc_get_saver_stats(int device, npualloc_saver_stats *out)
 {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES || out == NULL)
         return -1;
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
     saver_stats_of(device, out);
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
     return 0;
 }
 
 void npa_saver_lock_for_fork(void)
 {
-    pthread_mutex_lock(&saver_lock);
+    npa_mutex_lock(&saver_lock);
 }
 
 void npa_saver_unlock_after_fork(void)
 {
-    pthread_mutex_unlock(&saver_lock);
+    npa_mutex_unlock(&saver_lock);
 }
 
 void npa_saver_forget_after_fork(void)

@@ -103,16 +103,16 @@ static pthread_mutex_t first_stream_lock = PTHREAD_MUTEX_INITIALIZER;
 
 void npa_streams_add(int device, aclrtStream stream)
 {
-    pthread_mutex_lock(&first_stream_lock);
+    npa_mutex_lock(&first_stream_lock);
     if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_acq_rel) == 0)
         settle_before_first_stream();
-    pthread_mutex_unlock(&first_stream_lock);
+    npa_mutex_unlock(&first_stream_lock);
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
         return; /* counted for the auto policy; fences there fall back to a sync */
     dev_streams *d = &devs[device];
-    pthread_mutex_lock(&d->lock);
+    npa_mutex_lock(&d->lock);
     track_locked(d, device, stream);
-    pthread_mutex_unlock(&d->lock);
+    npa_mutex_unlock(&d->lock);
 }
 
 npa_stream_death npa_streams_dying(aclrtStream stream)
@@ -120,7 +120,7 @@ npa_stream_death npa_streams_dying(aclrtStream stream)
     npa_stream_death death = {0};
     for (int dev = 0; dev < NPUALLOC_MAX_DEVICES && !death.tracked; dev++) {
         dev_streams *d = &devs[dev];
-        pthread_mutex_lock(&d->lock);
+        npa_mutex_lock(&d->lock);
         for (size_t i = 0; i < d->nstreams; i++)
             if (d->streams[i] == stream) {
                 d->streams[i] = d->streams[--d->nstreams];
@@ -128,7 +128,7 @@ npa_stream_death npa_streams_dying(aclrtStream stream)
                 death.tracked = dev + 1;
                 break;
             }
-        pthread_mutex_unlock(&d->lock);
+        npa_mutex_unlock(&d->lock);
     }
     /* After the untracking: a fence recorded later names the stream only if
      * its caller named it (a use racing the destroy, or a new stream with
@@ -151,18 +151,18 @@ void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed)
     if (destroyed) /* any device's fences may have named it (a use recorded there) */
         for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
             dev_streams *d = &devs[dev];
-            pthread_mutex_lock(&d->lock);
+            npa_mutex_lock(&d->lock);
             settle_on(d, stream, death.fences_before);
-            pthread_mutex_unlock(&d->lock);
+            npa_mutex_unlock(&d->lock);
         }
     if (death.tracked <= 0 || death.tracked > NPUALLOC_MAX_DEVICES)
         return;
     dev_streams *d = &devs[death.tracked - 1];
-    pthread_mutex_lock(&d->lock);
+    npa_mutex_lock(&d->lock);
     d->dying--;
     if (!destroyed) /* refused: tracked again, on the device it was on, whoever calls */
         track_locked(d, death.tracked - 1, stream);
-    pthread_mutex_unlock(&d->lock);
+    npa_mutex_unlock(&d->lock);
     if (destroyed) /* counted live until now: the auto policy fenced while its work could still run */
         atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
 }
@@ -211,7 +211,7 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
         return err;
     dev_streams *d = &devs[device];
     int complete = 1;
-    pthread_mutex_lock(&d->lock);
+    npa_mutex_lock(&d->lock);
     size_t n = streams != NULL ? count : d->nstreams + 1;
     npa_fence *f = malloc(sizeof(npa_fence) + n * sizeof(fence_slot));
     if (f != NULL) {
@@ -245,7 +245,7 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
             }
         }
     }
-    pthread_mutex_unlock(&d->lock);
+    npa_mutex_unlock(&d->lock);
     if (!complete) {
         /* Cannot see when that stream's work ends: wait for all of it now,
          * which is what the fence would have waited for. The device lock is
@@ -312,16 +312,19 @@ int npa_fence_done(void *ctx, void *fence)
     __typeof__(&aclrtQueryEventStatus) query = NPA_REAL(aclrtQueryEventStatus);
     if (query == NULL)
         return 1;
-    for (int i = 0; i < f->count; i++) {
+    int done = 1;
+    npa_cancel_off(); /* a runtime call under the device lock */
+    for (int i = 0; done && i < f->count; i++) {
         if (atomic_load_explicit(&f->slots[i].settled, memory_order_acquire))
             continue;
         aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
         /* A query that fails names an event whose stream or context is gone,
          * and with it the work we were waiting for. */
         if (query(f->slots[i].event, &status) == ACL_SUCCESS && status != ACL_EVENT_RECORDED_STATUS_COMPLETE)
-            return 0;
+            done = 0;
     }
-    return 1;
+    npa_cancel_on();
+    return done;
 }
 
 void npa_fence_release(void *ctx, void *fence)
@@ -329,7 +332,7 @@ void npa_fence_release(void *ctx, void *fence)
     (void)ctx;
     npa_fence *f = fence;
     dev_streams *d = &devs[f->device];
-    pthread_mutex_lock(&d->lock);
+    npa_mutex_lock(&d->lock);
     if (f->prev != NULL)
         f->prev->next = f->next;
     else
@@ -338,7 +341,7 @@ void npa_fence_release(void *ctx, void *fence)
         f->next->prev = f->prev;
     for (int i = 0; i < f->count; i++)
         give_event(d, f->slots[i].event);
-    pthread_mutex_unlock(&d->lock);
+    npa_mutex_unlock(&d->lock);
     free(f);
 }
 
@@ -349,24 +352,24 @@ void npa_streams_destroy_events(int device)
         if (device >= 0 && dev != device)
             continue;
         dev_streams *d = &devs[dev];
-        pthread_mutex_lock(&d->lock);
+        npa_mutex_lock(&d->lock);
         for (size_t i = 0; destroy && i < d->npool; i++)
             destroy(d->pool[i]);
         d->npool = 0;
-        pthread_mutex_unlock(&d->lock);
+        npa_mutex_unlock(&d->lock);
     }
 }
 
 void npa_streams_lock_for_fork(void)
 {
     for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++)
-        pthread_mutex_lock(&devs[dev].lock);
+        npa_mutex_lock(&devs[dev].lock);
 }
 
 void npa_streams_unlock_after_fork(void)
 {
     for (int dev = NPUALLOC_MAX_DEVICES - 1; dev >= 0; dev--)
-        pthread_mutex_unlock(&devs[dev].lock);
+        npa_mutex_unlock(&devs[dev].lock);
 }
 
 void npa_streams_forget_after_fork(void)

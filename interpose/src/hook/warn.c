@@ -81,10 +81,10 @@ void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...)
         return;
     size_t len = start + ((size_t)n < room ? (size_t)n : room - 1);
     make_printable(buf + start, len - start);
-    pthread_mutex_lock(&seen_lock);
+    npa_mutex_lock(&seen_lock);
     bool print = (site == NULL || site->shown < NPA_WARNINGS_PER_SITE) && first_time(fnv1a(buf + start));
     bool is_last = print && site != NULL && ++site->shown == NPA_WARNINGS_PER_SITE;
-    pthread_mutex_unlock(&seen_lock);
+    npa_mutex_unlock(&seen_lock);
     if (!print)
         return;
     if (is_last) {
@@ -96,17 +96,20 @@ void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...)
      * output, and safe at exit when stdio may already be flushed and closed.
      * Not under seen_lock: a stderr pipe nobody reads would block the write,
      * and fork_prepare takes that lock. So two threads of one site may print
-     * its last line before another of its lines. */
+     * its last line before another of its lines. Cancellation off: the
+     * core warns under a device lock. */
+    npa_cancel_off();
     ssize_t unused = write(STDERR_FILENO, buf, len);
     (void)unused;
+    npa_cancel_on();
 }
 
 void npa_warn_lock_for_fork(void)
 {
-    pthread_mutex_lock(&seen_lock);
+    npa_mutex_lock(&seen_lock);
 }
 
 void npa_warn_unlock_after_fork(void)
 {
-    pthread_mutex_unlock(&seen_lock);
+    npa_mutex_unlock(&seen_lock);
 }

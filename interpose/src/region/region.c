@@ -240,7 +240,7 @@ npualloc_region *npa_region_get(void)
     if (state != REGION_UNTRIED && state != REGION_FORKED && state != REGION_LIVE)
         return NULL;
 
-    pthread_mutex_lock(&g_create_lock);
+    npa_mutex_lock(&g_create_lock);
     r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (!r && (state == REGION_UNTRIED || state == REGION_FORKED)) {
@@ -260,7 +260,7 @@ npualloc_region *npa_region_get(void)
             atomic_store_explicit(&g_state, REGION_OFF, memory_order_relaxed);
         }
     }
-    pthread_mutex_unlock(&g_create_lock);
+    npa_mutex_unlock(&g_create_lock);
     return r;
 }
 
@@ -301,7 +301,7 @@ void npa_region_publish_config(const npa_allocator *a)
     /* Formatted under the lock: else of two threads that each changed a
      * key, the one that formatted first (the older config) could write last
      * and leave it in the header. Formatting takes no lock. */
-    pthread_mutex_lock(&g_create_lock);
+    npa_mutex_lock(&g_create_lock);
     npa_config_format(npa_get_config(a), canonical, sizeof canonical);
     copy_text(g_config, sizeof g_config, canonical);
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
@@ -313,7 +313,7 @@ void npa_region_publish_config(const npa_allocator *a)
         copy_text(h->config, sizeof h->config, g_config);
         __atomic_store_n(&h->config_seq, seq + 2, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&g_create_lock);
+    npa_mutex_unlock(&g_create_lock);
 }
 
 static int device_in_use(const npualloc_region *r, int device)
@@ -431,7 +431,7 @@ void npa_region_poll_slow(npa_allocator *allocator)
     if (!r || !allocator || !npa_region_command_pending(r))
         return;
     npualloc_command *cmd = &r->command;
-    if (pthread_mutex_trylock(&g_command_lock) != 0)
+    if (npa_mutex_trylock(&g_command_lock) != 0)
         return; /* another thread is applying it */
     uint64_t requested = __atomic_load_n(&cmd->request_seq, __ATOMIC_ACQUIRE);
     kept_key keep = {.taken = false};
@@ -445,7 +445,7 @@ void npa_region_poll_slow(npa_allocator *allocator)
         __atomic_store_n(&cmd->ack_status, status, __ATOMIC_RELAXED);
         __atomic_store_n(&cmd->ack_seq, requested, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&g_command_lock);
+    npa_mutex_unlock(&g_command_lock);
     if (keep.taken)
         npa_hook_remember_config(&keep.parsed, keep.key);
 }
@@ -456,9 +456,9 @@ void npa_region_remove(void)
      * resume lets an exit that waited for it through the moment the locks
      * are given back, before the resuming thread writes its answer, and the
      * requester would then wait out its timeout for a command that worked. */
-    pthread_mutex_lock(&g_command_lock);
-    pthread_mutex_unlock(&g_command_lock);
-    pthread_mutex_lock(&g_create_lock);
+    npa_mutex_lock(&g_command_lock);
+    npa_mutex_unlock(&g_command_lock);
+    npa_mutex_lock(&g_create_lock);
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (state == REGION_LIVE && g_owner_pid == getpid()) {
         /* The fd stays open: a command may still be writing through it. Only
@@ -474,7 +474,7 @@ void npa_region_remove(void)
         /* Exiting: an allocator call from a late destructor must not create a file. */
         atomic_store_explicit(&g_state, REGION_OFF, memory_order_relaxed);
     }
-    pthread_mutex_unlock(&g_create_lock);
+    npa_mutex_unlock(&g_create_lock);
 }
 
 void npa_region_forget_after_fork(void)

@@ -382,3 +382,40 @@ def test_a_resume_that_lets_the_exit_through_is_acknowledged():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# A loop whose SIGTERM handler is libc's exit, as C services install one: it
+# runs on the thread the signal interrupts, here the one waiting, paused,
+# inside npualloc with its locks held.
+EXIT_ON_TERM = """
+import acl, ctypes, signal
+libc = ctypes.CDLL(None)
+libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.signal(signal.SIGTERM, ctypes.cast(libc.exit, ctypes.c_void_p))
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+kept, ret = acl.rt.malloc(8 << 20, 0); assert ret == 0
+print("ready", flush=True)
+while True:
+    ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
+    assert acl.rt.free(ptr) == 0
+"""
+
+
+def test_exit_from_a_signal_handler_while_paused_ends_the_process():
+    """The handler's exit ran npualloc's exit handler on the paused thread,
+    which waited for the device locks that thread itself held: the process
+    never ended and the resume was never answered (only SIGKILL helped).
+    The exit now waits for a lock at most NPA_EXIT_WAIT_MS and leaves what
+    it could not take to the runtime's own teardown."""
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_ON_TERM], env=_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert "paused" in _cli("pause", str(proc.pid), "--timeout", "60").stdout
+        proc.send_signal(15)
+        proc.wait(timeout=60)
+        assert proc.returncode == 15  # exit(SIGTERM's number), from the handler
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

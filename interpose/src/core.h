@@ -236,6 +236,10 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token);
  * device that cannot be synchronized keeps its pending frees and its cache
  * (nothing proves their work is done): the first such error is returned. */
 npa_error npa_empty_cache(npa_allocator *a, int device);
+/* The same at exit, on the devices in the mask whose lock is free now (the
+ * exiting thread may hold one, interrupted by a signal whose handler
+ * exits): returns the mask of those it left, their locks taken. */
+unsigned npa_empty_cache_unless_busy(npa_allocator *a, unsigned devices);
 /* Drain pending frees whose fences completed (non-blocking). */
 void npa_process_pending(npa_allocator *a, int device);
 

@@ -766,6 +766,21 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
     return first;
 }
 
+unsigned npa_empty_cache_unless_busy(npa_allocator *a, unsigned devices) {
+    unsigned busy = 0;
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_device *d = devices & (1u << i) ? npa_device_get(a, i, false) : NULL;
+        if (!d) continue;
+        if (!npa_lock_try_acquire(&d->lock)) {
+            busy |= 1u << i;
+            continue;
+        }
+        release_locked(a, d);
+        npa_lock_release(&d->lock);
+    }
+    return busy;
+}
+
 static void flush_pending(npa_allocator *a, npa_device *d, void *unused) {
     (void)unused;
     npa_pending_flush(a, d);

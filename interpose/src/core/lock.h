@@ -51,6 +51,13 @@ static inline void npa_lock_acquire(npa_lock *l) {
         npa_lock_wait_with(l, &npa_lock_default_spin);
 }
 
+/* One attempt, no wait: for the exit, which must not wait on a lock its own
+ * thread may hold (exit called from a signal handler that interrupted it). */
+static inline bool npa_lock_try_acquire(npa_lock *l) {
+    int expected = 0;
+    return __atomic_compare_exchange_n(&l->state, &expected, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+}
+
 static inline void npa_lock_release(npa_lock *l) {
     int state = __atomic_exchange_n(&l->state, 0, __ATOMIC_RELEASE);
     if (state >= 2) npa_lock_released_contended(l, state);

@@ -111,13 +111,17 @@ static void forward_destroy(aclOpExecutor *e, int device)
     count(device, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED);
 }
 
-void npa_exec_drain(int force)
+void npa_exec_drain(npa_drain how)
 {
-    if (force) {
+    if (how == NPA_DRAIN_ALL) {
         npa_mutex_lock(&exec_lock);
+    } else if (how == NPA_DRAIN_AT_EXIT) {
+        if (npa_mutex_lock_at_exit(&exec_lock) != 0)
+            return;
     } else if (npa_mutex_trylock(&exec_lock) != 0) {
         return; /* another thread is draining: the allocation path never waits here */
     }
+    int force = how != NPA_DRAIN_DONE;
     size_t kept = 0;
     for (size_t i = 0; i < npending; i++) {
         deferred *d = &pending[i];
@@ -210,7 +214,7 @@ NPA_EXPORT aclnnStatus aclnnFinalize(void)
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclnnFinalize);
     /* The deferred destroys must reach the runtime while it still exists. */
-    npa_exec_drain(1);
+    npa_exec_drain(NPA_DRAIN_ALL);
     return real();
 }
 

@@ -32,7 +32,7 @@ static __attribute__((noipa, cold)) int entry_work(unsigned work, int device, si
                                                       aclError *served)
 {
     if (work & NPA_WORK_EXECUTORS)
-        npa_exec_drain(0);
+        npa_exec_drain(NPA_DRAIN_DONE);
 #ifndef NPA_BENCH_WITHOUT_IDLE_FEATURES /* tools/bench.mk: the baseline that shows what these two cost unused */
     if (npa_saver_region >= 0) { /* inside npualloc.memory_saver.region() */
         int err = npa_saver_malloc(device, size, devPtr);

@@ -141,6 +141,13 @@ static inline int npa_mutex_trylock(pthread_mutex_t *m)
     return busy;
 }
 
+/* The exit's wait for a lock another thread holds (a command being
+ * applied, a pause until its resume), and the most it waits: the exiting
+ * thread itself may hold the lock, interrupted by a signal whose handler
+ * calls exit, and would wait for good. 0 when taken. */
+#define NPA_EXIT_WAIT_MS 1000
+int npa_mutex_lock_at_exit(pthread_mutex_t *m);
+
 /* ---- realacl.c ------------------------------------------------------------ */
 
 /* Every runtime function the hook layer calls or hands out. The first
@@ -267,7 +274,9 @@ int npa_fence_needed(void *ctx, int device);                  /* backend: honour
 npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);
-void npa_streams_destroy_events(int device); /* device < 0: all; before reset/finalize */
+/* device < 0: all; before reset/finalize, and at exit (at_exit: a device
+ * whose lock stays taken keeps its events). */
+void npa_streams_destroy_events(int device, bool at_exit);
 void npa_streams_forget_after_fork(void);
 void npa_streams_lock_for_fork(void);
 void npa_streams_unlock_after_fork(void);
@@ -298,11 +307,15 @@ static inline unsigned npa_entry_work_load(void)
     return atomic_load_explicit(&npa_entry_work, memory_order_relaxed);
 }
 
-void npa_exec_drain(int force);       /* force: wait for every fence, then forward */
+/* Deferred executor destroys forwarded: those whose fences completed, unless
+ * another thread drains (NPA_DRAIN_DONE); every one, synchronizing for the
+ * rest (NPA_DRAIN_ALL); the same at exit, unless the lock stays taken. */
+typedef enum npa_drain { NPA_DRAIN_DONE, NPA_DRAIN_ALL, NPA_DRAIN_AT_EXIT } npa_drain;
+void npa_exec_drain(npa_drain how);
 static inline void npa_exec_poll(void)
 {
     if (NPA_UNLIKELY(npa_entry_work_load() & NPA_WORK_EXECUTORS))
-        npa_exec_drain(0);
+        npa_exec_drain(NPA_DRAIN_DONE);
 }
 void npa_exec_forget_after_fork(void);
 void npa_exec_lock_for_fork(void);

@@ -376,30 +376,43 @@ npa_allocator *npa_hook_allocator_any(void)
  * pending frees and cached segments, then our idle events. */
 void npa_hook_before_reset(int device)
 {
-    npa_exec_drain(1);
+    npa_exec_drain(NPA_DRAIN_ALL);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a != NULL)
         npa_empty_cache(a, device);
-    npa_streams_destroy_events(device);
+    npa_streams_destroy_events(device, false);
 }
 
-static void release_everything(npa_allocator *a)
+/* Every device's cache back. At exit no lock is waited for past
+ * NPA_EXIT_WAIT_MS: the exiting thread may hold it, interrupted by a signal
+ * whose handler calls exit (an audit's SIGTERM handler: 6 exits in 20 hung
+ * for good, and during a pause the process never ended); what stays behind
+ * the runtime reclaims with the process. */
+static void release_everything(npa_allocator *a, bool at_exit)
 {
-    npa_exec_drain(1);
+    npa_exec_drain(at_exit ? NPA_DRAIN_AT_EXIT : NPA_DRAIN_ALL);
     if (a != NULL) {
-        unsigned seen = npa_devices_seen();
-        for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
-            if (seen & (1u << d))
-                npa_empty_cache(a, d);
+        unsigned left = npa_devices_seen();
+        if (!at_exit)
+            for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+                if (left & (1u << d))
+                    npa_empty_cache(a, d);
+        const struct timespec nap = {.tv_sec = 0, .tv_nsec = 10 * 1000 * 1000};
+        for (int tries = 0; at_exit && left != 0; tries++) {
+            left = npa_empty_cache_unless_busy(a, left);
+            if (left == 0 || tries * 10 >= NPA_EXIT_WAIT_MS)
+                break;
+            nanosleep(&nap, NULL);
+        }
     }
-    npa_streams_destroy_events(-1);
+    npa_streams_destroy_events(-1, at_exit);
 }
 
 void npa_hook_before_context_destroy(void)
 {
     npa_mutex_lock(&init_lock);
     if (state == ST_ACTIVE || state == ST_UNINIT)
-        release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire));
+        release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire), false);
     npa_mutex_unlock(&init_lock);
 }
 
@@ -412,7 +425,7 @@ void npa_hook_before_finalize(void)
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     int live = state != ST_FINALIZED;
     if (live) {
-        release_everything(a);
+        release_everything(a, false);
         atomic_store_explicit(&npa_serving, NULL, memory_order_release);
         /* The next session's allocator writes the region's stats from its
          * first call on; this one (still reached by npa_hook_allocator_any
@@ -441,12 +454,13 @@ void npa_hook_after_init(void)
  * finalized gets its cache returned, so the runtime sees no leak of ours. */
 static void at_exit(void)
 {
-    /* A pause (pause.c) holds the device locks until its resume: exit then
-     * waits for it, as any allocator call does (README). */
+    /* A pause (pause.c) holds the device locks until its resume, and the
+     * exiting thread may hold any of ours (release_everything): no lock is
+     * waited for past NPA_EXIT_WAIT_MS here (README). */
     if (npa_mutex_trylock(&init_lock) != 0)
         return; /* another thread is mid-init or mid-finalize: never hang exit */
     if (state == ST_ACTIVE || state == ST_UNINIT)
-        release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire));
+        release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire), true);
     npa_mutex_unlock(&init_lock);
     npa_region_remove();
 }

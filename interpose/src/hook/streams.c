@@ -345,14 +345,17 @@ void npa_fence_release(void *ctx, void *fence)
     free(f);
 }
 
-void npa_streams_destroy_events(int device)
+void npa_streams_destroy_events(int device, bool at_exit)
 {
     __typeof__(&aclrtDestroyEvent) destroy = NPA_REAL(aclrtDestroyEvent);
     for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
         if (device >= 0 && dev != device)
             continue;
         dev_streams *d = &devs[dev];
-        npa_mutex_lock(&d->lock);
+        if (!at_exit)
+            npa_mutex_lock(&d->lock);
+        else if (npa_mutex_lock_at_exit(&d->lock) != 0)
+            continue;
         for (size_t i = 0; destroy && i < d->npool; i++)
             destroy(d->pool[i]);
         d->npool = 0;

@@ -456,9 +456,13 @@ void npa_region_remove(void)
      * resume lets an exit that waited for it through the moment the locks
      * are given back, before the resuming thread writes its answer, and the
      * requester would then wait out its timeout for a command that worked. */
-    npa_mutex_lock(&g_command_lock);
-    npa_mutex_unlock(&g_command_lock);
-    npa_mutex_lock(&g_create_lock);
+    /* Only at exit, and never past NPA_EXIT_WAIT_MS: the exiting thread
+     * may hold either lock (a signal handler calling exit), and then the
+     * file stays for `npualloc ls` to remove. */
+    if (npa_mutex_lock_at_exit(&g_command_lock) == 0)
+        npa_mutex_unlock(&g_command_lock);
+    if (npa_mutex_lock_at_exit(&g_create_lock) != 0)
+        return;
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
     if (state == REGION_LIVE && g_owner_pid == getpid()) {
         /* The fd stays open: a command may still be writing through it. Only

@@ -4,8 +4,9 @@ Mirrors torch.cuda.memory. Inside a process started with npualloc preloaded the
 calls go to the loaded library; with pid=... they read (or command) another
 process through its shared-memory stats region.
 """
-from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
-                     NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
+from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError,
+                     IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError,
+                     OtherUserError)
 from .memory import (empty_cache, get_config, is_active, library_path, max_memory_allocated, max_memory_reserved,
                      mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_summary,
                      reset_accumulated_memory_stats, reset_peak_memory_stats, set_config, set_gc_threshold)
@@ -17,7 +18,7 @@ _dump_snapshot = dump_snapshot
 _record_memory_history = record_memory_history
 
 __all__ = [
-    "CommandRejectedError", "CommandTimeoutError", "CorruptRegionError", "IncompatibleRegionError",
+    "CommandInterruptedError", "CommandRejectedError", "CommandTimeoutError", "CorruptRegionError", "IncompatibleRegionError",
     "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError",
     "dump_snapshot", "empty_cache", "get_config", "is_active", "library_path", "max_memory_allocated",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",

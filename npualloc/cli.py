@@ -392,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad --device
         sys.stderr.write(f"npualloc: {e}\n")
         return EXIT_USAGE
-    except KeyboardInterrupt:  # --watch ends with Ctrl-C
-        return 0
+    except KeyboardInterrupt:
+        if getattr(args, "watch", None) or args.run is exporter.cmd_exporter:
+            return 0  # how --watch and the exporter are meant to end
+        sys.stderr.write("npualloc: interrupted\n")
+        return 130
     except BrokenPipeError:  # `npualloc ls | head`
         return 0

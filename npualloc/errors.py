@@ -42,3 +42,10 @@ class CommandTimeoutError(NpuallocError):
 
 class CommandRejectedError(NpuallocError):
     exit_code = 9
+
+
+class CommandInterruptedError(NpuallocError):
+    """Ctrl-C while waiting for the process to acknowledge a command: it may
+    still apply it, at its next allocator call (the shell's code for SIGINT)."""
+
+    exit_code = 130

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ._ffi import REGION_SIZE, constants, ffi, reader_library
-from .errors import (CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
+from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
 
 # Only the name a process gives its region: a pid as the kernel writes it, in
@@ -418,17 +418,22 @@ class Region:
                 # process gets here, a damaged or crafted region does.
                 raise CorruptRegionError(f"{self.path}: command sequence number is at its maximum "
                                          f"({self.command_seq()}): not a region a process wrote")
-            while not reader.npualloc_reader_acked(self._region, seq[0], status):
-                self._check_not_lost()  # posted into zero pages: no process will ever answer
-                if process_ended(self.pid, self._start_time) and not reader.npualloc_reader_acked(
-                        self._region, seq[0], status):  # an answer written just before it ended counts
-                    raise NoSuchProcessError(f"process {self.pid} ended before acknowledging the command "
-                                             "(it may or may not have been applied)")
-                if time.monotonic() > deadline:
-                    raise CommandTimeoutError(
-                        f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is applied at "
-                        "its next allocator call (it stays posted; is the process idle?)")
-                time.sleep(0.005)
+            try:
+                while not reader.npualloc_reader_acked(self._region, seq[0], status):
+                    self._check_not_lost()  # posted into zero pages: no process will ever answer
+                    if process_ended(self.pid, self._start_time) and not reader.npualloc_reader_acked(
+                            self._region, seq[0], status):  # an answer written just before it ended counts
+                        raise NoSuchProcessError(f"process {self.pid} ended before acknowledging the command "
+                                                 "(it may or may not have been applied)")
+                    if time.monotonic() > deadline:
+                        raise CommandTimeoutError(
+                            f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is "
+                            "applied at its next allocator call (it stays posted; is the process idle?)")
+                    time.sleep(0.005)
+            except KeyboardInterrupt:
+                raise CommandInterruptedError(
+                    f"interrupted before process {self.pid} acknowledged the command: it stays posted and is "
+                    "applied at its next allocator call") from None
         finally:
             fcntl.flock(self._file.fd, fcntl.LOCK_UN)
         if status[0] != constants.NPUALLOC_CMD_OK:

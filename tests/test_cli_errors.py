@@ -114,6 +114,25 @@ def test_command_not_acknowledged(tmp_path: Path, sleeper: int) -> None:
     assert_one_line_error(proc, 8, "next allocator call")
 
 
+def test_ctrl_c_while_a_command_waits_says_it_stays_posted(tmp_path: Path, sleeper: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C ended every command with exit 0 and nothing said (meant for
+    stats --watch): a script took a pause for done, and the process paused
+    later by itself. Now 130 and one line saying the command stays posted."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    write_region(tmp_path, sleeper, region_bytes(sleeper))
+    with Region(sleeper) as region:
+        posted = region.command_seq()
+        proc = subprocess.Popen([sys.executable, "-m", "npualloc", "empty-cache", str(sleeper), "--timeout", "60"],
+                                env=cli_env(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        while region.command_seq() == posted and proc.poll() is None:
+            os.sched_yield()
+        proc.send_signal(2)
+        out, err = proc.communicate(timeout=60)
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130, "stays posted")
+
+
 def test_a_process_that_ends_before_acknowledging_is_said_to_have_ended(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The requester sees the process end (here it stays a zombie until we

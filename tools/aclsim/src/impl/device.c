@@ -129,36 +129,35 @@ static void detach_device(struct sim_device *d, int32_t deviceId)
     }
 }
 
-SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
+/* aclrtResetDevice drops one reference; aclrtResetDeviceForce releases the
+ * device whatever its count (streams drained and destroyed, as the last
+ * plain reset does), and CANN documents an error for a device already
+ * released, without its code. */
+static aclError reset(enum sim_api api, int32_t deviceId, int force)
 {
     struct sim_device *d;
-    aclError ret = enter_device_call(SIM_API_aclrtResetDevice, deviceId, &d);
+    aclError ret = enter_device_call(api, deviceId, &d);
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
-    detach_device(d, deviceId);
-    pthread_mutex_unlock(&sim_lock);
-    return ACL_SUCCESS;
-}
-
-/* aclrtResetDeviceForce releases the device whatever its reference count
- * (streams drained and destroyed, as the last aclrtResetDevice does); CANN
- * documents an error for a device already released, without its code. */
-SIM_EXPORT aclError simrt_ResetDeviceForce(int32_t deviceId)
-{
-    struct sim_device *d;
-    aclError ret = enter_device_call(SIM_API_aclrtResetDeviceForce, deviceId, &d);
-    if (ret != ACL_SUCCESS)
-        return ret;
-    pthread_mutex_lock(&sim_lock);
-    if (d->refcount == 0) {
+    if (force && d->refcount == 0)
         ret = ACL_ERROR_RT_PARAM_INVALID;
-    } else {
+    else if (force)
         d->refcount = 1;
+    if (ret == ACL_SUCCESS)
         detach_device(d, deviceId);
-    }
     pthread_mutex_unlock(&sim_lock);
     return ret;
+}
+
+SIM_EXPORT aclError simrt_ResetDevice(int32_t deviceId)
+{
+    return reset(SIM_API_aclrtResetDevice, deviceId, 0);
+}
+
+SIM_EXPORT aclError simrt_ResetDeviceForce(int32_t deviceId)
+{
+    return reset(SIM_API_aclrtResetDeviceForce, deviceId, 1);
 }
 
 /* A context is a device reference with an identity: created with one

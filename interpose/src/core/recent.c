@@ -11,9 +11,8 @@
  * inactive, history records its free as completed. Only the merge waits, so
  * inactive_split can read up to capacity blocks more than torch's would
  * (recent_blocks:0 turns the cache off). Whatever needs merged free space
- * returns every held block to its pool first: a small-pool malloc that
- * would cut a block or finds none (alloc.c's take_cached_block), the OOM
- * retry, empty_cache, reset. A free
+ * returns every held block to its pool first: a small-pool miss before it
+ * asks the device for memory, the OOM retry, empty_cache, reset. A free
  * that needs a fence or a stream's event (stream-safe reuse) comes here
  * only once that has completed (pending.c); a block freed on its own stream
  * comes at once, and serves only that stream's pool again. When most of
@@ -63,8 +62,8 @@ static unsigned oldest(const npa_recent *r) {
  * NPA_RECENT_EVICTED_SHARE of those put since the last verdict was evicted,
  * the next NPA_RECENT_BYPASS frees go straight to their pools (torch's
  * rule, as with recent_blocks:0), then puts resume and it is judged again.
- * Only evictions count: the flush before a cut or a miss says the pool
- * needs merged space, not that the cache thrashes (counting
+ * Only evictions count: the flush before a pool asks the device for memory
+ * says the pool needs merged space, not that the cache thrashes (counting
  * it bypassed the cache for a program that frees what it allocated at once,
  * its best case). Judged here, so the hit path pays nothing but a free's
  * test of the bypass. */

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import preload_env, run_python, sim_env
+from conftest import SIM_LIB, compile_c, preload_env, run_python, sim_env
 
 from npualloc.region import Region
 
@@ -415,6 +415,83 @@ def test_exit_from_a_signal_handler_while_paused_ends_the_process():
         proc.send_signal(15)
         proc.wait(timeout=60)
         assert proc.returncode == 15  # exit(SIGTERM's number), from the handler
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# Another thread paused inside npualloc, an executor destroy deferred behind
+# a queued op, then the main thread exits normally.
+PAUSED_EXIT = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+static void *rt;
+#define FN(h, name) ((int (*)())dlsym(h, name))
+
+static void *allocating(void *arg)
+{
+    (void)arg;
+    FN(rt, "aclrtSetDevice")(0);
+    for (;;) {
+        void *p = NULL;
+        FN(rt, "aclrtMalloc")(&p, (size_t)4096, 0);
+        FN(rt, "aclrtFree")(p);
+        usleep(1000);
+    }
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    rt = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    void *ops = dlopen(argv[2], RTLD_NOW | RTLD_GLOBAL), *nn = dlopen(argv[3], RTLD_NOW | RTLD_GLOBAL);
+    void (*duration)(uint64_t) = (void (*)(uint64_t))dlsym(rt, "aclsim_set_op_duration_us");
+    if (FN(rt, "aclInit")(NULL) || FN(rt, "aclrtSetDevice")(0)) return 3;
+    void *stream = NULL, *dst = NULL, *ws = NULL, *ex = NULL;
+    uint64_t ws_size = 0;
+    FN(rt, "aclrtCreateStream")(&stream);
+    FN(rt, "aclrtMalloc")(&dst, (size_t)4096, 0);
+    duration((uint64_t)3000000);
+    FN(ops, "aclnnSimFillGetWorkspaceSize")(dst, (uint64_t)4096, 1, &ws_size, &ex);
+    duration(0);
+    FN(rt, "aclrtMalloc")(&ws, (size_t)(ws_size ? ws_size : 512), 0);
+    if (FN(nn, "aclSetAclOpExecutorRepeatable")(ex)) return 4;
+    FN(ops, "aclnnSimFill")(ws, ws_size, ex, stream);
+    FN(nn, "aclDestroyAclOpExecutor")(ex); /* deferred: its op is queued */
+    pthread_t t;
+    pthread_create(&t, NULL, allocating, NULL);
+    printf("ready\n");
+    fflush(stdout);
+    char line[16];
+    if (!fgets(line, sizeof line, stdin)) return 5;
+    exit(0);
+}
+"""
+
+
+def test_a_normal_exit_while_another_thread_is_paused_ends(tmp_path_factory):
+    """With an executor destroy deferred, the exit forwarded it and counted
+    that into the device's stats under its lock, which the pausing thread
+    holds until a resume: the exit waited for good, and the region being
+    gone by then, no resume could reach it. The exit now leaves deferred
+    destroys to the runtime and waits for a device lock at most a second."""
+    prog = compile_c(tmp_path_factory, "paused_exit", PAUSED_EXIT)
+    proc = subprocess.Popen([str(prog), str(SIM_LIB / "libacl_rt.so"), str(SIM_LIB / "libopapi.so"),
+                             str(SIM_LIB / "libnnopbase.so")], env=_env(), text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert "paused" in _cli("pause", str(proc.pid), "--timeout", "60").stdout
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -115,13 +115,10 @@ void npa_exec_drain(npa_drain how)
 {
     if (how == NPA_DRAIN_ALL) {
         npa_mutex_lock(&exec_lock);
-    } else if (how == NPA_DRAIN_AT_EXIT) {
-        if (npa_mutex_lock_at_exit(&exec_lock) != 0)
-            return;
     } else if (npa_mutex_trylock(&exec_lock) != 0) {
         return; /* another thread is draining: the allocation path never waits here */
     }
-    int force = how != NPA_DRAIN_DONE;
+    int force = how == NPA_DRAIN_ALL;
     size_t kept = 0;
     for (size_t i = 0; i < npending; i++) {
         deferred *d = &pending[i];

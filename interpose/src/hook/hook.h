@@ -22,7 +22,8 @@
  * until its resume, so allocator calls of other threads wait meanwhile.
  * Checked against every lock site (issue 11 item 16).
  *   0. first_stream_lock (streams.c): the first stream's creation, which
- *      synchronizes the devices in use; under it only 7 and the runtime.
+ *      synchronizes the devices in use; under it only 7, warn.c's seen_lock
+ *      and the runtime.
  *      Not taken by fork_prepare: the child re-initialises it.
  *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
@@ -309,8 +310,8 @@ static inline unsigned npa_entry_work_load(void)
 
 /* Deferred executor destroys forwarded: those whose fences completed, unless
  * another thread drains (NPA_DRAIN_DONE); every one, synchronizing for the
- * rest (NPA_DRAIN_ALL); the same at exit, unless the lock stays taken. */
-typedef enum npa_drain { NPA_DRAIN_DONE, NPA_DRAIN_ALL, NPA_DRAIN_AT_EXIT } npa_drain;
+ * rest (NPA_DRAIN_ALL). */
+typedef enum npa_drain { NPA_DRAIN_DONE, NPA_DRAIN_ALL } npa_drain;
 void npa_exec_drain(npa_drain how);
 static inline void npa_exec_poll(void)
 {

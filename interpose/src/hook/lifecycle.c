@@ -383,14 +383,17 @@ void npa_hook_before_reset(int device)
     npa_streams_destroy_events(device, false);
 }
 
-/* Every device's cache back. At exit no lock is waited for past
- * NPA_EXIT_WAIT_MS: the exiting thread may hold it, interrupted by a signal
- * whose handler calls exit (an audit's SIGTERM handler: 6 exits in 20 hung
- * for good, and during a pause the process never ended); what stays behind
- * the runtime reclaims with the process. */
+/* Every device's cache back. At exit no device lock is waited for past
+ * NPA_EXIT_WAIT_MS (another thread's pause holds them until its resume; the
+ * exiting thread itself may hold one, interrupted on the hit path by a
+ * signal whose handler calls exit: an audit's SIGTERM handler hung 6 exits
+ * in 20 for good), and deferred executor destroys are left to the
+ * runtime's teardown, as what stays behind is: forwarding one counts into
+ * a device's stats under its lock, which waited for a pause for good. */
 static void release_everything(npa_allocator *a, bool at_exit)
 {
-    npa_exec_drain(at_exit ? NPA_DRAIN_AT_EXIT : NPA_DRAIN_ALL);
+    if (!at_exit)
+        npa_exec_drain(NPA_DRAIN_ALL);
     if (a != NULL) {
         unsigned left = npa_devices_seen();
         if (!at_exit)
@@ -456,7 +459,13 @@ static void at_exit(void)
 {
     /* A pause (pause.c) holds the device locks until its resume, and the
      * exiting thread may hold any of ours (release_everything): no lock is
-     * waited for past NPA_EXIT_WAIT_MS here (README). */
+     * waited for past NPA_EXIT_WAIT_MS here (README). A thread that holds
+     * one of our mutexes or is in a runtime call for us (a signal handler's
+     * exit interrupted it there) leaves everything to the runtime. */
+    if (npa_cancel_depth > 0) {
+        npa_region_remove();
+        return;
+    }
     if (npa_mutex_trylock(&init_lock) != 0)
         return; /* another thread is mid-init or mid-finalize: never hang exit */
     if (state == ST_ACTIVE || state == ST_UNINIT)

@@ -441,6 +441,10 @@ static aclError destroy_stream(aclError (*real)(aclrtStream), enum npa_fn fn, ac
 {
     if (real == NULL)
         return npa_no_runtime_error(fn);
+    /* The runtime's destroy waits, between our dying and dead: cancelled
+     * there, the device's fences would synchronize for good (hook.h's
+     * npa_cancel_off). */
+    npa_cancel_off();
     /* Untracked first, so no fence records on a stream being destroyed;
      * until the runtime's destroy returns, the device's fences synchronize
      * instead, which waits for the stream's work. */
@@ -454,6 +458,7 @@ static aclError destroy_stream(aclError (*real)(aclrtStream), enum npa_fn fn, ac
         npa_stream_destroyed(a, token);
     else
         npa_stream_not_destroyed(a, token);
+    npa_cancel_on();
     return err;
 }
 

@@ -97,8 +97,11 @@ static void track_locked(dev_streams *d, int device, aclrtStream stream)
 /* The switch from no stream to some, one creator at a time: a second
  * stream created while the first one's creator synchronizes would be handed
  * out before the default stream's work ended, blocks freed eagerly under it
- * and all. Taken with none of ours held; under it the runtime and a first
- * lookup of its functions (7 in hook.h); a forked child starts it afresh. */
+ * and all. Taken with none of ours held; under it the runtime, a first
+ * lookup of its functions (7 in hook.h) and a warning (seen_lock); a forked
+ * child starts it afresh. So a stream's creation waits for the first one's
+ * synchronize: a program whose default-stream work waits for a host
+ * callback that creates a stream would wait for good (none is known). */
 static pthread_mutex_t first_stream_lock = PTHREAD_MUTEX_INITIALIZER;
 
 void npa_streams_add(int device, aclrtStream stream)
@@ -289,9 +292,10 @@ int npa_fence_needed(void *ctx, int device)
          * stream's creator (fetch_add, then synchronize) this load is the
          * other half of a store-buffering pair: the program's launches before
          * the free must be visible to that synchronize, or the load must see
-         * the stream. The free's stats section opens with a release fence
-         * before it (a full barrier on aarch64 and x86 alike), and the
-         * runtime's own launch and synchronize share its locks. */
+         * the stream. The free takes the device lock before it (on x86 a
+         * locked compare-and-swap, a full barrier) and opens a stats section
+         * with a release fence (on aarch64 a dmb ish, a full barrier), and
+         * the runtime's own launch and synchronize share its locks. */
         return npa_streams_live() > 0;
     case NPA_REUSE_SAFE:
         break;

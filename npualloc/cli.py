@@ -23,7 +23,8 @@ import psutil
 from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .conf_env import with_conf
-from .errors import CommandRejectedError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError
+from .errors import (CommandInterruptedError, CommandRejectedError, NoSuchProcessError, NotUnderNpuallocError,
+                     NpuallocError, OtherUserError)
 from .files import write_user_file
 from .region import Region, RegionHeader, live_regions, region_base
 
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad --device
         sys.stderr.write(f"npualloc: {e}\n")
         return EXIT_USAGE
+    except CommandInterruptedError as e:
+        sys.stderr.write(f"npualloc: {e}\n")
+        return e.exit_code
     except KeyboardInterrupt:
         if getattr(args, "watch", None) or args.run is exporter.cmd_exporter:
             return 0  # how --watch and the exporter are meant to end

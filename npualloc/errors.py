@@ -44,8 +44,11 @@ class CommandRejectedError(NpuallocError):
     exit_code = 9
 
 
-class CommandInterruptedError(NpuallocError):
+class CommandInterruptedError(KeyboardInterrupt):
     """Ctrl-C while waiting for the process to acknowledge a command: it may
-    still apply it, at its next allocator call (the shell's code for SIGINT)."""
+    still apply it, at its next allocator call. A KeyboardInterrupt, not an
+    NpuallocError, so code that handles npualloc's errors does not swallow
+    the user's Ctrl-C; the CLI says it and exits 130 (the shell's code for
+    SIGINT)."""
 
     exit_code = 130

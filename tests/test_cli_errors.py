@@ -16,7 +16,7 @@ from region_helpers import (Workload, assert_one_line_error, cli_env, region_byt
 
 from npualloc import cli
 from npualloc import region as region_module
-from npualloc.errors import CorruptRegionError, OtherUserError
+from npualloc.errors import CommandInterruptedError, CorruptRegionError, NpuallocError, OtherUserError
 from npualloc.region import Region, RegionHeader
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
@@ -131,6 +131,9 @@ def test_ctrl_c_while_a_command_waits_says_it_stays_posted(tmp_path: Path, sleep
         proc.send_signal(2)
         out, err = proc.communicate(timeout=60)
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130, "stays posted")
+    # In the Python API it is the user's Ctrl-C, not one of npualloc's errors to handle.
+    assert issubclass(CommandInterruptedError, KeyboardInterrupt)
+    assert not issubclass(CommandInterruptedError, NpuallocError)
 
 
 def test_a_process_that_ends_before_acknowledging_is_said_to_have_ended(tmp_path: Path,

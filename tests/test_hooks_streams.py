@@ -434,3 +434,31 @@ def test_a_second_first_stream_waits_for_the_first_ones_synchronize(tmp_path_fac
                           env=preload_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "second_returned_with_op_done=1"
+
+
+FORCED_RESET = """
+import acl, json
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(0) == 0 and acl.rt.set_device(0) == 0
+gone, ret = acl.rt.create_stream(); assert ret == 0
+ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
+assert acl.rt.free(ptr) == 0
+assert acl.rt.reset_device_force(0) == 0   # set twice: only the forced reset releases it, streams and all
+assert acl.rt.set_device(0) == 0
+kept, ret = acl.rt.create_stream(); assert ret == 0
+before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
+for _ in range(300):
+    ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
+    assert acl.rt.free(ptr) == 0
+print(json.dumps({api: aclsim.call_count(api) - n for api, n in before.items()}))
+"""
+
+
+def test_a_forced_reset_leaves_no_dead_stream_among_the_live_ones():
+    """aclrtResetDeviceForce destroys the device's streams with it: they
+    stayed tracked, and every later fence batch failed its record on the
+    dead handle and synchronized the device instead."""
+    proc = run_python(FORCED_RESET, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"))
+    assert proc.stderr == ""
+    out = json.loads(proc.stdout)
+    assert out["aclrtSynchronizeDevice"] == 0 and out["aclrtRecordEvent"] > 0

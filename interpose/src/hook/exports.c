@@ -333,7 +333,13 @@ NPA_EXPORT aclError aclrtResetDevice(int32_t deviceId)
 
 NPA_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId)
 {
-    return reset_device(NPA_REAL(aclrtResetDeviceForce), NPA_FN_aclrtResetDeviceForce, deviceId);
+    aclError err = reset_device(NPA_REAL(aclrtResetDeviceForce), NPA_FN_aclrtResetDeviceForce, deviceId);
+    /* Released for certain (a plain reset only at its last reference, which
+     * we cannot see): its streams stayed tracked, and every later fence on
+     * the device failed to record on them and synchronized instead. */
+    if (err == ACL_SUCCESS && !npa_hook_disabled())
+        npa_streams_device_released(deviceId);
+    return err;
 }
 
 /* A context belongs to one device, and creating one or making it current

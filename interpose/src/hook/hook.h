@@ -258,6 +258,9 @@ typedef struct npa_stream_death {
 } npa_stream_death;
 npa_stream_death npa_streams_dying(aclrtStream stream);
 void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed);
+/* After aclrtResetDeviceForce: the device's streams are destroyed with it,
+ * no longer live, and no fence waits for their events. */
+void npa_streams_device_released(int device);
 int npa_streams_live(void);                 /* created and not yet destroyed (dying included) */
 /* A fence over every live stream of the device and its default stream,
  * whatever the reuse policy (the executors need one always; and it is

@@ -170,6 +170,23 @@ void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed)
         atomic_fetch_sub_explicit(&live_streams, 1, memory_order_relaxed);
 }
 
+void npa_streams_device_released(int device)
+{
+    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+        return;
+    dev_streams *d = &devs[device];
+    npa_mutex_lock(&d->lock);
+    size_t gone = d->nstreams;
+    d->nstreams = 0;
+    /* Every event of the device's fences: its streams, the default one
+     * included, are gone with their work (the reset waited for it). */
+    for (npa_fence *f = d->outstanding; f != NULL; f = f->next)
+        for (int i = 0; i < f->count; i++)
+            atomic_store_explicit(&f->slots[i].settled, true, memory_order_release);
+    npa_mutex_unlock(&d->lock);
+    atomic_fetch_sub_explicit(&live_streams, (int)gone, memory_order_relaxed);
+}
+
 int npa_streams_live(void)
 {
     return atomic_load_explicit(&live_streams, memory_order_relaxed);

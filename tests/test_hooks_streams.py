@@ -285,13 +285,20 @@ def test_a_block_freed_while_its_stream_is_destroyed_waits_for_its_work(policy, 
     assert json.loads(proc.stdout) == {"early": False, "clobbers": 0, "invalid": 0}, proc.stderr
 
 
-FORCED = """
-import acl, json
+# After a stream goes away by force, 300 plain pairs under reuse_policy:safe,
+# counting what their fences cost.
+FENCES_AFTER = """
+import acl, json, sys
 from aclsim import aclsim
-assert acl.init() == 0 and acl.rt.set_device(0) == 0
-kept, ret = acl.rt.create_stream(); assert ret == 0
+assert acl.init() == 0 and acl.rt.set_device(0) == 0 and acl.rt.set_device(0) == 0
 gone, ret = acl.rt.create_stream(); assert ret == 0
-assert acl.rt.destroy_stream_force(gone) == 0
+if sys.argv[1] == "destroy":
+    kept, ret = acl.rt.create_stream(); assert ret == 0
+    assert acl.rt.destroy_stream_force(gone) == 0
+else:   # set twice: only the forced reset releases the device, its streams with it
+    assert acl.rt.reset_device_force(0) == 0
+    assert acl.rt.set_device(0) == 0
+    kept, ret = acl.rt.create_stream(); assert ret == 0
 before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
 for _ in range(300):
     ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
@@ -300,11 +307,13 @@ print(json.dumps({api: aclsim.call_count(api) - n for api, n in before.items()})
 """
 
 
-def test_fences_leave_a_force_destroyed_stream_out():
-    """A stream gone through aclrtDestroyStreamForce is no live stream any
-    more: the fences record on the others only, instead of failing on its
-    handle and synchronizing the device for every batch."""
-    proc = run_python(FORCED, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"))
+@pytest.mark.parametrize("force", ["destroy", "reset"])
+def test_fences_leave_streams_gone_by_force_out(force):
+    """A stream gone through aclrtDestroyStreamForce, or with its device
+    through aclrtResetDeviceForce, is no live stream any more: the fences
+    record on the others only, instead of failing on its handle and
+    synchronizing the device for every batch."""
+    proc = run_python(FENCES_AFTER, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"), args=[force])
     assert proc.stderr == ""
     out = json.loads(proc.stdout)
     assert out["aclrtSynchronizeDevice"] == 0 and out["aclrtRecordEvent"] > 0
@@ -435,30 +444,3 @@ def test_a_second_first_stream_waits_for_the_first_ones_synchronize(tmp_path_fac
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "second_returned_with_op_done=1"
 
-
-FORCED_RESET = """
-import acl, json
-from aclsim import aclsim
-assert acl.init() == 0 and acl.rt.set_device(0) == 0 and acl.rt.set_device(0) == 0
-gone, ret = acl.rt.create_stream(); assert ret == 0
-ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
-assert acl.rt.free(ptr) == 0
-assert acl.rt.reset_device_force(0) == 0   # set twice: only the forced reset releases it, streams and all
-assert acl.rt.set_device(0) == 0
-kept, ret = acl.rt.create_stream(); assert ret == 0
-before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
-for _ in range(300):
-    ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
-    assert acl.rt.free(ptr) == 0
-print(json.dumps({api: aclsim.call_count(api) - n for api, n in before.items()}))
-"""
-
-
-def test_a_forced_reset_leaves_no_dead_stream_among_the_live_ones():
-    """aclrtResetDeviceForce destroys the device's streams with it: they
-    stayed tracked, and every later fence batch failed its record on the
-    dead handle and synchronized the device instead."""
-    proc = run_python(FORCED_RESET, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"))
-    assert proc.stderr == ""
-    out = json.loads(proc.stdout)
-    assert out["aclrtSynchronizeDevice"] == 0 and out["aclrtRecordEvent"] > 0

@@ -549,6 +549,36 @@ static void test_split_rule_follows_the_setting(void) {
     fixture_destroy(&fx);
 }
 
+/* torch checks the per-process cap before growing, on the request's
+ * allocation size, not on the pages it maps (a differential audit against a
+ * model of torch's expandable segments). 200 MiB device. */
+static void test_cap_checked_on_the_request_as_torch(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = true;
+    config.per_process_memory_fraction = 0.5; /* 100 MiB */
+    fixture fx;
+    fake_init(&fx.fake, 200 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, &config);
+    alloc_exact(&fx, 0, 70 * MiB); /* four 20 MiB pages mapped */
+    void *p = NULL;
+    /* 80 MiB mapped + 26 MiB asked > 100, though one more page would fit */
+    CHECK_EQ(npa_malloc(fx.a, 0, 25 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 80 * MiB);
+    fixture_destroy(&fx);
+
+    config.per_process_memory_fraction = 0.45; /* 90 MiB */
+    fake_init(&fx.fake, 200 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, &config);
+    alloc_exact(&fx, 0, 80 * MiB);
+    /* 80 + 10 <= 90: admitted, and the page it maps takes reserved past the cap */
+    CHECK_EQ(npa_malloc(fx.a, 0, 10 * MiB, NPA_ENTRY_EXACT, &p), NPA_OK);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 100 * MiB);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_growth_by_pages_merges_with_tail);
     RUN(test_small_pool_pages);
@@ -561,6 +591,7 @@ int main(void) {
     RUN(test_trace_records_map_and_unmap);
     RUN(test_switched_at_run_time);
     RUN(test_split_rule_follows_the_setting);
+    RUN(test_cap_checked_on_the_request_as_torch);
     RUN(test_oom_retry_over_both_kinds);
     RUN(test_switch_refused);
     RUN(test_without_vmm_plain_segments);

@@ -6,9 +6,12 @@
  * are unmapped when memory is short or the cache is emptied (the caller
  * synchronizes first: unmapping does not wait for queued work).
  *
- * torch keeps one expandable segment per stream and pool, and so does
- * npualloc: one per pool of each device (the plain pools and each
- * stream's, npa_malloc_stream). Stats
+ * npualloc keeps one range per pool of each device (the plain pools and
+ * each stream's, npa_malloc_stream), of 1 1/8 of the device or its cap.
+ * torch reserves another range for a pool when none has room for a
+ * request (its find_expandable_block): where the one range's free space
+ * is only in pieces, npualloc's OOM retry unmaps and retries, and may
+ * refuse what torch serves from a second range (README). Stats
  * follow torch: reserved_bytes moves with mapped bytes, and the segment and
  * inactive_split stats leave expandable segments out; num_device_alloc and
  * num_device_free count pages (one physical allocation each) where torch
@@ -132,11 +135,6 @@ static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es,
                             npa_refusal *why) {
     size_t pages = (size + es->page_size - 1) / es->page_size;
     size_t bytes = pages * es->page_size; /* u spans whole pages, so bytes <= u->size */
-    size_t reserved = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current;
-    if (d->limit_bytes && (bytes > d->limit_bytes || reserved > d->limit_bytes - bytes)) {
-        why->cap_hit = true;
-        return NULL;
-    }
     npa_block *rest = bytes < u->size ? npa_slab_get(&d->slab) : NULL;
     if (bytes < u->size && !rest) return NULL;
     size_t begin = (u->addr - es->base) / es->page_size;
@@ -178,7 +176,14 @@ static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es,
 }
 
 npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size, npa_refusal *why) {
-    why->cap_hit = false;
+    /* torch's alloc_block checks the per-process cap before it grows, on the
+     * request's allocation size (the plain segment it would take), not on
+     * the pages it then maps: a request the cap admits may map past it, and
+     * one it refuses is refused even when a page or two would do. */
+    size_t want = npa_segment_size(size);
+    size_t reserved = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current;
+    why->cap_hit = d->limit_bytes && (want > d->limit_bytes || reserved > d->limit_bytes - want);
+    if (why->cap_hit) return NULL;
     npa_expandable *es = pool->expandable ? pool->expandable : reserve(a, d, pool);
     if (!es) return NULL;
     npa_block *c = find_candidate(first_block(d, es), size);

@@ -397,8 +397,8 @@ static void test_snapshots_stay_consistent_under_a_writer(void) {
     for (int i = 0; i < READERS; i++) {
         reader_result *result;
         pthread_join(readers[i], (void **)&result);
-        printf("reader %d: %ld snapshots, %ld distinct, %ld gave up after 1000 attempts\n", i, result->snapshots,
-               result->distinct, result->busy);
+        fprintf(stderr, "reader %d: %ld snapshots, %ld distinct, %ld gave up after 1000 attempts\n", i,
+                result->snapshots, result->distinct, result->busy);
         CHECK_EQ(result->inconsistent, 0);
         CHECK_EQ(result->went_back, 0);
         CHECK(result->distinct >= CHECKPOINTS); /* it copied at least once after every checkpoint */

@@ -476,7 +476,7 @@ static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_
      * what was cached before it is all of one age. */
     if (npa_gc_threshold(a) > 0.0) pool->search_count++;
     npa_block *b = best_fit(&a->config, pool, rounded);
-    if (!b && held && d->recent.count) {
+    if (!b && held) { /* best fit left the held blocks as they were */
         npa_recent_flush(d);
         b = best_fit(&a->config, pool, rounded);
     }

@@ -118,13 +118,13 @@ void npa_exec_drain(npa_drain how)
     } else if (npa_mutex_trylock(&exec_lock) != 0) {
         return; /* another thread is draining: the allocation path never waits here */
     }
-    int force = how == NPA_DRAIN_ALL;
     size_t kept = 0;
     for (size_t i = 0; i < npending; i++) {
         deferred *d = &pending[i];
         /* Forced: a synchronize stands in for the fence, but only one that
          * succeeded proves the kernels using the executor are done. */
-        if (!npa_fence_done(NULL, d->fence) && (!force || npa_hook_synchronize(d->device) != ACL_SUCCESS)) {
+        if (!npa_fence_done(NULL, d->fence) &&
+            (how != NPA_DRAIN_ALL || npa_hook_synchronize(d->device) != ACL_SUCCESS)) {
             pending[kept++] = *d;
             continue;
         }

@@ -479,7 +479,8 @@ NPA_EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream)
 }
 
 #define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
-SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce) SELF(aclrtCreateContext)
+SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce)
+SELF(aclrtCreateContext)
 SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
 SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtDestroyStreamForce) SELF(aclrtCreateStreamWithConfig)

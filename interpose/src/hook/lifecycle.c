@@ -394,18 +394,17 @@ static void release_everything(npa_allocator *a, bool at_exit)
 {
     if (!at_exit)
         npa_exec_drain(NPA_DRAIN_ALL);
-    if (a != NULL) {
-        unsigned left = npa_devices_seen();
-        if (!at_exit)
-            for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
-                if (left & (1u << d))
-                    npa_empty_cache(a, d);
+    if (a != NULL && !at_exit) {
+        unsigned seen = npa_devices_seen();
+        for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+            if (seen & (1u << d))
+                npa_empty_cache(a, d);
+    } else if (a != NULL) {
         const struct timespec nap = {.tv_sec = 0, .tv_nsec = 10 * 1000 * 1000};
-        for (int tries = 0; at_exit && left != 0; tries++) {
-            left = npa_empty_cache_unless_busy(a, left);
-            if (left == 0 || tries * 10 >= NPA_EXIT_WAIT_MS)
-                break;
+        unsigned left = npa_empty_cache_unless_busy(a, npa_devices_seen());
+        for (int waited_ms = 0; left != 0 && waited_ms < NPA_EXIT_WAIT_MS; waited_ms += 10) {
             nanosleep(&nap, NULL);
+            left = npa_empty_cache_unless_busy(a, left);
         }
     }
     npa_streams_destroy_events(-1, at_exit);

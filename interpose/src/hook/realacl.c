@@ -32,10 +32,12 @@ static const struct {
 } fn_info[NPA_FN_COUNT] = {
 #define ACL(n) [NPA_FN_##n] = {#n, LIB_ACL}
 #define NNOP(n) [NPA_FN_##n] = {#n, LIB_NNOP}
-    ACL(aclInit), ACL(aclFinalize), ACL(aclrtSetDevice), ACL(aclrtResetDevice), ACL(aclrtResetDeviceForce), ACL(aclrtCreateContext),
+    ACL(aclInit), ACL(aclFinalize), ACL(aclrtSetDevice), ACL(aclrtResetDevice), ACL(aclrtResetDeviceForce),
+    ACL(aclrtCreateContext),
     ACL(aclrtSetCurrentContext), ACL(aclrtDestroyContext), ACL(aclrtMalloc),
     ACL(aclrtMallocAlign32), ACL(aclrtMallocCached), ACL(aclrtFree), ACL(aclrtFreeWithDevSync),
-    ACL(aclrtCreateStream), ACL(aclrtDestroyStream), ACL(aclrtDestroyStreamForce), ACL(aclrtCreateStreamWithConfig), NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
+    ACL(aclrtCreateStream), ACL(aclrtDestroyStream), ACL(aclrtDestroyStreamForce), ACL(aclrtCreateStreamWithConfig),
+    NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
     NNOP(aclDestroyAclOpExecutor), ACL(aclrtGetDevice), ACL(aclrtSynchronizeDevice), ACL(aclrtGetMemInfo),
     ACL(aclrtCreateEvent), ACL(aclrtRecordEvent), ACL(aclrtQueryEventStatus), ACL(aclrtDestroyEvent),
     ACL(aclrtReserveMemAddress), ACL(aclrtReleaseMemAddress), ACL(aclrtMallocPhysical), ACL(aclrtFreePhysical),
@@ -47,19 +49,23 @@ static const struct {
 /* Our own definitions, by hidden aliases: &aclrtMalloc itself would go
  * through the GOT and could name whatever the global scope resolves. */
 #define SELF(n) extern __typeof__(n) npa_self_##n NPA_HIDDEN;
-SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce) SELF(aclrtCreateContext)
+SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce)
+SELF(aclrtCreateContext)
 SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
-SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtDestroyStreamForce) SELF(aclrtCreateStreamWithConfig) SELF(aclnnFinalize)
+SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtDestroyStreamForce) SELF(aclrtCreateStreamWithConfig)
+SELF(aclnnFinalize)
 SELF(aclSetAclOpExecutorRepeatable) SELF(aclDestroyAclOpExecutor)
 #undef SELF
 
 static void *const self_fns[NPA_FN_INTERPOSED_COUNT] = {
 #define SELF(n) [NPA_FN_##n] = (void *)npa_self_##n
-    SELF(aclInit), SELF(aclFinalize), SELF(aclrtSetDevice), SELF(aclrtResetDevice), SELF(aclrtResetDeviceForce), SELF(aclrtCreateContext),
+    SELF(aclInit), SELF(aclFinalize), SELF(aclrtSetDevice), SELF(aclrtResetDevice), SELF(aclrtResetDeviceForce),
+    SELF(aclrtCreateContext),
     SELF(aclrtSetCurrentContext), SELF(aclrtDestroyContext), SELF(aclrtMalloc),
     SELF(aclrtMallocAlign32), SELF(aclrtMallocCached), SELF(aclrtFree), SELF(aclrtFreeWithDevSync),
-    SELF(aclrtCreateStream), SELF(aclrtDestroyStream), SELF(aclrtDestroyStreamForce), SELF(aclrtCreateStreamWithConfig), SELF(aclnnFinalize),
+    SELF(aclrtCreateStream), SELF(aclrtDestroyStream), SELF(aclrtDestroyStreamForce), SELF(aclrtCreateStreamWithConfig),
+    SELF(aclnnFinalize),
     SELF(aclSetAclOpExecutorRepeatable), SELF(aclDestroyAclOpExecutor),
 #undef SELF
 };

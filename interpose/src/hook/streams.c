@@ -140,12 +140,13 @@ npa_stream_death npa_streams_dying(aclrtStream stream)
     return death;
 }
 
-/* d->lock held. The events recorded on stream by fences up to seq. */
-static void settle_on(dev_streams *d, aclrtStream stream, uint64_t seq)
+/* d->lock held. The events recorded on stream (every stream: all) by
+ * fences up to seq. */
+static void settle_on(dev_streams *d, bool all, aclrtStream stream, uint64_t seq)
 {
     for (npa_fence *f = d->outstanding; f != NULL; f = f->next)
         for (int i = 0; f->seq <= seq && i < f->count; i++)
-            if (f->slots[i].stream == stream)
+            if (all || f->slots[i].stream == stream)
                 atomic_store_explicit(&f->slots[i].settled, true, memory_order_release);
 }
 
@@ -155,7 +156,7 @@ void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed)
         for (int dev = 0; dev < NPUALLOC_MAX_DEVICES; dev++) {
             dev_streams *d = &devs[dev];
             npa_mutex_lock(&d->lock);
-            settle_on(d, stream, death.fences_before);
+            settle_on(d, false, stream, death.fences_before);
             npa_mutex_unlock(&d->lock);
         }
     if (death.tracked <= 0 || death.tracked > NPUALLOC_MAX_DEVICES)
@@ -180,9 +181,7 @@ void npa_streams_device_released(int device)
     d->nstreams = 0;
     /* Every event of the device's fences: its streams, the default one
      * included, are gone with their work (the reset waited for it). */
-    for (npa_fence *f = d->outstanding; f != NULL; f = f->next)
-        for (int i = 0; i < f->count; i++)
-            atomic_store_explicit(&f->slots[i].settled, true, memory_order_release);
+    settle_on(d, true, NULL, UINT64_MAX);
     npa_mutex_unlock(&d->lock);
     atomic_fetch_sub_explicit(&live_streams, (int)gone, memory_order_relaxed);
 }

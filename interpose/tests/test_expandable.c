@@ -1,5 +1,6 @@
 /* Expandable segments over the fake device's virtual memory: growth by
- * pages at the end of a pool's one reserved range, merging with the free
+ * pages at the end of a pool's reserved range, a second range when the
+ * first has only holes, merging with the free
  * block there, reuse, best fit that spares the growable block, unmapping of
  * free pages by empty_cache and by the OOM retry (each after one counted
  * synchronize; a page whose release is refused stays mapped), torch's
@@ -579,6 +580,52 @@ static void test_cap_checked_on_the_request_as_torch(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's find_expandable_block reserves another range for a pool when no
+ * unmapped stretch of its ranges has room: with 40 MiB of the device free
+ * but the first range's free space in 20 MiB holes, a 40 MiB request is
+ * served from a second range, without an OOM retry. */
+static void test_a_second_range_when_the_first_has_only_holes(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, false);
+    char *page[5];
+    for (int i = 0; i < 5; i++) page[i] = alloc_exact(&fx, 0, 20 * MiB); /* pages 0-4 of 6 */
+    free_ok(&fx, page[1]);
+    free_ok(&fx, page[3]);
+    npa_empty_cache(fx.a, 0); /* unmaps pages 1 and 3: holes of 20 MiB at 1, 3 and 5 */
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 60 * MiB);
+
+    char *big = alloc_exact(&fx, 0, 40 * MiB);
+    uintptr_t first_base = (uintptr_t)page[0];
+    CHECK((uintptr_t)big < first_base || (uintptr_t)big >= first_base + LARGE_RANGE);
+    CHECK_EQ(fx.fake.va_reserves, 2);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 0);
+    CHECK_EQ(s.num_ooms, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 100 * MiB);
+    size_t ranges = 0;
+    npa_visit_segments(fx.a, 0, count_expandable, &ranges);
+    CHECK_EQ(ranges, 4); /* mapped runs: pages 0, 2 and 4 of the first range, the second's first two */
+
+    for (int i = 0; i < 5; i += 2) free_ok(&fx, page[i]);
+    free_ok(&fx, big);
+    npa_empty_cache(fx.a, 0);
+    CHECK_EQ(fx.fake.va_releases, 2);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    fixture_destroy(&fx);
+}
+
+/* A request larger than a whole range fits in no range: the one reserved
+ * to look goes back at once, so the failed request leaves none behind. */
+static void test_no_range_kept_for_a_request_larger_than_one(void) {
+    fixture fx;
+    expandable_init(&fx, 100 * MiB, false);
+    void *p = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, LARGE_RANGE + 20 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
+    CHECK(fx.fake.va_reserves > 0);
+    CHECK_EQ(fx.fake.va_releases, fx.fake.va_reserves);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_growth_by_pages_merges_with_tail);
     RUN(test_small_pool_pages);
@@ -592,6 +639,8 @@ int main(void) {
     RUN(test_switched_at_run_time);
     RUN(test_split_rule_follows_the_setting);
     RUN(test_cap_checked_on_the_request_as_torch);
+    RUN(test_a_second_range_when_the_first_has_only_holes);
+    RUN(test_no_range_kept_for_a_request_larger_than_one);
     RUN(test_oom_retry_over_both_kinds);
     RUN(test_switch_refused);
     RUN(test_without_vmm_plain_segments);

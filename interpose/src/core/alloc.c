@@ -113,18 +113,16 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         next = b->next;
         free(b);
     }
-    /* Ranges that keep live blocks stay with the program, like plain segments. */
-    NPA_FOR_EACH_PAIR(d, p) {
-        if (p->small.expandable) npa_expandable_forget(p->small.expandable);
-        if (p->large.expandable) npa_expandable_forget(p->large.expandable);
-    }
     /* Live blocks recorded on other streams, and blocks whose fence never
-     * came, keep their stream sets until now. */
-    for (size_t i = 0; i < d->segments.count; i++)
+     * came, keep their stream sets until now. Ranges that keep live blocks
+     * stay with the program, like plain segments: only their bookkeeping goes. */
+    for (size_t i = 0; i < d->segments.count; i++) {
         for (npa_block *b = d->segments.items[i].first; b; b = b->next) {
             free(b->uses);
             b->uses = NULL;
         }
+        if (d->segments.items[i].expandable) npa_expandable_forget(d->segments.items[i].expandable);
+    }
     for (npa_pool_pair *p = d->streams, *next; p; p = next) {
         next = p->next;
         free(p);

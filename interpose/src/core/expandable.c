@@ -6,12 +6,12 @@
  * are unmapped when memory is short or the cache is emptied (the caller
  * synchronizes first: unmapping does not wait for queued work).
  *
- * npualloc keeps one range per pool of each device (the plain pools and
- * each stream's, npa_malloc_stream), of 1 1/8 of the device or its cap.
- * torch reserves another range for a pool when none has room for a
- * request (its find_expandable_block): where the one range's free space
- * is only in pieces, npualloc's OOM retry unmaps and retries, and may
- * refuse what torch serves from a second range (README). Stats
+ * Each pool of each device (the plain pools and each stream's,
+ * npa_malloc_stream) reserves a range of 1 1/8 of the device or its cap
+ * when it first grows, and another, as torch's find_expandable_block, when
+ * none of its ranges has room for a request (their free space only in
+ * pieces); a range with nothing mapped goes back when the cache is
+ * released. Stats
  * follow torch: reserved_bytes moves with mapped bytes, and the segment and
  * inactive_split stats leave expandable segments out; num_device_alloc and
  * num_device_free count pages (one physical allocation each) where torch
@@ -21,10 +21,6 @@
 #include <stdlib.h>
 
 #include "internal.h"
-
-static npa_block *first_block(const npa_device *d, const npa_expandable *es) {
-    return d->segments.items[npa_segments_find(&d->segments, es->base)].first;
-}
 
 /* A reservation of 1 1/8 of the memory the device allows, as torch_npu:
  * pages unmapped in the middle (after an OOM) can leave holes too small for
@@ -61,13 +57,22 @@ static npa_expandable *reserve(npa_allocator *a, npa_device *d, npa_pool *pool) 
     }
     seg->expandable = es;
     *es = (npa_expandable){.base = whole->addr, .page_size = page_size, .page_count = page_count, .pages = pages};
-    pool->expandable = es;
     return es;
 fail:
     free(es);
     free(pages);
     if (whole) npa_slab_put(&d->slab, whole);
     return NULL;
+}
+
+static void release_range(npa_allocator *a, npa_device *d, size_t index) {
+    npa_segment *seg = &d->segments.items[index];
+    npa_expandable *es = seg->expandable;
+    npa_block *whole = seg->first;
+    a->backend.va_release(a->backend.ctx, d->id, (void *)es->base);
+    npa_segments_remove(&d->segments, index);
+    npa_slab_put(&d->slab, whole);
+    npa_expandable_forget(es);
 }
 
 static bool allocatable(const npa_block *b) {
@@ -184,10 +189,25 @@ npa_block *npa_expandable_alloc(npa_allocator *a, npa_device *d, npa_pool *pool,
     size_t reserved = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current;
     why->cap_hit = d->limit_bytes && (want > d->limit_bytes || reserved > d->limit_bytes - want);
     if (why->cap_hit) return NULL;
-    npa_expandable *es = pool->expandable ? pool->expandable : reserve(a, d, pool);
-    if (!es) return NULL;
-    npa_block *c = find_candidate(first_block(d, es), size);
-    if (!c) return NULL; /* the range has no room left: the OOM path unmaps free pages */
+    npa_expandable *es = NULL;
+    npa_block *c = NULL;
+    /* torch walks the pool's unmapped blocks in address order: the ranges
+     * in the segment table's order, each range's blocks in its own. */
+    for (size_t i = 0; i < d->segments.count && !c; i++) {
+        npa_segment *seg = &d->segments.items[i];
+        if (!seg->expandable || seg->first->pool != pool) continue;
+        es = seg->expandable;
+        c = find_candidate(seg->first, size);
+    }
+    if (!c) {
+        if (!(es = reserve(a, d, pool))) return NULL;
+        size_t index = npa_segments_find(&d->segments, es->base);
+        /* Bigger than a whole range: no range will do, so none is kept. */
+        if (!(c = find_candidate(d->segments.items[index].first, size))) {
+            release_range(a, d, index);
+            return NULL;
+        }
+    }
     /* c is unmapped [-> ...], or free -> unmapped [-> ...]: map until c fits. */
     if (c->phase == NPA_PHASE_UNMAPPED && !(c = map_block(a, d, es, c, c->size < size ? c->size : size, why)))
         return NULL;
@@ -284,16 +304,6 @@ static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *e
     return keep_after ? after : hole;
 }
 
-static void release_range(npa_allocator *a, npa_device *d, size_t index) {
-    npa_segment *seg = &d->segments.items[index];
-    npa_expandable *es = seg->expandable;
-    npa_block *whole = seg->first;
-    whole->pool->expandable = NULL;
-    a->backend.va_release(a->backend.ctx, d->id, (void *)es->base);
-    npa_segments_remove(&d->segments, index);
-    npa_slab_put(&d->slab, whole);
-    npa_expandable_forget(es);
-}
 
 /* Pages left mapped inside unmapped blocks: map_pages's undo could not
  * release them (the runtime refused). They hold device memory no block and

@@ -104,7 +104,6 @@ struct npa_pool {
      * segments empty, after a fence (free_into_gone_pool). */
     uint64_t retired_by;
     uintptr_t stream;        /* the stream's handle when on_stream (the default stream may be 0) */
-    npa_expandable *expandable; /* the pool's expandable segment, NULL while none is reserved */
 };
 
 /* npa_pool.retired_by of a pool whose stream's destroy returned (tokens
@@ -174,10 +173,11 @@ typedef struct npa_segment {
     npa_expandable *expandable; /* NULL for a plain segment */
 } npa_segment;
 
-/* An expandable segment (expandable_segments:True): one reserved range of
- * address space per pool, with pages of physical memory mapped into it as
- * the pool grows and unmapped when they are free and memory is short. Its
- * blocks tile the range; unmapped stretches are NPA_PHASE_UNMAPPED blocks. */
+/* An expandable segment (expandable_segments:True): a reserved range of
+ * address space of one pool (a pool reserves another when none has room),
+ * with pages of physical memory mapped into it as the pool grows and
+ * unmapped when they are free and memory is short. Its blocks tile the
+ * range; unmapped stretches are NPA_PHASE_UNMAPPED blocks. */
 struct npa_expandable {
     uintptr_t base;
     size_t page_size;        /* 2 MiB small pool, 20 MiB large pool (torch's segment sizes) */

@@ -137,6 +137,17 @@ static void test_oversize_release_step(void) {
     fixture_destroy(&fx);
 }
 
+/* A request no emptying could serve says so, not that the device is full. */
+static void test_hint_for_a_request_larger_than_the_device(void) {
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, NULL);
+    char line[1024];
+    CHECK_EQ(malloc_capturing_stderr(&fx, 120 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK(strstr(line, "the request is larger than the whole device") != NULL);
+    CHECK(strstr(line, "itself is full") == NULL);
+    fixture_destroy(&fx);
+}
+
 static void test_failure_injection_retries_once(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
@@ -403,6 +414,7 @@ int main(void) {
     RUN(test_oom_hints_fragmentation);
     RUN(test_oversize_release_step);
     RUN(test_failure_injection_retries_once);
+    RUN(test_hint_for_a_request_larger_than_the_device);
     RUN(test_runtime_errors_are_not_out_of_memory);
     RUN(test_fraction_cap);
     RUN(test_fraction_below_smallest_segment_is_refused);

@@ -74,8 +74,10 @@ npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t roun
  * raw malloc asked for a segment (rounded up: up to 20 MiB more than the
  * request) or pages, so a device reporting the rounded size free may still
  * have refused it: that is not a full device. */
-static const char *oom_hint(bool cap_hit, size_t rounded, size_t allocated, size_t reserved, size_t device_free) {
+static const char *oom_hint(bool cap_hit, size_t rounded, size_t allocated, size_t reserved, size_t device_free,
+                            size_t device_total) {
     if (cap_hit) return "the per-process cap was hit: raise per_process_memory_fraction";
+    if (device_total && rounded > device_total) return "the request is larger than the whole device";
     if (reserved - allocated >= rounded)
         return "reserved but unallocated memory is large (fragmentation): try max_split_size_mb";
     if (device_free >= rounded)
@@ -105,5 +107,5 @@ void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t ro
              "allocated %zu bytes, reserved %zu bytes (%zu reserved but unallocated), "
              "device free %zu of %zu bytes%s; %s\n",
              d->id, requested, rounded, allocated, reserved, reserved - allocated, free_bytes, total_bytes, cap,
-             oom_hint(cap_hit, rounded, allocated, reserved, free_bytes));
+             oom_hint(cap_hit, rounded, allocated, reserved, free_bytes, total_bytes));
 }

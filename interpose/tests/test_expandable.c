@@ -363,8 +363,8 @@ static bool config_says_expandable(fixture *fx) {
 
 /* expandable_segments at run time: a pool grown plain, then switched on,
  * grows by pages while its plain segment stays; switched off again, it grows
- * plain segments and still reuses the mapped space it has, without mapping
- * more. Stats stay exact across both switches, and empty_cache gives back
+ * plain segments and leaves the mapped space it has be (torch), until on
+ * again. Stats stay exact across both switches, and empty_cache gives back
  * both kinds. Device of 200 MiB. */
 static void test_switched_at_run_time(void) {
     fixture fx;
@@ -397,33 +397,42 @@ static void test_switched_at_run_time(void) {
     char *c = alloc_exact(&fx, 0, 30 * MiB);
     CHECK_EQ(fx.fake.raw_malloc_calls, 2);
     CHECK_EQ(fx.fake.page_maps, 2);
-    /* The mapped space already there is still the pool's: b's 30 MiB and the
-     * tail after it serve 35 MiB without new memory. */
+    /* The mapped space already there stays the pool's but is left be while
+     * off, as torch's get_free_block: b's 30 MiB and the 10 MiB after it
+     * would serve 35 MiB; a new plain segment (36 MiB) does. */
     free_ok(&fx, b);
     char *d = alloc_exact(&fx, 0, 35 * MiB);
-    CHECK(d == b);
-    CHECK_EQ(fx.fake.raw_malloc_calls, 2);
+    CHECK(d != b);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 3);
+    CHECK_EQ(fx.fake.page_maps, 2);
+    /* On again: the expandable block serves the next 35 MiB. */
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    char *e = alloc_exact(&fx, 0, 35 * MiB);
+    CHECK(e == b);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 3);
     CHECK_EQ(fx.fake.page_maps, 2);
 
     s = stats_of(&fx, 0);
-    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 90 * MiB, 90 * MiB, 90 * MiB, 0);
-    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 70 * MiB, 70 * MiB, 100 * MiB, 30 * MiB);
-    check_stat(s.segment[NPUALLOC_POOL_ALL], 2, 2, 2, 0);
-    CHECK_EQ(s.num_device_alloc, 4);
-    CHECK_EQ(s.num_cache_misses, 3);
+    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 126 * MiB, 126 * MiB, 126 * MiB, 0);
+    /* d's 36 MiB block is not split: 1 MiB is left, not more than the small-pool limit. */
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 106 * MiB, 106 * MiB, 136 * MiB, 30 * MiB);
+    check_stat(s.segment[NPUALLOC_POOL_ALL], 3, 3, 3, 0);
+    CHECK_EQ(s.num_device_alloc, 5);
+    CHECK_EQ(s.num_cache_misses, 4);
     CHECK_EQ(s.num_cache_hits, 1);
-    CHECK_EQ(shape_of(&fx, 0).segments, 3);
+    CHECK_EQ(shape_of(&fx, 0).segments, 4);
     CHECK_EQ(expandable_views(&fx), 1);
 
     free_ok(&fx, a);
     free_ok(&fx, c);
     free_ok(&fx, d);
+    free_ok(&fx, e);
     npa_empty_cache(fx.a, 0);
     s = stats_of(&fx, 0);
-    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 0, 90 * MiB, 90 * MiB, 90 * MiB);
-    check_stat(s.segment[NPUALLOC_POOL_ALL], 0, 2, 2, 2);
-    CHECK_EQ(s.num_device_free, 4);
-    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    check_stat(s.reserved_bytes[NPUALLOC_POOL_ALL], 0, 126 * MiB, 126 * MiB, 126 * MiB);
+    check_stat(s.segment[NPUALLOC_POOL_ALL], 0, 3, 3, 3);
+    CHECK_EQ(s.num_device_free, 5);
+    CHECK_EQ(fx.fake.raw_free_calls, 3);
     CHECK_EQ(fx.fake.page_unmaps, 2);
     CHECK_EQ(fx.fake.va_releases, 1);
     CHECK_EQ(fake_used(&fx.fake, 0), 0);

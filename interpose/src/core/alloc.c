@@ -245,14 +245,22 @@ const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config
 /* torch's get_free_block: only the lower_bound is considered; the oversize
  * rules keep small requests off blocks >= max_split_size and stop large ones
  * from taking a block more than max_non_split_rounding bigger. */
-static npa_block *best_fit(const npa_config *c, npa_pool *pool, size_t size) {
+static npa_block *best_fit(const npa_allocator *a, npa_pool *pool, size_t size) {
+    const npa_config *c = &a->config;
     npa_block *b = npa_pool_lower_bound(pool, size);
+    if (b && b->in_expandable && npa_expandable_on(a)) {
+        /* An expandable block ranks by how far it can grow, so the block
+         * before unmapped space is kept for a request that needs to grow it. */
+        for (npa_block *next; b->in_expandable && (next = npa_pool_next(pool, b)) &&
+                              npa_expandable_reach(next) < npa_expandable_reach(b);)
+            b = next;
+    } else if (b && b->in_expandable) {
+        /* Switched off at run time: torch honours that by taking plain
+         * blocks only (the next in size order), leaving expandable ones be. */
+        do b = npa_pool_next(pool, b);
+        while (b && b->in_expandable);
+    }
     if (!b) return NULL;
-    /* torch: an expandable block ranks by how far it can grow, so the block
-     * before unmapped space is kept for a request that needs to grow it. */
-    for (npa_block *next; b->in_expandable && (next = npa_pool_next(pool, b)) &&
-                          npa_expandable_reach(next) < npa_expandable_reach(b);)
-        b = next;
     if (size < c->max_split_size && b->size >= c->max_split_size) return NULL;
     if (size >= c->max_split_size && b->size - size >= c->max_non_split_rounding) return NULL; /* no overflow */
     return b;
@@ -473,10 +481,10 @@ static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_
     /* torch's GC clock: a search counts only while the threshold is set, so
      * what was cached before it is all of one age. */
     if (npa_gc_threshold(a) > 0.0) pool->search_count++;
-    npa_block *b = best_fit(&a->config, pool, rounded);
+    npa_block *b = best_fit(a, pool, rounded);
     if (!b && held) { /* best fit left the held blocks as they were */
         npa_recent_flush(d);
-        b = best_fit(&a->config, pool, rounded);
+        b = best_fit(a, pool, rounded);
     }
     if (b) npa_pool_remove(pool, b);
     return b;

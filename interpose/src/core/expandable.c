@@ -304,7 +304,6 @@ static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *e
     return keep_after ? after : hole;
 }
 
-
 /* Pages left mapped inside unmapped blocks: map_pages's undo could not
  * release them (the runtime refused). They hold device memory no block and
  * no stat counts, so each release tries them again; false while one stays. */

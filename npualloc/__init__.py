@@ -11,11 +11,12 @@ from .memory import (empty_cache, get_config, is_active, library_path, max_memor
                      mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_summary,
                      reset_accumulated_memory_stats, reset_peak_memory_stats, set_config, set_gc_threshold)
 from .snapshot import dump_snapshot, memory_snapshot, record_memory_history
+from .snapshot import torch_dump_snapshot as _dump_snapshot
+from .snapshot import torch_record_memory_history as _record_memory_history
+from .snapshot import torch_snapshot as _snapshot
 
-# torch.cuda.memory's own (private) names, so code written for torch runs unchanged.
-_snapshot = memory_snapshot
-_dump_snapshot = dump_snapshot
-_record_memory_history = record_memory_history
+# _snapshot, _dump_snapshot, _record_memory_history: torch.cuda.memory's own
+# (private) names with torch's arguments, so code written for torch runs unchanged.
 
 __all__ = [
     "CommandInterruptedError", "CommandRejectedError", "CommandTimeoutError", "CorruptRegionError", "IncompatibleRegionError",

@@ -181,7 +181,7 @@ def dump_snapshot(filename: str | Path = "dump_snapshot.pickle", pid: int | None
     write_user_file(filename, snapshot_bytes(pid, timeout))
 
 
-def record_memory_history(enabled: str | None = "all", context: str | None = "all", stacks: str = "all",
+def record_memory_history(enabled: str | bool | None = "all", context: str | None = "all", stacks: str | None = "all",
                           max_entries: int = DEFAULT_MAX_ENTRIES, pid: int | None = None,
                           timeout: float = COMMAND_TIMEOUT_S) -> None:
     """torch.cuda.memory._record_memory_history(): enabled=None stops recording,
@@ -192,6 +192,8 @@ def record_memory_history(enabled: str | None = "all", context: str | None = "al
     stacks follow its record_stacks config key. context is accepted for
     torch's signature."""
     del context
+    if enabled is False:  # torch's legacy form: _record_memory_history(False) is off
+        enabled = None
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
         raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")
     if stacks not in ("python", "all", None):
@@ -204,3 +206,57 @@ def record_memory_history(enabled: str | None = "all", context: str | None = "al
     assert pid is not None
     with Region(pid, writable=True) as region:
         region.post_command(constants.NPUALLOC_CMD_RECORD_HISTORY, arg=float(entries), timeout=timeout)
+
+
+# torch.cuda.memory's private names, with torch's signatures: their positional
+# arguments are torch's (a device, augment_with_fx_traces), never a pid, so
+# code written for torch runs unchanged (npualloc's own functions above take
+# pid= in those places).
+
+def torch_snapshot(device: object = None, augment_with_fx_traces: bool = False) -> Snapshot:
+    """torch.cuda.memory._snapshot(device=None, augment_with_fx_traces=False):
+    every device, as torch (which does not read device either); no FX code to augment."""
+    del device, augment_with_fx_traces
+    return memory_snapshot()
+
+
+def torch_dump_snapshot(filename: str | Path = "dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
+    """torch.cuda.memory._dump_snapshot(filename, augment_with_fx_traces=False)."""
+    del augment_with_fx_traces
+    dump_snapshot(filename)
+
+
+def torch_record_memory_history(enabled: str | bool | None = "all", *args: Any, **kwargs: Any) -> None:
+    """torch.cuda.memory._record_memory_history: a bool is torch's legacy form
+    (enabled, record_context, trace_alloc_max_entries, ...), anything else
+    (enabled, context, stacks, max_entries, device, clear_history, ...)."""
+    if isinstance(enabled, bool):
+        _record_memory_history_legacy(enabled, *args, **kwargs)
+    else:
+        _record_memory_history_impl(enabled, *args, **kwargs)
+
+
+def _record_memory_history_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
+                                  trace_alloc_record_context: bool = False, device: object = None,
+                                  record_context_cpp: bool = False, clear_history: bool = False,
+                                  compile_context: bool = False, global_record_annotations: bool = False,
+                                  skip_actions: list[str] | None = None) -> None:
+    del trace_alloc_record_context, device, record_context_cpp, clear_history, compile_context
+    del global_record_annotations, skip_actions
+    if not enabled:
+        record_memory_history(None)
+        return
+    # torch keeps the stacks of live blocks beside a trace of trace_alloc_max_entries
+    # (1 by default); npualloc takes a live block's stack from its alloc event in the
+    # trace, so the trace keeps at least DEFAULT_MAX_ENTRIES.
+    record_memory_history("all", stacks="python" if record_context else None,
+                          max_entries=max(trace_alloc_max_entries, DEFAULT_MAX_ENTRIES))
+
+
+def _record_memory_history_impl(enabled: str | None = "all", context: str | None = "all", stacks: str = "all",
+                                max_entries: int = DEFAULT_MAX_ENTRIES, device: object = None,
+                                clear_history: bool = False, compile_context: bool = False,
+                                global_record_annotations: bool = False, skip_actions: list[str] | None = None) -> None:
+    del device, clear_history, compile_context, global_record_annotations, skip_actions
+    # context=None: torch records no stacks.
+    record_memory_history(enabled, context, stacks if context is not None else None, max_entries)

@@ -104,6 +104,31 @@ def test_history_is_off_by_default_and_switches_on_in_process(tmp_path: Path) ->
 
 
 
+def test_torch_named_aliases_take_torchs_arguments(tmp_path: Path) -> None:
+    """npualloc._record_memory_history, _snapshot and _dump_snapshot are there
+    so code written for torch.cuda.memory runs unchanged: they take torch's
+    arguments. _record_memory_history(False) (torch's legacy form) once turned
+    history on, and _snapshot(0) / _dump_snapshot(path, False) read the device
+    or augment_with_fx_traces as a pid and raised."""
+    out = tmp_path / "dump.pickle"
+    with Workload(tmp_path) as w:
+        w.call("npualloc._record_memory_history(True)")  # legacy form: on
+        w.call("malloc(4096)")
+        assert [e["action"] for e in w.call("npualloc._snapshot(0)")["device_traces"][0]] == ["segment_alloc", "alloc"]
+        w.call("npualloc._record_memory_history(False)")  # legacy form: off
+        assert "record_history" not in w.call("npualloc.get_config()")
+        w.call("malloc(4096)")
+        assert w.call("npualloc._snapshot(device=0, augment_with_fx_traces=False)")["device_traces"] == [[]]
+        # torch's (enabled, context, stacks, max_entries, device): context None records no stacks
+        w.call("npualloc._record_memory_history('all', None, 'all', 10, 0)")
+        w.call("malloc(4096)")
+        w.call(f"npualloc._dump_snapshot({str(out)!r}, False)")
+        w.call("npualloc._record_memory_history(enabled=None)")
+    [trace] = loads(out.read_bytes())["device_traces"]
+    assert [e["action"] for e in trace] == ["alloc"] and trace[0]["frames"] == []
+
+
+
 @pytest.fixture(scope="module")
 def remote_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, int], dict[int, int]]:
     """A snapshot taken from another shell with `npualloc snapshot`, history

@@ -64,9 +64,10 @@ def format_summary(stats: dict[str, Any], device: int, abbreviated: bool = False
     rule, double_rule = "-" * WIDTH, "=" * WIDTH
     lines = [
         double_rule,
-        f"npualloc NPU memory summary, device ID {device}".center(WIDTH),
+        # torch's fixed columns (its "|" at column 37 whatever the counts), NPU names.
+        f" {'':16} npualloc NPU memory summary, device ID {device:<17d} ",
         rule,
-        f"NPU OOMs: {stats['num_ooms']:<12d} |  aclrtMalloc retries: {stats['num_alloc_retries']:<8d}".center(WIDTH),
+        f"  {'':9} NPU OOMs: {stats['num_ooms']:<13d} | {'':5} aclrtMalloc retries: {stats['num_alloc_retries']:<8d}  ",
         double_rule,
         "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
     ]

@@ -14,7 +14,7 @@ from region_helpers import Workload
 import npualloc
 from npualloc.errors import NotUnderNpuallocError
 from npualloc.memory import device_index
-from npualloc.summary import format_count, format_size
+from npualloc.summary import format_count, format_size, format_summary
 
 MiB = 1 << 20
 
@@ -43,6 +43,24 @@ def test_size_and_count_scaling_like_torch() -> None:
     assert format_size(5 * MiB, 0) == "5242880 B  "  # scaled by the row's "all" value, not its own
     assert format_count(7, 7) == "      7   "
     assert format_count(800_000, 800_000) == "    800 K "
+
+
+def test_memory_summary_header_has_torchs_columns() -> None:
+    """The title and the OOMs line sit in torch's fixed columns (torch/cuda/memory.py
+    memory_summary: " {_:16} PyTorch CUDA memory summary, device ID {device:<17d} ",
+    "  {_:9} CUDA OOMs: {num_ooms:<12d} | {_:6} cudaMalloc retries: ..."); they were
+    centred, so the "|" moved with the counts and the title with the device's digits."""
+    stats = dict.fromkeys([f"{n}.{p}.{c}" for n in ("allocated_bytes", "active_bytes", "requested_bytes",
+                                                     "reserved_bytes", "inactive_split_bytes", "allocation",
+                                                     "active", "segment", "inactive_split")
+                           for p in ("all", "large_pool", "small_pool") for c in ("current", "peak", "allocated", "freed")]
+                          + [f"{n}.{c}" for n in ("oversize_allocations", "oversize_segments")
+                             for c in ("current", "peak", "allocated", "freed")], 0)
+    for device, ooms, retries in ((0, 1, 1), (15, 123456, 98765432)):
+        lines = format_summary({**stats, "num_ooms": ooms, "num_alloc_retries": retries}, device).splitlines()
+        assert lines[1] == f"|{'':18}npualloc NPU memory summary, device ID {device:<17d} |"
+        assert lines[3] == f"|{'':12}NPU OOMs: {ooms:<13d} |{'':7}aclrtMalloc retries: {retries:<8d}  |"
+        assert lines[3].index("|", 1) == 37 and all(len(line) == 77 for line in lines)
 
 
 def test_memory_summary_has_torchs_rows_and_columns(tmp_path: Path) -> None:

@@ -664,6 +664,76 @@ static void test_a_destroy_releases_only_what_it_set_aside(void) {
     fixture_destroy(&fx);
 }
 
+/* A block recorded on a busy stream must not hold back later blocks
+ * recorded on other streams whose work is done: torch keeps one queue of
+ * events per stream "to avoid head-of-line delays" (process_events). A
+ * later batch whose streams include all of a waiting one's is skipped
+ * without a query (its events are behind that one's on the same streams). */
+static void test_a_busy_stream_does_not_hold_back_other_streams_blocks(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    void *a = alloc_on(&fx, 1, 4096);
+    void *b = alloc_on(&fx, 3, 4096);
+    void *c = alloc_on(&fx, 1, 8192);
+    CHECK_EQ(npa_record_stream(fx.a, a, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, a, 1, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* a waits for stream 2 */
+    CHECK_EQ(npa_record_stream(fx.a, b, 4, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, b, 3, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* b waits for stream 4 */
+    CHECK_EQ(npa_record_stream(fx.a, c, 2, 0), NPA_OK);
+    CHECK_EQ(npa_record_stream(fx.a, c, 4, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, c, 1, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* c waits for streams 2 and 4 */
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 3);
+
+    fake_complete_stream(&fx.fake, 4); /* stream 2 still runs */
+    long queries = fx.fake.fence_queries;
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 2); /* b is back, behind a */
+    CHECK_EQ(fx.fake.fence_queries - queries, 2);  /* a's and b's fences; c's (streams 2 and 4) not asked */
+    void *again = alloc_on(&fx, 3, 4096);
+    CHECK(again == b);
+
+    fake_complete_stream(&fx.fake, 2);
+    npa_process_pending(fx.a, 0);
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 0);
+    CHECK_EQ(stats_of(&fx, 0).active[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(npa_free_stream(fx.a, again, 3, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
+/* torch's step 5 (release_available_cached_blocks) on a stream's pool:
+ * the requesting stream's cached oversize blocks go back, after a
+ * synchronize (torch_npu's; its free blocks may still be in use on the
+ * stream), with no retry counted and other streams' cache left alone. */
+static void test_oversize_blocks_of_the_stream_go_back_before_a_retry(void) {
+    fixture fx;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.max_split_size = 20 * MiB;
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.fences = true;
+    fx.fake.stream_fences = true;
+    fixture_start(&fx, &config);
+    void *p = alloc_on(&fx, 1, 60 * MiB);
+    void *r = alloc_on(&fx, 2, 30 * MiB);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, r, 2, 0, NULL), NPA_FREE_OK);
+    /* 60 MiB is 20 MiB or more above 30 MiB: not reused; 30 MiB more does not fit */
+    void *q = alloc_on(&fx, 1, 30 * MiB);
+    CHECK(q != NULL);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_alloc_retries, 0);
+    CHECK_EQ(s.num_sync_all_streams, 0);
+    CHECK_EQ(s.num_device_free, 1);                         /* p's segment only */
+    CHECK_EQ(s.segment[NPUALLOC_POOL_ALL].current, 2);      /* r's stays cached for stream 2 */
+    CHECK_EQ(fx.fake.sync_calls, 1);                        /* before giving p back */
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    CHECK(alloc_on(&fx, 2, 30 * MiB) == r);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
     RUN(test_no_reuse_across_streams);
@@ -681,5 +751,7 @@ int main(void) {
     RUN(test_blocks_outliving_their_stream_go_back_once_freed);
     RUN(test_no_event_on_a_destroyed_stream_a_block_was_recorded_on);
     RUN(test_a_stream_without_pools_destroyed_leaves_the_cache_alone);
+    RUN(test_a_busy_stream_does_not_hold_back_other_streams_blocks);
+    RUN(test_oversize_blocks_of_the_stream_go_back_before_a_retry);
     return check_report();
 }

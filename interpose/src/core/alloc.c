@@ -107,10 +107,12 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
         for (npa_fence_batch *b = d->batches[kind], *next; b; b = next) {
             next = b->next;
             if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, b->fence);
+            free(b->streams);
             free(b);
         }
     for (npa_fence_batch *b = d->spare_batches, *next; b; b = next) {
         next = b->next;
+        free(b->streams);
         free(b);
     }
     /* Live blocks recorded on other streams, and blocks whose fence never

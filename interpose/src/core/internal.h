@@ -196,7 +196,15 @@ struct npa_fence_batch {
     void *fence;
     npa_block *blocks;       /* chained through block->link */
     npa_fence_batch *next;
+    /* A USES batch: the streams its fence has an event on (kept with the
+     * batch, reused when it is recycled), so a poll can tell which later
+     * batches an unfinished one holds back (pending.c, drain_uses).
+     * stream_count NPA_STREAMS_UNKNOWN: not noted (no host memory), read
+     * as "every stream". */
+    uintptr_t *streams;
+    size_t stream_count, stream_capacity;
 };
+#define NPA_STREAMS_UNKNOWN SIZE_MAX
 
 /* The two kinds of batch, each queued oldest first (pending.c). */
 enum { NPA_BATCH_PLAIN, NPA_BATCH_USES, NPA_BATCH_KINDS };

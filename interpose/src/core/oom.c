@@ -12,12 +12,19 @@
  * Oversize blocks are never split, so each is a whole segment. */
 static bool release_oversize_blocks(npa_allocator *a, npa_device *d, npa_pool *pool, size_t size) {
     size_t max_split = a->config.max_split_size;
-    /* A stream's free block may still be used by work queued on it (it was
-     * reusable at once for that stream, not for the device): only a
-     * synchronize (step 6) makes it safe to give back. */
-    if (max_split == SIZE_MAX || pool->on_stream) return false;
+    if (max_split == SIZE_MAX) return false;
     size_t key = size < max_split ? max_split : size;
     npa_block *b = npa_pool_lower_bound(pool, key);
+    if (!b && !(pool->largest && pool->largest->size >= max_split)) return false; /* nothing to give back */
+    /* A stream's free block may still be used by work queued on it (it was
+     * reusable at once for that stream, not for the device), and aclrtFree
+     * does not wait for it: synchronize first, as torch_npu's
+     * release_available_cached_blocks does (npuSynchronizeDevice, not
+     * counted in num_sync_all_streams), then give back this stream's
+     * oversize blocks only, as torch. Skipping the step instead sent every
+     * stream-aware caller with max_split_size_mb to step 6, which gives back
+     * every cached segment of every stream and counts a retry. */
+    if (pool->on_stream && a->backend.synchronize(a->backend.ctx, d->id) != NPA_OK) return false;
     if (b) return npa_segment_release(a, d, b);
     size_t released = 0;
     while (released < key && (b = pool->largest) && b->size >= max_split) {

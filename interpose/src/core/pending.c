@@ -86,7 +86,24 @@ static void release_fence(npa_allocator *a, void *fence) {
  * synchronize (the device cannot be entered) or there is no memory for the
  * batch record, the blocks stay pending in the open list: a stream may
  * still use them, and the next poll tries again. */
-static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence) {
+/* Notes the streams a USES batch's fence waits on in the batch (its own
+ * array, kept across recycling); unknown when host memory ran out. */
+static void note_batch_streams(npa_fence_batch *batch, const uintptr_t *streams, size_t count) {
+    if (count > batch->stream_capacity) {
+        uintptr_t *grown = realloc(batch->streams, count * sizeof *grown);
+        if (!grown) {
+            batch->stream_count = NPA_STREAMS_UNKNOWN;
+            return;
+        }
+        batch->streams = grown;
+        batch->stream_capacity = count;
+    }
+    for (size_t i = 0; i < count; i++) batch->streams[i] = streams[i];
+    batch->stream_count = count;
+}
+
+static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence,
+                        const uintptr_t *streams, size_t stream_count) {
     int kind = open == &d->open_uses ? NPA_BATCH_USES : NPA_BATCH_PLAIN;
     if (err != NPA_OK) return;
     if (!fence) {
@@ -97,11 +114,13 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     }
     npa_fence_batch *batch = d->spare_batches;
     if (batch) d->spare_batches = batch->next;
-    else batch = malloc(sizeof *batch);
+    else if ((batch = malloc(sizeof *batch))) batch->streams = NULL, batch->stream_capacity = 0;
     if (!batch) {
         release_fence(a, fence);
         return;
     }
+    batch->stream_count = 0;
+    if (kind == NPA_BATCH_USES) note_batch_streams(batch, streams, stream_count);
     batch->fence = fence;
     batch->blocks = *open;
     batch->next = NULL;
@@ -115,7 +134,7 @@ static void close_open_batch(npa_allocator *a, npa_device *d) {
     npa_error err = d->open_gone && a->backend.fence_record_always
                         ? a->backend.fence_record_always(a->backend.ctx, d->id, &fence)
                         : a->backend.fence_record(a->backend.ctx, d->id, &fence);
-    close_batch(a, d, &d->open_batch, err, fence);
+    close_batch(a, d, &d->open_batch, err, fence, NULL, 0);
 }
 
 static void open_add(npa_device *d, npa_block **open, npa_block *b) {
@@ -177,7 +196,7 @@ static bool collect_use_streams(npa_device *d, size_t *count) {
 /* One event on each stream the open uses name, for all of them at once. */
 static void close_uses_batch(npa_allocator *a, npa_device *d) {
     void *fence = NULL;
-    size_t count;
+    size_t count = 0;
     npa_error err;
     if (a->backend.fence_record_streams && collect_use_streams(d, &count))
         err = a->backend.fence_record_streams(a->backend.ctx, d->id, d->fence_streams, count, &fence);
@@ -190,31 +209,84 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
         d->stats->num_sync_all_streams++;
         npa_stats_end(d);
     }
-    close_batch(a, d, &d->open_uses, err, fence);
+    close_batch(a, d, &d->open_uses, err, fence, d->fence_streams, count);
+}
+
+/* Whether every stream of inner is among those of outer (unknown: all). */
+static bool streams_within(const npa_fence_batch *inner, const npa_fence_batch *outer) {
+    if (outer->stream_count == NPA_STREAMS_UNKNOWN) return true;
+    if (inner->stream_count == NPA_STREAMS_UNKNOWN) return false;
+    for (size_t i = 0; i < inner->stream_count; i++) {
+        size_t k = 0;
+        while (k < outer->stream_count && outer->streams[k] != inner->streams[i]) k++;
+        if (k == outer->stream_count) return false;
+    }
+    return true;
+}
+
+/* At most this many unfinished USES batches a poll looks past (queries
+ * per poll beyond the completed ones); the rest wait for the next poll. */
+#define NPA_USES_BLOCKERS 8
+/* And at most this many unfinished ones it walks past in all (asked or
+ * not), so a poll never walks the whole queue a busy stream holds. */
+#define NPA_USES_WALK 64
+
+static void finish_batch(npa_allocator *a, npa_device *d, npa_fence_batch *batch, bool all) {
+    release_fence(a, batch->fence);
+    complete_blocks(a, d, batch->blocks, !all);
+    batch->next = d->spare_batches;
+    d->spare_batches = batch;
 }
 
 /* Unlinks every batch that is done (or every batch, when all is set).
- * Each kind's queue is asked oldest first and the first not done stops it:
- * a later fence of the same kind covers the same streams and was recorded
- * after, so it is not done either (and if it were, its blocks only wait one
- * more poll). So a poll costs at most one query per kind and never walks
- * the batches a busy device has queued behind. Sets the polls' back-off:
- * none after a fence completed, doubled after a query that found none. */
+ * PLAIN batches are asked oldest first and the first not done stops the
+ * queue: a later plain fence covers the same streams (every live one) and
+ * was recorded after, so it is not done either (and if it were, its blocks
+ * only wait one more poll). USES batches name different streams each, so
+ * one waiting on a busy stream must not hold back later ones whose streams
+ * are idle (torch keeps a queue of events per stream "to avoid
+ * head-of-line delays", process_events): a later batch is skipped unasked
+ * only when its streams include all those of an earlier unfinished one
+ * (events on a stream complete in order, so it is not done either), and
+ * asked otherwise. So a poll costs one query per kind plus one per
+ * distinct set of busy streams (at most NPA_USES_BLOCKERS), and walks past
+ * at most NPA_USES_WALK unfinished batches. Sets the polls'
+ * back-off: none after a fence completed, doubled after a query that found
+ * none. */
 static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
     bool completed = false, waiting = false;
-    for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) {
-        npa_fence_batch *batch;
-        while ((batch = d->batches[kind]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
-            d->batches[kind] = batch->next;
-            release_fence(a, batch->fence);
-            complete_blocks(a, d, batch->blocks, !all);
-            batch->next = d->spare_batches;
-            d->spare_batches = batch;
-            completed = true;
-        }
-        if (!d->batches[kind]) d->batches_tail[kind] = &d->batches[kind];
-        else waiting = true;
+    npa_fence_batch *batch;
+    while ((batch = d->batches[NPA_BATCH_PLAIN]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
+        d->batches[NPA_BATCH_PLAIN] = batch->next;
+        finish_batch(a, d, batch, all);
+        completed = true;
     }
+    if (!d->batches[NPA_BATCH_PLAIN]) d->batches_tail[NPA_BATCH_PLAIN] = &d->batches[NPA_BATCH_PLAIN];
+    else waiting = true;
+
+    const npa_fence_batch *blockers[NPA_USES_BLOCKERS];
+    size_t blocker_count = 0;
+    npa_fence_batch **link = &d->batches[NPA_BATCH_USES];
+    size_t kept = 0;
+    while ((batch = *link)) {
+        if (!all && kept == NPA_USES_WALK) break;
+        bool held = false;
+        for (size_t i = 0; !all && !held && i < blocker_count; i++) held = streams_within(blockers[i], batch);
+        if (!held && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
+            *link = batch->next;
+            finish_batch(a, d, batch, all);
+            completed = true;
+            continue;
+        }
+        if (!held) {
+            if (blocker_count == NPA_USES_BLOCKERS) break;
+            blockers[blocker_count++] = batch;
+        }
+        link = &batch->next;
+        kept++;
+    }
+    if (!batch) d->batches_tail[NPA_BATCH_USES] = link; /* walked to the end: link ends the queue */
+    if (d->batches[NPA_BATCH_USES]) waiting = true;
     if (completed || !waiting) d->poll_backoff = 0;
     else if (d->poll_backoff < NPA_POLL_BACKOFF_MAX) d->poll_backoff = d->poll_backoff ? 2 * d->poll_backoff : 1;
     d->polls_skipped = 0;

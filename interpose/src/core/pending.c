@@ -80,12 +80,6 @@ static void release_fence(npa_allocator *a, void *fence) {
     if (a->backend.fence_release) a->backend.fence_release(a->backend.ctx, fence);
 }
 
-/* Puts the open list *open behind the fence just recorded (err, fence);
- * with no fence needed (eager, or the backend synchronized instead) its
- * blocks are handled at once. When the backend could neither fence nor
- * synchronize (the device cannot be entered) or there is no memory for the
- * batch record, the blocks stay pending in the open list: a stream may
- * still use them, and the next poll tries again. */
 /* Notes the streams a USES batch's fence waits on in the batch (its own
  * array, kept across recycling); unknown when host memory ran out. */
 static void note_batch_streams(npa_fence_batch *batch, const uintptr_t *streams, size_t count) {
@@ -102,6 +96,12 @@ static void note_batch_streams(npa_fence_batch *batch, const uintptr_t *streams,
     batch->stream_count = count;
 }
 
+/* Puts the open list *open behind the fence just recorded (err, fence; for
+ * a USES batch also the streams it waits on); with no fence needed (eager,
+ * or the backend synchronized instead) its blocks are handled at once. When the backend could neither fence nor
+ * synchronize (the device cannot be entered) or there is no memory for the
+ * batch record, the blocks stay pending in the open list: a stream may
+ * still use them, and the next poll tries again. */
 static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence,
                         const uintptr_t *streams, size_t stream_count) {
     int kind = open == &d->open_uses ? NPA_BATCH_USES : NPA_BATCH_PLAIN;
@@ -114,7 +114,7 @@ static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_e
     }
     npa_fence_batch *batch = d->spare_batches;
     if (batch) d->spare_batches = batch->next;
-    else if ((batch = malloc(sizeof *batch))) batch->streams = NULL, batch->stream_capacity = 0;
+    else if ((batch = malloc(sizeof *batch))) *batch = (npa_fence_batch){.streams = NULL};
     if (!batch) {
         release_fence(a, fence);
         return;

@@ -1,7 +1,7 @@
 """Memory snapshots and allocation history in torch.cuda.memory's formats.
 
-`memory_snapshot()` is torch.cuda.memory._snapshot(): {"segments", "device_traces",
-"allocator_settings"} with torch's fields, so torch's `_memory_viz` and the
+`_snapshot()` is torch.cuda.memory._snapshot(): {"segments", "device_traces",
+"allocator_settings"} with torch's fields (`memory_snapshot()` its segments, as torch's), so torch's `_memory_viz` and the
 memory_viz web page read it (and `dump_snapshot`'s file) unchanged. The library
 builds it as pickle bytes (core/snapshot_pickle.c), which hold no globals;
 they are loaded here with an unpickler that refuses every class, so a file
@@ -167,10 +167,24 @@ def snapshot_bytes(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -
     return _read_snapshot_file(region.path.with_name(f"{region.path.name}.snapshot.{seq}"))
 
 
-def memory_snapshot(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> Snapshot:
-    """torch.cuda.memory._snapshot(): every segment and block, and the recorded
-    history of each device (empty unless record_history is on)."""
+def torch_snapshot(device: object = None, augment_with_fx_traces: bool = False, *, pid: int | None = None,
+                   timeout: float = COMMAND_TIMEOUT_S) -> Snapshot:
+    """torch.cuda.memory._snapshot(device=None, augment_with_fx_traces=False):
+    every segment and block of every device (torch does not read device
+    either), and the recorded history of each (empty unless record_history is
+    on); no FX code to augment. pid= (keyword only: torch's positional
+    arguments stay torch's): another process's."""
+    del device, augment_with_fx_traces
     return loads(snapshot_bytes(pid, timeout))
+
+
+def memory_snapshot(mempool_id: object = None, *, pid: int | None = None,
+                    timeout: float = COMMAND_TIMEOUT_S) -> list[dict[str, Any]]:
+    """torch.cuda.memory_snapshot(): the segments of `_snapshot()`. npualloc
+    has no memory pools, so a mempool_id is refused rather than ignored."""
+    if mempool_id is not None:
+        raise ValueError(f"npualloc has no memory pools: mempool_id must be None, not {mempool_id!r}")
+    return torch_snapshot(pid=pid, timeout=timeout)["segments"]
 
 
 def dump_snapshot(filename: str | Path = "dump_snapshot.pickle", pid: int | None = None,
@@ -212,13 +226,6 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
 # arguments are torch's (a device, augment_with_fx_traces), never a pid, so
 # code written for torch runs unchanged (npualloc's own functions above take
 # pid= in those places).
-
-def torch_snapshot(device: object = None, augment_with_fx_traces: bool = False) -> Snapshot:
-    """torch.cuda.memory._snapshot(device=None, augment_with_fx_traces=False):
-    every device, as torch (which does not read device either); no FX code to augment."""
-    del device, augment_with_fx_traces
-    return memory_snapshot()
-
 
 def torch_dump_snapshot(filename: str | Path = "dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
     """torch.cuda.memory._dump_snapshot(filename, augment_with_fx_traces=False)."""

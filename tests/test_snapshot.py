@@ -72,7 +72,11 @@ def _in_order(live: dict[int, int], freed: dict[int, int]) -> list[tuple[int, in
 def test_in_process_snapshot_matches_the_allocations(tmp_path: Path) -> None:
     with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF="record_history:1000") as w:
         live, freed = _allocate(w)
-        snapshot = w.call("npualloc.memory_snapshot()")  # JSON turns the (0, 0) tuples into lists
+        snapshot = w.call("npualloc._snapshot()")  # JSON turns the (0, 0) tuples into lists
+        # torch's memory_snapshot() is the list of _snapshot()'s segments, not the dict
+        assert w.call("npualloc.memory_snapshot()") == snapshot["segments"]
+        with pytest.raises(AssertionError, match="no memory pools"):
+            w.call("npualloc.memory_snapshot((0, 1))")
     for seg in snapshot["segments"]:
         seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
     _check_against_allocations(snapshot, live, freed)
@@ -92,15 +96,15 @@ def test_in_process_snapshot_matches_the_allocations(tmp_path: Path) -> None:
 def test_history_is_off_by_default_and_switches_on_in_process(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")
-        assert w.call("npualloc.memory_snapshot()")["device_traces"] == [[]]
+        assert w.call("npualloc._snapshot()")["device_traces"] == [[]]
         w.call("npualloc.record_memory_history(max_entries=3)")
         for _ in range(5):
             w.call("malloc(4096)")
-        trace = w.call("npualloc.memory_snapshot()")["device_traces"][0]
+        trace = w.call("npualloc._snapshot()")["device_traces"][0]
         assert [e["action"] for e in trace] == ["alloc"] * 3  # the newest three
         w.call("npualloc._record_memory_history(enabled=None)")
         w.call("malloc(4096)")
-        assert w.call("npualloc.memory_snapshot()")["device_traces"] == [[]]
+        assert w.call("npualloc._snapshot()")["device_traces"] == [[]]
 
 
 
@@ -307,7 +311,7 @@ def test_oom_snapshot_path_that_cannot_be_written_warns_once(tmp_path: Path) -> 
 
 def test_snapshot_before_the_first_allocation_is_empty(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
-        snapshot = w.call("npualloc.memory_snapshot()")
+        snapshot = w.call("npualloc._snapshot()")
     assert snapshot["segments"] == [] and snapshot["device_traces"] == [[]]
 
 

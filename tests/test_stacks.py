@@ -107,7 +107,7 @@ npualloc.record_memory_history(max_entries=60000, stacks='python')
 def churn():
 {lines}
 churn()
-trace = npualloc.memory_snapshot()["device_traces"][0]
+trace = npualloc._snapshot()["device_traces"][0]
 allocs = [e["frames"] for e in trace if e["action"] == "alloc"]
 print(json.dumps([len(allocs), sum(1 for f in allocs if f), sum(1 for f in allocs if not f)]))
 """

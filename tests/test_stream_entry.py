@@ -74,6 +74,13 @@ elif mode == "churn":
         assert lib.npualloc_get_stats(0, stats) == 0
         left.append((stats.reserved_bytes[0].current, aclsim.live_allocations(0)))
     print(json.dumps({"left": left, "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
+elif mode == "snapshot":
+    import npualloc
+    buf = malloc(N, s1)
+    plain, ret = acl.rt.malloc(N, 0); assert ret == 0
+    segments = npualloc.memory_snapshot()
+    print(json.dumps({"streams": {seg["blocks"][0]["address"]: seg["stream"] for seg in segments},
+                      "buf": buf, "plain": plain, "s1": s1}))
 elif mode == "outlive":
     # Tensors that outlive their stream, freed on it afterwards as MindTorch frees them.
     s, ret = acl.rt.create_stream(); assert ret == 0
@@ -170,6 +177,14 @@ def test_a_stream_made_and_destroyed_per_step_leaves_nothing_reserved(destroy):
     assert out["reports"] == []
     assert out["left"] == [[0, 0]] * 30
     assert out["clobbers"] == 0 and out["invalid"] == 0
+
+
+def test_snapshot_segments_name_their_stream():
+    """As torch's segmentInfo.stream: a segment of a stream's pools names that
+    stream, one of aclrtMalloc's (which carries none) stream 0."""
+    out = run("snapshot", 0)
+    assert out["s1"] != 0
+    assert out["streams"] == {str(out["buf"]): out["s1"], str(out["plain"]): 0}
 
 
 def test_blocks_that_outlive_their_stream_go_back_once_freed():

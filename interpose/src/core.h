@@ -136,6 +136,7 @@ typedef struct npa_segment_view {
     size_t requested_size;
     int is_small; /* segment_type "small" else "large" */
     int is_expandable; /* one mapped run of an expandable segment (torch reports each run) */
+    uintptr_t stream;  /* the stream whose pools hold it (npa_malloc_stream), 0 for aclrtMalloc's */
     size_t block_count;
     const npa_block_view *blocks;
 } npa_segment_view;

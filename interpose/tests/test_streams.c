@@ -64,6 +64,25 @@ static void test_same_stream_reuse_is_immediate(void) {
     fixture_destroy(&fx);
 }
 
+static void note_stream(const npa_segment_view *v, void *arg) {
+    uintptr_t *streams = arg;
+    streams[v->stream == 0 ? 0 : 1] = v->stream;
+}
+
+/* A snapshot names the stream whose pools hold a segment, as torch's
+ * segmentInfo.stream; aclrtMalloc's segments are stream 0. */
+static void test_segment_views_name_their_stream(void) {
+    fixture fx;
+    fixture_streams(&fx);
+    alloc_on(&fx, 3, 4096);
+    alloc_exact(&fx, 0, 4096);
+    uintptr_t streams[2] = {UINTPTR_MAX, UINTPTR_MAX}; /* [aclrtMalloc's, the stream's] */
+    npa_visit_segments(fx.a, 0, note_stream, streams);
+    CHECK_EQ(streams[0], 0);
+    CHECK_EQ(streams[1], 3);
+    fixture_destroy(&fx);
+}
+
 static void test_no_reuse_across_streams(void) {
     fixture fx;
     fixture_streams(&fx);
@@ -736,6 +755,7 @@ static void test_oversize_blocks_of_the_stream_go_back_before_a_retry(void) {
 
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
+    RUN(test_segment_views_name_their_stream);
     RUN(test_no_reuse_across_streams);
     RUN(test_free_on_another_stream_is_a_use);
     RUN(test_recorded_block_waits_for_the_other_stream);

@@ -26,7 +26,9 @@ static bool visit_run(npa_device *d, const npa_block *head, npa_segment_visitor 
         *capacity = count;
     }
     npa_segment_view view = {.device = d->id, .address = head->addr, .is_small = head->is_small,
-                             .is_expandable = head->in_expandable, .block_count = count, .blocks = *scratch};
+                             .is_expandable = head->in_expandable,
+                             .stream = head->pool->on_stream ? head->pool->stream : 0, .block_count = count,
+                             .blocks = *scratch};
     size_t k = 0;
     for (const npa_block *b = head; k < count; b = b->next, k++) {
         npa_block_state state = view_state(b);

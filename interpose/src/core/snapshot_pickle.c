@@ -179,8 +179,8 @@ static uint32_t block_stack(const trace_writer *w, uintptr_t addr) {
     return lo > 0 && w->stacks[lo - 1].addr == addr ? w->stacks[lo - 1].stack : 0;
 }
 
-/* torch's segment dict; npualloc has no per-allocation stream (0) and no
- * private pools ((0, 0)). A live block's frames are those of its alloc event
+/* torch's segment dict: the stream is that of the pools holding it (0 for
+ * aclrtMalloc's, which carries none); no private pools ((0, 0)). A live block's frames are those of its alloc event
  * when history recorded one with a stack, else []. */
 static void segment_dict(const npa_segment_view *seg, void *arg) {
     trace_writer *w = arg;
@@ -192,7 +192,7 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
     str_value(b, "allocated_size"), uint_value(b, seg->allocated_size);
     str_value(b, "active_size"), uint_value(b, seg->active_size);
     str_value(b, "requested_size"), uint_value(b, seg->requested_size);
-    str_value(b, "stream"), int_value(b, 0);
+    str_value(b, "stream"), uint_value(b, seg->stream);
     str_value(b, "segment_type"), str_value(b, seg->is_small ? "small" : "large");
     str_value(b, "segment_pool_id"), int_value(b, 0), int_value(b, 0), op(b, OP_TUPLE2);
     str_value(b, "is_expandable"), bool_value(b, seg->is_expandable);

@@ -51,8 +51,35 @@ def test_in_process_stacks_name_the_allocating_lines(tmp_path: Path) -> None:
     names = [(f["name"], f["line"]) for f in stacks[0] if f["name"] != "<listcomp>"]
     assert names == [("make_weight", 5), ("forward", 9), ("<module>", 12)], names
     assert all(f["filename"] == "<string>" for f in stacks[0])
-    segment_events = [e for e in snapshot["device_traces"][0] if e["action"] != "alloc"]
+    segment_events = [e for e in snapshot["device_traces"][0] if e["action"].startswith("segment_")]
     assert segment_events and all(e["frames"] == [] for e in segment_events)
+
+
+def test_free_events_carry_the_frames_of_the_alloc_they_free(tmp_path: Path) -> None:
+    """As torch (a block's context_when_allocated): a free event repeats the
+    frames of the latest alloc at its address before it, also when another
+    line allocated that address since."""
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, stacks='python')", after=f"""
+    def other():
+        ptr, ret = acl.rt.malloc(4 * MiB, 0)
+        return ptr
+    acl.rt.free(held[0])
+    again = other()
+    acl.rt.free(again)
+    print(json.dumps(again == held[0]))
+    npualloc.dump_snapshot({str(out)!r})
+    """)
+    assert json.loads(run_python(code, preload_env()).stdout) is True  # the address was reused
+    latest: dict[int, list[dict]] = {}
+    freed_by = []
+    for e in pickle.loads(out.read_bytes())["device_traces"][0]:
+        if e["action"] == "alloc":
+            latest[e["addr"]] = e["frames"]
+        elif e["action"] in ("free_requested", "free_completed"):
+            assert e["frames"] == latest[e["addr"]]
+            freed_by.append(e["frames"][0]["name"])
+    assert "make_weight" in freed_by and "other" in freed_by, freed_by
 
 
 def test_config_form_puts_stacks_in_the_oom_snapshot_memory_viz_shows_them(tmp_path: Path) -> None:

@@ -169,11 +169,13 @@ static int by_addr_then_order(const void *l, const void *r) {
     return a->order < b->order ? -1 : a->order > b->order;
 }
 
-static uint32_t block_stack(const trace_writer *w, uintptr_t addr) {
-    size_t lo = 0, hi = w->stack_count; /* first entry past addr */
+/* The stack of the latest alloc event at addr recorded before the event
+ * numbered before (history order); SIZE_MAX: the latest of all. */
+static uint32_t alloc_stack(const trace_writer *w, uintptr_t addr, size_t before) {
+    size_t lo = 0, hi = w->stack_count; /* first entry past (addr, before - 1) */
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        if (w->stacks[mid].addr <= addr) lo = mid + 1;
+        if (w->stacks[mid].addr < addr || (w->stacks[mid].addr == addr && w->stacks[mid].order < before)) lo = mid + 1;
         else hi = mid;
     }
     return lo > 0 && w->stacks[lo - 1].addr == addr ? w->stacks[lo - 1].stack : 0;
@@ -207,16 +209,20 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
         str_value(b, "requested_size"), uint_value(b, block->requested_size);
         str_value(b, "state"), str_value(b, block_states[block->state]);
         str_value(b, "frames");
-        frames_list(w, block->state == NPA_BLOCK_INACTIVE ? 0 : block_stack(w, block->address));
+        frames_list(w, block->state == NPA_BLOCK_INACTIVE ? 0 : alloc_stack(w, block->address, SIZE_MAX));
         close_dict(b);
     }
     close_list(b);
     close_dict(b);
 }
 
+/* torch's trace entry; a free event carries the frames of the alloc it
+ * frees, as torch's (its block's context_when_allocated). */
 static void trace_dict(const npa_trace_view *e, void *arg) {
     trace_writer *w = arg;
     pickle_buffer *b = w->b;
+    size_t order = w->seen++;
+    bool is_free = e->action == NPA_TRACE_FREE_REQUESTED || e->action == NPA_TRACE_FREE_COMPLETED;
     open_dict(b);
     str_value(b, "action"), str_value(b, trace_actions[e->action]);
     str_value(b, "addr"), uint_value(b, e->addr);
@@ -225,7 +231,7 @@ static void trace_dict(const npa_trace_view *e, void *arg) {
     str_value(b, "stream"), int_value(b, 0);
     str_value(b, "time_us"), int_value(b, e->time_us);
     str_value(b, "frames");
-    frames_list(w, e->stack);
+    frames_list(w, is_free && e->stack == 0 ? alloc_stack(w, e->addr, order) : e->stack);
     close_dict(b);
 }
 
@@ -283,7 +289,8 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
                                        .stacks = stacks.stacks, .stack_count = stacks.stack_count},
                                        &scratch, &scratch_capacity))
             segments.failed = true;
-        npa_history_visit(d, trace_dict, &(trace_writer){.b = &traces, .backend = &a->backend});
+        npa_history_visit(d, trace_dict, &(trace_writer){.b = &traces, .backend = &a->backend,
+                                                         .stacks = stacks.stacks, .stack_count = stacks.stack_count});
         npa_lock_release(&d->lock);
         close_list(&traces);
         traces_end = traces.len;

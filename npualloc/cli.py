@@ -309,7 +309,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def with_pid(name: str, help: str, device: bool = True, timeout: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
-        p.add_argument("pid", type=int)
+        p.add_argument("pid", type=_pid)
         if device:
             p.add_argument("--device", type=int, default=None, help="device index (default: every device in use)")
         if timeout:
@@ -369,6 +369,17 @@ def _parser() -> argparse.ArgumentParser:
     exporter.add_arguments(metrics)
     metrics.set_defaults(run=exporter.cmd_exporter)
     return parser
+
+
+def _pid(text: str) -> int:
+    """A process id: a positive int (0 or -5 is a usage error, not a missing process)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"needs a positive process id, not {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:

@@ -10,9 +10,14 @@ oom_snapshot:PATH (interpose/src/hook/snapshot.c):
   socket: refused and left as it is.
 - reading: opened non-blocking and never through a link, then fstat'ed; only
   a regular file is read, so a FIFO nobody writes to never blocks.
+- either way, a name with a file system mounted on it is refused before that
+  file system is asked anything (open_no_mount): anyone may mount a FUSE file
+  system on a file of theirs in /tmp whose server never answers, and a stat or
+  open of the name then waited for ever (an audit on 2026-11-26).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
@@ -32,6 +37,46 @@ _CHUNK = 1 << 20
 TEMPORARY_TRIES = 16
 
 
+# openat2(2): one number on every architecture (the common table of new system calls).
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_XDEV = 0x01
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def open_no_mount(name: str, flags: int, dir_fd: int, mode: int = 0) -> int:
+    """os.open(name, flags, mode, dir_fd=dir_fd), refusing with EXDEV a name
+    that has a file system mounted on it (openat2's RESOLVE_NO_XDEV) before
+    that file system is asked anything. Where openat2 is missing (Linux
+    before 5.6) or filtered (a container's seccomp profile), plain os.open.
+    The interposer does the same (interpose/src/nomount.h)."""
+    how = _OpenHow(flags & 0xFFFFFFFF, mode if flags & os.O_CREAT else 0, _RESOLVE_NO_XDEV)
+    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), os.fsencode(name), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd >= 0:
+        return int(fd)
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM):
+        return os.open(name, flags, mode, dir_fd=dir_fd)
+    raise OSError(err, os.strerror(err), name)
+
+
+def lstat_no_mount(name: str, dir_fd: int) -> os.stat_result:
+    """os.stat(name, dir_fd=dir_fd, follow_symlinks=False) that never asks a
+    file system mounted on name: OSError EXDEV for such a name."""
+    fd = open_no_mount(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 class FileRefusedError(NpuallocError):
     """What is at a path named by the user is not ours to read or write; it is left as it is."""
 
@@ -45,15 +90,25 @@ def _reason(err: int) -> str:
     return {errno.ELOOP: "it is a symbolic link (never followed; left as it is)",
             errno.ENXIO: "a FIFO with no reader (nothing written)",
             errno.ETIMEDOUT: f"the FIFO's reader did not take it within {WRITE_LIMIT_S:g} s (incomplete)",
-            errno.EEXIST: "another file appeared at the name meanwhile (left as it is)"}.get(err, os.strerror(err))
+            errno.EEXIST: "another file appeared at the name meanwhile (left as it is)",
+            errno.EXDEV: "a file system is mounted on it (never entered; left as it is)"}.get(err, os.strerror(err))
 
 
 def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None) -> RegularFile:
     """The bytes of the regular file at path (of owner's, when given), at most
     max_bytes: a larger file (a sparse one of terabytes costs its maker nothing)
     is refused, not read."""
+    head, name = os.path.split(os.fspath(path))
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+        if not name:  # "dir/": opened as it is, and refused below as no regular file
+            fd = os.open(path, flags)
+        else:
+            directory = os.open(head or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = open_no_mount(name, flags, directory)
+            finally:
+                os.close(directory)
     except OSError as e:
         raise FileRefusedError(f"cannot read {path}: {_reason(e.errno)}") from None
     try:
@@ -105,7 +160,7 @@ def _open_parent(path: str) -> tuple[int, str]:
             try:
                 inner = os.open(component, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
             except NotADirectoryError:
-                if stat.S_ISLNK(os.stat(component, dir_fd=directory, follow_symlinks=False).st_mode):
+                if stat.S_ISLNK(lstat_no_mount(component, directory).st_mode):
                     raise FileRefusedError(f"cannot write {path}: a directory on its path is a symbolic link "
                                            "(never followed; nothing written)") from None
                 raise
@@ -119,7 +174,7 @@ def _open_parent(path: str) -> tuple[int, str]:
 
 def _write_in(directory: int, name: str, path: str, data: bytes) -> None:
     try:
-        seen = os.stat(name, dir_fd=directory, follow_symlinks=False)
+        seen = lstat_no_mount(name, directory)
     except FileNotFoundError:
         _write_new(directory, name, path, data, replace=False)
         return
@@ -195,7 +250,7 @@ def _write_into(directory: int, name: str, seen: os.stat_result, data: bytes) ->
     """What torch does with such a path: open it and write. Non-blocking, so a
     FIFO without a reader is ENXIO rather than a hang, and the descriptor must
     be the very file the caller saw."""
-    fd = os.open(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=directory)
+    fd = open_no_mount(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, directory)
     try:
         opened = os.fstat(fd)
         if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):

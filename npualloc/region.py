@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
+from .files import open_no_mount
 
 # Only the name a process gives its region: a pid as the kernel writes it, in
 # ASCII digits without leading zeros (int() reads "npualloc.0123" and other
@@ -123,10 +124,11 @@ def _region_dirs(uid: int | None) -> Iterator[tuple[Path, int]]:
             if match is None or (uid is not None and int(match.group(1)) != uid) or name in mounted:
                 continue
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                             dir_fd=base_fd)
+                # Never into a mount made after mountinfo was read (EXDEV).
+                fd = open_no_mount(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                    base_fd)
             except OSError:
-                continue  # not a directory, a link, or not ours to enter
+                continue  # not a directory, a link, a mount point, or not ours to enter
             try:
                 info = os.fstat(fd)
                 if info.st_uid == int(match.group(1)) and info.st_mode & 0o077 == 0:

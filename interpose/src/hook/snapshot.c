@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "hook.h"
+#include "nomount.h"
 
 /* A FIFO whose reader has not taken the whole snapshot after this long is
  * given up. In all, not without progress: a reader that takes a page now and
@@ -92,7 +93,7 @@ static int open_parent(const char *path, const char **name, int *dir_fd)
         if (next < 0) {
             int err = errno;
             struct stat seen;
-            if (err == ENOTDIR && fstatat(fd, component, &seen, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(seen.st_mode))
+            if (err == ENOTDIR && npa_lstatat_no_mount(fd, component, &seen) == 0 && S_ISLNK(seen.st_mode))
                 err = LINK_ON_THE_PATH;
             close(fd);
             return err;
@@ -187,7 +188,7 @@ static int write_new(int dir_fd, const char *name, const void *data, size_t size
  * be the very file fstatat saw (not something swapped in meanwhile). */
 static int write_into(int dir_fd, const char *name, const struct stat *seen, const void *data, size_t size)
 {
-    int fd = openat(dir_fd, name, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
+    int fd = npa_openat_no_mount(dir_fd, name, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC, 0);
     if (fd < 0)
         return errno;
     struct stat opened;
@@ -203,12 +204,15 @@ static int write_into(int dir_fd, const char *name, const struct stat *seen, con
  * our own FIFO or a character device (/dev/null): written to, as torch
  * would; anything else (a link, another user's file or FIFO, which anyone
  * may plant in /tmp to read the snapshot, a directory, a block device, a
- * socket): refused, left as it is. Every step is taken in the directory
+ * socket, a mount point): refused, left as it is. Every step is taken in the directory
  * open_parent opened, so nothing on the way is a link. */
 static int write_snapshot_in(int dir_fd, const char *name, const void *data, size_t size)
 {
     struct stat seen;
-    if (fstatat(dir_fd, name, &seen, AT_SYMLINK_NOFOLLOW) != 0)
+    /* Never a stat through a file system mounted on the name (EXDEV): anyone
+     * may mount a FUSE one on a file of theirs in /tmp, and its server need
+     * never answer; the OOM'ing allocation waited for ever (an audit on 2026-11-26). */
+    if (npa_lstatat_no_mount(dir_fd, name, &seen) != 0)
         return errno == ENOENT ? write_new(dir_fd, name, data, size, false) : errno;
     if (S_ISLNK(seen.st_mode))
         return ELOOP;
@@ -235,6 +239,7 @@ const char *npa_snapshot_strerror(int err)
     case ETIMEDOUT:
         return "the FIFO's reader did not take it within " AS_TEXT(WRITE_LIMIT_S) " s (snapshot incomplete)";
     case EEXIST: return "another file appeared at the name meanwhile (left as it is)";
+    case EXDEV: return "a file system is mounted on it (never entered; left as it is)";
     default: return strerror(err);
     }
 }

@@ -1,8 +1,10 @@
 /* Opening another process's region file without trusting it: the descriptor
  * is checked before a byte is read, the header before the mapping is handed
  * out, and nothing here can block on what another user planted at the name. */
+#define _GNU_SOURCE /* O_PATH (nomount.h) */
 #include "npualloc_reader.h"
 #include "guard.h"
+#include "nomount.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -60,8 +62,10 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
     file->writable = writable != 0;
     /* O_NONBLOCK: opening a FIFO planted at the name must not wait for a
      * writer (it is refused after the fstat); O_NOFOLLOW: nor may a link
-     * lead to some other file. */
-    file->fd = openat(dir_fd, name, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+     * lead to some other file; no mount crossed (EXDEV): a FUSE file system
+     * mounted on the name after the caller read /proc/self/mountinfo could
+     * keep the open waiting for ever. */
+    file->fd = npa_openat_no_mount(dir_fd, name, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
     if (file->fd < 0) {
         file->error = errno;
         return NPUALLOC_OPEN_ERRNO;

@@ -19,8 +19,10 @@
 #define _GNU_SOURCE
 #include "region/region.h"
 #include "hook/hook.h"
+#include "nomount.h"
 
 #include <dirent.h>
+#include <stdbool.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -69,15 +71,23 @@ static const char *kind_of(mode_t mode)
 }
 
 /* Opens name in base if it is a private directory of ours. Otherwise -1,
- * and *seen says what is there (st_mode 0 when nothing is, or lstat failed). */
+ * and *seen says what is there (st_mode 0 when nothing is, or lstat failed);
+ * errno EXDEV: a file system is mounted on the name, and neither it nor
+ * anything in it was asked a thing. Another user may squat the name with a
+ * directory of theirs and mount a FUSE file system on it whose server never
+ * answers: an open or stat of it waited for ever, and with it the first
+ * allocation of every process of ours (found by an audit on 2026-11-26). */
 static int open_private_dir(int base_fd, const char *name, struct stat *seen)
 {
     memset(seen, 0, sizeof *seen);
-    int fd = openat(base_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    int fd = npa_openat_no_mount(base_fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0);
     if (fd < 0) {
         int err = errno;
-        if (fstatat(base_fd, name, seen, AT_SYMLINK_NOFOLLOW) != 0)
+        if (err == EXDEV || npa_lstatat_no_mount(base_fd, name, seen) != 0) {
+            if (errno == EXDEV)
+                err = EXDEV; /* mounted meanwhile */
             memset(seen, 0, sizeof *seen);
+        }
         errno = err;
         return -1;
     }
@@ -89,8 +99,13 @@ static int open_private_dir(int base_fd, const char *name, struct stat *seen)
     return fd;
 }
 
-static void warn_taken(const char *base, const char *name, const struct stat *seen)
+static void warn_taken(const char *base, const char *name, const struct stat *seen, bool mounted)
 {
+    if (mounted) {
+        npa_warn_once("%s/%s has a file system mounted on it (never entered), not this process's region "
+                      "directory: its live stats go to a directory of its own beside it", base, name);
+        return;
+    }
     char owner[64];
     user_name(seen->st_uid, owner, sizeof owner);
     const char *why = seen->st_uid != geteuid() ? "" : " (ours, but open to group or others)";
@@ -177,11 +192,12 @@ int npa_region_dir_open(char *path, size_t len)
     int created = mkdirat(base_fd, name, 0700) == 0;
     struct stat seen;
     int fd = open_private_dir(base_fd, name, &seen);
+    bool mounted = fd < 0 && errno == EXDEV;
     if (fd >= 0 && created && fchmod(fd, 0700) != 0) {
         close(fd);
         fd = -1;
-    } else if (fd < 0 && seen.st_mode != 0) {
-        warn_taken(base, name, &seen);
+    } else if (fd < 0 && (seen.st_mode != 0 || mounted)) {
+        warn_taken(base, name, &seen, mounted);
         fd = reuse_fallback(base_fd, prefix, name, sizeof name);
         if (fd < 0)
             fd = make_fallback(base_fd, prefix, name, sizeof name);

@@ -94,14 +94,18 @@ def _reason(err: int) -> str:
             errno.EXDEV: "a file system is mounted on it (never entered; left as it is)"}.get(err, os.strerror(err))
 
 
-def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None) -> RegularFile:
+def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None,
+                      dir_fd: int | None = None) -> RegularFile:
     """The bytes of the regular file at path (of owner's, when given), at most
     max_bytes: a larger file (a sparse one of terabytes costs its maker nothing)
-    is refused, not read."""
+    is refused, not read. With dir_fd, path's last component is opened in
+    that directory, whatever its path names now."""
     head, name = os.path.split(os.fspath(path))
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        if not name:  # "dir/": opened as it is, and refused below as no regular file
+        if dir_fd is not None:
+            fd = open_no_mount(name, flags, dir_fd)
+        elif not name:  # "dir/": opened as it is, and refused below as no regular file
             fd = os.open(path, flags)
         else:
             directory = os.open(head or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -272,6 +272,10 @@ class Region:
         self._file = file
         self._region: Any = file.region
         try:
+            # The checked directory itself, for the files the process leaves
+            # beside its region (snapshots): its name may be given to another
+            # directory meanwhile where the base is not sticky.
+            self.directory_fd = os.dup(directory[1])
             self._check_header(start_time)
         except BaseException:
             self.close()
@@ -315,6 +319,9 @@ class Region:
 
     def close(self) -> None:
         self.__dict__.pop("_region", None)
+        directory_fd = self.__dict__.pop("directory_fd", None)
+        if directory_fd is not None:
+            os.close(directory_fd)
         file = self.__dict__.pop("_file", None)
         if file is not None:
             reader_library().npualloc_reader_close(file)

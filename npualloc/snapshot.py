@@ -145,14 +145,22 @@ def _in_process_bytes() -> bytes:
         lib.npualloc_free_snapshot(buffer)
 
 
-def _read_snapshot_file(path: Path) -> bytes:
-    """Reads and removes the file the process wrote for us; never through a
-    link and only our own regular file, though the directory is the user's own (region_dir.c)."""
+def _read_snapshot_file(region: Region, name: str) -> bytes:
+    """Reads and removes the file the process wrote for us beside its region;
+    never through a link and only our own regular file, though the directory
+    is the user's own (region_dir.c), and in the directory the region was
+    opened in, not at its path: where the base is not sticky another user can
+    rename that directory and put their own at its name."""
+    path = region.path.with_name(name)
     try:
-        data = read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid()).data
+        data = read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),
+                                 dir_fd=region.directory_fd).data
     except FileRefusedError as e:
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
-    path.unlink(missing_ok=True)
+    try:
+        os.unlink(name, dir_fd=region.directory_fd)
+    except FileNotFoundError:
+        pass
     return data
 
 
@@ -164,7 +172,7 @@ def snapshot_bytes(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -
     assert pid is not None
     with Region(pid, writable=True) as region:
         seq = region.post_command(constants.NPUALLOC_CMD_SNAPSHOT, timeout=timeout)
-    return _read_snapshot_file(region.path.with_name(f"{region.path.name}.snapshot.{seq}"))
+        return _read_snapshot_file(region, f"{region.path.name}.snapshot.{seq}")
 
 
 def torch_snapshot(device: object = None, augment_with_fx_traces: bool = False, *, pid: int | None = None,

@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator
@@ -227,3 +228,37 @@ def test_a_user_squatted_by_another_user_keeps_stats_that_root_reads(base: Path)
     lines = stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("npualloc: "), stderr
     assert f"npualloc-{ATTACKER} " in lines[0] and f"uid {squatter} ({pwd.getpwuid(squatter).pw_name})" in lines[0]
+
+
+def test_the_snapshot_hand_over_is_read_in_the_checked_directory_not_at_its_path(
+        base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base without the sticky bit (a shared scratch directory named by
+    NPUALLOC_SHM_DIR): another user may rename root's region directory while
+    the process writes the snapshot, and put their own at the name. The CLI
+    read the hand-over file at its path, so it found theirs (or nothing) and
+    failed, leaving the real file behind (an audit on 2026-11-26); it reads
+    and removes it through the directory it checked."""
+    base.chmod(0o777)
+    moved = base / "moved-by-them"
+    with Workload(base) as w:
+        w.call("malloc(4096)")
+        post = Region.post_command
+
+        def post_then_attack(self: Region, *args, **kwargs) -> int:
+            seq = post(self, *args, **kwargs)
+            def attack() -> None:
+                (base / "npualloc-0").rename(moved)
+                (base / "npualloc-0").mkdir(mode=0o700)
+            as_user(ATTACKER, attack)
+            return seq
+
+        monkeypatch.setattr(Region, "post_command", post_then_attack)
+        applier = threading.Timer(0.3, lambda: w.call("malloc(512)"))
+        applier.start()
+        try:
+            taken = npualloc.memory_snapshot(pid=w.pid)
+        finally:
+            applier.join()
+        assert taken["segments"]
+        assert sorted(p.name for p in moved.iterdir()) == [f"npualloc.{w.pid}"]  # the hand-over file removed
+        assert list((base / "npualloc-0").iterdir()) == []

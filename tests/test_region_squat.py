@@ -256,7 +256,7 @@ def test_the_snapshot_hand_over_is_read_in_the_checked_directory_not_at_its_path
         applier = threading.Timer(0.3, lambda: w.call("malloc(512)"))
         applier.start()
         try:
-            taken = npualloc.memory_snapshot(pid=w.pid)
+            taken = npualloc._snapshot(pid=w.pid)
         finally:
             applier.join()
         assert taken["segments"]

@@ -11,8 +11,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -116,6 +118,17 @@ def _builds_exist():
     missing = [p for p in (SIM_LIB / "libascendcl.so", NPUALLOC_LIB) if not p.exists()]
     if missing:
         pytest.exit(f"build first (make all): missing {', '.join(map(str, missing))}", returncode=2)
+
+
+@pytest.fixture
+def base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """NPUALLOC_SHM_DIR for the region tests: a base directory like /dev/shm
+    and /tmp, sticky and writable by everyone (other users' attacks need both)."""
+    path = Path(tempfile.mkdtemp(prefix="npualloc-base-", dir="/tmp"))
+    path.chmod(0o1777)
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(path))
+    yield path
+    shutil.rmtree(path)
 
 
 @pytest.fixture

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Iterator
@@ -37,16 +35,6 @@ WAIT_S = 30  # a hang is a failure after this long
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
-
-
-@pytest.fixture
-def base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A sticky world-writable directory, as /dev/shm and /tmp are."""
-    path = Path(tempfile.mkdtemp(prefix="npualloc-fuse-", dir="/tmp"))
-    path.chmod(0o1777)
-    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(path))
-    yield path
-    shutil.rmtree(path)
 
 
 @pytest.fixture

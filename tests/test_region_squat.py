@@ -14,11 +14,10 @@ import pwd
 import shutil
 import stat
 import subprocess
-import tempfile
 import threading
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 from conftest import SIM_LIB, preload_env
@@ -54,16 +53,6 @@ def as_user(uid: int, action: Callable[[], None]) -> None:
         report = f.read().decode()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, f"the child as uid {uid} failed:\n{report}"
-
-
-@pytest.fixture
-def base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A base directory like /dev/shm: sticky, writable by everyone."""
-    path = Path(tempfile.mkdtemp(prefix="npualloc-squat-", dir="/tmp"))
-    path.chmod(0o1777)
-    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(path))
-    yield path
-    shutil.rmtree(path)
 
 
 def plant(base: Path, kind: str) -> None:

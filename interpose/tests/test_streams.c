@@ -12,13 +12,15 @@
 #include "test_util.h"
 
 /* A backend with fences on (reuse_policy safe: plain frees wait) and
- * per-stream fences. */
-static void fixture_streams(fixture *fx) {
-    fake_init(&fx->fake, GiB, false);
+ * per-stream fences, a device of capacity bytes. */
+static void fixture_streams_of(fixture *fx, size_t capacity, const npa_config *config) {
+    fake_init(&fx->fake, capacity, false);
     fx->fake.fences = true;
     fx->fake.stream_fences = true;
-    fixture_start(fx, NULL);
+    fixture_start(fx, config);
 }
+
+static void fixture_streams(fixture *fx) { fixture_streams_of(fx, GiB, NULL); }
 
 static void *alloc_flags(fixture *fx, uintptr_t stream, size_t size, npa_stream_flags flags) {
     void *p = NULL;
@@ -385,10 +387,7 @@ static void test_gc_leaves_stream_pools_to_the_oom_path(void) {
     npa_config config;
     npa_config_defaults(&config);
     config.garbage_collection_threshold = 0.5;
-    fake_init(&fx.fake, 100 * MiB, false);
-    fx.fake.fences = true;
-    fx.fake.stream_fences = true;
-    fixture_start(&fx, &config);
+    fixture_streams_of(&fx, 100 * MiB, &config);
     void *p = alloc_on(&fx, 1, 60 * MiB);
     CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
     void *q = alloc_on(&fx, 2, 12 * MiB); /* reserved 60 > 50: GC runs, and may not take p */
@@ -731,10 +730,7 @@ static void test_oversize_blocks_of_the_stream_go_back_before_a_retry(void) {
     npa_config config;
     npa_config_defaults(&config);
     config.max_split_size = 20 * MiB;
-    fake_init(&fx.fake, 100 * MiB, false);
-    fx.fake.fences = true;
-    fx.fake.stream_fences = true;
-    fixture_start(&fx, &config);
+    fixture_streams_of(&fx, 100 * MiB, &config);
     void *p = alloc_on(&fx, 1, 60 * MiB);
     void *r = alloc_on(&fx, 2, 30 * MiB);
     CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);

@@ -6,7 +6,7 @@ process through its shared-memory stats region.
 """
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError,
                      IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError,
-                     OtherUserError)
+                     OtherUserError, ProcessStoppedError)
 from .memory import (empty_cache, get_config, is_active, library_path, max_memory_allocated, max_memory_reserved,
                      mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_summary,
                      reset_accumulated_memory_stats, reset_peak_memory_stats, set_config, set_gc_threshold)
@@ -20,7 +20,7 @@ from .snapshot import torch_snapshot as _snapshot
 
 __all__ = [
     "CommandInterruptedError", "CommandRejectedError", "CommandTimeoutError", "CorruptRegionError", "IncompatibleRegionError",
-    "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError",
+    "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError", "ProcessStoppedError",
     "dump_snapshot", "empty_cache", "get_config", "is_active", "library_path", "max_memory_allocated",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
     "memory_summary", "record_memory_history", "reset_accumulated_memory_stats", "reset_peak_memory_stats",

@@ -44,6 +44,13 @@ class CommandRejectedError(NpuallocError):
     exit_code = 9
 
 
+class ProcessStoppedError(NpuallocError):
+    """The process is stopped (SIGSTOP, a debugger) inside an update of what
+    was to be read: it can be read once the process continues."""
+
+    exit_code = 10
+
+
 class CommandInterruptedError(KeyboardInterrupt):
     """Ctrl-C while waiting for the process to acknowledge a command: it may
     still apply it, at its next allocator call. A KeyboardInterrupt, not an

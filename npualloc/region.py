@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
-                     NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError)
+                     NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError, ProcessStoppedError)
 from .files import open_no_mount
 
 # Only the name a process gives its region: a pid as the kernel writes it, in
@@ -170,6 +170,16 @@ def process_start_time(pid: int) -> int | None:
     HiddenProcessError for another user's that /proc hides."""
     fields = _stat_fields(pid)
     return None if fields is None else int(fields[22 - 3])
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether the process is stopped (field 3: T by a signal, t by a
+    debugger); False when it is gone or /proc hides it."""
+    try:
+        fields = _stat_fields(pid)
+    except HiddenProcessError:
+        return False
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 def process_ended(pid: int, start_time: int) -> bool:
@@ -384,6 +394,9 @@ class Region:
                 if status == constants.NPUALLOC_READ_LOST:
                     self._check_not_lost()
                 if time.monotonic() >= deadline:
+                    if process_stopped(self.pid):  # a SIGSTOP may land inside an update: not a corrupt file
+                        raise ProcessStoppedError(f"process {self.pid} is stopped in the middle of updating its "
+                                                  f"{what}: they can be read once it continues")
                     raise CorruptRegionError(f"{self.path}: {what} stayed mid-update "
                                              "(a writer died or stopped inside its seqlock?)")
                 status = attempt()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import npualloc
 from npualloc import region as region_module
 from npualloc._ffi import REGION_SIZE, constants, ffi
 from npualloc.errors import (CorruptRegionError, IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError,
-                             OtherUserError)
+                             OtherUserError, ProcessStoppedError)
 from npualloc.region import Region
 
 
@@ -118,6 +119,20 @@ def test_writer_stuck_in_its_seqlock_is_reported(shm: Path, sleeper: int,
     monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
     with pytest.raises(CorruptRegionError, match="mid-update"):
         npualloc.memory_stats(pid=sleeper)
+
+
+def test_a_stopped_writer_inside_its_seqlock_is_reported_as_stopped(shm: Path, sleeper: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGSTOP may land inside a stats update of a busy process (a soak run
+    read 3-4 of 100 stops so): said as such, not as a corrupt region."""
+    write_region(shm, sleeper, stuck_region_bytes(sleeper))
+    monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
+    os.kill(sleeper, signal.SIGSTOP)
+    try:
+        with pytest.raises(ProcessStoppedError, match=f"process {sleeper} is stopped .* once it continues"):
+            npualloc.memory_stats(pid=sleeper)
+    finally:
+        os.kill(sleeper, signal.SIGCONT)
 
 
 def test_a_region_is_listed_once_whatever_aliases_are_planted(shm: Path, sleeper: int) -> None:

@@ -191,6 +191,27 @@ def test_snapshot_command_never_writes_through_a_descriptor_the_program_reused(t
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "snap.pickle").exists()
 
 
+def test_hand_over_files_nobody_took_are_bounded_and_go_at_exit(tmp_path: Path) -> None:
+    """A snapshot command that timed out (an idle process answers later)
+    leaves its file, which its requester never removes: a week of them
+    filled /dev/shm (a soak run). The process keeps the last two and
+    removes the rest, and those two at exit."""
+    region_dir = tmp_path / f"npualloc-{os.geteuid()}"
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        left = []
+        for _ in range(4):
+            gave_up = run_cli(["snapshot", str(w.pid), "-o", str(tmp_path / "snap.pickle"), "--timeout", "0.2"],
+                              tmp_path)
+            assert gave_up.returncode == 8, gave_up.stderr
+            w.call("malloc(512)")  # the process answers now
+            left.append(sorted(p.name for p in region_dir.glob(f"npualloc.{w.pid}.snapshot.*")))
+        assert [len(names) for names in left] == [1, 2, 2, 2]
+        assert left[3] == sorted(set(left[3]) - set(left[1]))  # the oldest went, not the newest
+        assert w.close() == 0
+    assert list(region_dir.glob("npualloc.*")) == []
+
+
 def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) -> None:
     output, live, freed = remote_snapshot
     with open(output, "rb") as f:

@@ -332,13 +332,49 @@ static int region_dir_fd(void)
                : -1;
 }
 
+/* The snapshot files written for requesters, oldest first (inode 0: none).
+ * A requester that gave up waiting (an idle process answers after its
+ * timeout) never removes its file, and a week of such commands would fill
+ * /dev/shm: each write removes the file of two writes back (commands are
+ * answered one at a time, so only the last one's requester may still be
+ * reading), and exit removes both. Guarded by g_command_lock. */
+static struct {
+    uint64_t seq;
+    ino_t ino;
+} g_snapshots[2];
+
+static void snapshot_name(char *name, size_t len, uint64_t seq)
+{
+    snprintf(name, len, "%s.snapshot.%llu", g_name, (unsigned long long)seq);
+}
+
+/* Removes the file of g_snapshots[i] if it is still the one we wrote (its
+ * requester may have removed it, and the name taken by another file since). */
+static void forget_snapshot(int dir_fd, int i)
+{
+    char name[sizeof g_name + 32];
+    struct stat named;
+    snapshot_name(name, sizeof name, g_snapshots[i].seq);
+    if (g_snapshots[i].ino != 0 && fstatat(dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+        named.st_ino == g_snapshots[i].ino)
+        unlinkat(dir_fd, name, 0);
+    g_snapshots[i].ino = 0;
+}
+
 /* The snapshot file a requester finds beside the region: <region>.snapshot.<seq>. */
 static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
 {
     char name[sizeof g_name + 32];
-    snprintf(name, sizeof name, "%s.snapshot.%llu", g_name, (unsigned long long)seq);
+    snapshot_name(name, sizeof name, seq);
     int dir_fd = region_dir_fd();
     int err = dir_fd < 0 ? 0 : npa_snapshot_write_at(a, dir_fd, name);
+    struct stat written;
+    if (dir_fd >= 0 && err == 0 && fstatat(dir_fd, name, &written, AT_SYMLINK_NOFOLLOW) == 0) {
+        forget_snapshot(dir_fd, 0);
+        g_snapshots[0] = g_snapshots[1];
+        g_snapshots[1].seq = seq;
+        g_snapshots[1].ino = written.st_ino;
+    }
     const char *why = dir_fd < 0 ? "the program closed the region directory's descriptor (nothing written)"
                       : err != 0 ? npa_snapshot_strerror(err)
                                  : NULL;
@@ -459,8 +495,12 @@ void npa_region_remove(void)
     /* Only at exit, and never past NPA_EXIT_WAIT_MS: the exiting thread
      * may hold either lock (a signal handler calling exit), and then the
      * file stays for `npualloc ls` to remove. */
-    if (npa_mutex_lock_at_exit(&g_command_lock) == 0)
+    if (npa_mutex_lock_at_exit(&g_command_lock) == 0) {
+        int dir_fd = g_owner_pid == getpid() ? region_dir_fd() : -1;
+        for (int i = 0; dir_fd >= 0 && i < 2; i++)
+            forget_snapshot(dir_fd, i);
         npa_mutex_unlock(&g_command_lock);
+    }
     if (npa_mutex_lock_at_exit(&g_create_lock) != 0)
         return;
     int state = atomic_load_explicit(&g_state, memory_order_relaxed);
@@ -486,6 +526,7 @@ void npa_region_forget_after_fork(void)
     /* A parent thread may have held these at fork time; it does not exist here. */
     pthread_mutex_init(&g_create_lock, NULL);
     pthread_mutex_init(&g_command_lock, NULL);
+    memset(g_snapshots, 0, sizeof g_snapshots); /* the parent's files, for the parent to remove */
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (!r || g_owner_pid == getpid())
         return; /* nothing inherited, or already forgotten */

@@ -218,6 +218,9 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
         enabled = None
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
         raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")
+    if enabled is not None and max_entries > constants.NPUALLOC_MAX_RECORD_HISTORY:
+        raise ValueError(f"max_entries must be at most {constants.NPUALLOC_MAX_RECORD_HISTORY} per device, "
+                         f"not {max_entries}")
     if stacks not in ("python", "all", None):
         raise ValueError(f"stacks must be 'python', 'all' or None, not {stacks!r}")
     entries = 0 if enabled is None else max_entries

@@ -37,6 +37,8 @@ def test_usage_errors(tmp_path: Path) -> None:
     for port in ("99999", "-1", "http"):  # 99999 ended in an OverflowError traceback
         assert_one_line_error(run_cli(["exporter", "--port", port], tmp_path), 2, "--port: needs a TCP port")
     assert_one_line_error(run_cli(["run"], tmp_path), 2, "no command")
+    # checked before the command is posted: the process could only say it rejected the argument
+    assert_one_line_error(run_cli(["record-history", "1", "16777217"], tmp_path), 2, "at most 16777216 per device")
 
 
 def test_no_such_process(tmp_path: Path) -> None:

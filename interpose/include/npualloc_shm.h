@@ -41,6 +41,7 @@
 #define NPUALLOC_CMD_SET_GC_THRESHOLD 4
 #define NPUALLOC_CMD_SNAPSHOT 5         /* writes <region path>.snapshot.<request_seq>, torch's pickle */
 #define NPUALLOC_CMD_RECORD_HISTORY 6   /* arg: record_history entries per device, 0: off */
+#define NPUALLOC_MAX_RECORD_HISTORY 16777216 /* the most entries per device record_history takes */
 #define NPUALLOC_CMD_PAUSE 7            /* release all device memory, block allocator calls until RESUME */
 #define NPUALLOC_CMD_RESUME 8
 

@@ -22,7 +22,6 @@ typedef struct span {
 
 #define WHY_LEN 96
 #define MAX_DIVISIONS ((uint64_t)1 << 31)
-#define MAX_RECORD_HISTORY ((uint64_t)1 << 24)
 static const char EXPANDABLE_EXCLUDED[] =
     "expandable_segments:True cannot be combined with max_split_size_mb or garbage_collection_threshold "
     "(torch_npu's rule)";
@@ -188,8 +187,8 @@ static bool set_reuse_policy(npa_config *c, span v, char *why) {
 
 static bool set_record_history(npa_config *c, span v, char *why) {
     uint64_t n;
-    if (!parse_uint(v, &n) || n > MAX_RECORD_HISTORY)
-        return snprintf(why, WHY_LEN, "must be a number of entries up to %llu", (unsigned long long)MAX_RECORD_HISTORY),
+    if (!parse_uint(v, &n) || n > NPUALLOC_MAX_RECORD_HISTORY)
+        return snprintf(why, WHY_LEN, "must be a number of entries up to %llu", (unsigned long long)NPUALLOC_MAX_RECORD_HISTORY),
                false;
     c->record_history = (size_t)n;
     return true;

@@ -28,13 +28,19 @@ static void acknowledge(npualloc_region *r, uint64_t seq, int32_t status)
     __atomic_store_n(&r->command.ack_seq, seq, __ATOMIC_RELEASE);
 }
 
-/* The next request after seq (the requester serialises with flock, so one at a time). */
+/* The next request after seq (the requester serialises with flock, so one at
+ * a time). Polled 2 ms apart at first, then ever more slowly up to 50 ms: a
+ * job paused for hours woke 500 times a second (a soak run), and a resume
+ * answered within 50 ms is in time for any requester. */
 static uint64_t next_request(npualloc_region *r, uint64_t seq)
 {
-    const struct timespec nap = {.tv_sec = 0, .tv_nsec = 2 * 1000 * 1000};
+    const long first_ns = 2 * 1000 * 1000, longest_ns = 50 * 1000 * 1000;
+    struct timespec nap = {.tv_sec = 0, .tv_nsec = first_ns};
     uint64_t requested;
-    while ((requested = __atomic_load_n(&r->command.request_seq, __ATOMIC_ACQUIRE)) == seq)
+    while ((requested = __atomic_load_n(&r->command.request_seq, __ATOMIC_ACQUIRE)) == seq) {
         nanosleep(&nap, NULL);
+        nap.tv_nsec = nap.tv_nsec + nap.tv_nsec / 8 < longest_ns ? nap.tv_nsec + nap.tv_nsec / 8 : longest_ns;
+    }
     return requested;
 }
 

@@ -325,7 +325,8 @@ class Region:
         (the reader library's guard, instead of ending us with SIGBUS): whatever
         was read from the mapping is then an error, never a figure."""
         if reader_library().npualloc_reader_lost(self._region):
-            raise CorruptRegionError(f"{self.path} was truncated while being read (its owner shrank the file)")
+            raise CorruptRegionError(f"{self.path} was truncated while being read (its owner shrank it, or a "
+                                     "sparse file found its file system full)")
 
     def close(self) -> None:
         self.__dict__.pop("_region", None)

@@ -1,8 +1,9 @@
 """Memory snapshots and allocation history in torch.cuda.memory's formats.
 
 `_snapshot()` is torch.cuda.memory._snapshot(): {"segments", "device_traces",
-"allocator_settings"} with torch's fields (`memory_snapshot()` its segments, as torch's), so torch's `_memory_viz` and the
-memory_viz web page read it (and `dump_snapshot`'s file) unchanged. The library
+"allocator_settings"} with torch's fields (`memory_snapshot()` its segments, as
+torch's), so torch's `_memory_viz` and the memory_viz web page read it (and
+`dump_snapshot`'s file) unchanged. The library
 builds it as pickle bytes (core/snapshot_pickle.c), which hold no globals;
 they are loaded here with an unpickler that refuses every class, so a file
 from elsewhere cannot run code through this module.

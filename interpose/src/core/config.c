@@ -188,7 +188,8 @@ static bool set_reuse_policy(npa_config *c, span v, char *why) {
 static bool set_record_history(npa_config *c, span v, char *why) {
     uint64_t n;
     if (!parse_uint(v, &n) || n > NPUALLOC_MAX_RECORD_HISTORY)
-        return snprintf(why, WHY_LEN, "must be a number of entries up to %llu", (unsigned long long)NPUALLOC_MAX_RECORD_HISTORY),
+        return snprintf(why, WHY_LEN, "must be a number of entries up to %llu",
+                        (unsigned long long)NPUALLOC_MAX_RECORD_HISTORY),
                false;
     c->record_history = (size_t)n;
     return true;

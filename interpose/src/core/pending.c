@@ -98,10 +98,11 @@ static void note_batch_streams(npa_fence_batch *batch, const uintptr_t *streams,
 
 /* Puts the open list *open behind the fence just recorded (err, fence; for
  * a USES batch also the streams it waits on); with no fence needed (eager,
- * or the backend synchronized instead) its blocks are handled at once. When the backend could neither fence nor
- * synchronize (the device cannot be entered) or there is no memory for the
- * batch record, the blocks stay pending in the open list: a stream may
- * still use them, and the next poll tries again. */
+ * or the backend synchronized instead) its blocks are handled at once.
+ * When the backend could neither fence nor synchronize (the device cannot
+ * be entered) or there is no memory for the batch record, the blocks stay
+ * pending in the open list: a stream may still use them, and the next poll
+ * tries again. */
 static void close_batch(npa_allocator *a, npa_device *d, npa_block **open, npa_error err, void *fence,
                         const uintptr_t *streams, size_t stream_count) {
     int kind = open == &d->open_uses ? NPA_BATCH_USES : NPA_BATCH_PLAIN;

@@ -65,7 +65,8 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
      * lead to some other file; no mount crossed (EXDEV): a FUSE file system
      * mounted on the name after the caller read /proc/self/mountinfo could
      * keep the open waiting for ever. */
-    file->fd = npa_openat_no_mount(dir_fd, name, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
+    file->fd =
+        npa_openat_no_mount(dir_fd, name, (writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
     if (file->fd < 0) {
         file->error = errno;
         return NPUALLOC_OPEN_ERRNO;

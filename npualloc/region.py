@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
                      NoSuchProcessError, NotUnderNpuallocError, NpuallocError, OtherUserError, ProcessStoppedError)
-from .files import open_no_mount
+from .files import lstat_no_mount, open_no_mount
 
 # Only the name a process gives its region: a pid as the kernel writes it, in
 # ASCII digits without leading zeros (int() reads "npualloc.0123" and other
@@ -503,7 +503,11 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
             if entry.pid in listed:
                 continue  # a copy; a stale one goes once the pid has died
             try:
-                inode = os.lstat(name, dir_fd=dir_fd).st_ino
+                # Never into a mount made after mountinfo was read (EXDEV).
+                inode = lstat_no_mount(name, dir_fd).st_ino
+            except OSError:
+                continue  # removed at exit meanwhile, or a mount point
+            try:
                 region = Region(entry.pid, _directory=(directory, dir_fd), _seqlock_wait=seqlock_wait)
             except FileNotFoundError:
                 continue  # its process removed it at exit meanwhile
@@ -528,14 +532,14 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
         ended = True  # another user's process has the pid now: the one that left it is gone
     if ended:
         try:
-            _remove_stale(dir_fd, name, os.lstat(name, dir_fd=dir_fd).st_ino)
+            _remove_stale(dir_fd, name, lstat_no_mount(name, dir_fd).st_ino)
         except OSError:
             pass  # gone already
 
 
 def _remove_stale(dir_fd: int, name: str, inode: int) -> None:
     try:
-        info = os.lstat(name, dir_fd=dir_fd)
+        info = lstat_no_mount(name, dir_fd)
         # Same inode: not a fresh region a new process with this pid just renamed into place.
         if info.st_ino == inode and info.st_uid == os.geteuid():
             os.unlink(name, dir_fd=dir_fd)

@@ -138,3 +138,21 @@ def test_the_reader_never_opens_a_region_name_with_a_mount_on_it(base: Path, sta
     """, args=[str(directory), f"npualloc.{sleeper}", str(ATTACKER)])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(" ", 1) == ["1", os.strerror(18) + "\n"]  # NPUALLOC_OPEN_ERRNO, EXDEV
+
+
+def test_a_listing_never_stats_a_region_name_mounted_after_it_read_mountinfo(base: Path, stalled_mount,
+                                                                            sleeper: int) -> None:
+    """The listing's own lstat of each name (for its inode) came before the
+    reader's refusing open: a mount made just after /proc/self/mountinfo was
+    read (simulated: the listing finds no mounts there) held root's `ls` and
+    the exporter (a review of this change). It is refused like the open."""
+    directory = base / f"npualloc-{ATTACKER}"
+    theirs(directory, directory=True)
+    stalled_mount(theirs(directory / f"npualloc.{sleeper}", directory=False))
+    proc = run("""
+        from npualloc import region
+        region._mounted_names = lambda fd: set()
+        print([entry.pid for entry, _ in region.live_regions()])
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "[]\n"

@@ -404,6 +404,10 @@ class Region:
         finally:
             self._seqlock_wait.left -= time.monotonic() - started
 
+    def process_ended(self) -> bool:
+        """Whether the process this region was opened for is gone."""
+        return process_ended(self.pid, self._start_time)
+
     def command_seq(self) -> int:
         """The sequence number of the last command posted to the process."""
         return int(reader_library().npualloc_reader_request_seq(self._region))
@@ -429,7 +433,7 @@ class Region:
             while (posted := reader.npualloc_reader_post(self._file, code, device, arg, seq)) == \
                     constants.NPUALLOC_POST_BUSY:
                 self._check_not_lost()
-                if process_ended(self.pid, self._start_time):
+                if self.process_ended():
                     raise NoSuchProcessError(f"process {self.pid} ended before answering an earlier command")
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
@@ -444,7 +448,7 @@ class Region:
             try:
                 while not reader.npualloc_reader_acked(self._region, seq[0], status):
                     self._check_not_lost()  # posted into zero pages: no process will ever answer
-                    if process_ended(self.pid, self._start_time) and not reader.npualloc_reader_acked(
+                    if self.process_ended() and not reader.npualloc_reader_acked(
                             self._region, seq[0], status):  # an answer written just before it ended counts
                         raise NoSuchProcessError(f"process {self.pid} ended before acknowledging the command "
                                                  "(it may or may not have been applied)")

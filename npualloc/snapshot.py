@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _snapshot_check
 from ._ffi import constants, ffi
-from .errors import CorruptRegionError, NpuallocError
+from .errors import CorruptRegionError, NoSuchProcessError, NpuallocError
 from .files import FileRefusedError, read_regular_file, write_user_file
 from .memory import _in_process, _library, set_config
 from .region import COMMAND_TIMEOUT_S, Region
@@ -157,6 +157,8 @@ def _read_snapshot_file(region: Region, name: str) -> bytes:
         data = read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),
                                  dir_fd=region.directory_fd).data
     except FileRefusedError as e:
+        if region.process_ended():  # it removes the files nobody took at exit
+            raise NoSuchProcessError(f"process {region.pid} ended before its snapshot was read") from None
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
     try:
         os.unlink(name, dir_fd=region.directory_fd)

@@ -11,6 +11,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from region_helpers import Workload, assert_one_line_error, cli_with_trigger, dr
 
 import npualloc
 from npualloc.plot import timeline
+from npualloc.region import Region
 from npualloc.snapshot import loads
 
 MiB = 1 << 20
@@ -210,6 +212,32 @@ def test_hand_over_files_nobody_took_are_bounded_and_go_at_exit(tmp_path: Path) 
         assert left[3] == sorted(set(left[3]) - set(left[1]))  # the oldest went, not the newest
         assert w.close() == 0
     assert list(region_dir.glob("npualloc.*")) == []
+
+
+def test_a_process_that_exits_before_its_snapshot_is_read_is_said_to_have_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit removes the hand-over files nobody took: a requester that reads
+    its file only after the process exited is told so, not that the region
+    is corrupt."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    post = Region.post_command
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+
+        def post_then_exit(self: Region, *args, **kwargs) -> int:
+            seq = post(self, *args, **kwargs)
+            applier.join()  # the malloc that applied the command has returned
+            assert w.close() == 0  # and the process exits before the file is read
+            return seq
+
+        monkeypatch.setattr(Region, "post_command", post_then_exit)
+        applier = threading.Timer(0.3, lambda: w.call("malloc(512)"))
+        applier.start()
+        try:
+            with pytest.raises(npualloc.NoSuchProcessError, match="ended before its snapshot was read"):
+                npualloc._snapshot(pid=w.pid)
+        finally:
+            applier.join()
 
 
 def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) -> None:

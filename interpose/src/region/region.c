@@ -335,9 +335,11 @@ static int region_dir_fd(void)
 /* The snapshot files written for requesters, oldest first (inode 0: none).
  * A requester that gave up waiting (an idle process answers after its
  * timeout) never removes its file, and a week of such commands would fill
- * /dev/shm: each write removes the file of two writes back (commands are
- * answered one at a time, so only the last one's requester may still be
- * reading), and exit removes both. Guarded by g_command_lock. */
+ * /dev/shm: each write removes the file of two writes back, and exit removes
+ * both. A requester reads its file after the acknowledgement, so one that
+ * stalls there while two more snapshots are taken, or while the process
+ * exits, finds it gone (and says the process ended, in the exit's case).
+ * Guarded by g_command_lock. */
 static struct {
     uint64_t seq;
     ino_t ino;

@@ -273,16 +273,14 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
         if (!all && kept == NPA_USES_WALK) break;
         bool held = false;
         for (size_t i = 0; !all && !held && i < blocker_count; i++) held = streams_within(blockers[i], batch);
+        if (!all && !held && blocker_count == NPA_USES_BLOCKERS) break; /* no query past the last blocker's */
         if (!held && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
             *link = batch->next;
             finish_batch(a, d, batch, all);
             completed = true;
             continue;
         }
-        if (!held) {
-            if (blocker_count == NPA_USES_BLOCKERS) break;
-            blockers[blocker_count++] = batch;
-        }
+        if (!held) blockers[blocker_count++] = batch;
         link = &batch->next;
         kept++;
     }

@@ -142,6 +142,7 @@ typedef struct trace_writer {
     const npa_backend *backend;
     addr_stack *stacks;      /* sorted by (addr, order); NULL when none were recorded */
     size_t stack_count, stack_capacity, seen;
+    bool stacks_incomplete;  /* host memory ran out while collecting: stack_count is then 0 */
 } trace_writer;
 
 static void frames_list(trace_writer *w, uint32_t stack) {
@@ -157,7 +158,10 @@ static void collect_stack(const npa_trace_view *e, void *arg) {
     if (w->stack_count == w->stack_capacity) {
         size_t capacity = w->stack_capacity ? 2 * w->stack_capacity : 256;
         addr_stack *grown = realloc(w->stacks, capacity * sizeof *grown);
-        if (!grown) return; /* that block's frames stay [] */
+        if (!grown) { /* an older alloc at the address would stand in for it: no frames at all */
+            w->stacks_incomplete = true;
+            return;
+        }
         w->stacks = grown, w->stack_capacity = capacity;
     }
     w->stacks[w->stack_count++] = (addr_stack){.addr = e->addr, .order = order, .stack = e->stack};
@@ -282,7 +286,9 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
         npa_lock_acquire(&d->lock);
         stacks.stack_count = stacks.seen = 0;
         if (a->backend.visit_stack) {
+            stacks.stacks_incomplete = false;
             npa_history_visit(d, collect_stack, &stacks);
+            if (stacks.stacks_incomplete) stacks.stack_count = 0;
             if (stacks.stack_count) qsort(stacks.stacks, stacks.stack_count, sizeof *stacks.stacks, by_addr_then_order);
         }
         if (!npa_visit_device_segments(d, segment_dict, &(trace_writer){.b = &segments, .backend = &a->backend,

@@ -2,13 +2,16 @@
 validated, and no file, however damaged, makes it read out of bounds."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from region_helpers import region_bytes, region_file, stuck_region_bytes, write_region
@@ -257,6 +260,11 @@ def test_regions_stuck_mid_update_share_one_wait_in_a_listing(shm: Path, monkeyp
             write_region(shm, proc.pid, stuck_region_bytes(proc.pid))
         monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
         monkeypatch.setattr(region_module, "reader_library", CountingReader)
+        # A clock of counted reads, 1 ms each: on a loaded machine one real
+        # read could take the whole wait, and the first region would read once.
+        ticks = itertools.count()
+        monkeypatch.setattr(region_module, "time", SimpleNamespace(monotonic=lambda: next(ticks) / 1000,
+                                                                   sleep=time.sleep))
         failures = []
         for entry, opened in region_module.live_regions():
             assert isinstance(opened, Region), opened

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -126,15 +127,15 @@ def test_ctrl_c_while_a_command_waits_says_it_stays_posted(tmp_path: Path, sleep
     write_region(tmp_path, sleeper, region_bytes(sleeper))
     with Region(sleeper) as region:
         posted = region.command_seq()
+        # A shell that runs the suite in the background (`.ci/run &`) passes SIGINT down ignored, and
+        # Python keeps it so: the CLI then waited out its timeout and the sleeper's 60 s.
         proc = subprocess.Popen([sys.executable, "-m", "npualloc", "empty-cache", str(sleeper), "--timeout", "60"],
                                 env=cli_env(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         while region.command_seq() == posted and proc.poll() is None:
             os.sched_yield()
-        proc.send_signal(2)
+        proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
-    # Twice in a fresh clone's full run the CLI found the sleeper gone here: say what /proc showed of it.
-    assert proc.returncode != 3, (err, region_module._proc_file(sleeper, "stat"))
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130, "stays posted")
     # In the Python API it is the user's Ctrl-C, not one of npualloc's errors to handle.
     assert issubclass(CommandInterruptedError, KeyboardInterrupt)

@@ -13,7 +13,8 @@ from region_helpers import Workload
 
 import npualloc
 from npualloc.errors import NotUnderNpuallocError
-from npualloc.memory import device_index
+from npualloc._ffi import ffi
+from npualloc.memory import device_index, stats_to_dict
 from npualloc.summary import format_count, format_size, format_summary
 
 MiB = 1 << 20
@@ -50,12 +51,7 @@ def test_memory_summary_header_has_torchs_columns() -> None:
     memory_summary: " {_:16} PyTorch CUDA memory summary, device ID {device:<17d} ",
     "  {_:9} CUDA OOMs: {num_ooms:<12d} | {_:6} cudaMalloc retries: ..."); they were
     centred, so the "|" moved with the counts and the title with the device's digits."""
-    stats = dict.fromkeys([f"{n}.{p}.{c}" for n in ("allocated_bytes", "active_bytes", "requested_bytes",
-                                                     "reserved_bytes", "inactive_split_bytes", "allocation",
-                                                     "active", "segment", "inactive_split")
-                           for p in ("all", "large_pool", "small_pool") for c in ("current", "peak", "allocated", "freed")]
-                          + [f"{n}.{c}" for n in ("oversize_allocations", "oversize_segments")
-                             for c in ("current", "peak", "allocated", "freed")], 0)
+    stats = stats_to_dict(ffi.new("npualloc_device_stats *"))  # every key memory_stats() has, all 0
     for device, ooms, retries in ((0, 1, 1), (15, 123456, 98765432)):
         lines = format_summary({**stats, "num_ooms": ooms, "num_alloc_retries": retries}, device).splitlines()
         assert lines[1] == f"|{'':18}npualloc NPU memory summary, device ID {device:<17d} |"

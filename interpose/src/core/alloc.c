@@ -250,17 +250,19 @@ const npa_config *npa_get_config(const npa_allocator *a) { return a ? &a->config
 static npa_block *best_fit(const npa_allocator *a, npa_pool *pool, size_t size) {
     const npa_config *c = &a->config;
     npa_block *b = npa_pool_lower_bound(pool, size);
-    if (b && b->in_expandable && npa_expandable_on(a)) {
-        /* An expandable block ranks by how far it can grow, so the block
-         * before unmapped space is kept for a request that needs to grow it. */
-        for (npa_block *next; b->in_expandable && (next = npa_pool_next(pool, b)) &&
-                              npa_expandable_reach(next) < npa_expandable_reach(b);)
-            b = next;
-    } else if (b && b->in_expandable) {
-        /* Switched off at run time: torch honours that by taking plain
-         * blocks only (the next in size order), leaving expandable ones be. */
-        do b = npa_pool_next(pool, b);
-        while (b && b->in_expandable);
+    if (b && b->in_expandable) {
+        if (npa_expandable_on(a)) {
+            /* An expandable block ranks by how far it can grow, so the block
+             * before unmapped space is kept for a request that needs to grow it. */
+            for (npa_block *next; b->in_expandable && (next = npa_pool_next(pool, b)) &&
+                                  npa_expandable_reach(next) < npa_expandable_reach(b);)
+                b = next;
+        } else {
+            /* Switched off at run time: torch honours that by taking plain
+             * blocks only (the next in size order), leaving expandable ones be. */
+            do b = npa_pool_next(pool, b);
+            while (b && b->in_expandable);
+        }
     }
     if (!b) return NULL;
     if (size < c->max_split_size && b->size >= c->max_split_size) return NULL;

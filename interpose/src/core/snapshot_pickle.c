@@ -186,8 +186,9 @@ static uint32_t alloc_stack(const trace_writer *w, uintptr_t addr, size_t before
 }
 
 /* torch's segment dict: the stream is that of the pools holding it (0 for
- * aclrtMalloc's, which carries none); no private pools ((0, 0)). A live block's frames are those of its alloc event
- * when history recorded one with a stack, else []. */
+ * aclrtMalloc's, which carries none); no private pools ((0, 0)). A live
+ * block's frames are those of its alloc event when history recorded one
+ * with a stack, else []. */
 static void segment_dict(const npa_segment_view *seg, void *arg) {
     trace_writer *w = arg;
     pickle_buffer *b = w->b;

@@ -39,7 +39,8 @@ static uint64_t next_request(npualloc_region *r, uint64_t seq)
     uint64_t requested;
     while ((requested = __atomic_load_n(&r->command.request_seq, __ATOMIC_ACQUIRE)) == seq) {
         nanosleep(&nap, NULL);
-        nap.tv_nsec = nap.tv_nsec + nap.tv_nsec / 8 < longest_ns ? nap.tv_nsec + nap.tv_nsec / 8 : longest_ns;
+        long next_ns = nap.tv_nsec + nap.tv_nsec / 8;
+        nap.tv_nsec = next_ns < longest_ns ? next_ns : longest_ns;
     }
     return requested;
 }

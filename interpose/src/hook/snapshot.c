@@ -204,8 +204,8 @@ static int write_into(int dir_fd, const char *name, const struct stat *seen, con
  * our own FIFO or a character device (/dev/null): written to, as torch
  * would; anything else (a link, another user's file or FIFO, which anyone
  * may plant in /tmp to read the snapshot, a directory, a block device, a
- * socket, a mount point): refused, left as it is. Every step is taken in the directory
- * open_parent opened, so nothing on the way is a link. */
+ * socket, a mount point): refused, left as it is. Every step is taken in
+ * the directory open_parent opened, so nothing on the way is a link. */
 static int write_snapshot_in(int dir_fd, const char *name, const void *data, size_t size)
 {
     struct stat seen;

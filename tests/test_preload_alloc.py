@@ -214,6 +214,27 @@ emit(refused=sorted(set(refused)), first=acl.rt.free(p), double=acl.rt.free(p))
     assert len(lines) == 9 and lines[8].startswith("npualloc: aclrtFree("), proc.stderr
 
 
+def test_oom_reports_stop_after_eight_and_every_oom_is_counted():
+    """The caller of aclrtMalloc gets only 207001, so an OOM says why on
+    stderr; a program that catches OOMs (a batch-size search) printed one
+    line per try for as long as it ran. Now the first eight distinct reports,
+    the last saying so; num_ooms counts all of them."""
+    out, proc = run("""
+lib = ctypes.CDLL(None)
+lib.npualloc_get_stats.argtypes = [ctypes.c_int, ctypes.c_void_p]
+held, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
+codes = [acl.rt.malloc((100 + i) << 20, 0)[1] for i in range(12)]
+import npualloc
+emit(codes=sorted(set(codes)), ooms=npualloc.memory_stats()["num_ooms"], freed=acl.rt.free(held))
+""", preload_env(NPUSIM_HBM_MB="64"))
+    assert out == {"codes": [207001], "ooms": 12, "freed": 0}
+    lines = [line for line in proc.stderr.splitlines() if line]
+    assert len(lines) == 8, proc.stderr
+    assert [line.startswith(f"npualloc: out of memory on device 0: requested {(100 + i) << 20} bytes")
+            for i, line in enumerate(lines)] == [True] * 8, proc.stderr
+    assert [line.endswith("(later warnings like this one are not shown)") for line in lines] == [False] * 7 + [True]
+
+
 def test_warnings_show_control_characters_as_question_marks():
     """A key the program passes to npualloc_set_config is printed in its
     warning: a newline in it forged a second "npualloc:" line and an escape

@@ -66,6 +66,11 @@ typedef struct npa_backend {
     /* Optional: tells the user of a setting the core refused (message
      * without prefix or newline); the hook prints it once on stderr. */
     void (*warn)(void *ctx, const char *message);
+    /* Optional: the report of an OOM about to be returned (message without
+     * prefix or newline), called without the device lock. The aclrtMalloc
+     * caller gets only an error code, so this says why; the hook prints the
+     * first few and num_ooms counts them all. NULL: not reported. */
+    void (*report_oom)(void *ctx, int device, const char *message);
 
     /* Where the stats of a device live (the shared-memory region), optional:
      * NULL or a NULL result makes the core keep them in its own memory. */

@@ -136,6 +136,15 @@ static void fake_warn(void *ctx, const char *message) {
     pthread_mutex_unlock(&f->lock);
 }
 
+static void fake_report_oom(void *ctx, int device, const char *message) {
+    fake_backend *f = ctx;
+    (void)device;
+    pthread_mutex_lock(&f->lock);
+    f->oom_reports++;
+    snprintf(f->last_oom_report, sizeof f->last_oom_report, "%s", message);
+    pthread_mutex_unlock(&f->lock);
+}
+
 static npa_error fake_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
     fake_backend *f = ctx;
     pthread_mutex_lock(&f->lock);
@@ -350,6 +359,7 @@ npa_backend fake_iface(fake_backend *f) {
         .synchronize = fake_synchronize,
         .mem_get_info = fake_mem_get_info,
         .warn = fake_warn,
+        .report_oom = fake_report_oom,
         .stats_storage = fake_stats_storage,
     };
     if (f->vmm) {

@@ -32,6 +32,8 @@ typedef struct fake_backend {
     int fail_next_fences;      /* the next N fence records fail (no fence, no synchronize) */
     char last_warning[512];    /* the backend's warn: the latest message */
     long warnings;
+    char last_oom_report[512];  /* the backend's report_oom: the latest report */
+    long oom_reports;
 
     fake_segment *segments;
     size_t segment_count, segment_capacity;

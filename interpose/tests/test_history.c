@@ -151,12 +151,9 @@ static void test_oom_event_holds_free_bytes(void) {
     fixture fx;
     fixture_init(&fx, 64 * MiB, &c);
     void *p = NULL;
-    char report[1024];
-    stderr_capture capture;
-    stderr_capture_begin(&capture);
     CHECK_EQ(npa_malloc(fx.a, 0, 100 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
-    stderr_capture_end(&capture, report, sizeof report);
-    CHECK_EQ(count_lines_starting(report, "npualloc: out of memory on device 0"), 1);
+    CHECK_EQ(fx.fake.oom_reports, 1);
+    CHECK(strncmp(fx.fake.last_oom_report, "out of memory on device 0: ", 27) == 0);
     seen_trace t = trace_of(&fx, 0);
     CHECK(t.count >= 1);
     const npa_trace_view *oom = &t.entries[t.count - 1];

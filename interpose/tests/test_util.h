@@ -4,9 +4,7 @@
 #ifndef NPUALLOC_TESTS_TEST_UTIL_H
 #define NPUALLOC_TESTS_TEST_UTIL_H
 
-#include <stdio.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "check.h"
 #include "core.h"
@@ -20,45 +18,6 @@ typedef struct fixture {
     fake_backend fake;
     npa_allocator *a;
 } fixture;
-
-/* The core writes each OOM report straight to stderr (every OOM, not once).
- * Tests that provoke OOMs on purpose capture fd 2 around them and assert on
- * the lines, so a passing log holds no "out of memory" line. */
-typedef struct stderr_capture {
-    FILE *file;
-    int saved;
-} stderr_capture;
-
-static inline void stderr_capture_begin(stderr_capture *c) {
-    fflush(stderr);
-    c->file = tmpfile();
-    CHECK(c->file != NULL);
-    c->saved = dup(STDERR_FILENO);
-    dup2(fileno(c->file), STDERR_FILENO);
-}
-
-/* Restores stderr; out gets what was written (truncated to out_len - 1). */
-static inline void stderr_capture_end(stderr_capture *c, char *out, size_t out_len) {
-    fflush(stderr);
-    dup2(c->saved, STDERR_FILENO);
-    close(c->saved);
-    rewind(c->file);
-    size_t n = fread(out, 1, out_len - 1, c->file);
-    out[n] = '\0';
-    fclose(c->file);
-}
-
-/* Lines of text that start with prefix. */
-static inline long count_lines_starting(const char *text, const char *prefix) {
-    long n = 0;
-    for (const char *line = text; *line; ) {
-        if (strncmp(line, prefix, strlen(prefix)) == 0) n++;
-        const char *end = strchr(line, '\n');
-        if (!end) break;
-        line = end + 1;
-    }
-    return n;
-}
 
 /* fake_init must precede setting fake options, so options go through this. */
 static inline void fixture_start(fixture *fx, const npa_config *config) {

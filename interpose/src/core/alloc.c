@@ -3,8 +3,6 @@
  * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -539,8 +537,8 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         char msg[512];
         npa_oom_report(a, d, size, rounded, why.cap_hit, msg, sizeof msg);
         npa_lock_release(&d->lock);
-        ssize_t unused = write(STDERR_FILENO, msg, strlen(msg));
-        (void)unused;
+        if (a->backend.report_oom)
+            a->backend.report_oom(a->backend.ctx, device, msg);
         return NPA_ERR_OOM;
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);

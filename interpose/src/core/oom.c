@@ -110,9 +110,9 @@ void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t ro
     char cap[64] = "";
     if (d->limit_bytes) snprintf(cap, sizeof cap, ", per-process cap %zu bytes", d->limit_bytes);
     snprintf(msg, msg_len,
-             "npualloc: out of memory on device %d: requested %zu bytes (%zu after rounding); "
+             "out of memory on device %d: requested %zu bytes (%zu after rounding); "
              "allocated %zu bytes, reserved %zu bytes (%zu reserved but unallocated), "
-             "device free %zu of %zu bytes%s; %s\n",
+             "device free %zu of %zu bytes%s; %s",
              d->id, requested, rounded, allocated, reserved, reserved - allocated, free_bytes, total_bytes, cap,
              oom_hint(cap_hit, rounded, allocated, reserved, free_bytes, total_bytes));
 }

@@ -204,6 +204,15 @@ static void be_warn(void *ctx, const char *message)
     npa_warn_forwarded("%s", message);
 }
 
+/* The first few OOMs' reports, each on a line of its own (a program that
+ * catches OOMs, a batch-size search, would print one per try for hours);
+ * num_ooms counts every one. */
+static void be_report_oom(void *ctx, int device, const char *message)
+{
+    (void)ctx, (void)device;
+    npa_warn_once("%s", message);
+}
+
 static npualloc_device_stats *be_stats_storage(void *ctx, int device)
 {
     (void)ctx;
@@ -303,6 +312,7 @@ static const npa_backend backend = {
     .fence_release = npa_fence_release,
     .fence_record_streams = npa_fence_record_streams,
     .warn = be_warn,
+    .report_oom = be_report_oom,
     .stats_storage = be_stats_storage,
     .capture_stack = npa_pystack_capture,
     .visit_stack = npa_pystack_visit,

@@ -181,3 +181,32 @@ emit(skipped=s["npualloc.executor_destroys_skipped"], forwarded=s["npualloc.exec
     assert proc.returncode == 0, proc.stderr
     # 3 plain executors destroyed twice + the repeatable one's second destroy
     assert out == {"skipped": 7, "forwarded": 1}
+
+
+def test_executor_table_stays_small_over_millions_of_destroys():
+    """Repeatable executors made and destroyed one at a time, at addresses
+    that never repeat (the simulator's handles; a long run's heap moves too):
+    one is live at a time, so the hook's table of them must not grow with
+    the number made (each destroy leaves a tombstone, and the table once
+    doubled at every rebuild: 8 MiB after a million)."""
+    out, proc = run("""
+import ctypes
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+buf, _ = acl.rt.malloc(4096, 0)
+before = libc.mallinfo2()
+for _ in range(400000):
+    ws_size, ex, st = ops.fill_get_workspace_size(buf, 16, 1); assert st == 0
+    assert ops.set_repeatable(ex) == 0
+    assert ops.destroy_executor(ex) == 0
+after = libc.mallinfo2()
+emit(grown=(after.hblkhd + after.uordblks) - (before.hblkhd + before.uordblks),
+     forwarded=aclsim.call_count("aclDestroyAclOpExecutor"))
+""", preload_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out["forwarded"] == 400000
+    assert out["grown"] < (1 << 20), out

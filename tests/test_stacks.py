@@ -147,3 +147,36 @@ print(json.dumps([len(allocs), sum(1 for f in allocs if f), sum(1 for f in alloc
     assert total == 16500 and with_frames == 16384 and without == total - with_frames
     warnings = [line for line in proc.stderr.splitlines() if "stack table is full" in line]
     assert len(warnings) == 1 and warnings[0].startswith("npualloc: record_stacks:"), proc.stderr
+
+
+def test_code_table_full_records_no_stack_rather_than_one_without_the_allocating_frame(tmp_path: Path) -> None:
+    """A long run that keeps making code objects (exec, recompiled graphs)
+    fills the code table (4096) long before the stack table: a stack through
+    new code is then recorded without frames, with one warning, never as a
+    stack that leaves the allocating function out and names its caller."""
+    code = """
+import acl, json, npualloc
+acl.init(); acl.rt.set_device(0)
+npualloc.record_memory_history(max_entries=20000, stacks='python')
+def caller(fn):
+    return fn()
+for i in range(4200):
+    ns = {"acl": acl}
+    exec(f"def gen_{i}():\\n    p, _ = acl.rt.malloc(512, 0)\\n    acl.rt.free(p)\\n", ns)
+    caller(ns[f"gen_{i}"])
+trace = npualloc._snapshot()["device_traces"][0]
+allocs = [[f["name"] for f in e["frames"]] for e in trace if e["action"] == "alloc"]
+print(json.dumps(allocs))
+"""
+    script = tmp_path / "codes.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], env=preload_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    allocs = json.loads(proc.stdout)
+    assert len(allocs) == 4200
+    assert all(stack == [] or stack[0].startswith("gen_") for stack in allocs), \
+        [stack for stack in allocs if stack and not stack[0].startswith("gen_")][:3]
+    assert allocs[0] == ["gen_0", "caller", "<module>"] and allocs[-1] == []
+    warnings = [line for line in proc.stderr.splitlines() if "code table is full" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("npualloc: record_stacks:"), proc.stderr

@@ -15,7 +15,7 @@
  * names, up to MAX_CODES; a stack is a sequence of (code, line) of at most
  * MAX_DEPTH innermost frames, stored once, up to MAX_STACKS stacks and
  * MAX_FRAMES frames in all. When a table is full, later new stacks are
- * recorded as none (one warning).
+ * recorded as none (one warning per table).
  *
  * Lock: stack_lock (hook.h, 5b), taken after the GIL when capturing, under a
  * device lock when a snapshot reads stacks, and by fork_prepare; under it
@@ -225,12 +225,15 @@ static uint32_t capture_locked(void)
     void *frame = py.get_frame();
     if (frame)
         py.incref(frame);
-    while (frame && depth < MAX_DEPTH) {
+    bool complete = true;
+    while (frame && depth < MAX_DEPTH && complete) {
         void *code = py.frame_code(frame);
         if (code) {
             uint32_t index = intern_code(code);
             if (index != UINT32_MAX)
                 walked[depth++] = (frame_entry){index, py.frame_line(frame)};
+            else
+                complete = false;
             py.decref(code);
         }
         void *back = py.frame_back(frame);
@@ -239,6 +242,15 @@ static uint32_t capture_locked(void)
     }
     if (frame)
         py.decref(frame);
+    if (!complete) {
+        /* A stack without the frames of code the table has no room for
+         * would name its caller as the allocating line: none, as when the
+         * stack table is full. A run that keeps making code objects (exec,
+         * recompiled graphs) gets here once its first MAX_CODES are in. */
+        npa_warn_once("record_stacks: the code table is full (%u code objects); later stacks through new code "
+                      "are recorded without frames", code_count);
+        return 0;
+    }
     return depth ? intern_stack(walked, depth) : 0;
 }
 

@@ -195,6 +195,31 @@ static void test_device_free_bytes_follow_segments(void) {
     fixture_destroy(&fx);
 }
 
+/* The accumulated counts only grow until a reset: allocated_bytes passes
+ * INT64_MAX after 9.2 EB of allocations (107 days at 1 TB/s). It wraps, as
+ * the readers take it, never a signed overflow (UBSan stops the ASan build
+ * there), and freed stays right modulo 2^64. */
+static void test_accumulated_counts_wrap_at_int64_max(void) {
+    static npualloc_device_stats shared[1];
+    memset(shared, 0, sizeof shared);
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.stats[0] = &shared[0];
+    fixture_start(&fx, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    /* As after 9.2 EB: 4096 bytes allocated and freed, then the rest. */
+    shared[0].allocated_bytes[NPUALLOC_POOL_ALL].allocated = INT64_MAX - 1023;
+    shared[0].allocated_bytes[NPUALLOC_POOL_ALL].current_at_reset = 0;
+    p = alloc_exact(&fx, 0, 4096);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].allocated, INT64_MIN + 3072);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ((uint64_t)s.allocated_bytes[NPUALLOC_POOL_ALL].freed, (uint64_t)INT64_MAX - 1023);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_update_rules_per_pool);
     RUN(test_inactive_split_rules);
@@ -203,5 +228,6 @@ int main(void) {
     RUN(test_unused_device_reads_as_zero);
     RUN(test_hook_counters);
     RUN(test_device_free_bytes_follow_segments);
+    RUN(test_accumulated_counts_wrap_at_int64_max);
     return check_report();
 }

@@ -501,10 +501,14 @@ static inline void npa_stats_end(npa_device *d) {
     }
 }
 
+/* allocated only grows (until a reset): allocated_bytes passes INT64_MAX
+ * after 9.2 EB, 107 days at 1 TB/s of allocations, and a signed overflow
+ * there is undefined. It wraps instead, as npualloc_stats_from_region
+ * already reads it (freed stays right modulo 2^64). */
 static inline void npa_stat_increase(npualloc_stat *st, int64_t x) {
     st->current += x;
     if (st->current > st->peak) st->peak = st->current;
-    st->allocated += x;
+    st->allocated = (int64_t)((uint64_t)st->allocated + (uint64_t)x);
 }
 
 /* freed is implied by allocated and current (npualloc_shm.h). */

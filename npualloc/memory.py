@@ -173,7 +173,9 @@ def max_memory_reserved(device: object = None, pid: int | None = None) -> int:
     return int(_raw_stats(device, pid)[0].reserved_bytes[0].peak)
 
 
-def memory_summary(device: object = None, pid: int | None = None, abbreviated: bool = False) -> str:
+def memory_summary(device: object = None, abbreviated: bool = False, *, pid: int | None = None) -> str:
+    """torch's memory_summary(device=None, abbreviated=False): its positional
+    arguments stay torch's, so pid= is keyword only."""
     raw, saver, index = _raw_stats(device, pid, saver=True)
     return format_summary(stats_to_dict(raw, saver), index, abbreviated)
 

@@ -66,6 +66,9 @@ def test_memory_summary_has_torchs_rows_and_columns(tmp_path: Path) -> None:
         full = w.call("npualloc.memory_summary()").splitlines()
         short = w.call("npualloc.memory_summary(abbreviated=True)").splitlines()
         stats = w.call("npualloc.memory_stats()")
+        # torch's positional form, memory_summary(device, abbreviated): pid was
+        # the second parameter, and True went there ("invalid pid True").
+        assert w.call("npualloc.memory_summary(0, True)").splitlines() == short
     assert all(len(line) == 77 and line[0] == line[-1] == "|" for line in full + short)
     assert "npualloc NPU memory summary, device ID 0" in full[1]
     assert full[5] == "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |"

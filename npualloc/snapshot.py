@@ -189,13 +189,18 @@ def torch_snapshot(device: object = None, augment_with_fx_traces: bool = False, 
     return loads(snapshot_bytes(pid, timeout))
 
 
-def memory_snapshot(mempool_id: object = None, *, pid: int | None = None,
+def memory_snapshot(mempool_id: object = None, include_traces: bool = True, *, pid: int | None = None,
                     timeout: float = COMMAND_TIMEOUT_S) -> list[dict[str, Any]]:
-    """torch.cuda.memory_snapshot(): the segments of `_snapshot()`. npualloc
-    has no memory pools, so a mempool_id is refused rather than ignored."""
-    if mempool_id is not None:
+    """torch.cuda.memory_snapshot(mempool_id=None, include_traces=True): the
+    segments of `_snapshot()`, which hold no trace either way (include_traces
+    only spares torch copying them). npualloc has no memory pools, so a
+    mempool_id other than torch's default pool, (0, 0), is refused rather than
+    ignored."""
+    del include_traces
+    if mempool_id is not None and mempool_id != (0, 0):
         raise ValueError(f"npualloc has no memory pools: mempool_id must be None, not {mempool_id!r}")
-    return torch_snapshot(pid=pid, timeout=timeout)["segments"]
+    segments: list[dict[str, Any]] = torch_snapshot(pid=pid, timeout=timeout)["segments"]
+    return segments
 
 
 def dump_snapshot(filename: str | Path = "dump_snapshot.pickle", pid: int | None = None,

@@ -77,6 +77,10 @@ def test_in_process_snapshot_matches_the_allocations(tmp_path: Path) -> None:
         snapshot = w.call("npualloc._snapshot()")  # JSON turns the (0, 0) tuples into lists
         # torch's memory_snapshot() is the list of _snapshot()'s segments, not the dict
         assert w.call("npualloc.memory_snapshot()") == snapshot["segments"]
+        # torch 2.13's memory_snapshot(mempool_id=None, include_traces=True), whose
+        # default pool is (0, 0): these were a TypeError and a ValueError
+        assert w.call("npualloc.memory_snapshot(None, False)") == snapshot["segments"]
+        assert w.call("npualloc.memory_snapshot((0, 0), include_traces=False)") == snapshot["segments"]
         with pytest.raises(AssertionError, match="no memory pools"):
             w.call("npualloc.memory_snapshot((0, 1))")
     for seg in snapshot["segments"]:

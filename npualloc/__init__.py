@@ -8,8 +8,9 @@ from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeo
                      IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError,
                      OtherUserError, ProcessStoppedError)
 from .memory import (empty_cache, get_config, is_active, library_path, max_memory_allocated, max_memory_reserved,
-                     mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_summary,
-                     reset_accumulated_memory_stats, reset_peak_memory_stats, set_config, set_gc_threshold)
+                     mem_get_info, memory_allocated, memory_reserved, memory_stats, memory_stats_as_nested_dict,
+                     memory_summary, reset_accumulated_memory_stats, reset_peak_memory_stats, set_config,
+                     set_gc_threshold)
 from .snapshot import dump_snapshot, memory_snapshot, record_memory_history
 from .snapshot import torch_dump_snapshot as _dump_snapshot
 from .snapshot import torch_record_memory_history as _record_memory_history
@@ -23,6 +24,6 @@ __all__ = [
     "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError", "ProcessStoppedError",
     "dump_snapshot", "empty_cache", "get_config", "is_active", "library_path", "max_memory_allocated",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot", "memory_stats",
-    "memory_summary", "record_memory_history", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
-    "set_config", "set_gc_threshold",
+    "memory_stats_as_nested_dict", "memory_summary", "record_memory_history", "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats", "set_config", "set_gc_threshold",
 ]

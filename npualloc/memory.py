@@ -157,6 +157,21 @@ def memory_stats(device: object = None, pid: int | None = None) -> Stats:
     return stats_to_dict(raw, saver)
 
 
+def memory_stats_as_nested_dict(device: object = None, pid: int | None = None) -> Stats:
+    """torch's memory_stats_as_nested_dict(): memory_stats() with each dotted
+    key a path of nested dicts ("allocated_bytes.all.current" ->
+    ["allocated_bytes"]["all"]["current"], "npualloc.cache_hits" ->
+    ["npualloc"]["cache_hits"]), which torch's memory_stats() flattens."""
+    nested: Stats = {}
+    for key, value in memory_stats(device, pid).items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
 def memory_allocated(device: object = None, pid: int | None = None) -> int:
     return int(_raw_stats(device, pid)[0].allocated_bytes[0].current)
 

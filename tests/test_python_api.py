@@ -113,6 +113,30 @@ def test_in_process_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         assert w.call("npualloc.library_path()").endswith("/npualloc/lib/libnpualloc.so")
 
 
+def _flatten_like_torch(nested: dict[str, object], prefix: str = "") -> dict[str, object]:
+    """torch.cuda.memory_stats()'s _recurse_add_to_result: dict keys joined by "."."""
+    flat: dict[str, object] = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(_flatten_like_torch(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_memory_stats_as_nested_dict_is_what_torch_flattens(tmp_path: Path) -> None:
+    # torch.cuda.memory_stats_as_nested_dict had no counterpart (AttributeError).
+    with Workload(tmp_path) as w:
+        w.call(f"malloc({3 * MiB})")
+        nested = w.call("npualloc.memory_stats_as_nested_dict()")
+        flat = w.call("npualloc.memory_stats()")
+        assert w.call("npualloc.memory_stats_as_nested_dict('npu:0')") == nested
+    assert nested["allocated_bytes"]["all"]["current"] == flat["allocated_bytes.all.current"] >= 3 * MiB
+    assert nested["oversize_allocations"]["peak"] == flat["oversize_allocations.peak"]
+    assert nested["num_device_alloc"] == flat["num_device_alloc"] and "cache_hits" in nested["npualloc"]
+    assert _flatten_like_torch(nested) == flat
+
+
 def test_set_gc_threshold_zero_turns_gc_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A config string cannot say 0 (torch's parser refuses it), so this once
     # raised ValueError and the threshold stayed on.

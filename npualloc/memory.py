@@ -7,6 +7,7 @@ shared-memory region, and the mutating calls post a command to it.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, constants, ffi, loaded_library, runtime_library
@@ -188,6 +189,20 @@ def max_memory_reserved(device: object = None, pid: int | None = None) -> int:
     return int(_raw_stats(device, pid)[0].reserved_bytes[0].peak)
 
 
+# torch's deprecated names, kept by torch.cuda.memory (and torch_npu) with a
+# FutureWarning each: "cached" is torch's old word for reserved.
+
+def memory_cached(device: object = None, pid: int | None = None) -> int:
+    warnings.warn("npualloc.memory_cached has been renamed to npualloc.memory_reserved", FutureWarning, stacklevel=2)
+    return memory_reserved(device, pid)
+
+
+def max_memory_cached(device: object = None, pid: int | None = None) -> int:
+    warnings.warn("npualloc.max_memory_cached has been renamed to npualloc.max_memory_reserved", FutureWarning,
+                  stacklevel=2)
+    return max_memory_reserved(device, pid)
+
+
 def memory_summary(device: object = None, abbreviated: bool = False, *, pid: int | None = None) -> str:
     """torch's memory_summary(device=None, abbreviated=False): its positional
     arguments stay torch's, so pid= is keyword only."""
@@ -221,6 +236,19 @@ def _reset(code: int, c_function: str, device: object, pid: int | None, timeout:
 
 def reset_peak_memory_stats(device: object = None, pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> None:
     _reset(constants.NPUALLOC_CMD_RESET_PEAK, "npualloc_reset_peak_stats", device, pid, timeout)
+
+
+def reset_max_memory_allocated(device: object = None, pid: int | None = None,
+                               timeout: float = COMMAND_TIMEOUT_S) -> None:
+    warnings.warn("npualloc.reset_max_memory_allocated now calls npualloc.reset_peak_memory_stats, which resets "
+                  "/all/ peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device, pid, timeout)
+
+
+def reset_max_memory_cached(device: object = None, pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> None:
+    warnings.warn("npualloc.reset_max_memory_cached now calls npualloc.reset_peak_memory_stats, which resets "
+                  "/all/ peak memory stats.", FutureWarning, stacklevel=2)
+    reset_peak_memory_stats(device, pid, timeout)
 
 
 def reset_accumulated_memory_stats(device: object = None, pid: int | None = None,

@@ -137,6 +137,38 @@ def test_memory_stats_as_nested_dict_is_what_torch_flattens(tmp_path: Path) -> N
     assert _flatten_like_torch(nested) == flat
 
 
+def test_torchs_deprecated_names_warn_and_do_the_new_ones() -> None:
+    # torch.cuda.memory keeps memory_cached, max_memory_cached and the two
+    # reset_max_memory_* with a FutureWarning; npualloc had none of them.
+    proc = run_python("""
+        import json, warnings
+        import acl, npualloc
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        ptr, ret = acl.rt.malloc(3 << 20, 0)
+        assert ret == 0 and acl.rt.free(ptr) == 0
+        out = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out["cached"] = [npualloc.memory_cached(), npualloc.memory_reserved()]
+            out["max_cached"] = [npualloc.max_memory_cached(0), npualloc.max_memory_reserved(0)]
+            npualloc.reset_max_memory_allocated()
+            out["peak_after_reset"] = npualloc.max_memory_allocated()
+            npualloc.empty_cache()
+            npualloc.reset_max_memory_cached("npu:0")
+            out["max_reserved_after_reset"] = npualloc.max_memory_reserved()
+        out["warnings"] = [(w.category.__name__, str(w.message), w.filename) for w in caught]
+        print(json.dumps(out))
+    """, preload_env())
+    out = json.loads(proc.stdout)
+    assert out["cached"][0] == out["cached"][1] >= 20 * MiB
+    assert out["max_cached"][0] == out["max_cached"][1] >= 20 * MiB
+    assert out["peak_after_reset"] == 0 and out["max_reserved_after_reset"] == 0
+    assert [(category, message.split(" ")[0]) for category, message, _ in out["warnings"]] == [
+        ("FutureWarning", "npualloc.memory_cached"), ("FutureWarning", "npualloc.max_memory_cached"),
+        ("FutureWarning", "npualloc.reset_max_memory_allocated"), ("FutureWarning", "npualloc.reset_max_memory_cached")]
+    assert all(filename == "<string>" for _, _, filename in out["warnings"])  # the caller's line, as torch's
+
+
 def test_set_gc_threshold_zero_turns_gc_off_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A config string cannot say 0 (torch's parser refuses it), so this once
     # raised ValueError and the threshold stayed on.

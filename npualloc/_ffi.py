@@ -26,6 +26,7 @@ _CFFI_SECTION = re.compile(r"/\*\s*cffi:begin\s*\*/(.*?)/\*\s*cffi:end\s*\*/", r
 _RUNTIME_CDEF = """
 int aclInit(const char *configPath);
 int aclrtSetDevice(int32_t deviceId);
+int aclrtResetDevice(int32_t deviceId);
 int aclrtGetDevice(int32_t *deviceId);
 int aclrtGetMemInfo(int attr, size_t *free, size_t *total);
 """

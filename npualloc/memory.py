@@ -269,9 +269,31 @@ def set_gc_threshold(threshold: float, pid: int | None = None, timeout: float = 
         _post(constants.NPUALLOC_CMD_SET_GC_THRESHOLD, -1, threshold, pid, timeout)
 
 
+def _runtime_mem_get_info(runtime: Any, device: object, free_bytes: Any, total_bytes: Any) -> tuple[int, int]:
+    """(aclError, device index) of aclrtGetMemInfo on that device, the calling
+    thread's current device left as it was (torch's device guard): as the
+    library's npa_device_enter/leave, each aclrtSetDevice is paired with an
+    aclrtResetDevice, so no device's reference count is left raised."""
+    current = ffi.new("int32_t *")
+    previous = current[0] if runtime.aclrtGetDevice(current) == 0 else -1
+    index = device_index(device, current=max(previous, 0))
+    if index == previous:
+        return runtime.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes), index
+    ret = runtime.aclrtSetDevice(index)
+    if ret != 0:
+        raise NpuallocError(f"aclrtSetDevice({index}) failed: error {ret}")
+    try:
+        return runtime.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes), index
+    finally:
+        runtime.aclrtResetDevice(index)
+        if previous >= 0 and runtime.aclrtSetDevice(previous) == 0:
+            runtime.aclrtResetDevice(previous)
+
+
 def mem_get_info(device: object = None) -> tuple[int, int]:
     """(free_bytes, total_bytes) of the device from aclrtGetMemInfo(ACL_HBM_MEM):
-    through npualloc when it is loaded, else through the runtime directly."""
+    through npualloc when it is loaded, else through the runtime directly;
+    either way the current device stays what it was."""
     free_bytes = ffi.new("size_t *")
     total_bytes = ffi.new("size_t *")
     lib = loaded_library()
@@ -279,15 +301,7 @@ def mem_get_info(device: object = None) -> tuple[int, int]:
         index = device_index(device)
         ret = lib.npualloc_mem_get_info(index, free_bytes, total_bytes)
     else:
-        runtime = runtime_library()
-        current = ffi.new("int32_t *")
-        has_current = runtime.aclrtGetDevice(current) == 0
-        index = device_index(device, current=current[0] if has_current else 0)
-        if not has_current or current[0] != index:
-            ret = runtime.aclrtSetDevice(index)
-            if ret != 0:
-                raise NpuallocError(f"aclrtSetDevice({index}) failed: error {ret}")
-        ret = runtime.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes)
+        ret, index = _runtime_mem_get_info(runtime_library(), device, free_bytes, total_bytes)
     if ret != 0:
         raise NpuallocError(f"aclrtGetMemInfo(ACL_HBM_MEM) on device {index} failed: error {ret}")
     return int(free_bytes[0]), int(total_bytes[0])

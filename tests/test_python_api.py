@@ -223,6 +223,23 @@ def test_mem_get_info_outside_loads_the_runtime() -> None:
     assert 0 < free <= total and again == [free, total]
 
 
+def test_mem_get_info_outside_leaves_the_current_device() -> None:
+    # It called aclrtSetDevice and never undid it: mem_get_info(1) left device 1
+    # current, and a thread with no device had one. torch's runs under a guard.
+    proc = run_python("""
+        import json, acl, npualloc
+        assert acl.init() == 0
+        seen = [acl.rt.get_device()[1] != 0]
+        npualloc.mem_get_info()
+        seen.append(acl.rt.get_device()[1] != 0)
+        assert acl.rt.set_device(0) == 0
+        npualloc.mem_get_info(1)
+        seen.append(acl.rt.get_device())
+        print(json.dumps(seen))
+    """, sim_env())
+    assert json.loads(proc.stdout) == [True, True, [0, 0]]
+
+
 def test_mem_get_info_without_a_runtime_says_so() -> None:
     env = sim_env(NPUALLOC_ACL_LIB="/nonexistent/libascendcl.so")
     env.pop("ASCEND_HOME_PATH")

@@ -93,7 +93,8 @@ def _current_device() -> int:
 
 def device_index(device: object, current: int | None = None) -> int:
     """Normalises a device like torch: None or "npu" -> the current device, an
-    int, "npu:N", or an object with .index (and .type "npu" when it has one)."""
+    int, "npu:N", an object with .index (and .type "npu" when it has one), or
+    a device guard with .idx (torch.npu.device(N), as torch takes torch.cuda.device)."""
     index: object
     if device is None:
         index = None
@@ -106,11 +107,11 @@ def device_index(device: object, current: int | None = None) -> int:
         if kind != "npu" or (number and not number.isdigit()):
             raise ValueError(f"invalid device {device!r}: expected 'npu' or 'npu:N'")
         index = int(number) if number else None
-    elif hasattr(device, "index"):
+    elif hasattr(device, "index") or hasattr(device, "idx"):
         kind = getattr(device, "type", "npu")
         if kind != "npu":
             raise ValueError(f"invalid device {device!r}: not an NPU device")
-        index = device.index
+        index = device.index if hasattr(device, "index") else getattr(device, "idx")
         if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
             raise ValueError(f"invalid device {device!r}")
     else:

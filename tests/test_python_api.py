@@ -23,6 +23,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("device, index", [
     (None, 0), (0, 0), (3, 3), ("npu", 0), ("npu:1", 1), (" npu:15 ", 15),
     (SimpleNamespace(type="npu", index=2), 2), (SimpleNamespace(index=4), 4), (SimpleNamespace(type="npu", index=None), 0),
+    (SimpleNamespace(idx=5, prev_idx=-1), 5),  # torch.npu.device(5), a device guard: torch takes torch.cuda.device's .idx
 ])
 def test_device_normalisation(device: object, index: int) -> None:
     assert device_index(device) == index  # None: no npualloc here, so device 0
@@ -30,7 +31,7 @@ def test_device_normalisation(device: object, index: int) -> None:
 
 @pytest.mark.parametrize("device", [
     "cuda", "cuda:0", "npu:x", "npu:-1", "npu:16", "", -1, 16, True, 1.5, object(),
-    SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="npu", index="1"),
+    SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="npu", index="1"), SimpleNamespace(idx="1"),
 ])
 def test_bad_devices_are_rejected(device: object) -> None:
     with pytest.raises(ValueError, match="invalid device"):

@@ -65,7 +65,6 @@ $(BUILD)/ctest/%: interpose/tests/%.c $(NPA_CTEST_SUPPORT) $(NPA_CORE_OBJS)
 	@mkdir -p $(dir $@)
 	$(CC) $(NPA_CFLAGS) -Iinterpose/tests -o $@ $^ $(LDFLAGS_BASE) -lm
 
-ctest-build: $(NPA_CTEST_BINS)
 # CTEST_RUNNER runs each binary: empty here, qemu-aarch64 for a cross-built
 # tree (interpose/aarch64.mk).
 ctest-core: $(NPA_CTEST_BINS)
@@ -105,6 +104,6 @@ ctest-tsan:
 	$(MAKE) --no-print-directory BUILD=build-tsan OPT=-O1 SANLIB=libtsan.so SANFLAGS="-fsanitize=thread" NPA_LTO= \
 	    STRESS_OPS=150 ctest
 
-.PHONY: ctest-build ctest-core ctest-asan ctest-tsan exports-stress
+.PHONY: ctest-core ctest-asan ctest-tsan exports-stress
 
 -include $(NPA_CORE_OBJS:.o=.d) $(NPA_HOOK_OBJS:.o=.d)

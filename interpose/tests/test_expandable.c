@@ -19,7 +19,6 @@
 #include "test_util.h"
 
 #define LARGE_RANGE (6 * 20 * MiB)
-#define SMALL_RANGE (57 * 2 * MiB)
 
 static void expandable_init(fixture *fx, size_t capacity, bool host_memory) {
     npa_config config;

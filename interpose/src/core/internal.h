@@ -366,9 +366,6 @@ double npa_gc_threshold(const npa_allocator *a);
 /* sizes.c */
 size_t npa_segment_size(size_t rounded);
 
-/* Every pool of the device: the plain pair first, then each stream's. */
-#define NPA_FOR_EACH_PAIR(d, p) for (npa_pool_pair *p = &(d)->plain; p; p = p == &(d)->plain ? (d)->streams : p->next)
-
 /* segment.c: raw device memory in and out; call with no stats section open,
  * the backend may take long. */
 /* The new entry (valid until the table changes again), or NULL. */
@@ -437,8 +434,6 @@ void npa_pending_add_gone(npa_device *d, npa_block *b);
  * streams complete (one event per stream for every such block freed
  * before the next poll). */
 void npa_pending_add_uses(npa_allocator *a, npa_device *d, npa_block *b);
-/* After a synchronize: every pending free is safe. */
-void npa_pending_drain_all(npa_allocator *a, npa_device *d);
 /* Synchronizes the device and drains every pending free (num_sync_all_streams++);
  * the synchronize's error, with nothing drained, when it failed. */
 npa_error npa_synchronize_and_drain(npa_allocator *a, npa_device *d);

@@ -311,7 +311,8 @@ void npa_pending_poll(npa_allocator *a, npa_device *d) {
     else drain_batches(a, d, false);
 }
 
-void npa_pending_drain_all(npa_allocator *a, npa_device *d) {
+/* After a synchronize: every pending free is safe. */
+static void drain_all(npa_allocator *a, npa_device *d) {
     drain_batches(a, d, true);
     npa_block *blocks = d->open_batch;
     d->open_batch = NULL;
@@ -330,6 +331,6 @@ npa_error npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {
     npa_stats_begin(d);
     d->stats->num_sync_all_streams++;
     npa_stats_end(d);
-    npa_pending_drain_all(a, d);
+    drain_all(a, d);
     return NPA_OK;
 }

@@ -261,7 +261,6 @@ void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed)
 /* After aclrtResetDeviceForce: the device's streams are destroyed with it,
  * no longer live, and no fence waits for their events. */
 void npa_streams_device_released(int device);
-int npa_streams_live(void);                 /* created and not yet destroyed (dying included) */
 /* A fence over every live stream of the device and its default stream,
  * whatever the reuse policy (the executors need one always; and it is
  * backend.fence_record_always, ctx unused), into *fence. ACL_SUCCESS with
@@ -404,15 +403,13 @@ void npa_saver_forget_after_fork(void); /* in the child, saver_lock held */
 
 /* ---- snapshot.c ----------------------------------------------------------- */
 
-/* Writes the torch snapshot pickle to path; 0 or an errno value. A new or our
- * own regular file is written atomically (mode 0600); our own FIFO or a
- * character device is written to; anything else, and a path with a link on
- * the way, is refused (snapshot.c says how). Takes the device locks: call
- * with none held. */
-int npa_snapshot_write(npa_allocator *a, const char *path);
-/* The same for name in the directory dir_fd (the region's, opened safely). */
+/* Writes the torch snapshot pickle to name in the directory dir_fd (the
+ * region's, opened safely); 0 or an errno value. A new or our own regular
+ * file is written atomically (mode 0600); our own FIFO or a character device
+ * is written to; anything else is refused (snapshot.c says how). Takes the
+ * device locks: call with none held. */
 int npa_snapshot_write_at(npa_allocator *a, int dir_fd, const char *name);
-/* The reason for npa_snapshot_write's error, for its warning. */
+/* The reason for a snapshot write's error, for its warning. */
 const char *npa_snapshot_strerror(int err);
 /* After an OOM: the snapshot to oom_snapshot's path, if one is configured. */
 void npa_oom_snapshot(npa_allocator *a);

@@ -58,7 +58,7 @@ static int write_all(int fd, const char *p, size_t size)
     return 0;
 }
 
-/* npa_snapshot_write's errors of its own, outside errno's range: a
+/* A snapshot write's errors of its own, outside errno's range: a
  * directory on the path is a symbolic link; the name leaves no room for the
  * temporary's suffix; every temporary name tried was taken. */
 #define LINK_ON_THE_PATH 4096
@@ -255,7 +255,9 @@ int npa_snapshot_write_at(npa_allocator *a, int dir_fd, const char *name)
     return err;
 }
 
-int npa_snapshot_write(npa_allocator *a, const char *path)
+/* npa_snapshot_write_at for a path, refused when a directory on the way is
+ * a link. */
+static int write_to_path(npa_allocator *a, const char *path)
 {
     const char *name;
     int dir_fd;
@@ -272,7 +274,7 @@ void npa_oom_snapshot(npa_allocator *a)
     const char *path = npa_get_config(a)->oom_snapshot;
     if (path[0] == '\0')
         return;
-    int err = npa_snapshot_write(a, path);
+    int err = write_to_path(a, path);
     if (err != 0)
         npa_warn_once("oom_snapshot: cannot write %s: %s", path, npa_snapshot_strerror(err));
     else

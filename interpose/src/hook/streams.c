@@ -186,11 +186,6 @@ void npa_streams_device_released(int device)
     atomic_fetch_sub_explicit(&live_streams, (int)gone, memory_order_relaxed);
 }
 
-int npa_streams_live(void)
-{
-    return atomic_load_explicit(&live_streams, memory_order_relaxed);
-}
-
 static aclrtEvent take_event(dev_streams *d)
 {
     if (d->npool > 0)
@@ -312,7 +307,7 @@ int npa_fence_needed(void *ctx, int device)
          * locked compare-and-swap, a full barrier) and opens a stats section
          * with a release fence (on aarch64 a dmb ish, a full barrier), and
          * the runtime's own launch and synchronize share its locks. */
-        return npa_streams_live() > 0;
+        return atomic_load_explicit(&live_streams, memory_order_relaxed) > 0;
     case NPA_REUSE_SAFE:
         break;
     }

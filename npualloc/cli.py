@@ -27,6 +27,7 @@ from .errors import (CommandInterruptedError, CommandRejectedError, NoSuchProces
                      NpuallocError, OtherUserError)
 from .files import write_user_file
 from .region import Region, RegionHeader, live_regions, region_base
+from .summary import human_bytes
 
 EXIT_USAGE = 2
 
@@ -35,15 +36,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"npualloc: {message} (see `npualloc --help`)\n")
         sys.exit(EXIT_USAGE)
-
-
-def human_bytes(value: int) -> str:
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def _displayable(text: str) -> str:

@@ -32,6 +32,7 @@ from . import simulator
 from .conf_env import with_conf
 from .snapshot import load as load_any_snapshot
 from .errors import NpuallocError
+from .summary import human_bytes
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -67,14 +68,6 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (e.g. 64G, 16GiB, 512M)")
     number, unit = float(match.group(1)), match.group(2).lower()
     return int(number * (1 << (10 * " kmgt".index(unit or " "))))
-
-
-def human_bytes(value: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 # ---------------------------------------------------------------- trace -> event file

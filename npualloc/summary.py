@@ -4,6 +4,9 @@ Every line is 75 characters between two '|'; columns Cur Usage, Peak Usage,
 Tot Alloc, Tot Freed, 10 characters each. Sizes scale down while the row's
 first value stays >= 768 of the next unit, counts while >= 750 thousand, each
 column scaled by the value of the row's "all" line, as torch does.
+
+Also human_bytes, the one size format of the CLI's tables and the replay's
+report.
 """
 from __future__ import annotations
 
@@ -41,6 +44,15 @@ def _scaled(value: int, reference: float, units: tuple[str, ...], step: int, thr
         value //= step
         reference /= step
     return value, unit
+
+
+def human_bytes(value: float) -> str:
+    """value in the largest binary unit (up to TiB) that keeps it under 1024."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
 
 
 def format_size(value: int, reference: float) -> str:

@@ -15,7 +15,7 @@ from region_helpers import (Workload, assert_shows_command, cli_env, cli_with_tr
 import pytest
 
 import npualloc
-from npualloc.cli import human_bytes
+from npualloc.summary import human_bytes
 
 MiB = 1 << 20
 

@@ -25,7 +25,6 @@ import launch  # noqa: E402  (the one way to build the simulator's environment)
 
 BUILD = Path(os.environ.get("NPUALLOC_TEST_BUILD", ROOT / "build"))
 SIM_LIB = BUILD / "aclsim" / "lib64"
-SIM_PY = BUILD / "aclsim" / "python"
 NPUALLOC_LIB = BUILD / "lib" / "libnpualloc.so"
 
 

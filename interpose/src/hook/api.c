@@ -210,16 +210,7 @@ NPA_EXPORT void npualloc_free_snapshot(void *snapshot)
 
 NPA_EXPORT int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
 {
-    __typeof__(&aclrtGetMemInfo) real = NPA_REAL(aclrtGetMemInfo);
-    if (real == NULL)
-        return npa_no_runtime_error(NPA_FN_aclrtGetMemInfo);
-    npa_devswitch sw;
-    aclError err = npa_device_enter(device, &sw);
-    if (err != ACL_SUCCESS)
-        return err;
-    err = real(ACL_HBM_MEM, free_bytes, total_bytes);
-    npa_device_leave(&sw);
-    return err;
+    return npa_hook_mem_get_info(device, free_bytes, total_bytes);
 }
 
 NPA_EXPORT int npualloc_current_device(void)

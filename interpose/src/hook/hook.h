@@ -360,6 +360,9 @@ int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_c
 void npa_hook_remember_config(const npa_config *parsed, npa_runtime_key key);
 /* backend.synchronize: wait for all work queued on the device. */
 npa_error npa_hook_synchronize(int device);
+/* backend.mem_get_info and npualloc_mem_get_info: the device's HBM free and
+ * total bytes, asked on that device. */
+npa_error npa_hook_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 void npa_hook_before_reset(int device);
 void npa_hook_before_context_destroy(void); /* every device's cache back, under init_lock (1) */
 void npa_hook_before_finalize(void);

@@ -183,9 +183,8 @@ static npa_error be_synchronize(void *ctx, int device)
     return npa_hook_synchronize(device);
 }
 
-static npa_error be_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes)
+npa_error npa_hook_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes)
 {
-    (void)ctx;
     __typeof__(&aclrtGetMemInfo) real = NPA_REAL(aclrtGetMemInfo);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtGetMemInfo);
@@ -196,6 +195,12 @@ static npa_error be_mem_get_info(void *ctx, int device, size_t *free_bytes, size
     err = real(ACL_HBM_MEM, free_bytes, total_bytes);
     npa_device_leave(&sw);
     return err;
+}
+
+static npa_error be_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)ctx;
+    return npa_hook_mem_get_info(device, free_bytes, total_bytes);
 }
 
 static void be_warn(void *ctx, const char *message)

@@ -55,10 +55,6 @@
  *   6. that device's stream lock (streams.c dev_streams.lock), held across
  *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
  *      synchronize. Only fork_prepare holds several, in ascending order.
- *   5b. stack_lock (pystack.c): taken with none of ours held (after the
- *      GIL) to capture a stack at a malloc entry, and under a device lock (5)
- *      when a snapshot reads stacks; under it only the Python API, malloc
- *      and warn (8). The GIL is never waited for with any of ours held.
  *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
  *      or free of one, by memory_saver's pause/resume and by the region
  *      (8) writes of their figures, with none of 1-6 held, and by a pause
@@ -67,12 +63,16 @@
  *      first lookup of a runtime function (7), warn and the region's create
  *      lock (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
+ *   7b. stack_lock (pystack.c): taken with none of ours held (after the
+ *      GIL) to capture a stack at a malloc entry, and under a device lock (5)
+ *      when a snapshot reads stacks; under it only the Python API, malloc
+ *      and warn (seen_lock). The GIL is never waited for with any of ours held.
  *   8. the region's create lock (region.c g_create_lock): under it only
  *      warn.c's seen_lock (a region directory taken by another user is
  *      warned about while the region is created), a leaf that takes nothing.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
- * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 5b and seen_lock, in
+ * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 7b and seen_lock, in
  * that order, so no thread is inside those sections when the address space is
  * copied (a fork during `npualloc pause` waits for the resume, 6b being
  * held); it leaves out 3, 4, 5 and g_create_lock, which the child never

@@ -17,7 +17,7 @@
  * MAX_FRAMES frames in all. When a table is full, later new stacks are
  * recorded as none (one warning per table).
  *
- * Lock: stack_lock (hook.h, 5b), taken after the GIL when capturing, under a
+ * Lock: stack_lock (hook.h, 7b), taken after the GIL when capturing, under a
  * device lock when a snapshot reads stacks, and by fork_prepare; under it
  * only the Python API, malloc and warn are called. Never waited for the GIL
  * while holding it: a thread holding the GIL may be waiting for it. */

@@ -1,8 +1,8 @@
 /* The allocator core: pure caching policy (torch-aligned pools, rounding,
  * split/merge, GC, OOM retry, stats) over a small backend interface. It knows
  * nothing of ACL symbols, dlsym or shared memory: the hook layer gives it a
- * backend over the real runtime, C unit tests give it a fake one, the replay
- * tool gives it the simulator. */
+ * backend over the real runtime, C unit tests give it a fake one, the bench's
+ * hot path (tools/bench/hotpath.c, --allocator core) a no-op one. */
 #ifndef NPUALLOC_CORE_H
 #define NPUALLOC_CORE_H
 
@@ -107,7 +107,7 @@ typedef struct npa_backend {
 typedef enum npa_entry {
     NPA_ENTRY_MALLOC = 0,  /* aclrtMalloc / aclrtMallocCached: round up to 32, then +32 */
     NPA_ENTRY_ALIGN32 = 1, /* aclrtMallocAlign32: round up to 32 */
-    NPA_ENTRY_EXACT = 2,   /* replay and tests: the size as given */
+    NPA_ENTRY_EXACT = 2,   /* tests: the size as given */
 } npa_entry;
 
 typedef enum npa_free_result {
@@ -182,7 +182,7 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config);
 void npa_destroy(npa_allocator *a);
 
 /* Size after the entry point's contract and torch rounding (what a block of
- * this request occupies). Pure; exposed for tests and the replay tool. */
+ * this request occupies). Pure; exposed for tests. */
 size_t npa_entry_size(npa_entry entry, size_t size);
 size_t npa_round_size(const npa_config *config, size_t size);
 

@@ -198,7 +198,7 @@ struct npa_fence_batch {
     npa_fence_batch *next;
     /* A USES batch: the streams its fence has an event on (kept with the
      * batch, reused when it is recycled), so a poll can tell which later
-     * batches an unfinished one holds back (pending.c, drain_uses).
+     * batches an unfinished one holds back (pending.c, drain_batches).
      * stream_count NPA_STREAMS_UNKNOWN: not noted (no host memory), read
      * as "every stream". */
     uintptr_t *streams;
@@ -317,12 +317,12 @@ static inline bool npa_expandable_on(const npa_allocator *a) {
 
 /* alloc.c */
 npa_device *npa_device_create_slow(npa_allocator *a, int device);
-/* The device's state, created on first use when create is set; NULL for a
- * bad id (or no host memory). Inline: every malloc and free starts here. */
 /* Runs fn(a, d, arg) on one device (if it exists) or on every existing one
  * (device < 0), each under its lock, one at a time. */
 void npa_for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *, void *), void *arg);
 
+/* The device's state, created on first use when create is set; NULL for a
+ * bad id (or no host memory). Inline: every malloc and free starts here. */
 static inline npa_device *npa_device_get(npa_allocator *a, int device, bool create) {
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES) return NULL;
     npa_device *d = __atomic_load_n(&a->devices[device], __ATOMIC_ACQUIRE);
@@ -333,6 +333,10 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b);
 /* The same for a block whose allocation ended earlier (a recent block,
  * already counted inactive): merges it into its pool. */
 void npa_pool_return(npa_device *d, npa_block *b);
+/* Joins upper into lower, its address neighbour: the lower struct survives,
+ * so a segment's first block keeps its struct. Neither is in a pool. */
+void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper);
+double npa_gc_threshold(const npa_allocator *a);
 
 /* recent.c, under the device lock. */
 /* Whether a block the program frees now, reusable at once, waits in the
@@ -358,10 +362,6 @@ npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
 /* Every held block back to its pool (merged), so nothing waits unmerged
  * where the pools, empty_cache or an OOM retry need it. */
 void npa_recent_flush(npa_device *d);
-/* Joins upper into lower, its address neighbour: the lower struct survives,
- * so a segment's first block keeps its struct. Neither is in a pool. */
-void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper);
-double npa_gc_threshold(const npa_allocator *a);
 
 /* sizes.c */
 size_t npa_segment_size(size_t rounded);

@@ -33,16 +33,12 @@ npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t
     return err;
 }
 
-void npa_sample_device_memory(npa_allocator *a, int device) {
-    int first = device < 0 ? 0 : device, last = device < 0 ? NPUALLOC_MAX_DEVICES - 1 : device;
-    for (int id = first; a && id <= last; id++) {
-        npa_device *d = npa_device_get(a, id, false);
-        if (!d) continue;
-        npa_lock_acquire(&d->lock);
-        npa_stats_sample_device_memory(a, d, NULL, NULL);
-        npa_lock_release(&d->lock);
-    }
+static void sample_on(npa_allocator *a, npa_device *d, void *arg) {
+    (void)arg;
+    npa_stats_sample_device_memory(a, d, NULL, NULL);
 }
+
+void npa_sample_device_memory(npa_allocator *a, int device) { npa_for_devices(a, device, sample_on, NULL); }
 
 void npa_detach_stats_storage(npa_allocator *a) {
     if (!a) return;

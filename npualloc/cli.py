@@ -3,8 +3,11 @@
 Exit codes: 0 success, 1 other error, 2 usage, 3 no such process, 4 process
 not running under npualloc, 5 another user's process, 6 region of an
 incompatible version, 7 truncated or corrupt region, 8 command not
-acknowledged in time, 9 command rejected by the process; `run` passes the
-command's own exit code through (127: command not found, 126: not executable).
+acknowledged in time, 9 command rejected by the process, 10 process stopped
+(SIGSTOP, a debugger) in the middle of updating its stats (`replay --no-search`:
+the trace did not fit), 130 interrupted (Ctrl-C) while a command waited; `run`
+passes the command's own exit code through (127: command not found, 126: not
+executable).
 Every error is one line on stderr starting "npualloc: ".
 """
 from __future__ import annotations

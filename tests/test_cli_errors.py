@@ -15,7 +15,7 @@ from conftest import ROOT
 from region_helpers import (Workload, assert_one_line_error, cli_env, region_bytes, region_file, run_cli,
                             write_region)
 
-from npualloc import cli
+from npualloc import cli, errors
 from npualloc import region as region_module
 from npualloc.errors import CommandInterruptedError, CorruptRegionError, NpuallocError, OtherUserError
 from npualloc.region import Region, RegionHeader
@@ -40,6 +40,17 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run"], tmp_path), 2, "no command")
     # checked before the command is posted: the process could only say it rejected the argument
     assert_one_line_error(run_cli(["record-history", "1", "16777217"], tmp_path), 2, "at most 16777216 per device")
+
+
+def test_help_names_every_exit_code(tmp_path: Path) -> None:
+    """--help lists what each exit code means; 10 and 130 came later than the
+    list and were missing from it."""
+    proc = run_cli(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    codes = {cls.exit_code for cls in vars(errors).values() if isinstance(cls, type) and hasattr(cls, "exit_code")}
+    codes |= {cli.EXIT_USAGE}
+    assert sorted(code for code in codes if f" {code} " not in text) == [], text
 
 
 def test_no_such_process(tmp_path: Path) -> None:

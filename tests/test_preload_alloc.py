@@ -235,6 +235,22 @@ emit(codes=sorted(set(codes)), ooms=npualloc.memory_stats()["num_ooms"], freed=a
     assert [line.endswith("(later warnings like this one are not shown)") for line in lines] == [False] * 7 + [True]
 
 
+@pytest.mark.parametrize("variable", ["MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", None])
+def test_a_start_up_key_set_at_run_time_names_the_variable_to_set(variable):
+    """max_split_size_mb cannot change at run time; the warning named
+    PYTORCH_NPU_ALLOC_CONF whichever variable the process read, and
+    MindTorch's wins over it (`npualloc run --conf` sets MindTorch's)."""
+    env = preload_env(**({variable: "garbage_collection_threshold:0.5"} if variable else {}))
+    out, proc = run("""
+lib = ctypes.CDLL(None)
+emit(rejected=lib.npualloc_set_config(b"max_split_size_mb:128"))
+""", env)
+    assert out == {"rejected": 1}
+    assert proc.stderr.splitlines() == [
+        "npualloc: npualloc_set_config: max_split_size_mb cannot change at run time; set it in "
+        f"{variable or 'PYTORCH_NPU_ALLOC_CONF'} before the program starts"], proc.stderr
+
+
 def test_warnings_show_control_characters_as_question_marks():
     """A key the program passes to npualloc_set_config is printed in its
     warning: a newline in it forged a second "npualloc:" line and an escape

@@ -141,9 +141,9 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
         if (key_len == strlen(runtime_keys[i].name) && strncmp(key, runtime_keys[i].name, key_len) == 0)
             which = (int)runtime_keys[i].key;
     if (which < 0) {
-        npa_warn_once("npualloc_set_config: %.*s cannot change at run time; set it in PYTORCH_NPU_ALLOC_CONF "
-                      "before the program starts",
-                      (int)key_len, key);
+        npa_warn_once("npualloc_set_config: %.*s cannot change at run time; set it in %s before the program "
+                      "starts",
+                      (int)key_len, key, npa_hook_config_source());
         return 1;
     }
     npa_config parsed;

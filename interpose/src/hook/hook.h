@@ -341,6 +341,9 @@ npa_allocator *npa_hook_allocator_any(void);
 int npa_hook_disabled(void); /* NPUALLOC_DISABLE / PYTORCH_NO_CUDA_MEMORY_CACHING */
 /* The config from the environment, parsed once (its warnings printed once). */
 const npa_config *npa_hook_config(void);
+/* Where a user sets it: the variable it came from (MindTorch's before
+ * torch's), `npualloc run --conf`, or PYTORCH_NPU_ALLOC_CONF when none is set. */
+const char *npa_hook_config_source(void);
 /* The config keys npualloc_set_config may change at run time. */
 typedef enum npa_runtime_key {
     NPA_KEY_GC_THRESHOLD,

@@ -86,6 +86,12 @@ const npa_config *npa_hook_config(void)
     return &config;
 }
 
+const char *npa_hook_config_source(void)
+{
+    pthread_once(&config_once, load_config);
+    return config_var != NULL ? config_var : "PYTORCH_NPU_ALLOC_CONF";
+}
+
 /* Under init_lock. Atomic stores: npualloc_get_config reads this config
  * without the lock before the allocator exists. */
 static void store_key(const npa_config *parsed, npa_runtime_key key)

@@ -180,3 +180,37 @@ print(json.dumps(allocs))
     assert allocs[0] == ["gen_0", "caller", "<module>"] and allocs[-1] == []
     warnings = [line for line in proc.stderr.splitlines() if "code table is full" in line]
     assert len(warnings) == 1 and warnings[0].startswith("npualloc: record_stacks:"), proc.stderr
+
+
+def test_frame_table_full_warns_once(tmp_path: Path) -> None:
+    """The frame table (2^18 frames) fills before the stack table when stacks
+    are deep; a shorter new stack still fits after that, so the warning once
+    named counts that moved and printed again at each later refusal (up to
+    8 times), where the docs say one warning per table."""
+    code = """
+import acl, json, npualloc
+acl.init(); acl.rt.set_device(0)
+npualloc.record_memory_history(max_entries=100, stacks='python')
+def alloc():
+    p, _ = acl.rt.malloc(512, 0); acl.rt.free(p)
+def rec(depth, bits):
+    if depth == 0:
+        return alloc()
+    if bits & 1:
+        return rec(depth - 1, bits >> 1)
+    else:
+        return rec(depth - 1, bits >> 1)
+for i in range(7000):  # distinct stacks of 43 frames: more than 2^18 frames in all
+    rec(40, i)
+for j in range(12):
+    exec(f"def s{j}():\\n    alloc()\\n", globals())  # new code: a short new stack, which fits
+    globals()[f"s{j}"]()
+    rec(40, 10**6 + j)  # a deep new stack, which does not
+"""
+    script = tmp_path / "deep.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], env=preload_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "stack table is full" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("npualloc: record_stacks:"), proc.stderr

@@ -205,8 +205,11 @@ static uint32_t intern_stack(const frame_entry *f, uint32_t depth)
             return id;
     }
     if (stack_count == MAX_STACKS || MAX_FRAMES - frame_count < depth) {
-        npa_warn_once("record_stacks: the stack table is full (%u stacks, %u frames); later new stacks are "
-                      "recorded without frames", stack_count, frame_count);
+        /* The tables' sizes, not their counts: a stack refused for want of
+         * frames leaves room for shorter ones, whose frame count would make
+         * each later refusal's text a new warning. */
+        npa_warn_once("record_stacks: the stack table is full (%u stacks or %u frames); later new stacks that do "
+                      "not fit are recorded without frames", (unsigned)MAX_STACKS, MAX_FRAMES);
         return 0;
     }
     memcpy(&frames[frame_count], f, depth * sizeof *f);

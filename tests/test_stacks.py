@@ -151,8 +151,9 @@ print(json.dumps([len(allocs), sum(1 for f in allocs if f), sum(1 for f in alloc
 
 def test_code_table_full_records_no_stack_rather_than_one_without_the_allocating_frame(tmp_path: Path) -> None:
     """A long run that keeps making code objects (exec, recompiled graphs)
-    fills the code table (4096) long before the stack table: a stack through
-    new code is then recorded without frames, with one warning, never as a
+    fills the code table (4096) long before the stack table: a stack then
+    ends at its first frame of new code, with one warning, so one whose
+    allocating function is new code is recorded without frames, never as a
     stack that leaves the allocating function out and names its caller."""
     code = """
 import acl, json, npualloc
@@ -160,10 +161,17 @@ acl.init(); acl.rt.set_device(0)
 npualloc.record_memory_history(max_entries=20000, stacks='python')
 def caller(fn):
     return fn()
+def known():
+    p, _ = acl.rt.malloc(512, 0)
+    acl.rt.free(p)
+known()  # its code in the table
 for i in range(4200):
     ns = {"acl": acl}
     exec(f"def gen_{i}():\\n    p, _ = acl.rt.malloc(512, 0)\\n    acl.rt.free(p)\\n", ns)
     caller(ns[f"gen_{i}"])
+ns = {"known": known}
+exec("def new_wrapper():\\n    known()\\n", ns)
+ns["new_wrapper"]()  # known code under new code: the stack ends at the new frame
 trace = npualloc._snapshot()["device_traces"][0]
 allocs = [[f["name"] for f in e["frames"]] for e in trace if e["action"] == "alloc"]
 print(json.dumps(allocs))
@@ -174,10 +182,11 @@ print(json.dumps(allocs))
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     allocs = json.loads(proc.stdout)
-    assert len(allocs) == 4200
-    assert all(stack == [] or stack[0].startswith("gen_") for stack in allocs), \
+    assert len(allocs) == 4202
+    assert all(stack == [] or stack[0].startswith("gen_") for stack in allocs[1:-1]), \
         [stack for stack in allocs if stack and not stack[0].startswith("gen_")][:3]
-    assert allocs[0] == ["gen_0", "caller", "<module>"] and allocs[-1] == []
+    assert allocs[1] == ["gen_0", "caller", "<module>"] and allocs[-2] == []
+    assert allocs[-1] == ["known"]  # the frames inside the first one the full table cannot hold
     warnings = [line for line in proc.stderr.splitlines() if "code table is full" in line]
     assert len(warnings) == 1 and warnings[0].startswith("npualloc: record_stacks:"), proc.stderr
 

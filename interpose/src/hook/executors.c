@@ -42,7 +42,7 @@ static size_t slot_of(const aclOpExecutor *e, size_t cap)
  * the live ones need (a quarter full at most), not at twice the old size:
  * each destroy leaves a tombstone, so a program that makes and destroys
  * repeatable executors one at a time, at addresses that rarely repeat, fills
- * the table with them, and doubling at each rebuild grew it by about 6 bytes
+ * the table with them, and doubling at each rebuild grew it by 4-16 bytes
  * per executor ever made, with one live (64 MiB after 10 million). */
 static int set_grow(void)
 {

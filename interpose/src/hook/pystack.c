@@ -14,12 +14,13 @@
  * so its address is never reused) with copies of its file and function
  * names, up to MAX_CODES; a stack is a sequence of (code, line) of at most
  * MAX_DEPTH innermost frames, stored once, up to MAX_STACKS stacks and
- * MAX_FRAMES frames in all. When a table is full, later new stacks are
- * recorded as none (one warning per table).
+ * MAX_FRAMES frames in all. When the stack table is full, later new stacks
+ * are recorded as none; when the code table is, stacks end at the first
+ * frame of new code (one warning per table).
  *
  * Lock: stack_lock (hook.h, 7b), taken after the GIL when capturing, under a
  * device lock when a snapshot reads stacks, and by fork_prepare; under it
- * only the Python API, malloc and warn are called. Never waited for the GIL
+ * only the Python API and malloc are called (warnings wait for its release). Never waited for the GIL
  * while holding it: a thread holding the GIL may be waiting for it. */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -191,8 +192,13 @@ static uint64_t hash_frames(const frame_entry *f, uint32_t depth)
     return h;
 }
 
+/* What a capture could not record: warned about once stack_lock is
+ * released (a write to a stderr pipe nobody reads blocks, and fork_prepare
+ * and snapshots under a device lock take stack_lock). */
+enum { TABLE_CODES_FULL = 1, TABLE_STACKS_FULL = 2 };
+
 /* The id of the stack of depth frames, storing it if new; 0 when full. */
-static uint32_t intern_stack(const frame_entry *f, uint32_t depth)
+static uint32_t intern_stack(const frame_entry *f, uint32_t depth, unsigned *full)
 {
     uint64_t hash = hash_frames(f, depth);
     uint32_t slot = (uint32_t)(hash % (2 * MAX_STACKS));
@@ -205,11 +211,7 @@ static uint32_t intern_stack(const frame_entry *f, uint32_t depth)
             return id;
     }
     if (stack_count == MAX_STACKS || MAX_FRAMES - frame_count < depth) {
-        /* The tables' sizes, not their counts: a stack refused for want of
-         * frames leaves room for shorter ones, whose frame count would make
-         * each later refusal's text a new warning. */
-        npa_warn_once("record_stacks: the stack table is full (%u stacks or %u frames); later new stacks that do "
-                      "not fit are recorded without frames", (unsigned)MAX_STACKS, MAX_FRAMES);
+        *full |= TABLE_STACKS_FULL;
         return 0;
     }
     memcpy(&frames[frame_count], f, depth * sizeof *f);
@@ -220,23 +222,27 @@ static uint32_t intern_stack(const frame_entry *f, uint32_t depth)
 }
 
 /* Walks the frames innermost first; each PyFrame_GetBack reference is
- * dropped once the next one is held. */
-static uint32_t capture_locked(void)
+ * dropped once the next one is held. A frame whose code the full code table
+ * cannot hold ends the stack there, as MAX_DEPTH does: the frames inside it
+ * are kept, and a stack whose allocating frame is such code is none (one
+ * without it would name its caller as the allocating line). A run that
+ * keeps making code objects (exec, recompiled graphs) gets there once its
+ * first MAX_CODES are in. */
+static uint32_t capture_locked(unsigned *full)
 {
     frame_entry walked[MAX_DEPTH];
     uint32_t depth = 0;
     void *frame = py.get_frame();
     if (frame)
         py.incref(frame);
-    bool complete = true;
-    while (frame && depth < MAX_DEPTH && complete) {
+    while (frame && depth < MAX_DEPTH && !(*full & TABLE_CODES_FULL)) {
         void *code = py.frame_code(frame);
         if (code) {
             uint32_t index = intern_code(code);
             if (index != UINT32_MAX)
                 walked[depth++] = (frame_entry){index, py.frame_line(frame)};
             else
-                complete = false;
+                *full |= TABLE_CODES_FULL;
             py.decref(code);
         }
         void *back = py.frame_back(frame);
@@ -245,16 +251,21 @@ static uint32_t capture_locked(void)
     }
     if (frame)
         py.decref(frame);
-    if (!complete) {
-        /* A stack without the frames of code the table has no room for
-         * would name its caller as the allocating line: none, as when the
-         * stack table is full. A run that keeps making code objects (exec,
-         * recompiled graphs) gets here once its first MAX_CODES are in. */
-        npa_warn_once("record_stacks: the code table is full (%u code objects); later stacks through new code "
-                      "are recorded without frames", code_count);
-        return 0;
-    }
-    return depth ? intern_stack(walked, depth) : 0;
+    return depth ? intern_stack(walked, depth, full) : 0;
+}
+
+/* The tables' sizes, not their counts: a stack refused for want of frames
+ * leaves room for shorter ones, whose frame count would make each later
+ * refusal's text a new warning. */
+static void warn_tables_full(unsigned full)
+{
+    if (full & TABLE_CODES_FULL)
+        npa_warn_once("record_stacks: the code table is full (%u code objects); frames of code first seen after "
+                      "that are left out of stacks (a stack whose allocating frame is one is recorded without frames)",
+                      (unsigned)MAX_CODES);
+    if (full & TABLE_STACKS_FULL)
+        npa_warn_once("record_stacks: the stack table is full (%u stacks or %u frames); later new stacks that do "
+                      "not fit are recorded without frames", (unsigned)MAX_STACKS, MAX_FRAMES);
 }
 
 void npa_pystack_take(void)
@@ -269,12 +280,14 @@ void npa_pystack_take(void)
         return;
     bool had_gil = holds_gil(mine);
     int gil_state = had_gil ? 0 : py.gil_ensure();
+    unsigned full = 0;
     npa_mutex_lock(&stack_lock);
     if (tables_state == 0)
         tables_state = allocate_tables() ? 1 : -1;
     if (tables_state == 1)
-        taken = capture_locked();
+        taken = capture_locked(&full);
     npa_mutex_unlock(&stack_lock);
+    warn_tables_full(full);
     if (!had_gil)
         py.gil_release(gil_state);
 }

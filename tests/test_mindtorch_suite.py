@@ -44,17 +44,17 @@ REPLACED_INTERNALS = {
 RACES_IN_MINDTORCH = {
     "test_npu_pad_sequence_left": "MindTorch race: async fill vs synchronous memcpy (fails alone too with slow ops)",
     "test_npu_pad_sequence_right": "MindTorch race: async fill vs synchronous memcpy (fails alone too with slow ops)",
-    # Seen failing in 4 of 6 full-suite runs under npualloc and in 1 of 4 on
-    # MindTorch alone, never in test_ops_npu.py alone. Traced through the
-    # pass-through (every malloc/free logged): MindTorch frees the output's
-    # address right after the op ran, in a burst of frees before the test
-    # reads it, with no allocation of that address in between; the address
-    # had last been freed under an earlier tensor and handed out again as this
-    # output. So MindTorch frees a block it still reads; the result holds
-    # int32 [1, 0] instead of [1., 4.]. Which MindTorch path frees it, and
-    # what writes those bytes, is not traced further (open).
-    "test_npu_masked_select": "MindTorch frees the output's block before reading it in some full runs; "
-                              "alone too",
+    # A race of the same kind: masked_select queues aclnnMaskedSelect into a
+    # block sized for every element, then _slice_along_dim copies the selected
+    # prefix out of it with a synchronous acl.rt.memcpy (D2D) without
+    # synchronizing the stream, so when the op has not run yet the copy takes
+    # the block's previous bytes (zeros, or an earlier tensor's when the block
+    # is reused). Traced byte for byte: the copied bytes are the stale ones,
+    # the op's output lands after the copy. Fails on MindTorch alone too (every
+    # time with NPUSIM_OP_US=2000); npualloc's fast malloc between launch and
+    # copy makes the window short enough to lose in most full runs.
+    "test_npu_masked_select": "MindTorch race: async aclnnMaskedSelect vs the synchronous D2D memcpy of "
+                              "_slice_along_dim (fails alone too with slow ops)",
 }
 
 

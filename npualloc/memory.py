@@ -12,7 +12,7 @@ from typing import Any
 
 from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, constants, ffi, loaded_library, runtime_library
 from .errors import NotUnderNpuallocError, NpuallocError
-from .region import COMMAND_TIMEOUT_S, Region
+from .region import COMMAND_TIMEOUT_S, Region, live_regions
 from .summary import format_summary
 
 # Pool order of every per-pool stat array (NPUALLOC_POOL_ALL, _SMALL, _LARGE).
@@ -289,6 +289,30 @@ def _runtime_mem_get_info(runtime: Any, device: object, free_bytes: Any, total_b
         runtime.aclrtResetDevice(index)
         if previous >= 0 and runtime.aclrtSetDevice(previous) == 0:
             runtime.aclrtResetDevice(previous)
+
+
+def list_gpu_processes(device: object = None) -> str:
+    """torch's list_gpu_processes() in its format ("NPU" for "GPU"): each
+    process under npualloc holding memory of the device (None: this thread's
+    current one), with its reserved bytes as its region reports them. Only
+    npualloc's processes are seen, of this user (of every user for root), as
+    `npualloc ls` lists them; one whose region cannot be read is left out."""
+    index = device_index(device)
+    lines = [f"NPU:{index}"]
+    for entry, opened in live_regions():
+        if isinstance(opened, NpuallocError):
+            continue
+        try:
+            with opened as region:
+                if index not in region.devices_in_use():
+                    continue
+                reserved = int(region.read_device_stats(index).reserved_bytes[0].current)
+        except NpuallocError:
+            continue
+        lines.append(f"process {entry.pid:>10d} uses {reserved / (1024 * 1024):>12.3f} MB NPU memory")
+    if len(lines) == 1:
+        lines.append("no processes are running")
+    return "\n".join(lines)
 
 
 def mem_get_info(device: object = None) -> tuple[int, int]:

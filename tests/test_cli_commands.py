@@ -135,6 +135,23 @@ def test_ls_lists_live_processes_and_cleans_stale_regions(tmp_path: Path) -> Non
     assert run_cli(["ls"], tmp_path).stdout == "no process is running under npualloc\n"
 
 
+def test_list_gpu_processes_lists_the_devices_processes_in_torchs_format(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda.list_gpu_processes(device)'s printout, from the regions
+    `ls` reads: the processes holding memory of that device, none on another."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    assert npualloc.list_gpu_processes(0) == "NPU:0\nno processes are running"
+    with Workload(tmp_path) as first, Workload(tmp_path) as second:
+        first.call(f"malloc({3 * MiB})")
+        second.call("malloc(4096)")
+        lines = npualloc.list_gpu_processes("npu:0").splitlines()
+        assert lines[0] == "NPU:0"
+        assert sorted(lines[1:]) == sorted(
+            f"process {w.pid:>10d} uses {npualloc.memory_reserved(0, pid=w.pid) / MiB:>12.3f} MB NPU memory"
+            for w in (first, second))
+        assert npualloc.list_gpu_processes(1) == "NPU:1\nno processes are running"
+
+
 def test_ls_lists_healthy_processes_beside_a_region_stuck_mid_update(tmp_path: Path, sleeper: int) -> None:
     stuck_path = write_region(tmp_path, sleeper, stuck_region_bytes(sleeper))
     with Workload(tmp_path) as healthy:

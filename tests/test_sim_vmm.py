@@ -77,3 +77,19 @@ def test_vmm_parameter_rules_and_capacity():
         aclsim.fail_next_mallocs(1)
         assert physical(2 * MiB)[1] == 207001                   # fault injection covers physical memory
     """, NPUSIM_HBM_MB="8")
+
+
+def test_map_mem_needs_a_granular_address():
+    # The device maps whole 2 MiB pages: a mapping that starts inside one (an
+    # expandable segment's page computed at a wrong offset) is refused, not
+    # quietly made at a 4 KiB host page.
+    sim("""
+        va = ctypes.c_void_p()
+        ok(rt.aclrtReserveMemAddress(ctypes.byref(va), 4 * MiB, 0, None, 0))
+        h, ret = physical(2 * MiB); ok(ret)
+        assert rt.aclrtMapMem(va.value + 4096, 2 * MiB, 0, h, 0) == 100000
+        assert rt.aclrtMapMem(va.value + MiB, 2 * MiB, 0, h, 0) == 100000
+        ok(rt.aclrtMapMem(va.value + 2 * MiB, 2 * MiB, 0, h, 0))
+        ok(rt.aclrtUnmapMem(va.value + 2 * MiB)); ok(rt.aclrtFreePhysical(h))
+        ok(rt.aclrtReleaseMemAddress(va.value))
+    """)

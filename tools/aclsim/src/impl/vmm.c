@@ -231,8 +231,11 @@ SIM_EXPORT aclError simrt_MapMem(void *virPtr, size_t size, size_t offset, aclrt
     struct sim_physical *h = handle;
     struct sim_reservation *r = reservation_of(virPtr);
     char *va = virPtr;
-    /* The target must lie in one reservation, be unmapped, and the handle must hold offset + size. */
-    int ok = r != NULL && is_live_physical(h) && offset + size <= h->size && va + size <= r->base + r->size;
+    /* The target must lie in one reservation at a multiple of the granularity
+     * (the device maps whole 2 MiB pages: a mapping cannot start inside one),
+     * be unmapped, and the handle must hold offset + size. */
+    int ok = r != NULL && granular((size_t)(va - r->base)) && is_live_physical(h) && offset + size <= h->size &&
+             va + size <= r->base + r->size;
     for (struct sim_mapping *o = ok ? r->maps : NULL; o != NULL; o = o->next)
         if (va < o->va + o->size && o->va < va + size)
             ok = 0;

@@ -256,3 +256,29 @@ def test_call_counters_and_both_runtime_libraries():
         aclsim.reset_counters()
         assert aclsim.call_count("aclrtMalloc") == 0
     """)
+
+
+def test_copy_kind_host_side_must_not_be_device_memory():
+    # A kind that calls a device pointer host memory (swapped arguments, a
+    # wrong kind) is refused, as the device path is: otherwise the sim copied
+    # it like host memory, unchecked, so reading a freed block through it
+    # went unseen.
+    proc = sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        H2H, H2D, D2H, D2D = 0, 1, 2, 3
+        a, ret = acl.rt.malloc(64, 0); ok(ret)
+        b, ret = acl.rt.malloc(64, 0); ok(ret)
+        ok(acl.rt.memset(a, 64, 0x11, 64)); ok(acl.rt.memset(b, 64, 0x22, 64))
+        host = bytearray(64); h = acl.util.bytes_to_ptr(host)
+        assert acl.rt.memcpy(b, 64, a, 64, H2D) == 107000   # src is device memory
+        assert acl.rt.memcpy(b, 64, a, 64, D2H) == 107000   # dst is device memory
+        assert acl.rt.memcpy(b, 64, a, 64, H2H) == 107000   # both (two invalid accesses)
+        assert acl.util.ptr_to_bytes(b, 64) == b"\\x22" * 64  # nothing copied
+        ok(acl.rt.free(a))
+        assert acl.rt.memcpy(h, 64, a, 64, H2H) == 107000   # a freed block, read as host memory
+        ok(acl.rt.memcpy(b, 64, h, 64, H2D)); ok(acl.rt.memcpy(h, 64, b, 64, D2H))
+        ok(acl.rt.memcpy(b, 64, h, 64, 4)); ok(acl.rt.memcpy(h, 64, h, 32, H2H))
+        ok(acl.rt.memcpy_async(b, 64, b, 64, H2D, 0)); ok(acl.rt.synchronize_stream(0))
+        assert aclsim.invalid_accesses() == 6
+    """)
+    assert "is device memory where the copy kind says host memory" in proc.stderr

@@ -133,6 +133,9 @@ int sim_is_device_address(const void *p);
  * is not inside one live allocation or mapped VMM range, and returns 0 only
  * when touching it would fault (so the caller skips the effect). */
 int sim_check_range(const void *p, size_t n, const char *what);
+/* The same for a side of a copy its kind calls host memory: 0 (counted and
+ * reported) when any of it is device memory, which the copy skips. */
+int sim_check_host_range(const void *p, size_t n, const char *what);
 
 /* ---- virtual memory (vmm.c), lock held ---- */
 /* 1: p..p+n inside a reservation and fully mapped; 0: inside a reservation

@@ -51,3 +51,17 @@ int sim_check_range(const void *p, size_t n, const char *what)
     invalid(what, p, n, vmm == 0 ? "is not fully mapped (VMM)" : "is not device memory");
     return 0;
 }
+
+int sim_check_host_range(const void *p, size_t n, const char *what)
+{
+    if (n == 0)
+        return 1;
+    const char *last = (const char *)p + n - 1;
+    if (!sim_is_device_address(p) && !sim_is_device_address(last))
+        return 1;
+    /* Device memory is not host memory: the copy engine would take the
+     * device address for a host one (and no check of device memory, freed
+     * or not, would apply). The kind names the wrong side. */
+    invalid(what, p, n, "is device memory where the copy kind says host memory");
+    return 0;
+}

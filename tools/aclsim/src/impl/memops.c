@@ -11,9 +11,9 @@ int sim_do_copy(const struct sim_copy *c)
 {
     pthread_mutex_lock(&sim_lock);
     int ok = 1;
-    if (c->src_dev && !sim_check_range(c->src, c->n, c->api))
+    if (!(c->src_dev ? sim_check_range(c->src, c->n, c->api) : sim_check_host_range(c->src, c->n, c->api)))
         ok = 0;
-    if (c->dst_dev && !sim_check_range(c->dst, c->n, c->api))
+    if (!(c->dst_dev ? sim_check_range(c->dst, c->n, c->api) : sim_check_host_range(c->dst, c->n, c->api)))
         ok = 0;
     if (ok)
         memmove(c->dst, c->src, c->n);

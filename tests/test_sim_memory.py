@@ -282,3 +282,33 @@ def test_copy_kind_host_side_must_not_be_device_memory():
         assert aclsim.invalid_accesses() == 6
     """)
     assert "is device memory where the copy kind says host memory" in proc.stderr
+
+
+def test_policy_picks_the_pages():
+    # HUGE_FIRST: huge pages over 1 MiB; HUGE_ONLY: always; NORMAL_ONLY: never
+    # (only the 64-byte guarantee, so no allocator may count on more); HUGE1G:
+    # 1 GiB granularity. Flag bits and P2P variants pick the same pages.
+    sim("""
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        MiB, GiB = 1 << 20, 1 << 30
+        keep = []
+        def block(size, policy):
+            p, ret = acl.rt.malloc(size, policy); ok(ret)
+            keep.append(p)
+            return p
+        for _ in range(3):
+            block(64, 2)                        # leaves the arena's next free byte unaligned
+            p = block(3 * MiB, 2)               # NORMAL_ONLY
+            assert p % (2 * MiB) != 0, hex(p)
+        assert block(64, 1) % (2 * MiB) == 0    # HUGE_ONLY
+        assert block(64, 1 | 0x1000) % (2 * MiB) == 0
+        block(64, 0)
+        assert block(3 * MiB, 0) % (2 * MiB) == 0   # HUGE_FIRST, over 1 MiB
+        free0 = acl.rt.get_mem_info(1)[0]
+        p = block(64, 6)                        # HUGE1G_ONLY
+        assert p % GiB == 0 and aclsim.allocation_info(p) == (64, GiB)
+        assert free0 - acl.rt.get_mem_info(1)[0] == GiB
+        for p in keep:
+            ok(acl.rt.free(p))
+        assert aclsim.bytes_outstanding(0) == 0
+    """)

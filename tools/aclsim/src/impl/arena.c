@@ -15,7 +15,9 @@
 #include "internal.h"
 
 #define POISON_BYTE 0xDB
-#define HUGE_PAGE (2ull << 20)
+/* The base is aligned to the largest page (1 GiB, HUGE1G_ONLY), so aligning
+ * an offset aligns the address. */
+#define BASE_ALIGN (1ull << 30)
 /* The reserved range is made read-write lazily, in steps this large. */
 #define RW_STEP (64ull << 20)
 
@@ -24,16 +26,15 @@ static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 int sim_arena_reserve(struct sim_arena *a, uint64_t size)
 {
     /* PROT_NONE + NORESERVE costs no commit charge, whatever the overcommit policy. */
-    char *raw = mmap(NULL, size + HUGE_PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    char *raw = mmap(NULL, size + BASE_ALIGN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw == MAP_FAILED)
         return -1;
     a->segs = malloc(16 * sizeof *a->segs);
     if (a->segs == NULL) {
-        munmap(raw, size + HUGE_PAGE);
+        munmap(raw, size + BASE_ALIGN);
         return -1;
     }
-    /* A 2 MiB aligned base lets huge blocks be 2 MiB aligned as addresses. */
-    a->base = (char *)align_up((uint64_t)(uintptr_t)raw, HUGE_PAGE);
+    a->base = (char *)align_up((uint64_t)(uintptr_t)raw, BASE_ALIGN);
     a->size = size;
     a->mapped_rw = 0;
     a->cap = 16;

@@ -1,17 +1,36 @@
 /* The aclrtMalloc family, aclrtFree and aclrtGetMemInfo.
  * Capacity accounting follows the real runtime's rounding: aclrtMalloc and
  * aclrtMallocCached charge round_up(size, 32) + 32, aclrtMallocAlign32 charges
- * round_up(size, 32). Every block starts 64-byte aligned; blocks over 1 MiB
- * start 2 MiB aligned, as the huge pages HUGE_FIRST gives them. */
+ * round_up(size, 32). Every block starts 64-byte aligned. The policy picks the
+ * pages: HUGE_FIRST gives blocks over 1 MiB 2 MiB huge pages (so they start
+ * 2 MiB aligned) and smaller ones normal pages, HUGE_ONLY always huge pages,
+ * NORMAL_ONLY never, and HUGE1G_ONLY 1 GiB pages: 1 GiB aligned, charged in
+ * whole GiB (its granularity). */
 #include "internal.h"
 
 #define HUGE_THRESHOLD (1ull << 20)
 #define HUGE_ALIGN (2ull << 20)
 #define BLOCK_ALIGN 64
+#define GIANT_PAGE (1ull << 30)
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-static aclError device_malloc(enum sim_api api, void **devPtr, size_t size, int pad32)
+/* Where a block of this policy starts: the page size it gets (the P2P
+ * variants get the same pages; the memory-type flag bits sit above 0xff). */
+static uint64_t policy_align(aclrtMemMallocPolicy policy, size_t size)
+{
+    switch ((unsigned)policy & 0xffu) {
+    case ACL_MEM_MALLOC_HUGE_ONLY:
+    case ACL_MEM_MALLOC_HUGE_ONLY_P2P: return HUGE_ALIGN;
+    case ACL_MEM_MALLOC_NORMAL_ONLY:
+    case ACL_MEM_MALLOC_NORMAL_ONLY_P2P: return BLOCK_ALIGN;
+    case ACL_MEM_MALLOC_HUGE1G_ONLY:
+    case ACL_MEM_MALLOC_HUGE1G_ONLY_P2P: return GIANT_PAGE;
+    default: return size > HUGE_THRESHOLD ? HUGE_ALIGN : BLOCK_ALIGN;
+    }
+}
+
+static aclError device_malloc(enum sim_api api, void **devPtr, size_t size, aclrtMemMallocPolicy policy, int pad32)
 {
     sim_count(api);
     if (devPtr == NULL || size == 0)
@@ -25,7 +44,9 @@ static aclError device_malloc(enum sim_api api, void **devPtr, size_t size, int 
     if (size > cfg->hbm_bytes)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     uint64_t accounted = align_up(size, 32) + (pad32 ? 32 : 0);
-    uint64_t align = size > HUGE_THRESHOLD ? HUGE_ALIGN : BLOCK_ALIGN;
+    uint64_t align = policy_align(policy, size);
+    if (align == GIANT_PAGE)
+        accounted = align_up(accounted, GIANT_PAGE);
 
     struct sim_device *d = sim_device(id);
     pthread_mutex_lock(&sim_lock);
@@ -48,20 +69,17 @@ static aclError device_malloc(enum sim_api api, void **devPtr, size_t size, int 
 
 SIM_EXPORT aclError simrt_Malloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
 {
-    (void)policy; /* placement is the same for every policy; only the rounding differs per API */
-    return device_malloc(SIM_API_aclrtMalloc, devPtr, size, 1);
+    return device_malloc(SIM_API_aclrtMalloc, devPtr, size, policy, 1);
 }
 
 SIM_EXPORT aclError simrt_MallocAlign32(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
 {
-    (void)policy;
-    return device_malloc(SIM_API_aclrtMallocAlign32, devPtr, size, 0);
+    return device_malloc(SIM_API_aclrtMallocAlign32, devPtr, size, policy, 0);
 }
 
 SIM_EXPORT aclError simrt_MallocCached(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
 {
-    (void)policy;
-    return device_malloc(SIM_API_aclrtMallocCached, devPtr, size, 1);
+    return device_malloc(SIM_API_aclrtMallocCached, devPtr, size, policy, 1);
 }
 
 /* Lock held. Finds the device and segment of a block start, or returns 0. */

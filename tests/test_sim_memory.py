@@ -312,3 +312,13 @@ def test_policy_picks_the_pages():
             ok(acl.rt.free(p))
         assert aclsim.bytes_outstanding(0) == 0
     """)
+
+
+def test_finalize_before_init_leaves_init_possible():
+    sim("""
+        assert acl.finalize() == 100001                         # nothing to finalize yet
+        ok(acl.init()); ok(acl.rt.set_device(0))
+        p, ret = acl.rt.malloc(64, 0); ok(ret)                  # the runtime works
+        ok(acl.rt.free(p))
+        ok(acl.finalize())
+    """)

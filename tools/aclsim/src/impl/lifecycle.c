@@ -32,9 +32,12 @@ SIM_EXPORT aclError simrt_Finalize(void)
 {
     sim_count(SIM_API_aclFinalize);
     pthread_mutex_lock(&sim_lock);
-    if (finalized) {
+    if (!initialized || finalized) {
+        /* Nothing to finalize before aclInit: refused, and aclInit stays
+         * possible (latching "finalized" here left a process whose aclInit
+         * succeeded and whose every later call said 100001). */
         pthread_mutex_unlock(&sim_lock);
-        return ACL_ERROR_REPEAT_FINALIZE;
+        return initialized ? ACL_ERROR_REPEAT_FINALIZE : ACL_ERROR_UNINITIALIZE;
     }
     finalized = 1;
     /* Finalize resets every device: queued work drains, streams go away.

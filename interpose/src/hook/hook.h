@@ -65,8 +65,9 @@
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
  *   7b. stack_lock (pystack.c): taken with none of ours held (after the
  *      GIL) to capture a stack at a malloc entry, and under a device lock (5)
- *      when a snapshot reads stacks; under it only the Python API, malloc
- *      and warn (seen_lock). The GIL is never waited for with any of ours held.
+ *      when a snapshot reads stacks; under it only the Python API and
+ *      malloc (its warnings wait for the release). The GIL is never waited
+ *      for with any of ours held.
  *   8. the region's create lock (region.c g_create_lock): under it only
  *      warn.c's seen_lock (a region directory taken by another user is
  *      warned about while the region is created), a leaf that takes nothing.

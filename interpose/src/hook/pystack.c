@@ -20,8 +20,9 @@
  *
  * Lock: stack_lock (hook.h, 7b), taken after the GIL when capturing, under a
  * device lock when a snapshot reads stacks, and by fork_prepare; under it
- * only the Python API and malloc are called (warnings wait for its release). Never waited for the GIL
- * while holding it: a thread holding the GIL may be waiting for it. */
+ * only the Python API and malloc are called (warnings wait for its
+ * release). Never waited for the GIL while holding it: a thread holding the
+ * GIL may be waiting for it. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>

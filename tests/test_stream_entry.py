@@ -76,10 +76,12 @@ elif mode == "churn":
     print(json.dumps({"left": left, "clobbers": aclsim.workspace_clobbers(), "invalid": aclsim.invalid_accesses()}))
 elif mode == "snapshot":
     import npualloc
+    npualloc.record_memory_history(max_entries=100)
     buf = malloc(N, s1)
     plain, ret = acl.rt.malloc(N, 0); assert ret == 0
-    segments = npualloc.memory_snapshot()
-    print(json.dumps({"streams": {seg["blocks"][0]["address"]: seg["stream"] for seg in segments},
+    snapshot = npualloc._snapshot()
+    print(json.dumps({"streams": {seg["blocks"][0]["address"]: seg["stream"] for seg in snapshot["segments"]},
+                      "events": [[e["action"], e["addr"], e["stream"]] for e in snapshot["device_traces"][0]],
                       "buf": buf, "plain": plain, "s1": s1}))
 elif mode == "outlive":
     # Tensors that outlive their stream, freed on it afterwards as MindTorch frees them.
@@ -179,12 +181,17 @@ def test_a_stream_made_and_destroyed_per_step_leaves_nothing_reserved(destroy):
     assert out["clobbers"] == 0 and out["invalid"] == 0
 
 
-def test_snapshot_segments_name_their_stream():
-    """As torch's segmentInfo.stream: a segment of a stream's pools names that
-    stream, one of aclrtMalloc's (which carries none) stream 0."""
+def test_snapshot_segments_and_trace_events_name_their_stream():
+    """As torch's segmentInfo.stream and its trace entries' stream: a segment
+    of a stream's pools, and each event of its blocks, names that stream;
+    aclrtMalloc's (which carries none) stream 0. The events all read 0 once."""
     out = run("snapshot", 0)
     assert out["s1"] != 0
     assert out["streams"] == {str(out["buf"]): out["s1"], str(out["plain"]): 0}
+    allocs = [[addr, stream] for action, addr, stream in out["events"] if action == "alloc"]
+    assert allocs == [[out["buf"], out["s1"]], [out["plain"], 0]]
+    segment_streams = [stream for action, _, stream in out["events"] if action == "segment_alloc"]
+    assert segment_streams == [out["s1"], 0]
 
 
 def test_blocks_that_outlive_their_stream_go_back_once_freed():

@@ -171,6 +171,7 @@ typedef struct npa_trace_view {
     uintptr_t addr;
     size_t size;
     int64_t time_us;         /* microseconds since the Unix epoch, as torch */
+    uintptr_t stream;        /* the stream of the pool the block is in (npa_malloc_stream's), 0: none */
     uint32_t stack;          /* the backend's capture_stack id, 0: none */
 } npa_trace_view;
 

@@ -146,6 +146,32 @@ static void test_run_time_switch_restarts_the_ring(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's trace entries carry the stream of the block's pool: a block of
+ * npa_malloc_stream's on stream 7 is 7 in its segment, alloc and free
+ * events; a plain block's are 0 (they all read 0 once). */
+static void test_events_carry_their_stream(void) {
+    npa_config c = history_config(100);
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.stream_fences = true;
+    fixture_start(&fx, &c);
+    void *on = NULL;
+    CHECK_EQ(npa_malloc_stream(fx.a, 0, 4096, NPA_ENTRY_EXACT, 7, NPA_STREAM_ORDERED, &on), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, on, 7, 0, NULL), NPA_FREE_OK);
+    void *plain = alloc_exact(&fx, 0, 4096);
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 6);
+    static const npa_trace_action actions[] = {NPA_TRACE_SEGMENT_ALLOC, NPA_TRACE_ALLOC, NPA_TRACE_FREE_REQUESTED,
+                                               NPA_TRACE_FREE_COMPLETED, NPA_TRACE_SEGMENT_ALLOC, NPA_TRACE_ALLOC};
+    for (size_t i = 0; i < 6 && i < t.count; i++) {
+        CHECK_EQ(t.entries[i].action, actions[i]);
+        CHECK_EQ(t.entries[i].stream, i < 4 ? 7u : 0u);
+    }
+    CHECK_EQ(t.entries[5].addr, (uintptr_t)plain); /* its own segment: stream pools are not the plain one's */
+    fixture_destroy(&fx);
+}
+
 static void test_oom_event_holds_free_bytes(void) {
     npa_config c = history_config(100);
     fixture fx;
@@ -234,6 +260,7 @@ int main(void) {
     RUN(test_free_completes_after_its_fence);
     RUN(test_ring_keeps_the_newest_and_wraps);
     RUN(test_run_time_switch_restarts_the_ring);
+    RUN(test_events_carry_their_stream);
     RUN(test_oom_event_holds_free_bytes);
     RUN(test_snapshot_pickle_framing);
     RUN(test_concurrent_recording_and_snapshots);

@@ -507,13 +507,14 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     bool cache_hit = false;
     npa_refusal why = {0};
     size_t rounded = SIZE_MAX;
+    npa_pool *pool = NULL; /* none for a request no pool can hold */
     if (size <= NPA_MAX_REQUEST) {
         rounded = npa_round_size(&a->config, npa_entry_size(entry, size));
         /* Without host memory for a stream's pools the block is served as a
          * plain one: fenced when freed, which is safe on any stream. */
         npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;
         if (!pair) pair = &d->plain;
-        npa_pool *pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
+        pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         b = take_cached_block(a, d, pool, rounded);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             npa_pending_flush(a, d);
@@ -535,7 +536,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     }
     if (!b) {
         char msg[512];
-        npa_oom_report(a, d, size, rounded, why.cap_hit, msg, sizeof msg);
+        npa_oom_report(a, d, pool, size, rounded, why.cap_hit, msg, sizeof msg);
         npa_lock_release(&d->lock);
         if (a->backend.report_oom)
             a->backend.report_oom(a->backend.ctx, device, msg);
@@ -543,7 +544,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
     b->fence_own = b->pool->on_stream && (flags & NPA_STREAM_HOST_WRITES);
-    npa_history_note_alloc(a, d, b->addr, size);
+    npa_history_note_alloc(a, d, b->pool, b->addr, size);
     *ptr = (void *)b->addr;
     npa_lock_release(&d->lock);
     return NPA_OK;
@@ -613,7 +614,7 @@ void npa_free_block(npa_allocator *a, npa_device *d, npa_block *b) {
     bool is_small = b->is_small;
     size_t size = b->size;
     size_t requested = b->requested;
-    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
     npa_stats_begin(d);
     merge_into_pool(d, b, false);
     npa_pool_stat_decrease(s->active, is_small, 1);
@@ -675,7 +676,7 @@ static void free_into_gone_pool(npa_allocator *a, npa_device *d, npa_block *b) {
  * block now, or once its other streams' events complete. */
 static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npualloc_device_stats *s = d->stats;
-    npa_history_note(d, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
+    npa_history_note(d, b->pool, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
     npa_stats_begin(d);
     npa_pool_stat_decrease(s->allocation, b->is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, b->is_small, (int64_t)b->size);

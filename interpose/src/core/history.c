@@ -14,9 +14,11 @@ static int64_t realtime_us(void) {
     return (int64_t)now.tv_sec * 1000000 + now.tv_nsec / 1000;
 }
 
-void npa_history_record(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size, uint32_t stack) {
+void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr, size_t size,
+                        uint32_t stack) {
     npa_history *h = &d->history;
-    h->entries[h->next] = (npa_trace_entry){.addr = addr, .size = size, .time_us = realtime_us(), .action = action,
+    h->entries[h->next] = (npa_trace_entry){.addr = addr, .size = size, .time_us = realtime_us(),
+                                            .stream = pool && pool->on_stream ? pool->stream : 0, .action = action,
                                             .stack = stack};
     h->next = h->next + 1 == h->capacity ? 0 : h->next + 1;
     if (h->count < h->capacity) h->count++;
@@ -39,7 +41,7 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
     for (size_t i = 0; i < h->count; i++) {
         const npa_trace_entry *e = &h->entries[index];
         npa_trace_view view = {.device = d->id, .action = e->action, .addr = e->addr, .size = e->size,
-                               .time_us = e->time_us, .stack = e->stack};
+                               .time_us = e->time_us, .stream = e->stream, .stack = e->stack};
         visitor(&view, arg);
         index = index + 1 == h->capacity ? 0 : index + 1;
     }

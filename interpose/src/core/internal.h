@@ -214,6 +214,7 @@ typedef struct npa_trace_entry {
     uintptr_t addr;          /* for an OOM: the device's free bytes, as torch */
     size_t size;
     int64_t time_us;         /* CLOCK_REALTIME, as torch's time_us */
+    uintptr_t stream;        /* the stream of the pool the event's block is in, 0: a plain pool */
     npa_trace_action action;
     uint32_t stack;          /* backend's capture_stack id (alloc events), 0: none; in action's padding */
 } npa_trace_entry;
@@ -449,9 +450,10 @@ void npa_gc(npa_allocator *a, npa_device *d);
 /* oom.c: steps 3-6 of the malloc path; NULL when all of them failed, or at
  * once when the runtime failed for another reason than memory (why). */
 npa_block *npa_grow(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded, npa_refusal *why);
-/* Step 7: counts the OOM and writes the one-line report into msg. */
-void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t rounded, bool cap_hit,
-                    char *msg, size_t msg_len);
+/* Step 7: counts the OOM (its trace event on pool's stream) and writes the
+ * one-line report into msg. */
+void npa_oom_report(npa_allocator *a, npa_device *d, const npa_pool *pool, size_t requested, size_t rounded,
+                    bool cap_hit, char *msg, size_t msg_len);
 
 /* stats.c: the seqlock around a batch of mutations. Sections nest; only the
  * outermost one flips seq, and it also publishes largest_free_block. The
@@ -535,16 +537,20 @@ bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void 
                                size_t *capacity);
 
 /* history.c: record_history's ring. Call with the device lock held. */
-void npa_history_record(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size, uint32_t stack);
+void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr, size_t size,
+                        uint32_t stack);
 /* With recording off this is the whole cost on the allocation paths: one
- * predictable branch on a field of the locked device. */
-static inline void npa_history_note(npa_device *d, npa_trace_action action, uintptr_t addr, size_t size) {
-    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, action, addr, size, 0);
+ * predictable branch on a field of the locked device. pool: the one the
+ * event's block is in (its stream is the event's, as torch's), or NULL. */
+static inline void npa_history_note(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr,
+                                    size_t size) {
+    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, pool, action, addr, size, 0);
 }
 /* An alloc event also carries the allocating thread's stack, when the backend captures them. */
-static inline void npa_history_note_alloc(npa_allocator *a, npa_device *d, uintptr_t addr, size_t size) {
+static inline void npa_history_note_alloc(npa_allocator *a, npa_device *d, const npa_pool *pool, uintptr_t addr,
+                                          size_t size) {
     if (__builtin_expect(d->history.capacity != 0, 0))
-        npa_history_record(d, NPA_TRACE_ALLOC, addr, size,
+        npa_history_record(d, pool, NPA_TRACE_ALLOC, addr, size,
                            a->backend.capture_stack ? a->backend.capture_stack(a->backend.ctx) : 0);
 }
 /* Empties the ring and gives it room for capacity events (0: off); false,
@@ -561,7 +567,7 @@ static inline void npa_recent_put(npa_device *d, npa_block *b) {
     if (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_recent_make_room(d, b->size);
 
     npualloc_device_stats *s = d->stats;
-    npa_history_note(d, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
+    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
     if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
         npa_pool_stat_increase(s->inactive_split, true, 1);
         npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);

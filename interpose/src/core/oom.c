@@ -93,8 +93,8 @@ static const char *oom_hint(bool cap_hit, size_t rounded, size_t allocated, size
     return "the device itself is full: free tensors or lower the batch size";
 }
 
-void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t rounded, bool cap_hit, char *msg,
-                    size_t msg_len) {
+void npa_oom_report(npa_allocator *a, npa_device *d, const npa_pool *pool, size_t requested, size_t rounded,
+                    bool cap_hit, char *msg, size_t msg_len) {
     npualloc_device_stats *s = d->stats;
     size_t free_bytes, total_bytes;
     npa_stats_sample_device_memory(a, d, &free_bytes, &total_bytes);
@@ -102,7 +102,7 @@ void npa_oom_report(npa_allocator *a, npa_device *d, size_t requested, size_t ro
     size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
 
     /* torch's OOM event: the rounded size, and the device's free bytes as addr. */
-    npa_history_note(d, NPA_TRACE_OOM, (uintptr_t)free_bytes, rounded == SIZE_MAX ? requested : rounded);
+    npa_history_note(d, pool, NPA_TRACE_OOM, (uintptr_t)free_bytes, rounded == SIZE_MAX ? requested : rounded);
     npa_stats_begin(d);
     s->num_ooms++;
     npa_stats_end(d);

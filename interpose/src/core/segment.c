@@ -77,7 +77,7 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_p
     if (size >= a->config.max_split_size) npa_stat_increase(&s->oversize_segments, 1);
     s->num_device_alloc++;
     npa_stats_end(d);
-    npa_history_note(d, NPA_TRACE_SEGMENT_ALLOC, b->addr, size);
+    npa_history_note(d, b->pool, NPA_TRACE_SEGMENT_ALLOC, b->addr, size);
     return b;
 }
 
@@ -88,7 +88,7 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
     if (index < 0) return false;
 
     npa_pool_remove(b->pool, b);
-    npa_history_note(d, NPA_TRACE_SEGMENT_FREE, b->addr, b->size);
+    npa_history_note(d, b->pool, NPA_TRACE_SEGMENT_FREE, b->addr, b->size);
     a->backend.raw_free(a->backend.ctx, d->id, (void *)b->addr);
     npa_segments_remove(&d->segments, (size_t)index);
 

@@ -233,7 +233,7 @@ static void trace_dict(const npa_trace_view *e, void *arg) {
     str_value(b, "addr"), uint_value(b, e->addr);
     if (e->action == NPA_TRACE_OOM) str_value(b, "device_free"), uint_value(b, e->addr);
     str_value(b, "size"), uint_value(b, e->size);
-    str_value(b, "stream"), int_value(b, 0);
+    str_value(b, "stream"), uint_value(b, e->stream);
     str_value(b, "time_us"), int_value(b, e->time_us);
     str_value(b, "frames");
     frames_list(w, is_free && e->stack == 0 ? alloc_stack(w, e->addr, order) : e->stack);

@@ -36,7 +36,7 @@ from .region import COMMAND_TIMEOUT_S, Region
 Snapshot = dict[str, Any]
 
 # torch's _record_memory_history defaults to an unbounded trace; a ring in C
-# needs a size: 32 bytes per entry, so this is 3.2 MB per device.
+# needs a size: 40 bytes per entry, so this is 4 MB per device.
 DEFAULT_MAX_ENTRIES = 100_000
 
 

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, constants, ffi, loaded_library, runtime_library
-from .errors import NotUnderNpuallocError, NpuallocError
+from .errors import NotUnderNpuallocError, NpuallocError, OtherUserError
 from .region import COMMAND_TIMEOUT_S, Region, live_regions
 from .summary import format_summary
 
@@ -296,18 +296,25 @@ def list_gpu_processes(device: object = None) -> str:
     process under npualloc holding memory of the device (None: this thread's
     current one), with its reserved bytes as its region reports them. Only
     npualloc's processes are seen, of this user (of every user for root), as
-    `npualloc ls` lists them; one whose region cannot be read is left out."""
+    `npualloc ls` lists them; one whose region cannot be read (stuck
+    mid-update, another npualloc version's, damaged) is left out with a
+    RuntimeWarning naming it, as ls skips it on stderr: it may hold memory
+    of the device, and the printout alone would say no process is running."""
     index = device_index(device)
     lines = [f"NPU:{index}"]
     for entry, opened in live_regions():
-        if isinstance(opened, NpuallocError):
-            continue
+        if isinstance(opened, OtherUserError):
+            continue  # other users' processes are theirs to list, as in ls
         try:
+            if isinstance(opened, NpuallocError):
+                raise opened
             with opened as region:
                 if index not in region.devices_in_use():
                     continue
                 reserved = int(region.read_device_stats(index).reserved_bytes[0].current)
-        except NpuallocError:
+        except NpuallocError as e:
+            warnings.warn(f"npualloc: list_gpu_processes skips process {entry.pid}: {e}", RuntimeWarning,
+                          stacklevel=2)
             continue
         lines.append(f"process {entry.pid:>10d} uses {reserved / (1024 * 1024):>12.3f} MB NPU memory")
     if len(lines) == 1:

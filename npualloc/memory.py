@@ -294,7 +294,8 @@ def _runtime_mem_get_info(runtime: Any, device: object, free_bytes: Any, total_b
 def list_gpu_processes(device: object = None) -> str:
     """torch's list_gpu_processes() in its format ("NPU" for "GPU"): each
     process under npualloc holding memory of the device (None: this thread's
-    current one), with its reserved bytes as its region reports them. Only
+    current one under npualloc, device 0 in a process without it, as every
+    call here takes None), with its reserved bytes as its region reports them. Only
     npualloc's processes are seen, of this user (of every user for root), as
     `npualloc ls` lists them; one whose region cannot be read (stuck
     mid-update, another npualloc version's, damaged) is left out with a

@@ -285,7 +285,7 @@ def test_copy_kind_host_side_must_not_be_device_memory():
 
 
 def test_policy_picks_the_pages():
-    # HUGE_FIRST: huge pages over 1 MiB; HUGE_ONLY: always; NORMAL_ONLY: never
+    # HUGE_FIRST (and HUGE_ONLY): huge pages over 1 MiB; NORMAL_ONLY: never
     # (only the 64-byte guarantee, so no allocator may count on more); HUGE1G:
     # 1 GiB granularity. Flag bits and P2P variants pick the same pages.
     sim("""
@@ -300,8 +300,8 @@ def test_policy_picks_the_pages():
             block(64, 2)                        # leaves the arena's next free byte unaligned
             p = block(3 * MiB, 2)               # NORMAL_ONLY
             assert p % (2 * MiB) != 0, hex(p)
-        assert block(64, 1) % (2 * MiB) == 0    # HUGE_ONLY
-        assert block(64, 1 | 0x1000) % (2 * MiB) == 0
+        assert block(3 * MiB, 1) % (2 * MiB) == 0   # HUGE_ONLY
+        assert block(3 * MiB, 1 | 0x1000) % (2 * MiB) == 0
         block(64, 0)
         assert block(3 * MiB, 0) % (2 * MiB) == 0   # HUGE_FIRST, over 1 MiB
         free0 = acl.rt.get_mem_info(1)[0]

@@ -749,6 +749,37 @@ static void test_oversize_blocks_of_the_stream_go_back_before_a_retry(void) {
     fixture_destroy(&fx);
 }
 
+/* A block recorded only on a stream destroyed since: once the destroy has
+ * returned nothing waits for that stream (README), so the block freed on
+ * its own stream is free at once, as torch frees a block with no stream
+ * uses: inactive in the stats, merged, and taken by the next malloc of its
+ * stream. The destroy used to leave it an empty set of uses, which sent its
+ * free to wait for a fence on no stream, recorded at the next poll and
+ * drained when a poll's back-off let it: until then the stats counted it
+ * active, and a malloc meanwhile cut new memory instead of reusing it. */
+static void test_a_use_on_a_destroyed_stream_leaves_nothing_to_wait_for(void) {
+    fixture fx;
+    fixture_streams_vmm(&fx, true, true);
+    /* A block waiting for stream 2 makes the polls back off. */
+    void *waiting = alloc_on(&fx, 0, 1000);
+    CHECK_EQ(npa_record_stream(fx.a, waiting, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, waiting, 0, 0, NULL), NPA_FREE_OK);
+    alloc_on(&fx, 0, 1000);
+    void *p = alloc_on(&fx, 0, 1000);
+    CHECK_EQ(npa_record_stream(fx.a, p, 1, 0), NPA_OK);
+    destroy_stream(&fx, 1);
+    npa_process_pending(fx.a, 0);
+    long stream_fences = fx.fake.stream_fence_records;
+    CHECK_EQ(npa_free_stream(fx.a, p, 0, 0, NULL), NPA_FREE_OK);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 1); /* waiting only */
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 2);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 2048);
+    CHECK(alloc_on(&fx, 0, 1000) == p);
+    CHECK_EQ(fx.fake.stream_fence_records, stream_fences); /* no fence for it */
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
     RUN(test_segment_views_name_their_stream);
@@ -769,5 +800,6 @@ int main(void) {
     RUN(test_a_stream_without_pools_destroyed_leaves_the_cache_alone);
     RUN(test_a_busy_stream_does_not_hold_back_other_streams_blocks);
     RUN(test_oversize_blocks_of_the_stream_go_back_before_a_retry);
+    RUN(test_a_use_on_a_destroyed_stream_leaves_nothing_to_wait_for);
     return check_report();
 }

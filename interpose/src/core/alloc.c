@@ -364,6 +364,10 @@ static void forget_uses_on(npa_device *d, uintptr_t stream, uint64_t token) {
                     set->streams[k] = set->streams[--set->count];
                     b->unknown_by = b->uses_unknown ? NPA_UNKNOWN_STAYS : token;
                     b->uses_unknown = true;
+                    if (set->count == 0) { /* no use left: once settled, its free waits for nothing */
+                        free(set);
+                        b->uses = NULL;
+                    }
                     break;
                 }
         }

@@ -780,6 +780,34 @@ static void test_a_use_on_a_destroyed_stream_leaves_nothing_to_wait_for(void) {
     fixture_destroy(&fx);
 }
 
+/* Blocks waiting for one stream complete in the order they were freed, as
+ * torch's process_events takes each stream's events oldest first: the
+ * inactive_split stats' peak and totals depend on it. In a plain segment
+ * of stream 1, [a | b | c | free tail], b and c recorded on stream 0 and
+ * freed in that order: b merges with nothing (two inactive blocks), then c
+ * joins b and the tail (one). Newest first, c took the tail and b joined
+ * it, and the stats never saw the second inactive block. */
+static void test_blocks_waiting_for_a_stream_complete_oldest_first(void) {
+    fixture fx;
+    npa_config config = merge_at_free_config();
+    fixture_streams_of(&fx, GiB, &config);
+    alloc_on(&fx, 1, 1000);
+    void *b = alloc_on(&fx, 1, 1000), *c = alloc_on(&fx, 1, 1000);
+    CHECK_EQ(npa_record_stream(fx.a, b, 0, 0), NPA_OK);
+    CHECK_EQ(npa_record_stream(fx.a, c, 0, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, b, 1, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free_stream(fx.a, c, 1, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* one batch, one event on stream 0 */
+    CHECK_EQ(fx.fake.stream_events, 1);
+    fake_complete_stream(&fx.fake, 0);
+    npa_process_pending(fx.a, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    check_stat(s.inactive_split[NPUALLOC_POOL_ALL], 1, 2, 2, 1);
+    check_stat(s.inactive_split_bytes[NPUALLOC_POOL_ALL], 2 * MiB - 1024, 2 * MiB - 1024, 2 * MiB + 1024, 2048);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
     RUN(test_segment_views_name_their_stream);
@@ -801,5 +829,6 @@ int main(void) {
     RUN(test_a_busy_stream_does_not_hold_back_other_streams_blocks);
     RUN(test_oversize_blocks_of_the_stream_go_back_before_a_retry);
     RUN(test_a_use_on_a_destroyed_stream_leaves_nothing_to_wait_for);
+    RUN(test_blocks_waiting_for_a_stream_complete_oldest_first);
     return check_report();
 }

@@ -53,9 +53,13 @@ static bool batch_full(const npa_device *d) {
  * pool: offered to the cache, each would only push out a block put there
  * just before. The drains that empty the cache (a synchronize) merge all.
  * A gone stream's block is never held: no malloc takes it, and merged it
- * lets its segment go back. */
+ * lets its segment go back. The blocks merged go back oldest first, in the
+ * order they were freed, as torch's process_events takes each stream's
+ * events: which merges meet which neighbours free decides inactive_split's
+ * peak and totals. */
 static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, bool whole) {
     unsigned offered = whole ? 0 : d->recent.capacity;
+    npa_block *merged = NULL; /* those not held, oldest first */
     npa_stats_begin(d);
     for (npa_block *b = blocks, *next; b; b = next) {
         next = b->link;
@@ -70,8 +74,14 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
             npa_recent_put(d, b);
             offered++;
         } else {
-            npa_free_block(a, d, b);
+            b->link = merged;
+            merged = b;
         }
+    }
+    for (npa_block *b = merged, *next; b; b = next) {
+        next = b->link;
+        b->link = NULL;
+        npa_free_block(a, d, b);
     }
     npa_stats_end(d);
 }

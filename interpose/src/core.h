@@ -307,7 +307,11 @@ void npa_visit_trace(npa_allocator *a, int device, npa_trace_visitor visitor, vo
  * enters the allocator waits until npa_resume. Refused (nothing changed)
  * for a process with plain segments, without VMM or copy calls, or when
  * host memory for the backup cannot be had; a failure half way maps back
- * what it unmapped. why (len bytes) gets a sentence saying why. */
+ * what it unmapped. When that cannot be mapped back (or refilled) the
+ * error is returned with *paused set: it stays paused with its backup and
+ * the locks held, as after a failed npa_resume, which must follow. Any
+ * other error leaves *paused as it was. why (len bytes) gets a sentence
+ * saying why. */
 typedef struct npa_paused npa_paused;
 npa_error npa_pause(npa_allocator *a, npa_paused **paused, char *why, size_t len);
 /* The same re-read of every device's free memory, while `paused` holds the

@@ -107,6 +107,34 @@ static void test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact(v
     fixture_destroy(&fx);
 }
 
+/* The same failure half way, when the page it unmapped cannot be mapped back
+ * (another process took the memory meanwhile): freeing the backup would lose
+ * the block, so it stays paused with its backup, the locks held, and a
+ * resume brings everything back. */
+static void test_a_failed_pause_that_cannot_map_back_stays_paused_with_its_backup(void) {
+    fixture fx;
+    start(&fx, true);
+    char *big = alloc_exact(&fx, 0, 30 * MiB);
+    fill(big, 30 * MiB, 7);
+    size_t used = fake_used(&fx.fake, 0);
+    fx.fake.fail_after_unmaps = 1;                   /* the first page goes, the second is refused */
+    fx.fake.fail_next_unmaps = 1;
+    fx.fake.fail_next_mallocs = 1;                   /* and the first cannot be mapped back */
+    char why[256];
+    npa_paused *paused = NULL;
+    CHECK_EQ(npa_pause(fx.a, &paused, why, sizeof why), NPA_ERR_FREE);
+    CHECK(paused != NULL);                           /* not dropped: paused, with the backup */
+    CHECK(strstr(why, "stays paused") != NULL);
+    CHECK_EQ(fake_used(&fx.fake, 0), 0);
+    if (paused) {
+        CHECK_EQ(npa_resume(fx.a, paused, why, sizeof why), NPA_OK);
+        CHECK_EQ(fake_used(&fx.fake, 0), used);
+        CHECK(same(big, 30 * MiB, 7));
+        CHECK_EQ(npa_free(fx.a, big, 0, NULL), NPA_FREE_OK);
+    }
+    fixture_destroy(&fx);
+}
+
 /* The pause empties the cache first; a device that cannot synchronize
  * refuses it with the runtime's own error, for the requester to act on. */
 static void test_a_device_that_cannot_synchronize_refuses_with_its_error(void) {
@@ -171,6 +199,7 @@ int main(void) {
     RUN(test_pause_releases_everything_and_resume_restores);
     RUN(test_resume_without_memory_stays_paused_and_retries);
     RUN(test_an_unmap_failing_half_way_leaves_everything_mapped_and_intact);
+    RUN(test_a_failed_pause_that_cannot_map_back_stays_paused_with_its_backup);
     RUN(test_a_device_that_cannot_synchronize_refuses_with_its_error);
     RUN(test_plain_segments_are_refused_untouched);
     RUN(test_switched_on_at_run_time_pausable_once_plain_blocks_are_freed);

@@ -12,7 +12,8 @@
  * time, the plain segments made before stay until their blocks are freed
  * and the cache emptied, which the pause does first). Nothing is lost: the
  * host backup is allocated and filled before anything is unmapped, a pause
- * that fails half way maps back what it unmapped, and a resume that cannot
+ * that fails half way maps back what it unmapped (or, when it cannot, stays
+ * paused with its backup, for a resume to finish), and a resume that cannot
  * map its pages unmaps what it mapped, keeps the backup and can be retried. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -193,8 +194,19 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
     each_page(a, p, note_mapped, why, len);
     if ((err = each_page(a, p, unmap_page, why, len)) != NPA_OK) {
         char ignored[8];
-        if (map_back(a, p, ignored, sizeof ignored) == NPA_OK) walk_blocks(a, p, WALK_RESTORE, ignored, sizeof ignored);
-        return refuse(a, p, err);
+        if (map_back(a, p, ignored, sizeof ignored) == NPA_OK &&
+            walk_blocks(a, p, WALK_RESTORE, ignored, sizeof ignored) == NPA_OK)
+            return refuse(a, p, err);
+        /* What it unmapped could not be mapped back (another process took
+         * the memory meanwhile) or refilled: freeing the backup now would
+         * lose the blocks. It stays paused with its backup instead, as
+         * after a resume that found no room; npa_resume finishes the job. */
+        each_page(a, p, unmap_page, ignored, sizeof ignored);
+        size_t at = strlen(why);
+        snprintf(why + at, len - at, "; what was unmapped could not be mapped back: it stays paused with its "
+                 "backup, resume it");
+        *out = p;
+        return err;
     }
     *out = p;
     return NPA_OK;

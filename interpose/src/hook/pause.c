@@ -52,7 +52,18 @@ static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released
                          char *why, size_t len)
 {
     *held = false;
+    *paused = NULL;
     npa_error err = npa_pause(a, paused, why, len);
+    if (err != NPA_OK && *paused != NULL) {
+        /* It failed half way and what it unmapped could not be mapped back:
+         * paused with the backup, as below; memory_saver's blocks are held too. */
+        npa_warn_once("pause failed and the process stays paused, resume it: %s", why);
+        npa_saver_command_hold();
+        *held = true;
+        npa_paused_bytes(*paused, released, backup);
+        npa_paused_sample_device_memory(a, *paused);
+        return NPUALLOC_CMD_EFAILED;
+    }
     if (err != NPA_OK) {
         npa_warn_once("pause refused, the process runs on: %s", why);
         return err == NPA_ERR_INVALID_PARAM ? NPUALLOC_CMD_ENOTPAUSABLE : NPUALLOC_CMD_EFAILED;

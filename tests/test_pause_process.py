@@ -66,6 +66,8 @@ for step in range(6):
             kept = malloc(4096)                           # a small-pool page beside the weights' large one
             npualloc.empty_cache()                        # so the pause itself releases only those two
             aclsim.fail_release(sys.argv[2], n=1, skip=1)
+            if sys.argv[3:4] == ["--no-map-back"]:        # and its roll-back finds no memory for the 1st
+                aclsim.fail_next_mallocs(1)
         print("waiting", flush=True)
         sys.stdin.readline()
 print("checksum", hashlib.sha256(b"".join(read(w, W) for w in weights)).hexdigest())
@@ -241,6 +243,24 @@ def test_a_release_refused_half_way_maps_everything_back_and_the_process_runs_on
         assert trainer.finish() == expected  # same losses and checksum, and no access to unmapped memory
         assert "pause refused, the process runs on: unmapping" in trainer.stderr
         assert "failed (error 207002)" in trainer.stderr, trainer.stderr
+    finally:
+        trainer.kill()
+
+
+def test_a_release_refused_half_way_that_cannot_map_back_stays_paused_and_resumes_intact():
+    """The roll-back of a pause refused half way finds no memory for the page
+    it unmapped: the process stays paused with its backup (not running on
+    with live blocks unmapped and their backup freed), and a resume brings
+    it back with the same losses and checksum."""
+    expected = _uninterrupted()
+    trainer = Trainer(EXPANDABLE, "aclrtUnmapMem", "--no-map-back")
+    try:
+        failed = trainer.pause_at_next_allocation()
+        assert failed.returncode == 9, failed.stderr
+        assert _state(trainer.proc.pid)["state"] == "paused"
+        assert "resumed" in _cli("resume", str(trainer.proc.pid)).stdout
+        assert trainer.finish() == expected  # same losses and checksum, no access to unmapped memory
+        assert "stays paused" in trainer.stderr, trainer.stderr
     finally:
         trainer.kill()
 

@@ -239,7 +239,15 @@ def cmd_empty_cache(args: argparse.Namespace) -> int:
 
 def cmd_pause(args: argparse.Namespace) -> int:
     with Region(args.pid, writable=True) as region:
-        region.post_command(constants.NPUALLOC_CMD_PAUSE, timeout=args.timeout)
+        try:
+            region.post_command(constants.NPUALLOC_CMD_PAUSE, timeout=args.timeout)
+        except CommandRejectedError as e:
+            if region.header().state == "paused":  # failed half way, and what it released was taken meanwhile
+                raise CommandRejectedError(f"process {args.pid}: the pause failed half way and could not get back "
+                                           "what it had released (another process may hold it; its stderr says "
+                                           "why); it stays paused with its backup: run resume once memory is "
+                                           "free") from e
+            raise
         header = region.header()
     sys.stdout.write(f"process {args.pid}: paused, {human_bytes(header.paused_bytes)} of device memory released, "
                      f"{human_bytes(header.backup_bytes)} kept on the host\n")

@@ -257,6 +257,7 @@ def test_a_release_refused_half_way_that_cannot_map_back_stays_paused_and_resume
     try:
         failed = trainer.pause_at_next_allocation()
         assert failed.returncode == 9, failed.stderr
+        assert "it stays paused with its backup: run resume" in failed.stderr, failed.stderr
         assert _state(trainer.proc.pid)["state"] == "paused"
         assert "resumed" in _cli("resume", str(trainer.proc.pid)).stdout
         assert trainer.finish() == expected  # same losses and checksum, no access to unmapped memory

@@ -18,7 +18,7 @@ void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action ac
                         uint32_t stack) {
     npa_history *h = &d->history;
     h->entries[h->next] = (npa_trace_entry){.addr = addr, .size = size, .time_us = realtime_us(),
-                                            .stream = pool && pool->on_stream ? pool->stream : 0, .action = action,
+                                            .stream = npa_pool_stream(pool), .action = action,
                                             .stack = stack};
     h->next = h->next + 1 == h->capacity ? 0 : h->next + 1;
     if (h->count < h->capacity) h->count++;

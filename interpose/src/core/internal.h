@@ -110,6 +110,12 @@ struct npa_pool {
  * count up from 1 and never reach it). */
 #define NPA_STREAM_GONE UINT64_MAX
 
+/* The stream a snapshot names for a pool's blocks and segments (torch's
+ * block->stream): its stream, 0 for a plain pool or none. */
+static inline uintptr_t npa_pool_stream(const npa_pool *pool) {
+    return pool && pool->on_stream ? pool->stream : 0;
+}
+
 /* Whether b's free waits for an event on its own stream (host writes). Not
  * once the stream's destroy began: the destroy waits for that work itself,
  * and an event recorded on a destroyed stream's handle names nothing. */

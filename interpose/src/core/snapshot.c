@@ -27,7 +27,7 @@ static bool visit_run(npa_device *d, const npa_block *head, npa_segment_visitor 
     }
     npa_segment_view view = {.device = d->id, .address = head->addr, .is_small = head->is_small,
                              .is_expandable = head->in_expandable,
-                             .stream = head->pool->on_stream ? head->pool->stream : 0, .block_count = count,
+                             .stream = npa_pool_stream(head->pool), .block_count = count,
                              .blocks = *scratch};
     size_t k = 0;
     for (const npa_block *b = head; k < count; b = b->next, k++) {

@@ -45,6 +45,17 @@ static uint64_t next_request(npualloc_region *r, uint64_t seq)
     return requested;
 }
 
+/* A pause that could not be undone: the process stays paused with its
+ * backup (the locks held, memory_saver's too), as after a resume that found
+ * no room, for `resume` to finish; the command fails. */
+static int32_t stay_paused(npa_allocator *a, npa_paused *paused, bool *held)
+{
+    npa_saver_command_hold();
+    *held = true;
+    npa_paused_sample_device_memory(a, paused);
+    return NPUALLOC_CMD_EFAILED;
+}
+
 /* The cache's memory first (npa_pause takes every allocator lock), then
  * memory_saver's (saver_lock, held too): all or none. *held: whether the
  * process is paused now (the locks held), whatever the status. */
@@ -54,22 +65,16 @@ static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released
     *held = false;
     *paused = NULL;
     npa_error err = npa_pause(a, paused, why, len);
-    if (err != NPA_OK && *paused != NULL) {
-        /* It failed half way and what it unmapped could not be mapped back:
-         * paused with the backup, as below; memory_saver's blocks are held too. */
-        npa_warn_once("pause failed and the process stays paused, resume it: %s", why);
-        npa_saver_command_hold();
-        *held = true;
-        npa_paused_bytes(*paused, released, backup);
-        npa_paused_sample_device_memory(a, *paused);
-        return NPUALLOC_CMD_EFAILED;
-    }
-    if (err != NPA_OK) {
+    if (err != NPA_OK && *paused == NULL) {
         npa_warn_once("pause refused, the process runs on: %s", why);
         return err == NPA_ERR_INVALID_PARAM ? NPUALLOC_CMD_ENOTPAUSABLE : NPUALLOC_CMD_EFAILED;
     }
-    size_t saver_released, saver_backup;
     npa_paused_bytes(*paused, released, backup);
+    if (err != NPA_OK) { /* failed half way, and what it unmapped could not be mapped back */
+        npa_warn_once("pause failed and the process stays paused, resume it: %s", why);
+        return stay_paused(a, *paused, held);
+    }
+    size_t saver_released, saver_backup;
     if (npa_saver_command_pause(why, len, &saver_released, &saver_backup) == ACL_SUCCESS) {
         *released += saver_released;
         *backup += saver_backup;
@@ -81,13 +86,9 @@ static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released
     char undo[256];
     if (npa_resume(a, *paused, undo, sizeof undo) == NPA_OK)
         return NPUALLOC_CMD_EFAILED;
-    /* The cache's memory was taken meanwhile by another process: the process
-     * stays paused with its backup, as after a resume that found no room. */
+    /* The cache's memory was taken meanwhile by another process. */
     npa_warn_once("and the cache's memory could not be mapped back (%s): the process stays paused, resume it", undo);
-    npa_saver_command_hold();
-    *held = true;
-    npa_paused_sample_device_memory(a, *paused);
-    return NPUALLOC_CMD_EFAILED;
+    return stay_paused(a, *paused, held);
 }
 
 int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)

@@ -27,9 +27,9 @@ from . import exporter, memory, plot, replay, simulator, snapshot
 from ._ffi import constants
 from .conf_env import with_conf
 from .errors import (CommandInterruptedError, CommandRejectedError, NoSuchProcessError, NotUnderNpuallocError,
-                     NpuallocError, OtherUserError)
+                     NpuallocError)
 from .files import write_user_file
-from .region import Region, RegionHeader, live_regions, region_base
+from .region import Region, RegionHeader, read_live_regions, region_base
 from .summary import human_bytes
 
 EXIT_USAGE = 2
@@ -161,38 +161,31 @@ def _paused_mark(state: str) -> str:
     return "" if state == "running" else f"[{state}] "
 
 
-def _ls_rows(pid: int, opened: Region) -> list[dict[str, Any]]:
+def _ls_rows(pid: int, region: Region) -> list[dict[str, Any]]:
     """ls's rows of one process: one per device in use (device None: nothing allocated yet)."""
     rows: list[dict[str, Any]] = []
-    with opened as region:
-        header = region.header()
-        command = _command_line(header)
-        devices: list[int | None] = list(region.devices_in_use()) or [None]
-        for device in devices:
-            stats = region.read_device_stats(device) if device is not None else None
-            rows.append({
-                "pid": pid,
-                "device": device,
-                "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
-                "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
-                "command": command,
-                "state": header.state,
-            })
+    header = region.header()
+    command = _command_line(header)
+    devices: list[int | None] = list(region.devices_in_use()) or [None]
+    for device in devices:
+        stats = region.read_device_stats(device) if device is not None else None
+        rows.append({
+            "pid": pid,
+            "device": device,
+            "allocated": stats.allocated_bytes[0].current if stats is not None else 0,
+            "reserved": stats.reserved_bytes[0].current if stats is not None else 0,
+            "command": command,
+            "state": header.state,
+        })
     return rows
 
 
+def _say_skipped(pid: int, error: NpuallocError) -> None:
+    sys.stderr.write(f"npualloc: skipping process {pid}: {error}\n")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows: list[dict[str, Any]] = []
-    for entry, opened in live_regions():
-        if isinstance(opened, OtherUserError):
-            continue  # other users' processes are theirs to list
-        try:
-            if isinstance(opened, NpuallocError):
-                raise opened
-            rows.extend(_ls_rows(entry.pid, opened))
-        except NpuallocError as e:
-            # One damaged region must not hide the healthy processes beside it.
-            sys.stderr.write(f"npualloc: skipping process {entry.pid}: {e}\n")
+    rows = [row for _, rows_of_pid in read_live_regions(_ls_rows, _say_skipped) for row in rows_of_pid]
     if args.json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     elif not rows:

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import memory
-from .errors import NpuallocError, OtherUserError
-from .region import RegionHeader, live_regions
+from .errors import NpuallocError
+from .region import Region, RegionHeader, read_live_regions
 
 PREFIX = "npualloc_"
 LABELS = ("pid", "command", "device")
@@ -68,22 +68,19 @@ class NpuallocCollector:
         processes = GaugeMetricFamily(PREFIX + "processes", "Processes running under npualloc on this node")
         skipped = GaugeMetricFamily(PREFIX + "regions_skipped",
                                     "Regions skipped at this scrape: corrupt, foreign, another version or gone")
+
+        def read(pid: int, region: Region) -> tuple[RegionHeader, dict[int, memory.Stats]]:
+            return region.header(), {d: memory.region_stats(region, d) for d in region.devices_in_use()}
+
         count = bad = 0
-        for entry, opened in live_regions():
-            if isinstance(opened, OtherUserError):
-                continue  # other users' processes are theirs to watch
-            if isinstance(opened, NpuallocError):
-                bad += 1
-                continue
-            try:
-                with opened as region:
-                    header = region.header()
-                    pid, command = str(entry.pid), _command_line(header)
-                    devices = {d: memory.region_stats(region, d) for d in region.devices_in_use()}
-            except NpuallocError:  # torn while read, or its process exited meanwhile
-                bad += 1
-                continue
+
+        def skip(pid: int, error: NpuallocError) -> None:  # corrupt, foreign, another version, torn, gone meanwhile
+            nonlocal bad
+            bad += 1
+
+        for process, (header, devices) in read_live_regions(read, skip):
             count += 1
+            pid, command = str(process), _command_line(header)
             paused.add_metric([pid, command], header.paused_bytes)
             for device, stats in devices.items():
                 labels = [pid, command, str(device)]

@@ -11,8 +11,8 @@ import warnings
 from typing import Any
 
 from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, constants, ffi, loaded_library, runtime_library
-from .errors import NotUnderNpuallocError, NpuallocError, OtherUserError
-from .region import COMMAND_TIMEOUT_S, Region, live_regions
+from .errors import NotUnderNpuallocError, NpuallocError
+from .region import COMMAND_TIMEOUT_S, Region, read_live_regions
 from .summary import format_summary
 
 # Pool order of every per-pool stat array (NPUALLOC_POOL_ALL, _SMALL, _LARGE).
@@ -302,22 +302,18 @@ def list_gpu_processes(device: object = None) -> str:
     RuntimeWarning naming it, as ls skips it on stderr: it may hold memory
     of the device, and the printout alone would say no process is running."""
     index = device_index(device)
+
+    def reserved(pid: int, region: Region) -> int | None:
+        in_use = index in region.devices_in_use()
+        return int(region.read_device_stats(index).reserved_bytes[0].current) if in_use else None
+
+    def skipped(pid: int, error: NpuallocError) -> None:
+        warnings.warn(f"npualloc: list_gpu_processes skips process {pid}: {error}", RuntimeWarning, stacklevel=4)
+
     lines = [f"NPU:{index}"]
-    for entry, opened in live_regions():
-        if isinstance(opened, OtherUserError):
-            continue  # other users' processes are theirs to list, as in ls
-        try:
-            if isinstance(opened, NpuallocError):
-                raise opened
-            with opened as region:
-                if index not in region.devices_in_use():
-                    continue
-                reserved = int(region.read_device_stats(index).reserved_bytes[0].current)
-        except NpuallocError as e:
-            warnings.warn(f"npualloc: list_gpu_processes skips process {entry.pid}: {e}", RuntimeWarning,
-                          stacklevel=2)
-            continue
-        lines.append(f"process {entry.pid:>10d} uses {reserved / (1024 * 1024):>12.3f} MB NPU memory")
+    for pid, held in read_live_regions(reserved, skipped):
+        if held is not None:
+            lines.append(f"process {pid:>10d} uses {held / (1024 * 1024):>12.3f} MB NPU memory")
     if len(lines) == 1:
         lines.append("no processes are running")
     return "\n".join(lines)

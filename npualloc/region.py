@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from ._ffi import REGION_SIZE, constants, ffi, reader_library
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError, IncompatibleRegionError,
@@ -523,6 +523,31 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
                 continue
             listed.add(entry.pid)
             yield entry, region
+
+
+T = TypeVar("T")
+
+
+def read_live_regions(read: Callable[[int, Region], T],
+                      skipped: Callable[[int, NpuallocError], None]) -> Iterator[tuple[int, T]]:
+    """(pid, read(pid, region)) for each region live_regions opens, the region
+    closed after. Another user's process (a refusal to a reader that is not
+    root) is left out, as theirs to read; a region that could not be opened,
+    or failed while read (torn, its process gone meanwhile), goes to
+    skipped(pid, error), so that one damaged region never hides the healthy
+    ones beside it (ls, the exporter, list_gpu_processes)."""
+    for entry, opened in live_regions():
+        if isinstance(opened, OtherUserError):
+            continue
+        try:
+            if isinstance(opened, NpuallocError):
+                raise opened
+            with opened as region:
+                value = read(entry.pid, region)
+        except NpuallocError as e:
+            skipped(entry.pid, e)
+            continue
+        yield entry.pid, value
 
 
 def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:

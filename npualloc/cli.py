@@ -230,17 +230,23 @@ def cmd_empty_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _post_pause_command(region: Region, code: int, args: argparse.Namespace, failed: str, retry: str) -> None:
+    """Posts a pause or a resume. A refusal that leaves the process paused
+    (what it released was taken by another process meanwhile) says so, and
+    what to run."""
+    try:
+        region.post_command(code, timeout=args.timeout)
+    except CommandRejectedError as e:
+        if region.header().state != "paused":
+            raise
+        raise CommandRejectedError(f"process {args.pid}: {failed} (another process may hold it; its stderr says "
+                                   f"why); it stays paused with its backup: {retry} once memory is free") from e
+
+
 def cmd_pause(args: argparse.Namespace) -> int:
     with Region(args.pid, writable=True) as region:
-        try:
-            region.post_command(constants.NPUALLOC_CMD_PAUSE, timeout=args.timeout)
-        except CommandRejectedError as e:
-            if region.header().state == "paused":  # failed half way, and what it released was taken meanwhile
-                raise CommandRejectedError(f"process {args.pid}: the pause failed half way and could not get back "
-                                           "what it had released (another process may hold it; its stderr says "
-                                           "why); it stays paused with its backup: run resume once memory is "
-                                           "free") from e
-            raise
+        _post_pause_command(region, constants.NPUALLOC_CMD_PAUSE, args,
+                            "the pause failed half way and could not get back what it had released", "run resume")
         header = region.header()
     sys.stdout.write(f"process {args.pid}: paused, {human_bytes(header.paused_bytes)} of device memory released, "
                      f"{human_bytes(header.backup_bytes)} kept on the host\n")
@@ -249,14 +255,8 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     with Region(args.pid, writable=True) as region:
-        try:
-            region.post_command(constants.NPUALLOC_CMD_RESUME, timeout=args.timeout)
-        except CommandRejectedError as e:
-            if region.header().state == "paused":
-                raise CommandRejectedError(f"process {args.pid}: could not get its device memory back (another "
-                                           "process may hold it; its stderr says why); it stays paused with its "
-                                           "backup: run resume again once memory is free") from e
-            raise
+        _post_pause_command(region, constants.NPUALLOC_CMD_RESUME, args, "could not get its device memory back",
+                            "run resume again")
     sys.stdout.write(f"process {args.pid}: resumed\n")
     return 0
 

@@ -38,7 +38,7 @@ def _enter(tag: str | None, enable_cpu_backup: bool) -> None:
     lib = _library()
     name = ffi.NULL if tag is None else tag.encode()
     if lib.npualloc_saver_region(name, int(enable_cpu_backup)) != 0:
-        raise NpuallocError(f"memory_saver: tag {tag!r} refused (at most 63 bytes, at most 64 tags)")
+        raise NpuallocError(f"memory_saver: tag {tag!r} refused (a tag is at most 63 bytes)")
     _stack().append((tag, enable_cpu_backup))
 
 

@@ -98,6 +98,39 @@ def test_tags_pause_selectively_and_disable_makes_ordinary_allocations():
     """)
 
 
+def test_a_new_tag_every_step_works_for_as_long_as_the_program_runs():
+    """Tags were slots in a 64-entry table, never reused: a program naming a
+    tag per step (kv_cache_0, kv_cache_1, ...) was refused at its 65th. A
+    tag is a name now; only its length is limited."""
+    saver("""
+        kept = {}
+        for step in range(200):
+            tag = f"kv_cache_{step}"
+            with ms.region(tag, enable_cpu_backup=True):
+                ptr = malloc(MiB)
+            data = fill(ptr, MiB)
+            ms.pause(tag)
+            assert ms.bytes_of(tag) == {"allocated": 2 * MiB, "paused": 2 * MiB, "backup": 2 * MiB}
+            ms.resume(tag)
+            assert read(ptr, MiB) == data
+            if step % 50 == 0:
+                kept[tag] = (ptr, data)               # these stay, the others are freed
+            else:
+                ok(acl.rt.free(ptr))
+        assert ms.bytes_of()["allocated"] == len(kept) * 2 * MiB
+        ms.pause("kv_cache_100")                          # one tag of many, by name
+        assert ms.bytes_of()["paused"] == 2 * MiB and ms.bytes_of("kv_cache_100")["paused"] == 2 * MiB
+        ms.pause("kv_cache_7")                            # freed: selects nothing
+        assert ms.bytes_of("kv_cache_7") == {"allocated": 0, "paused": 0, "backup": 0}
+        ms.resume()
+        for ptr, data in kept.values():
+            assert read(ptr, MiB) == data
+        refused(lambda: ms.region("x" * 64).__enter__(), "at most 63 bytes")
+        with ms.region("x" * 63):
+            assert ms.bytes_of("x" * 63)["allocated"] == 0
+    """)
+
+
 def test_saver_bytes_leaves_out_the_figures_passed_as_null():
     """A C caller passing NULL for a figure it does not want crashed the
     host program (a store through NULL): now that figure is left out."""

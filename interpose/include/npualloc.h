@@ -49,7 +49,7 @@ void npualloc_free_snapshot(void *snapshot);
  * now on the calling thread's allocations are pausable and carry tag (NULL:
  * ordinary again); with enable_cpu_backup a pause copies them to host memory
  * and resume brings the contents back. 0, or -1 when the tag is 64 bytes or
- * longer or 64 tags exist already. */
+ * longer. Tags are names, not slots: any number may be used over a run. */
 int npualloc_saver_region(const char *tag, int enable_cpu_backup);
 /* Pause: synchronize, back up, then unmap and free the physical memory of
  * the tag's allocations (NULL: every tag), keeping their addresses. Resume:

@@ -388,7 +388,7 @@ aclError npa_vmm_unmap(void *addr, size_t size, void *handle);
 /* ---- saver.c -------------------------------------------------------------- */
 
 /* The memory saver region of this thread: -1 outside one (the allocation
- * path tests only this), else the tag's index * 2 + enable_cpu_backup. */
+ * path tests only this), else its enable_cpu_backup (0 or 1). */
 extern NPA_TLS int npa_saver_region;
 /* An allocation inside a region: its own VMM range on the device, tagged.
  * -1 when this runtime has no virtual memory API (the caller serves it as

@@ -33,16 +33,13 @@
 /* The device's page of physical memory (aclrtMemGetAllocationGranularity
  * answers 2 MiB on Ascend): a pausable allocation spans whole pages. */
 #define SAVER_PAGE ((size_t)2 << 20)
-#define SAVER_MAX_TAGS 64
 #define SAVER_TAG_LEN 64
-#define EVERY_TAG (-2)
-#define BY_COMMAND (-3) /* the blocks `npualloc pause` released */
 
 typedef struct saver_block {
     uintptr_t addr;
     size_t size;      /* whole pages */
     int device;
-    int tag;
+    char tag[SAVER_TAG_LEN];
     bool backup;
     bool by_command;  /* released by `npualloc pause`, for its resume only */
     bool unmapped;    /* released by the pause in progress (undone if it fails) */
@@ -52,11 +49,20 @@ typedef struct saver_block {
 } saver_block;
 
 NPA_TLS int npa_saver_region = -1;
+/* The tag of this thread's region. Each block keeps its own copy, so tags
+ * are only names: a program may use a new one every step, for as long as
+ * it runs. */
+static NPA_TLS char region_tag[SAVER_TAG_LEN];
 
 static pthread_mutex_t saver_lock = PTHREAD_MUTEX_INITIALIZER;
-static char tags[SAVER_MAX_TAGS][SAVER_TAG_LEN]; /* saver_lock; slots never reused */
-static int tag_count;
-static saver_block *blocks;                      /* saver_lock */
+static saver_block *blocks; /* saver_lock */
+
+/* Which blocks a pause, resume or count is about: those of one tag, of
+ * every tag (tag NULL), or those `npualloc pause` released (by_command). */
+typedef struct {
+    const char *tag;
+    bool by_command;
+} saver_selection;
 
 static void say(char *why, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void say(char *why, size_t len, const char *fmt, ...)
@@ -79,18 +85,6 @@ static bool vmm_available(void)
         if (npa_real_optional(needed[i]) == NULL)
             return false;
     return true;
-}
-
-/* saver_lock held. The tag's index, -1 when it cannot be named (too long, too many). */
-static int tag_index(const char *tag, bool create)
-{
-    for (int i = 0; i < tag_count; i++)
-        if (strcmp(tags[i], tag) == 0)
-            return i;
-    if (!create || strlen(tag) >= SAVER_TAG_LEN || tag_count == SAVER_MAX_TAGS)
-        return -1;
-    strcpy(tags[tag_count], tag);
-    return tag_count++;
 }
 
 static bool used[NPUALLOC_MAX_DEVICES];         /* saver_lock: made a pausable allocation */
@@ -172,9 +166,9 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
     saver_block *b = calloc(1, sizeof *b);
     if (b == NULL)
         return ACL_ERROR_BAD_ALLOC;
-    int region = npa_saver_region;
     *b = (saver_block){.size = (size + SAVER_PAGE - 1) / SAVER_PAGE * SAVER_PAGE, .device = device,
-                       .tag = region >> 1, .backup = region & 1};
+                       .backup = npa_saver_region == 1};
+    memcpy(b->tag, region_tag, sizeof b->tag);
     /* Under the lock: a pause of the whole process (pause.c) holds it, and
      * no allocation may be made while it is paused. */
     npa_mutex_lock(&saver_lock);
@@ -247,31 +241,24 @@ NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
         npa_saver_region = -1;
         return 0;
     }
-    npa_mutex_lock(&saver_lock);
-    int index = tag_index(tag, true);
-    npa_mutex_unlock(&saver_lock);
-    if (index < 0)
+    size_t len = strlen(tag);
+    if (len >= SAVER_TAG_LEN)
         return -1;
+    memcpy(region_tag, tag, len + 1);
     /* Counted before this thread's region is set, so its next malloc sees the word set. */
     if (npa_saver_region < 0)
         atomic_fetch_add_explicit(&npa_entry_work, NPA_WORK_SAVER_REGION, memory_order_relaxed);
-    npa_saver_region = index * 2 + (enable_cpu_backup != 0);
+    npa_saver_region = enable_cpu_backup != 0;
     return 0;
 }
 
-/* saver_lock held. Does b belong to the selection: a tag index, EVERY_TAG,
- * or BY_COMMAND (-1, an unknown tag, selects none)? A block the command
+/* saver_lock held. Does b belong to the selection? A block the command
  * paused is its own until the command resumes it. */
-static bool selected(const saver_block *b, int which)
+static bool selected(const saver_block *b, saver_selection which)
 {
-    if (which == BY_COMMAND)
+    if (which.by_command)
         return b->by_command;
-    return !b->by_command && (which == EVERY_TAG || b->tag == which);
-}
-
-static int tag_of(const char *tag)
-{
-    return tag == NULL ? EVERY_TAG : tag_index(tag, false);
+    return !b->by_command && (which.tag == NULL || strcmp(b->tag, which.tag) == 0);
 }
 
 /* saver_lock held. Maps b back and restores its backup. */
@@ -297,7 +284,7 @@ static aclError restore(saver_block *b)
 /* saver_lock held. The selected blocks that are mapped: synchronize their
  * devices, back up, then unmap; all or none. For the command every block
  * is backed up and marked by_command. *released / *backup: the bytes. */
-static aclError pause_blocks(int which, bool for_command, char *why, size_t len, size_t *released, size_t *backup)
+static aclError pause_blocks(saver_selection which, bool for_command, char *why, size_t len, size_t *released, size_t *backup)
 {
     aclError err = ACL_SUCCESS;
     *released = *backup = 0;
@@ -369,7 +356,7 @@ static aclError pause_blocks(int which, bool for_command, char *why, size_t len,
 
 /* saver_lock held. Every selected block that is paused, mapped back with
  * its contents; one that finds no room stays paused with its backup. */
-static aclError resume_blocks(int which, char *why, size_t len)
+static aclError resume_blocks(saver_selection which, char *why, size_t len)
 {
     aclError err = ACL_SUCCESS;
     for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
@@ -391,7 +378,7 @@ NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
 {
     npa_mutex_lock(&saver_lock);
     size_t released, backup;
-    aclError err = pause_blocks(tag_of(tag), false, why, why_len, &released, &backup);
+    aclError err = pause_blocks((saver_selection){.tag = tag}, false, why, why_len, &released, &backup);
     npa_mutex_unlock(&saver_lock);
     resample_device_memory(-1);
     return err;
@@ -400,7 +387,7 @@ NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
 NPA_EXPORT int npualloc_saver_resume(const char *tag, char *why, size_t why_len)
 {
     npa_mutex_lock(&saver_lock);
-    aclError err = resume_blocks(tag_of(tag), why, why_len);
+    aclError err = resume_blocks((saver_selection){.tag = tag}, why, why_len);
     npa_mutex_unlock(&saver_lock);
     resample_device_memory(-1);
     return err;
@@ -409,7 +396,7 @@ NPA_EXPORT int npualloc_saver_resume(const char *tag, char *why, size_t why_len)
 aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t *backup)
 {
     npa_mutex_lock(&saver_lock);
-    aclError err = pause_blocks(EVERY_TAG, true, why, len, released, backup);
+    aclError err = pause_blocks((saver_selection){.tag = NULL}, true, why, len, released, backup);
     if (err != ACL_SUCCESS)
         npa_mutex_unlock(&saver_lock);
     return err; /* on success saver_lock stays held, until npa_saver_command_done */
@@ -417,7 +404,7 @@ aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t
 
 aclError npa_saver_command_resume(char *why, size_t len)
 {
-    return resume_blocks(BY_COMMAND, why, len);
+    return resume_blocks((saver_selection){.by_command = true}, why, len);
 }
 
 void npa_saver_command_hold(void)
@@ -434,9 +421,8 @@ NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *
 {
     size_t all = 0, unmapped = 0, backed_up = 0;
     npa_mutex_lock(&saver_lock);
-    int t = tag_of(tag);
     for (saver_block *b = blocks; b; b = b->next) {
-        if (t != EVERY_TAG && b->tag != t)
+        if (tag != NULL && strcmp(b->tag, tag) != 0)
             continue;
         all += b->size;
         unmapped += b->physical == NULL ? b->size : 0;
@@ -477,8 +463,8 @@ void npa_saver_forget_after_fork(void)
     /* The parent's allocations are its device memory: the child never
      * pauses or frees them (a free of one is passed to the runtime, like
      * any pointer npualloc did not make here). Their records and backups
-     * are the child's copies: dropped. Tags stay, for regions the child
-     * enters. */
+     * are the child's copies: dropped. The forking thread's region stays,
+     * for the child's allocations. */
     memset(used, 0, sizeof used);
     while (blocks) {
         saver_block *b = blocks;

@@ -52,8 +52,8 @@ class ProcessStoppedError(NpuallocError):
 
 
 class CommandInterruptedError(KeyboardInterrupt):
-    """Ctrl-C while waiting for the process to acknowledge a command: it may
-    still apply it, at its next allocator call. A KeyboardInterrupt, not an
+    """Ctrl-C while waiting for the process to acknowledge a command: withdrawn
+    unless the process took it already (the message says which). A KeyboardInterrupt, not an
     NpuallocError, so code that handles npualloc's errors does not swallow
     the user's Ctrl-C; the CLI says it and exits 130 (the shell's code for
     SIGINT)."""

@@ -416,7 +416,9 @@ class Region:
                      timeout: float = COMMAND_TIMEOUT_S) -> int:
         """Posts a command and waits for the process to acknowledge it; returns
         the command's sequence number (a snapshot's file is named by it). The
-        process applies it at its next allocator call, so an idle process times out."""
+        process applies it at its next allocator call, so an idle process times
+        out; a command given up on (timeout, Ctrl-C) is withdrawn unless the
+        process took it already, and the error says which."""
         if not self._writable:
             raise NpuallocError("region opened read-only")
         if not 0 < timeout < math.inf:  # a NaN or infinite deadline is never passed
@@ -427,18 +429,21 @@ class Region:
         deadline = time.monotonic() + timeout
         self._lock_requesters(deadline)
         try:
-            # A command an earlier requester gave up on (CommandTimeoutError)
-            # is still posted: the process may be reading its fields, so new
-            # ones may not be stored over them until it answers (BUSY).
+            # An earlier command still unanswered (BUSY): its requester is gone
+            # (we hold the requesters' lock), so nobody waits for its answer:
+            # withdrawn. Unless the process took it: then it may be reading
+            # its fields, and new ones may not be stored over them until it answers.
             while (posted := reader.npualloc_reader_post(self._file, code, device, arg, seq)) == \
                     constants.NPUALLOC_POST_BUSY:
+                if reader.npualloc_reader_withdraw(self._file, reader.npualloc_reader_request_seq(self._region)):
+                    continue
                 self._check_not_lost()
                 if self.process_ended():
                     raise NoSuchProcessError(f"process {self.pid} ended before answering an earlier command")
                 if time.monotonic() > deadline:
                     raise CommandTimeoutError(
-                        f"process {self.pid} has not yet answered an earlier command (posted by a requester that "
-                        f"gave up waiting); nothing was posted: it answers at its next allocator call")
+                        f"process {self.pid} is still applying an earlier command (taken before its requester "
+                        f"ended); nothing was posted")
                 time.sleep(0.005)
             if posted == constants.NPUALLOC_POST_SEQ_EXHAUSTED:
                 # A process counts one command at a time from 0: no real
@@ -453,19 +458,39 @@ class Region:
                         raise NoSuchProcessError(f"process {self.pid} ended before acknowledging the command "
                                                  "(it may or may not have been applied)")
                     if time.monotonic() > deadline:
-                        raise CommandTimeoutError(
-                            f"process {self.pid} did not acknowledge the command within {timeout:g}s: it is "
-                            "applied at its next allocator call (it stays posted; is the process idle?)")
+                        outcome = self._give_up(seq[0], status)
+                        if outcome == "withdrawn":
+                            raise CommandTimeoutError(
+                                f"process {self.pid} did not take the command within {timeout:g}s (commands are "
+                                "applied at its next allocator call: is the process idle?); withdrawn, nothing "
+                                "was applied")
+                        if outcome == "taken":
+                            raise CommandTimeoutError(
+                                f"process {self.pid} took the command but did not answer within {timeout:g}s: it "
+                                "is being applied")
+                        break  # answered just as it was given up on
                     time.sleep(0.005)
             except KeyboardInterrupt:
-                raise CommandInterruptedError(
-                    f"interrupted before process {self.pid} acknowledged the command: it stays posted and is "
-                    "applied at its next allocator call") from None
+                outcome = self._give_up(seq[0], status)
+                raise CommandInterruptedError(f"interrupted before process {self.pid} answered the command: " + {
+                    "withdrawn": "withdrawn, nothing was applied",
+                    "taken": "the process took it and is applying it",
+                    "answered": "it had just answered it",
+                }[outcome]) from None
         finally:
             fcntl.flock(self._file.fd, fcntl.LOCK_UN)
         if status[0] != constants.NPUALLOC_CMD_OK:
             raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status[0], f'status {status[0]}')}")
         return int(seq[0])
+
+    def _give_up(self, seq: int, status: Any) -> str:
+        """Withdraws command seq: "withdrawn" (it will never be applied), or,
+        when the process had taken it, "answered" (its answer came meanwhile,
+        in *status) or "taken" (it is being applied)."""
+        reader = reader_library()
+        if reader.npualloc_reader_withdraw(self._file, seq):
+            return "withdrawn"
+        return "answered" if reader.npualloc_reader_acked(self._region, seq, status) else "taken"
 
     def _lock_requesters(self, deadline: float) -> None:
         """Serialises requesters (two CLIs at once); the process never takes

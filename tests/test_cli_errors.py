@@ -18,7 +18,7 @@ from region_helpers import (Workload, assert_one_line_error, cli_env, region_byt
 from npualloc import cli, errors
 from npualloc import region as region_module
 from npualloc.errors import CommandInterruptedError, CorruptRegionError, NpuallocError, OtherUserError
-from npualloc.region import Region, RegionHeader
+from npualloc.region import Region, RegionHeader, reader_library
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
 
@@ -126,14 +126,18 @@ def test_command_not_acknowledged(tmp_path: Path, sleeper: int) -> None:
     """A region nobody serves (the sleeper never reaches an allocator)."""
     write_region(tmp_path, sleeper, region_bytes(sleeper))
     proc = run_cli(["empty-cache", str(sleeper), "--timeout", "0.3"], tmp_path)
-    assert_one_line_error(proc, 8, "next allocator call")
+    assert_one_line_error(proc, 8, "next allocator call: is the process idle?); withdrawn")
+    # Withdrawn and answered by the requester: the next command is posted, not refused as busy.
+    proc = run_cli(["reset-peak", str(sleeper), "--timeout", "0.3"], tmp_path)
+    assert_one_line_error(proc, 8, "withdrawn, nothing was applied")
 
 
-def test_ctrl_c_while_a_command_waits_says_it_stays_posted(tmp_path: Path, sleeper: int,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_while_a_command_waits_withdraws_it(tmp_path: Path, sleeper: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C ended every command with exit 0 and nothing said (meant for
     stats --watch): a script took a pause for done, and the process paused
-    later by itself. Now 130 and one line saying the command stays posted."""
+    later by itself. Then 130 and a line saying the command stayed posted.
+    Now 130, the command withdrawn: nobody would apply it later."""
     monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
     write_region(tmp_path, sleeper, region_bytes(sleeper))
     with Region(sleeper) as region:
@@ -147,7 +151,13 @@ def test_ctrl_c_while_a_command_waits_says_it_stays_posted(tmp_path: Path, sleep
             os.sched_yield()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
-    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130, "stays posted")
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130,
+                          "withdrawn, nothing was applied")
+    with Region(sleeper) as region:
+        assert region.command_seq() == posted + 1
+        status = ffi.new("int32_t *")
+        assert reader_library().npualloc_reader_acked(region._region, posted + 1, status) == 1
+        assert status[0] == constants.NPUALLOC_CMD_WITHDRAWN
     # In the Python API it is the user's Ctrl-C, not one of npualloc's errors to handle.
     assert issubclass(CommandInterruptedError, KeyboardInterrupt)
     assert not issubclass(CommandInterruptedError, NpuallocError)

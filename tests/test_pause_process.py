@@ -12,13 +12,16 @@ import json
 import os
 import textwrap
 import resource
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import SIM_LIB, compile_c, preload_env, run_python, sim_env
 
-from npualloc.region import Region
+from npualloc._ffi import constants, ffi
+from npualloc.region import Region, reader_library
 
 MiB = 1 << 20
 HBM_MB = "256"
@@ -165,6 +168,46 @@ def test_paused_from_another_shell_releases_everything_and_finishes_the_same():
         assert trainer.proc.poll() is None   # still there, blocked in its allocation
         assert "resumed" in _cli("resume", str(trainer.proc.pid)).stdout
         assert trainer.finish() == expected  # same losses, same checksum, nothing touched paused memory
+    finally:
+        trainer.kill()
+
+
+def test_a_pause_an_idle_program_did_not_take_in_time_is_withdrawn_and_never_applied():
+    """A pause that timed out stayed posted: the program paused at its next
+    allocation, long after the scheduler had been told the pause failed, and
+    waited there for a resume nobody knew was needed."""
+    expected = _uninterrupted()
+    trainer = Trainer()
+    try:
+        late = _cli("pause", str(trainer.proc.pid), "--timeout", "0.5", check=False)
+        assert late.returncode == 8 and "withdrawn, nothing was applied" in late.stderr, late.stderr
+        assert trainer.finish() == expected  # runs to the end, never paused
+        assert "paused" not in trainer.stderr
+    finally:
+        trainer.kill()
+
+
+def test_a_withdrawn_resume_leaves_the_program_paused():
+    """The paused thread answers requests itself: one withdrawn before it
+    looked (the program stopped by SIGSTOP meanwhile) is not applied."""
+    expected = _uninterrupted()
+    trainer = Trainer()
+    try:
+        assert trainer.pause_at_next_allocation().returncode == 0
+        os.kill(trainer.proc.pid, signal.SIGSTOP)
+        with Region(trainer.proc.pid, writable=True) as region:
+            seq = ffi.new("uint64_t *")
+            reader = reader_library()
+            assert reader.npualloc_reader_post(region._file, constants.NPUALLOC_CMD_RESUME, -1, 0.0, seq) == \
+                constants.NPUALLOC_POST_OK
+            assert reader.npualloc_reader_withdraw(region._file, seq[0]) == 1
+        os.kill(trainer.proc.pid, signal.SIGCONT)
+        # Nothing shows that the paused thread (polling at most 50 ms apart) has
+        # looked: the wait only gives it the chance to go wrong; a correct build passes however short it is.
+        time.sleep(0.5)
+        assert _state(trainer.proc.pid)["state"] == "paused"
+        assert "resumed" in _cli("resume", str(trainer.proc.pid)).stdout
+        assert trainer.finish() == expected
     finally:
         trainer.kill()
 

@@ -13,9 +13,9 @@ import pytest
 from region_helpers import Workload, region_file, wait_for_pending_command, write_region
 
 import npualloc
-from npualloc._ffi import constants
+from npualloc._ffi import constants, ffi
 from npualloc.errors import CommandRejectedError, CommandTimeoutError
-from npualloc.region import Region, process_start_time
+from npualloc.region import Region, process_start_time, reader_library
 
 MiB = 1 << 20
 
@@ -239,19 +239,73 @@ def test_bad_commands_are_acknowledged_as_rejected(shm: Path, code: int, arg: fl
         assert npualloc.get_config(pid=w.pid) == config
 
 
-def test_idle_process_times_out_and_applies_later(shm: Path) -> None:
+def test_a_command_an_idle_process_did_not_take_in_time_is_withdrawn(shm: Path) -> None:
+    """A command that timed out stayed posted and was applied at the next
+    allocator call, whenever that came: a pause given up on froze the
+    program later. Now it is withdrawn, never applied, and the next one is
+    posted at once."""
     with Workload(shm) as w:
         w.call(f"malloc({3 * MiB})")  # a 20 MiB segment of the large pool
         w.call("malloc(4096)")
         w.call(f"acl.rt.free({w.call('live')[0]})")
-        with pytest.raises(CommandTimeoutError, match="next allocator call"):
+        peak = npualloc.max_memory_allocated(pid=w.pid)
+        with pytest.raises(CommandTimeoutError, match="withdrawn, nothing was applied"):
             npualloc.empty_cache(pid=w.pid, timeout=0.2)
-        # Not stored over the one still posted: the process may be reading its fields.
-        with pytest.raises(CommandTimeoutError, match="earlier command"):
+        with pytest.raises(CommandTimeoutError, match="withdrawn, nothing was applied"):
             npualloc.reset_peak_memory_stats(pid=w.pid, timeout=0.2)
-        assert npualloc.memory_reserved(pid=w.pid) >= 20 * MiB
-        w.call("free()")  # the next allocator call applies the posted command
+        w.call("free()")  # an allocator call: nothing posted is left to apply
+        stats = npualloc.memory_stats(pid=w.pid)
+        assert stats["reserved_bytes.large_pool.current"] == 20 * MiB
+        assert stats["allocated_bytes.all.peak"] == peak
+        with Region(w.pid) as region:
+            assert region.command_seq() == 2  # both were posted, neither applied
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_EMPTY_CACHE, "malloc(4096)")
         assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 0
+
+
+def test_a_damaged_command_slot_is_answered_unapplied_and_mended(shm: Path) -> None:
+    """closed_seq rewritten by someone (neither the request before nor this
+    one): the process applies nothing, answers it as rejected, and the slot
+    works again for the next command, instead of staying pending for good."""
+    with Workload(shm) as w:
+        w.call(f"malloc({3 * MiB})")
+        w.call(f"acl.rt.free({w.call('live')[0]})")
+        with Region(w.pid, writable=True) as region:
+            region._region.command.closed_seq = 12345
+        with pytest.raises(CommandRejectedError, match="rejected"):
+            _post_and_trigger(w, shm, constants.NPUALLOC_CMD_EMPTY_CACHE, "malloc(4096)")
+        assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 20 * MiB
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_EMPTY_CACHE, "malloc(4096)")
+        assert npualloc.memory_stats(pid=w.pid)["reserved_bytes.large_pool.current"] == 0
+
+
+def test_a_command_the_process_took_is_not_withdrawn(shm: Path) -> None:
+    """The requester's withdrawal and the process's taking race on one word:
+    once the process took a command, giving up reports it as being applied
+    and the process's answer stands."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        with Region(w.pid, writable=True) as region:
+            seq = ffi.new("uint64_t *")
+            status = ffi.new("int32_t *")
+            reader = reader_library()
+            assert reader.npualloc_reader_post(region._file, constants.NPUALLOC_CMD_RESET_PEAK, -1, 0.0, seq) == \
+                constants.NPUALLOC_POST_OK
+            w.call("malloc(4096)")  # the process takes and answers it
+            assert reader.npualloc_reader_withdraw(region._file, seq[0]) == 0
+            assert reader.npualloc_reader_acked(region._region, seq[0], status) == 1
+            assert status[0] == constants.NPUALLOC_CMD_OK
+            assert region._give_up(seq[0], status) == "answered"
+            # Posted and withdrawn before the process comes: it never applies it.
+            assert reader.npualloc_reader_post(region._file, constants.NPUALLOC_CMD_RESET_PEAK, -1, 0.0, seq) == \
+                constants.NPUALLOC_POST_OK
+            assert region._give_up(seq[0], status) == "withdrawn"
+            assert reader.npualloc_reader_acked(region._region, seq[0], status) == 1
+            assert status[0] == constants.NPUALLOC_CMD_WITHDRAWN
+            assert reader.npualloc_reader_withdraw(region._file, seq[0]) == 0  # once only
+            w.call("malloc(4096)")  # had the process applied it, it would have answered it
+            assert reader.npualloc_reader_acked(region._region, seq[0], status) == 1
+            assert status[0] == constants.NPUALLOC_CMD_WITHDRAWN
 
 
 def _assert_consistent(s: dict) -> None:

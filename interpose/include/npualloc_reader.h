@@ -99,6 +99,12 @@ uint64_t npualloc_reader_request_seq(const npualloc_region *region);
  * while the last command posted is unacknowledged (the process may be
  * reading its fields): wait for it, then post again. */
 int32_t npualloc_reader_post(npualloc_region_file *file, int32_t code, int32_t device, double arg, uint64_t *seq);
+/* Withdraws request seq unless the process took it already (npualloc_shm.h):
+ * 1 when withdrawn (it will never be applied, and is acknowledged as
+ * NPUALLOC_CMD_WITHDRAWN, so the next post is not BUSY), 0 when the process
+ * took it (it is being applied: wait for its answer) or the file is
+ * read-only. The caller serialises requesters, as for post. */
+int32_t npualloc_reader_withdraw(npualloc_region_file *file, uint64_t seq);
 /* 1 once the process acknowledged seq (ack_seq >= seq), *status then holds
  * its NPUALLOC_CMD_* answer; 0 while it has not. */
 int32_t npualloc_reader_acked(const npualloc_region *region, uint64_t seq, int32_t *status);

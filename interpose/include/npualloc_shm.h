@@ -22,7 +22,7 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 5
+#define NPUALLOC_SHM_VERSION 6
 #define NPUALLOC_MAX_DEVICES 16
 #define NPUALLOC_CONFIG_LEN 512
 #define NPUALLOC_CMDLINE_LEN 256
@@ -53,6 +53,7 @@
 #define NPUALLOC_CMD_ENOTPAUSABLE 4     /* plain segments or no VMM: run it with expandable_segments:True */
 #define NPUALLOC_CMD_ENOTPAUSED 5       /* RESUME of a process that is not paused */
 #define NPUALLOC_CMD_EPAUSED 6          /* any other command while paused */
+#define NPUALLOC_CMD_WITHDRAWN 7        /* written by the requester that withdrew it, never applied */
 /* npualloc_region_header.pause_state */
 #define NPUALLOC_RUNNING 0
 #define NPUALLOC_PAUSING 1
@@ -115,10 +116,16 @@ typedef struct npualloc_device_stats {
 
 /* The command slot: a requester fills code/device/arg and then increments
  * request_seq; the process applies it at its next allocator call and stores
- * ack_status, then sets ack_seq = request_seq. */
+ * ack_status, then sets ack_seq = request_seq. Each request is closed once,
+ * by whichever side moves closed_seq to it first (a compare-and-swap from
+ * the one before): the process, to apply it, or its requester, to withdraw
+ * it when the process did not come in time; a requester that withdraws
+ * acknowledges it itself (NPUALLOC_CMD_WITHDRAWN). So a command given up on
+ * is never applied later (version 6). */
 typedef struct npualloc_command {
     uint64_t request_seq;
     uint64_t ack_seq;
+    uint64_t closed_seq;
     int32_t code;
     int32_t device;          /* -1: every device */
     double arg;

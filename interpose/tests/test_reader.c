@@ -251,6 +251,7 @@ static void test_post_and_ack(void) {
     int32_t status = -1;
     CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_EMPTY_CACHE, -1, 0.0, &seq), NPUALLOC_POST_READ_ONLY);
     CHECK_EQ(file.region->command.request_seq, 0);
+    CHECK_EQ(npualloc_reader_withdraw(&file, 1), 0);
     npualloc_reader_close(&file);
 
     CHECK_EQ(open_path(write_file("region", &r, sizeof r), 1, &file), NPUALLOC_OPEN_OK);
@@ -265,16 +266,31 @@ static void test_post_and_ack(void) {
     CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RECORD_HISTORY, 0, 9.0, &busy_seq), NPUALLOC_POST_BUSY);
     CHECK(busy_seq == 0 && c->request_seq == 1 && c->code == NPUALLOC_CMD_SET_GC_THRESHOLD && c->device == 2 &&
           c->arg == 0.75);
+    c->closed_seq = 1; /* the process took it: too late to withdraw, and it answers */
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq), 0);
+    CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 0);
     c->ack_status = NPUALLOC_CMD_EINVAL;
     c->ack_seq = 1;
     CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 1);
     CHECK_EQ(status, NPUALLOC_CMD_EINVAL);
 
+    /* Withdrawn before the process came: closed, answered by the requester,
+     * once only, and the next command is posted at once. */
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_EMPTY_CACHE, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(seq, 2);
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq), 1);
+    CHECK(c->closed_seq == 2 && c->ack_seq == 2);
+    CHECK_EQ(npualloc_reader_acked(file.region, seq, &status), 1);
+    CHECK_EQ(status, NPUALLOC_CMD_WITHDRAWN);
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq), 0);
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RESET_PEAK, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(seq, 3);
+
     /* A crafted region at the end of the counter: refused, nothing stored. */
     c->request_seq = c->ack_seq = UINT64_MAX;
     CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_SNAPSHOT, 0, 1.0, &seq), NPUALLOC_POST_SEQ_EXHAUSTED);
     CHECK_EQ(c->request_seq, UINT64_MAX);
-    CHECK_EQ(c->code, NPUALLOC_CMD_SET_GC_THRESHOLD);
+    CHECK_EQ(c->code, NPUALLOC_CMD_RESET_PEAK);
     npualloc_reader_close(&file);
 }
 

@@ -22,12 +22,6 @@ static void set_state(npualloc_region *r, uint32_t state, size_t paused, size_t 
     __atomic_store_n(&r->header.pause_state, state, __ATOMIC_RELEASE);
 }
 
-static void acknowledge(npualloc_region *r, uint64_t seq, int32_t status)
-{
-    __atomic_store_n(&r->command.ack_status, status, __ATOMIC_RELAXED);
-    __atomic_store_n(&r->command.ack_seq, seq, __ATOMIC_RELEASE);
-}
-
 /* The next request after seq (the requester serialises with flock, so one at
  * a time). Polled 2 ms apart at first, then ever more slowly up to 50 ms: a
  * job paused for hours woke 500 times a second (a soak run), and a resume
@@ -104,12 +98,19 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
         return status;
     }
     set_state(r, NPUALLOC_PAUSED, released, backup);
-    acknowledge(r, *seq, status);
+    npa_region_acknowledge(r, *seq, status);
     bool saver_back = false;
     for (;;) {
         *seq = next_request(r, *seq);
+        npa_command_claim claim = npa_region_take_command(r, *seq);
+        if (claim == NPA_COMMAND_WITHDRAWN)
+            continue; /* its requester gave up on it and answered it */
+        if (claim == NPA_COMMAND_DAMAGED) {
+            npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EINVAL);
+            continue;
+        }
         if (__atomic_load_n(&r->command.code, __ATOMIC_RELAXED) != NPUALLOC_CMD_RESUME) {
-            acknowledge(r, *seq, NPUALLOC_CMD_EPAUSED); /* the allocator is held: nothing else can run */
+            npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EPAUSED); /* the allocator is held: nothing else can run */
             continue;
         }
         set_state(r, NPUALLOC_RESUMING, released, backup);
@@ -124,6 +125,6 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
         npa_warn_once("resume failed, still paused: %s", why);
         npa_paused_sample_device_memory(a, paused); /* memory_saver's blocks may be back */
         set_state(r, NPUALLOC_PAUSED, released, backup);
-        acknowledge(r, *seq, NPUALLOC_CMD_EFAILED);
+        npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EFAILED);
     }
 }

@@ -473,15 +473,19 @@ void npa_region_poll_slow(npa_allocator *allocator)
         return; /* another thread is applying it */
     uint64_t requested = __atomic_load_n(&cmd->request_seq, __ATOMIC_ACQUIRE);
     kept_key keep = {.taken = false};
-    if (requested != __atomic_load_n(&cmd->ack_seq, __ATOMIC_RELAXED)) {
+    npa_command_claim claim = NPA_COMMAND_WITHDRAWN;
+    if (requested != __atomic_load_n(&cmd->ack_seq, __ATOMIC_RELAXED))
+        claim = npa_region_take_command(r, requested);
+    if (claim == NPA_COMMAND_DAMAGED) {
+        npa_region_acknowledge(r, requested, NPUALLOC_CMD_EINVAL);
+    } else if (claim == NPA_COMMAND_TAKEN) {
         /* Read once: the requester is another process and may rewrite them. */
         int32_t code = __atomic_load_n(&cmd->code, __ATOMIC_RELAXED);
         int32_t device = __atomic_load_n(&cmd->device, __ATOMIC_RELAXED);
         double arg;
         memcpy(&arg, (const void *)&cmd->arg, sizeof arg);
         int32_t status = apply_command(allocator, r, &requested, code, device, arg, &keep);
-        __atomic_store_n(&cmd->ack_status, status, __ATOMIC_RELAXED);
-        __atomic_store_n(&cmd->ack_seq, requested, __ATOMIC_RELEASE);
+        npa_region_acknowledge(r, requested, status);
     }
     npa_mutex_unlock(&g_command_lock);
     if (keep.taken)

@@ -27,6 +27,31 @@ static inline int npa_region_command_pending(npualloc_region *r)
            __atomic_load_n(&r->command.ack_seq, __ATOMIC_RELAXED);
 }
 
+/* Request seq (seen in request_seq, acquire) closed for the process
+ * (npualloc_shm.h): TAKEN, to apply and acknowledge; WITHDRAWN by its
+ * requester, which acknowledged it: nothing to do; DAMAGED when closed_seq
+ * was neither the request before nor this one (a region someone rewrote):
+ * acknowledge it as NPUALLOC_CMD_EINVAL unapplied. Closed either way, so a
+ * damaged slot is mended for the next request. */
+typedef enum { NPA_COMMAND_TAKEN, NPA_COMMAND_WITHDRAWN, NPA_COMMAND_DAMAGED } npa_command_claim;
+
+static inline npa_command_claim npa_region_take_command(npualloc_region *r, uint64_t seq)
+{
+    /* One read-modify-write decides between the process and the requester's
+     * compare-and-swap; the fields were made visible by request_seq's
+     * acquire already. */
+    uint64_t closed = __atomic_exchange_n(&r->command.closed_seq, seq, __ATOMIC_RELAXED);
+    return closed == seq - 1 ? NPA_COMMAND_TAKEN : closed == seq ? NPA_COMMAND_WITHDRAWN : NPA_COMMAND_DAMAGED;
+}
+
+/* The process's answer to request seq: the status, then ack_seq with
+ * release (the requester loads it with acquire before the status). */
+static inline void npa_region_acknowledge(npualloc_region *r, uint64_t seq, int32_t status)
+{
+    __atomic_store_n(&r->command.ack_status, status, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->command.ack_seq, seq, __ATOMIC_RELEASE);
+}
+
 /* NPUALLOC_CMD_PAUSE, applied by the thread that polls it (pause.c): the
  * process's device memory released, then waits for NPUALLOC_CMD_RESUME,
  * answering every other request itself; *seq becomes the resume's. */

@@ -64,6 +64,18 @@ constants: Any = ffi.dlopen(None)
 
 REGION_SIZE: int = ffi.sizeof("npualloc_region")
 
+
+def c_string(text: str, what: str) -> bytes:
+    """text as the bytes a C call reads up to their NUL. A str holding a NUL
+    would be cut short there, the rest dropped unseen (a config string's
+    later keys, the end that tells two memory_saver tags apart): refused, as
+    os functions refuse an embedded null byte."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str, not {type(text).__name__}")
+    if "\0" in text:
+        raise ValueError(f"{what} {text!r} holds a NUL character")
+    return text.encode()
+
 _reader: list[Any] = []
 
 

@@ -10,7 +10,7 @@ import os
 import warnings
 from typing import Any
 
-from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, constants, ffi, loaded_library, runtime_library
+from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, c_string, constants, ffi, loaded_library, runtime_library
 from .errors import NotUnderNpuallocError, NpuallocError
 from .region import COMMAND_TIMEOUT_S, Region, read_live_regions
 from .summary import format_summary
@@ -371,6 +371,6 @@ def set_config(config: str) -> None:
     process (garbage_collection_threshold, record_history, record_stacks,
     expandable_segments: how pools grow from now on, as torch's
     _set_allocator_settings); for another process use set_gc_threshold(..., pid=...)."""
-    rejected = _library().npualloc_set_config(config.encode())
+    rejected = _library().npualloc_set_config(c_string(config, "the config string"))
     if rejected:
         raise ValueError(f"npualloc rejected {rejected} key(s) of {config!r} (warned on stderr)")

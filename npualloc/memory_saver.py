@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ._ffi import ffi
+from ._ffi import c_string, ffi
 from .errors import NpuallocError
 from .memory import _library
 
@@ -34,10 +34,13 @@ def _stack() -> list[tuple[str | None, bool]]:
     return _state.regions
 
 
+def _c_tag(tag: str | None) -> Any:
+    return ffi.NULL if tag is None else c_string(tag, "memory_saver: tag")
+
+
 def _enter(tag: str | None, enable_cpu_backup: bool) -> None:
-    lib = _library()
-    name = ffi.NULL if tag is None else tag.encode()
-    if lib.npualloc_saver_region(name, int(enable_cpu_backup)) != 0:
+    name = _c_tag(tag)
+    if _library().npualloc_saver_region(name, int(enable_cpu_backup)) != 0:
         raise NpuallocError(f"memory_saver: tag {tag!r} refused (a tag is at most 63 bytes)")
     _stack().append((tag, enable_cpu_backup))
 
@@ -46,7 +49,7 @@ def _leave() -> None:
     stack = _stack()
     stack.pop()
     tag, backup = stack[-1] if stack else (None, False)
-    _library().npualloc_saver_region(ffi.NULL if tag is None else tag.encode(), int(backup))
+    _library().npualloc_saver_region(_c_tag(tag), int(backup))
 
 
 @contextmanager
@@ -71,7 +74,7 @@ def disable() -> Iterator[None]:
 
 def _call(fn: Any, action: str, tag: str | None) -> None:
     why = ffi.new("char[]", _WHY_LEN)
-    ret = fn(ffi.NULL if tag is None else tag.encode(), why, _WHY_LEN)
+    ret = fn(_c_tag(tag), why, _WHY_LEN)
     if ret != 0:
         what = "every tag" if tag is None else f"tag {tag!r}"
         raise NpuallocError(f"memory_saver: {action} of {what} failed (error {ret}): {ffi.string(why).decode()}")
@@ -95,5 +98,5 @@ def bytes_of(tag: str | None = None) -> dict[str, int]:
     """{"allocated", "paused", "backup"}: bytes of tag's pausable allocations
     (None: every tag), of those paused, and of host backups held."""
     out = ffi.new("size_t[3]")
-    _library().npualloc_saver_bytes(ffi.NULL if tag is None else tag.encode(), out, out + 1, out + 2)
+    _library().npualloc_saver_bytes(_c_tag(tag), out, out + 1, out + 2)
     return {"allocated": out[0], "paused": out[1], "backup": out[2]}

@@ -396,3 +396,26 @@ def test_a_forked_child_forgets_the_parents_pausable_allocations():
         assert child["inherited"] == {"allocated": 0, "paused": 0, "backup": 0}
         assert child["paused"] == {"allocated": 2 * MiB, "paused": 2 * MiB, "backup": 2 * MiB}
         assert child["intact"] and child["saver_stats"] == 2 * MiB  # its own region's figures
+
+
+def test_a_tag_holding_a_nul_is_refused_not_cut_short():
+    # C reads a tag up to its first NUL: "kv\0b" was the tag "kv", so pausing
+    # it paused the "kv" blocks, and two tags differing after a NUL were one.
+    saver("""
+        with ms.region("kv", enable_cpu_backup=True):
+            kv = malloc(MiB)
+        kept = fill(kv, MiB)
+        for call in (lambda: ms.region("kv\\0b").__enter__(), lambda: ms.pause("kv\\0b"),
+                     lambda: ms.resume("kv\\0b"), lambda: ms.bytes_of("kv\\0b")):
+            try:
+                call()
+            except ValueError as e:
+                assert "NUL" in str(e), e
+            else:
+                raise AssertionError("a tag holding a NUL was taken")
+        assert ms.bytes_of("kv") == {"allocated": 2 * MiB, "paused": 0, "backup": 0}
+        with ms.region("b"):              # the refused region left this thread's as it was
+            plain = malloc(MiB)
+        assert ms.bytes_of("b")["allocated"] == 2 * MiB
+        assert read(kv, MiB) == kept
+    """)

@@ -114,6 +114,18 @@ def test_in_process_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         assert w.call("npualloc.library_path()").endswith("/npualloc/lib/libnpualloc.so")
 
 
+def test_set_config_refuses_a_string_c_would_cut_at_a_nul(tmp_path: Path) -> None:
+    # The library reads the text up to its first NUL: the keys after it were
+    # dropped unseen (neither applied nor warned about) and the call succeeded.
+    with Workload(tmp_path) as w:
+        w.call(f"malloc({MiB})")
+        with pytest.raises(AssertionError, match="ValueError: .*NUL"):
+            w.call("npualloc.set_config('record_history:7\\x00,record_stacks:bogus')")
+        with pytest.raises(AssertionError, match="TypeError: .*bytes"):
+            w.call("npualloc.set_config(b'record_history:7')")
+        assert "record_history" not in w.call("npualloc.get_config()")
+
+
 def _flatten_like_torch(nested: dict[str, object], prefix: str = "") -> dict[str, object]:
     """torch.cuda.memory_stats()'s _recurse_add_to_result: dict keys joined by "."."""
     flat: dict[str, object] = {}

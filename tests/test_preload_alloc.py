@@ -174,6 +174,42 @@ emit(max_split=s["max_split_size"], reserved=s["reserved_bytes.all.current"])
     assert any("bogus_key" in line for line in lines) and any("max_split_size_mb" in line for line in lines)
 
 
+def test_config_numbers_are_read_and_written_with_a_point_in_any_locale(tmp_path):
+    """strtod and printf follow LC_NUMERIC: a program that chose a comma-decimal
+    locale before its first allocation had garbage_collection_threshold:0.8
+    and per_process_memory_fraction:0.5 refused as not numbers, and its
+    canonical config read 'garbage_collection_threshold:0,25', which does not
+    parse back (the comma ends the entry)."""
+    import shutil
+    import subprocess
+    source = tmp_path / "comma.def"
+    source.write_text('LC_NUMERIC\ndecimal_point ","\nthousands_sep ""\ngrouping -1\nEND LC_NUMERIC\n')
+    if shutil.which("localedef") is None:
+        pytest.skip("needs localedef to make a comma-decimal locale")
+    subprocess.run(["localedef", "-c", "-i", str(source), "-f", "UTF-8", str(tmp_path / "comma")],
+                   capture_output=True)
+    if not (tmp_path / "comma" / "LC_NUMERIC").is_file():
+        pytest.skip("localedef could not make a comma-decimal locale here")
+    proc = run_python("""
+import json, locale
+locale.setlocale(locale.LC_NUMERIC, "comma")
+assert locale.localeconv()["decimal_point"] == ","
+import acl, npualloc
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+p, ret = acl.rt.malloc(4096, 0); assert ret == 0
+at_start = npualloc.get_config()
+npualloc.set_gc_threshold(0.25)
+after_command = npualloc.get_config()
+npualloc.set_config("garbage_collection_threshold:0.6")
+print(json.dumps([at_start, after_command, npualloc.get_config()]))
+""", preload_env(LOCPATH=str(tmp_path),
+                 PYTORCH_NPU_ALLOC_CONF="garbage_collection_threshold:0.8,per_process_memory_fraction:0.5"))
+    assert json.loads(proc.stdout) == ["garbage_collection_threshold:0.8,per_process_memory_fraction:0.5",
+                                       "garbage_collection_threshold:0.25,per_process_memory_fraction:0.5",
+                                       "garbage_collection_threshold:0.6,per_process_memory_fraction:0.5"]
+    assert proc.stderr == ""
+
+
 def test_hundreds_of_bad_config_keys_leave_later_warnings_their_say():
     """Each distinct message took a slot of a 256-entry table; a config of 300
     bad keys filled it and every later warning of the process (this double

@@ -5,6 +5,8 @@
  * NUL, copies nothing unbounded and converts numbers with overflow checks, so
  * any byte string is safe input. */
 #include <ctype.h>
+#include <locale.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -60,13 +62,37 @@ static bool parse_uint(span s, uint64_t *out) {
     return true;
 }
 
+/* Numbers in a config string and in its canonical text are C's (0.8),
+ * whatever LC_NUMERIC the host program chose: strtod and printf follow it,
+ * and a program in a comma-decimal locale had 0.8 refused as no number
+ * (strtod stopped at the point) and its config written as 0,8, which ends
+ * the entry at the comma. The C locale is made once and put on the calling
+ * thread for the conversion only (uselocale); where it cannot be made, the
+ * thread's own locale is used as before. */
+static locale_t c_numeric;
+static pthread_once_t c_numeric_once = PTHREAD_ONCE_INIT;
+
+static void make_c_numeric(void) { c_numeric = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0); }
+
+/* The thread's locale to give back to leave_c_numeric, (locale_t)0 when unchanged. */
+static locale_t enter_c_numeric(void) {
+    pthread_once(&c_numeric_once, make_c_numeric);
+    return c_numeric ? uselocale(c_numeric) : (locale_t)0;
+}
+
+static void leave_c_numeric(locale_t previous) {
+    if (previous) uselocale(previous);
+}
+
 static bool parse_double(span s, double *out) {
     char buf[64];
     if (s.n == 0 || s.n >= sizeof buf) return false;
     memcpy(buf, s.p, s.n);
     buf[s.n] = '\0';
     char *end = NULL;
+    locale_t previous = enter_c_numeric();
     double v = strtod(buf, &end);
+    leave_c_numeric(previous);
     if (end != buf + s.n) return false;
     *out = v;
     return true;
@@ -438,8 +464,10 @@ static void out_printf(text_out *o, const char *format, ...) {
 
 /* Shortest text that reads back as the same double. */
 static void format_double(double v, char *buf, size_t len) {
+    locale_t previous = enter_c_numeric();
     snprintf(buf, len, "%.15g", v);
     if (strtod(buf, NULL) != v) snprintf(buf, len, "%.17g", v);
+    leave_c_numeric(previous);
 }
 
 size_t npa_config_format(const npa_config *c, char *buf, size_t len) {

@@ -231,16 +231,16 @@ def cmd_empty_cache(args: argparse.Namespace) -> int:
 
 
 def _post_pause_command(region: Region, code: int, args: argparse.Namespace, failed: str, retry: str) -> None:
-    """Posts a pause or a resume. A refusal that leaves the process paused
+    """Posts a pause or a resume. A failure that leaves the process paused
     (what it released was taken by another process meanwhile) says so, and
-    what to run."""
+    what to run; other refusals (a pause of a paused process) as they are."""
     try:
         region.post_command(code, timeout=args.timeout)
     except CommandRejectedError as e:
-        if region.header().state != "paused":
+        if e.status != constants.NPUALLOC_CMD_EFAILED or region.header().state != "paused":
             raise
         raise CommandRejectedError(f"process {args.pid}: {failed} (another process may hold it; its stderr says "
-                                   f"why); it stays paused with its backup: {retry} once memory is free") from e
+                                   f"why); it stays paused with its backup: {retry} once memory is free", e.status) from e
 
 
 def cmd_pause(args: argparse.Namespace) -> int:

@@ -41,7 +41,14 @@ class CommandTimeoutError(NpuallocError):
 
 
 class CommandRejectedError(NpuallocError):
+    """The process answered the command with an error: status, its
+    NPUALLOC_CMD_* code (None where the caller did not give it)."""
+
     exit_code = 9
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class ProcessStoppedError(NpuallocError):

@@ -480,7 +480,8 @@ class Region:
         finally:
             fcntl.flock(self._file.fd, fcntl.LOCK_UN)
         if status[0] != constants.NPUALLOC_CMD_OK:
-            raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status[0], f'status {status[0]}')}")
+            raise CommandRejectedError(f"process {self.pid}: {_ACK_ERRORS.get(status[0], f'status {status[0]}')}",
+                                       status[0])
         return int(seq[0])
 
     def _give_up(self, seq: int, status: Any) -> str:

@@ -236,6 +236,22 @@ def test_a_resume_without_memory_keeps_the_process_paused_and_can_be_retried():
             taker.kill()
 
 
+def test_a_pause_of_a_paused_process_is_refused_as_such():
+    # Refused because the process is paused already (EPAUSED), it was told as a
+    # pause that failed half way and could not get its memory back: the CLI
+    # took any refusal that left the process paused for that one.
+    trainer = Trainer()
+    try:
+        assert trainer.pause_at_next_allocation().returncode == 0
+        again = _cli("pause", str(trainer.proc.pid), check=False)
+        assert (again.returncode, again.stdout) == (9, "")
+        assert again.stderr == f"npualloc: process {trainer.proc.pid}: the process is paused: resume it first\n"
+        assert _cli("resume", str(trainer.proc.pid)).returncode == 0
+        trainer.finish()
+    finally:
+        trainer.kill()
+
+
 def test_plain_segments_cannot_be_paused_and_the_process_runs_on():
     expected = _uninterrupted()
     trainer = Trainer(conf="")

@@ -1,8 +1,9 @@
-"""`npualloc exporter [--port N] [--host ADDR]`: Prometheus metrics of every
-process running under npualloc on this node, read from their regions at each
-scrape with the same validation as `npualloc ls` (live_regions): a region
-that is torn, foreign, of another version or of another user is skipped and
-counted, never trusted and never able to block the others.
+"""`npualloc exporter [--port N] [--host ADDR]`: Prometheus metrics of the
+processes running under npualloc on this node that `npualloc ls` lists (the
+user's own; everyone's for root), read from their regions at each scrape with
+the same validation (read_live_regions): a region that is torn, foreign or of
+another version is skipped and counted, never trusted and never able to block
+the others; another user's process is left out, uncounted, as ls leaves it.
 
 Needs prometheus_client: `pip install npualloc[exporter]`. A Grafana
 dashboard for these metrics is in tools/grafana/npualloc.json.

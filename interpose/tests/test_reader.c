@@ -368,7 +368,8 @@ static void *reader_thread(void *arg) {
 }
 
 /* Random mallocs and frees of small and large blocks, so every pool stat and
- * segment allocations and releases move; a checkpoint every
+ * segment allocations and releases move (each store of them, under
+ * ThreadSanitizer, checked against the readers' copies); a checkpoint every
  * OPS_PER_CHECKPOINT waits until each reader has copied since, so the readers
  * see the run's states whatever the scheduling. */
 static void run_writer(fixture *fx) {
@@ -386,6 +387,7 @@ static void run_writer(fixture *fx) {
                 *slot = alloc_exact(fx, 0, size);
             }
             if (op % 97 == 0) npa_empty_cache(fx->a, 0); /* segments go back: reserved and segment stats fall */
+            if (op % 89 == 0) npa_reset_peak_stats(fx->a, 0); /* every peak written in one section */
         }
         atomic_store(&race.checkpoint, checkpoint);
         for (int i = 0; i < READERS; i++)

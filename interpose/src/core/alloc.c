@@ -85,7 +85,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
         err = npa_synchronize_and_drain(a, d);
     } else { /* torch counts its release's synchronize_and_free_events, events to wait for or none */
         npa_stats_begin(d);
-        d->stats->num_sync_all_streams++;
+        npa_stat_add(&d->stats->num_sync_all_streams, 1);
         npa_stats_end(d);
     }
     if (err != NPA_OK) return err;
@@ -323,8 +323,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
     npa_pool_stat_increase(s->active_bytes, b->is_small, (int64_t)b->size);
     npa_pool_stat_increase(s->requested_bytes, b->is_small, (int64_t)requested);
     if (b->size >= a->config.max_split_size) npa_stat_increase(&s->oversize_allocations, 1);
-    if (cache_hit) s->num_cache_hits++;
-    else s->num_cache_misses++;
+    npa_stat_add(cache_hit ? &s->num_cache_hits : &s->num_cache_misses, 1);
     npa_stats_end(d);
 }
 
@@ -716,7 +715,7 @@ static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_o
     } else if (npa_segments_find(&d->segments, addr) >= 0) {
         if (op != OP_RECORD) {
             npa_stats_begin(d);
-            d->stats->num_invalid_frees++;
+            npa_stat_add(&d->stats->num_invalid_frees, 1);
             npa_stats_end(d);
         }
         result = -1;
@@ -746,7 +745,7 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
     if (hint) {
         npa_lock_acquire(&hint->lock);
         npa_stats_begin(hint);
-        hint->stats->num_foreign_frees++;
+        npa_stat_add(&hint->stats->num_foreign_frees, 1);
         npa_stats_end(hint);
         npa_lock_release(&hint->lock);
     }

@@ -174,7 +174,7 @@ static npa_block *map_block(npa_allocator *a, npa_device *d, npa_expandable *es,
     npa_stats_begin(d);
     npa_pool_insert(pool, b);
     npa_pool_stat_increase(s->reserved_bytes, b->is_small, (int64_t)bytes);
-    s->num_device_alloc += (int64_t)pages;
+    npa_stat_add(&s->num_device_alloc, (int64_t)pages);
     npa_stats_end(d);
     npa_history_note(d, pool, NPA_TRACE_SEGMENT_MAP, addr, bytes);
     return b;
@@ -298,7 +298,7 @@ static npa_block *unmap_block(npa_allocator *a, npa_device *d, npa_expandable *e
     }
     if (hole->next && hole->next->phase == NPA_PHASE_UNMAPPED) npa_block_absorb(d, hole, hole->next);
     npa_pool_stat_decrease(s->reserved_bytes, hole->is_small, (int64_t)(stop - start));
-    s->num_device_free += (int64_t)(end - begin);
+    npa_stat_add(&s->num_device_free, (int64_t)(end - begin));
     npa_stats_end(d);
     npa_history_note(d, hole->pool, NPA_TRACE_SEGMENT_UNMAP, start, stop - start);
     return keep_after ? after : hole;

@@ -464,8 +464,20 @@ void npa_oom_report(npa_allocator *a, npa_device *d, const npa_pool *pool, size_
 /* stats.c: the seqlock around a batch of mutations. Sections nest; only the
  * outermost one flips seq, and it also publishes largest_free_block. The
  * fence orders the odd seq before the data stores for readers in other
- * processes; ThreadSanitizer cannot model fences (GCC 12+ warns), and no
- * reader it could see runs without the device mutex, so the warning is off. */
+ * processes; ThreadSanitizer cannot model fences (GCC 12+ warns), so the
+ * warning is off.
+ *
+ * Inside a section every figure is stored with npa_stat_store, a relaxed
+ * atomic store: C11 orders a store after the release fence, as the
+ * reader's copy needs (npualloc_reader_stats), only when it is atomic. A
+ * plain store the compiler may move above the fence or split, being free to
+ * assume that nobody reads it meanwhile: a reader could then find seq even
+ * and unchanged around a copy holding half of an update. It is the same one
+ * store instruction on x86-64 and aarch64. Loads stay plain: the device
+ * lock's holder is the only writer. */
+static inline void npa_stat_store(int64_t *field, int64_t value) { __atomic_store_n(field, value, __ATOMIC_RELAXED); }
+static inline void npa_stat_add(int64_t *field, int64_t delta) { npa_stat_store(field, *field + delta); }
+
 #if defined(__SANITIZE_THREAD__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #pragma GCC diagnostic ignored "-Wtsan"
 #endif
@@ -493,7 +505,7 @@ static inline void npa_publish_largest(npa_device *d) {
         size_t l = npa_pair_largest(p);
         if (l > largest) largest = l;
     }
-    d->stats->largest_free_block = (int64_t)largest;
+    npa_stat_store(&d->stats->largest_free_block, (int64_t)largest);
 }
 
 static inline void npa_stats_end(npa_device *d) {
@@ -509,13 +521,14 @@ static inline void npa_stats_end(npa_device *d) {
  * there is undefined. It wraps instead, as npualloc_stats_from_region
  * already reads it (freed stays right modulo 2^64). */
 static inline void npa_stat_increase(npualloc_stat *st, int64_t x) {
-    st->current += x;
-    if (st->current > st->peak) st->peak = st->current;
-    st->allocated = (int64_t)((uint64_t)st->allocated + (uint64_t)x);
+    int64_t current = st->current + x;
+    npa_stat_store(&st->current, current);
+    if (current > st->peak) npa_stat_store(&st->peak, current);
+    npa_stat_store(&st->allocated, (int64_t)((uint64_t)st->allocated + (uint64_t)x));
 }
 
 /* freed is implied by allocated and current (npualloc_shm.h). */
-static inline void npa_stat_decrease(npualloc_stat *st, int64_t x) { st->current -= x; }
+static inline void npa_stat_decrease(npualloc_stat *st, int64_t x) { npa_stat_add(&st->current, -x); }
 
 /* A per-pool stat moves in "all" and in the block's own pool. */
 static inline void npa_pool_stat_increase(npualloc_stat st[NPUALLOC_POOL_COUNT], bool is_small, int64_t x) {

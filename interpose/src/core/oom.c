@@ -60,7 +60,7 @@ static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, si
     npa_recent_flush(d);
     if (npa_synchronize_and_drain(a, d) == NPA_OK) npa_release_cached_segments(a, d, 0);
     npa_stats_begin(d);
-    d->stats->num_alloc_retries++;
+    npa_stat_add(&d->stats->num_alloc_retries, 1);
     npa_stats_end(d);
     return new_memory(a, d, pool, rounded, why);
 }
@@ -104,7 +104,7 @@ void npa_oom_report(npa_allocator *a, npa_device *d, const npa_pool *pool, size_
     /* torch's OOM event: the rounded size, and the device's free bytes as addr. */
     npa_history_note(d, pool, NPA_TRACE_OOM, (uintptr_t)free_bytes, rounded == SIZE_MAX ? requested : rounded);
     npa_stats_begin(d);
-    s->num_ooms++;
+    npa_stat_add(&s->num_ooms, 1);
     npa_stats_end(d);
 
     char cap[64] = "";

@@ -69,7 +69,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->uses_unknown = false;
         b->unknown_by = 0;
         b->fence_own = false;
-        d->stats->num_pending_frees--;
+        npa_stat_add(&d->stats->num_pending_frees, -1);
         if (offered < d->recent.capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_recent_admits(d, b)) {
             npa_recent_put(d, b);
             offered++;
@@ -152,7 +152,7 @@ static void open_add(npa_device *d, npa_block **open, npa_block *b) {
     b->phase = NPA_PHASE_PENDING;
     b->link = *open;
     *open = b;
-    d->stats->num_pending_frees++;
+    npa_stat_add(&d->stats->num_pending_frees, 1);
 }
 
 void npa_pending_add(npa_device *d, npa_block *b) {
@@ -217,7 +217,7 @@ static void close_uses_batch(npa_allocator *a, npa_device *d) {
          * that long, and every reader of the region would find the stats
          * mid-update and give up. */
         npa_stats_begin(d);
-        d->stats->num_sync_all_streams++;
+        npa_stat_add(&d->stats->num_sync_all_streams, 1);
         npa_stats_end(d);
     }
     close_batch(a, d, &d->open_uses, err, fence, d->fence_streams, count);
@@ -339,7 +339,7 @@ npa_error npa_synchronize_and_drain(npa_allocator *a, npa_device *d) {
     npa_error err = a->backend.synchronize(a->backend.ctx, d->id);
     if (err != NPA_OK) return err;
     npa_stats_begin(d);
-    d->stats->num_sync_all_streams++;
+    npa_stat_add(&d->stats->num_sync_all_streams, 1);
     npa_stats_end(d);
     drain_all(a, d);
     return NPA_OK;

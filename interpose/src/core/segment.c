@@ -75,7 +75,7 @@ npa_block *npa_segment_alloc(npa_allocator *a, npa_device *d, size_t size, npa_p
     npa_pool_stat_increase(s->segment, is_small, 1);
     npa_pool_stat_increase(s->reserved_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_increase(&s->oversize_segments, 1);
-    s->num_device_alloc++;
+    npa_stat_add(&s->num_device_alloc, 1);
     npa_stats_end(d);
     npa_history_note(d, b->pool, NPA_TRACE_SEGMENT_ALLOC, b->addr, size);
     return b;
@@ -97,7 +97,7 @@ bool npa_segment_release(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_pool_stat_decrease(s->segment, b->is_small, 1);
     npa_pool_stat_decrease(s->reserved_bytes, b->is_small, (int64_t)b->size);
     if (b->size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_segments, 1);
-    s->num_device_free++;
+    npa_stat_add(&s->num_device_free, 1);
     npa_stats_end(d);
     npa_slab_put(&d->slab, b);
     return true;

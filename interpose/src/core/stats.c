@@ -10,11 +10,11 @@ static npualloc_stat *stat_run(npualloc_device_stats *s) { return &s->allocation
 void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes) {
     npualloc_device_stats *s = d->stats;
     npa_stats_begin(d);
-    s->in_use = 1;
-    s->max_split_size = npa_config_max_split_stat(&a->config);
-    s->device_free_bytes = (int64_t)free_bytes;
-    s->device_total_bytes = (int64_t)d->total_bytes;
-    s->reserved_limit_bytes = (int64_t)d->limit_bytes;
+    __atomic_store_n(&s->in_use, 1, __ATOMIC_RELAXED);
+    npa_stat_store(&s->max_split_size, npa_config_max_split_stat(&a->config));
+    npa_stat_store(&s->device_free_bytes, (int64_t)free_bytes);
+    npa_stat_store(&s->device_total_bytes, (int64_t)d->total_bytes);
+    npa_stat_store(&s->reserved_limit_bytes, (int64_t)d->limit_bytes);
     npa_stats_end(d);
 }
 
@@ -24,8 +24,8 @@ npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t
     if (err != NPA_OK) free_now = total_now = 0; /* the stats keep the last figure the runtime gave */
     else {
         npa_stats_begin(d);
-        d->stats->device_free_bytes = (int64_t)free_now;
-        d->stats->device_total_bytes = (int64_t)total_now;
+        npa_stat_store(&d->stats->device_free_bytes, (int64_t)free_now);
+        npa_stat_store(&d->stats->device_total_bytes, (int64_t)total_now);
         npa_stats_end(d);
     }
     if (free_bytes) *free_bytes = free_now;
@@ -77,7 +77,7 @@ void npa_reset_peak_stats(npa_allocator *a, int device) {
     npa_lock_acquire(&d->lock);
     npa_stats_begin(d);
     npualloc_stat *run = stat_run(d->stats);
-    for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) run[i].peak = run[i].current;
+    for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) npa_stat_store(&run[i].peak, run[i].current);
     npa_stats_end(d);
     npa_lock_release(&d->lock);
 }
@@ -90,13 +90,13 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     npualloc_device_stats *s = d->stats;
     npualloc_stat *run = stat_run(s);
     for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) { /* freed, implied, reads 0 from here */
-        run[i].allocated = 0;
-        run[i].current_at_reset = run[i].current;
+        npa_stat_store(&run[i].allocated, 0);
+        npa_stat_store(&run[i].current_at_reset, run[i].current);
     }
-    s->num_alloc_retries = s->num_ooms = s->num_sync_all_streams = 0;
-    s->num_device_alloc = s->num_device_free = 0;
-    s->num_cache_hits = s->num_cache_misses = 0;
-    s->num_foreign_frees = s->num_invalid_frees = 0;
+    int64_t *const accumulated[] = {&s->num_alloc_retries, &s->num_ooms,         &s->num_sync_all_streams,
+                                    &s->num_device_alloc,  &s->num_device_free,  &s->num_cache_hits,
+                                    &s->num_cache_misses,  &s->num_foreign_frees, &s->num_invalid_frees};
+    for (size_t i = 0; i < sizeof accumulated / sizeof *accumulated; i++) npa_stat_store(accumulated[i], 0);
     npa_stats_end(d);
     npa_lock_release(&d->lock);
 }
@@ -107,8 +107,8 @@ void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta)
     npa_lock_acquire(&d->lock);
     npa_stats_begin(d);
     switch (counter) {
-    case NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED: d->stats->num_executor_destroys_forwarded += delta; break;
-    case NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED: d->stats->num_executor_destroys_skipped += delta; break;
+    case NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED: npa_stat_add(&d->stats->num_executor_destroys_forwarded, delta); break;
+    case NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED: npa_stat_add(&d->stats->num_executor_destroys_skipped, delta); break;
     }
     npa_stats_end(d);
     npa_lock_release(&d->lock);

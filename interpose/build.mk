@@ -71,7 +71,8 @@ ctest-core: $(NPA_CTEST_BINS)
 	@set -e; for t in $(NPA_CTEST_BINS); do echo "== $(CTEST_RUNNER) $$t"; $(CTEST_RUNNER) $$t; done
 
 # The exported entry points under threads: a C program on the simulated
-# runtime with this tree's libnpualloc.so preloaded (interpose/tests/preload).
+# runtime with this tree's libnpualloc.so preloaded (interpose/tests/preload),
+# reading its own stats region with this tree's libnpualloc_reader.so.
 # In a sanitizer tree SANLIB names the sanitizer runtime, which must come
 # first in LD_PRELOAD (ASan refuses to start otherwise).
 NPA_EXPORTS_STRESS := $(BUILD)/ctest/preload/exports_stress
@@ -89,6 +90,7 @@ exports-stress: $(NPA_LIB) $(NPA_EXPORTS_STRESS)
 	@set -e; for conf in "" expandable_segments:True; do \
 	    echo "== $(NPA_EXPORTS_STRESS) $$conf"; \
 	    PYTORCH_NPU_ALLOC_CONF="$$conf" NPUSIM_MALLOC_US=0 NPUSIM_FREE_US=0 \
+	        NPUALLOC_STRESS_READER=$(abspath $(NPA_READER_LIB)) \
 	        $(CTEST_PRELOAD)"$(NPA_SAN_RUNTIME) $(abspath $(NPA_LIB))" $(NPA_EXPORTS_STRESS) $(STRESS_OPS); \
 	done
 

@@ -21,5 +21,7 @@ lib: $(NPA_READER_LIB) $(call NPA_PACKAGE_LIBS,$(NPA_READER_LIB)) npualloc/inclu
 # The C test of the reader (a writer thread of the real core against reader
 # threads) links the reader's objects beside the core's.
 $(BUILD)/ctest/test_reader: $(NPA_READER_OBJS)
+# The exports' stress test loads it to copy its own region (build.mk).
+exports-stress: $(NPA_READER_LIB)
 
 -include $(NPA_READER_OBJS:.o=.d)

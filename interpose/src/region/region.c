@@ -127,6 +127,25 @@ static void copy_text(char *dst, size_t len, const char *src)
     memset(dst + n, 0, len - n);
 }
 
+/* The config text (NPUALLOC_CONFIG_LEN bytes) into the header under
+ * config_seq, a word at a time with relaxed atomic stores, as
+ * npualloc_reader_config copies it: C11 orders a store after the seqlock's
+ * release fence only when it is atomic, and memcpy's plain stores the
+ * compiler may move above the fence or split, leaving a reader a copy of
+ * two configs with seq unchanged around it. */
+static void store_config(npualloc_region_header *h, const char *text)
+{
+    _Static_assert(offsetof(npualloc_region_header, config) % sizeof(uint64_t) == 0 &&
+                       NPUALLOC_CONFIG_LEN % sizeof(uint64_t) == 0,
+                   "the config is whole words");
+    uint64_t *to = (uint64_t *)(void *)h->config;
+    for (size_t i = 0; i < NPUALLOC_CONFIG_LEN / sizeof *to; i++) {
+        uint64_t word;
+        memcpy(&word, text + i * sizeof word, sizeof word);
+        __atomic_store_n(&to[i], word, __ATOMIC_RELAXED);
+    }
+}
+
 static void fill_header(npualloc_region *r)
 {
     struct timespec now;
@@ -310,7 +329,7 @@ void npa_region_publish_config(const npa_allocator *a)
         uint32_t seq = __atomic_load_n(&h->config_seq, __ATOMIC_RELAXED);
         __atomic_store_n(&h->config_seq, seq + 1, __ATOMIC_RELAXED);
         __atomic_thread_fence(__ATOMIC_RELEASE);
-        copy_text(h->config, sizeof h->config, g_config);
+        store_config(h, g_config);
         __atomic_store_n(&h->config_seq, seq + 2, __ATOMIC_RELEASE);
     }
     npa_mutex_unlock(&g_create_lock);

@@ -6,18 +6,25 @@
  * runtime (aclrtMemset), checks the stamp (aclrtMemcpy to host) before freeing,
  * and frees out of order. Beside them, one thread creates and destroys
  * streams (so reuse_policy:auto switches to fenced reuse mid-run) and one reads
- * stats and empties the cache through npualloc's in-process API. Nothing here
+ * stats and empties the cache through npualloc's in-process API. One more
+ * rewrites the config while another copies the stats and the config out of
+ * this process's own stats region with libnpualloc_reader, as another
+ * process does (ThreadSanitizer then checks each seqlock writer's stores
+ * against the reader's loads: a plain store there is a race). Nothing here
  * knows the simulator: it would run the same on a real NPU. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "acl/acl.h"
 #include "npualloc.h"
+#include "npualloc_reader.h"
 
 #define WORKERS 4
 #define LIVE_PER_WORKER 8
@@ -162,6 +169,75 @@ static void *observer(void *arg)
     return NULL;
 }
 
+/* The two configs config_churn switches between, as npualloc_get_config
+ * gives them: a copy of the region's text must be one of them, whole. */
+static const char *const churned[2] = {"record_history:0", "record_history:16"};
+static char churned_text[2][NPUALLOC_CONFIG_LEN];
+
+static void *config_churn(void *arg)
+{
+    (void)arg;
+    __typeof__(&npualloc_set_config) set_config =
+        (__typeof__(&npualloc_set_config))dlsym(RTLD_DEFAULT, "npualloc_set_config");
+    for (int round = 0; set_config && atomic_load(&workers_done) < WORKERS; round++)
+        if (set_config(churned[round & 1]) != 0)
+            fail("npualloc_set_config refused", round);
+    return NULL;
+}
+
+/* Where this process's region is mapped (/proc/self/maps names its file,
+ * npualloc.<pid>), or NULL before its first allocation made it. */
+static const npualloc_region *own_region(void)
+{
+    char line[4352], name[64];
+    snprintf(name, sizeof name, "/npualloc.%d\n", (int)getpid());
+    FILE *maps = fopen("/proc/self/maps", "r");
+    const npualloc_region *found = NULL;
+    while (maps && !found && fgets(line, sizeof line, maps)) {
+        size_t len = strlen(line), name_len = strlen(name);
+        if (len > name_len && strcmp(line + len - name_len, name) == 0)
+            found = (const npualloc_region *)(uintptr_t)strtoull(line, NULL, 16);
+    }
+    if (maps)
+        fclose(maps);
+    return found;
+}
+
+static void *region_reader(void *arg)
+{
+    void *reader = dlopen((const char *)arg, RTLD_NOW | RTLD_LOCAL);
+    __typeof__(&npualloc_reader_stats) read_stats =
+        reader ? (__typeof__(&npualloc_reader_stats))dlsym(reader, "npualloc_reader_stats") : NULL;
+    __typeof__(&npualloc_reader_config) read_config =
+        reader ? (__typeof__(&npualloc_reader_config))dlsym(reader, "npualloc_reader_config") : NULL;
+    if (!read_stats || !read_config) {
+        fail("no libnpualloc_reader at NPUALLOC_STRESS_READER", 0);
+        return NULL;
+    }
+    const npualloc_region *region = NULL;
+    long copies = 0;
+    while (atomic_load(&workers_done) < WORKERS) {
+        if (!region && !(region = own_region())) {
+            sched_yield();
+            continue;
+        }
+        npualloc_device_stats s;
+        if (read_stats(region, 0, 1000, &s) == NPUALLOC_READ_OK) {
+            copies++;
+            const int64_t allocated = s.allocated_bytes[NPUALLOC_POOL_ALL].current;
+            if (allocated < 0 || allocated > s.reserved_bytes[NPUALLOC_POOL_ALL].current)
+                fail("region stats copied inconsistent", (long)allocated);
+        }
+        char text[NPUALLOC_CONFIG_LEN];
+        if (read_config(region, 1000, text) == NPUALLOC_READ_OK && strcmp(text, churned_text[0]) != 0 &&
+            strcmp(text, churned_text[1]) != 0)
+            fail("region config copied torn", (long)strlen(text));
+    }
+    if (copies == 0)
+        fail("no copy of the region's stats was made", 0);
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1)
@@ -170,12 +246,27 @@ int main(int argc, char **argv)
         fprintf(stderr, "exports_stress: no runtime\n");
         return 2;
     }
-    pthread_t threads[WORKERS + 2];
+    const char *reader = getenv("NPUALLOC_STRESS_READER");
+    __typeof__(&npualloc_set_config) set_config =
+        (__typeof__(&npualloc_set_config))dlsym(RTLD_DEFAULT, "npualloc_set_config");
+    __typeof__(&npualloc_get_config) get_config =
+        (__typeof__(&npualloc_get_config))dlsym(RTLD_DEFAULT, "npualloc_get_config");
+    if (!reader || !set_config || !get_config) {
+        fprintf(stderr, "exports_stress: needs npualloc preloaded and NPUALLOC_STRESS_READER\n");
+        return 2;
+    }
+    for (int i = 1; i >= 0; i--) { /* ends with history off, as the run starts */
+        set_config(churned[i]);
+        get_config(churned_text[i], sizeof churned_text[i]);
+    }
+    pthread_t threads[WORKERS + 4];
     for (uintptr_t i = 0; i < WORKERS; i++)
         pthread_create(&threads[i], NULL, worker, (void *)i);
     pthread_create(&threads[WORKERS], NULL, stream_churn, NULL);
     pthread_create(&threads[WORKERS + 1], NULL, observer, NULL);
-    for (int i = 0; i < WORKERS + 2; i++)
+    pthread_create(&threads[WORKERS + 2], NULL, config_churn, NULL);
+    pthread_create(&threads[WORKERS + 3], NULL, region_reader, (void *)reader);
+    for (int i = 0; i < WORKERS + 4; i++)
         pthread_join(threads[i], NULL);
 
     __typeof__(&npualloc_get_stats) get_stats = (__typeof__(&npualloc_get_stats))dlsym(RTLD_DEFAULT, "npualloc_get_stats");

@@ -6,17 +6,24 @@
 
 NPA_TLS int npa_tls_device = -1;
 
+/* Sequentially consistent, as is live_streams (streams.c): a first stream's
+ * creator adds itself to live_streams, then reads this to know which
+ * devices to synchronize, while a thread that set a device here launches
+ * on it, then frees and reads live_streams (npa_fence_needed) to know
+ * whether the block may be reused at once. A store-buffering pair: with
+ * weaker orders C11 lets both read the old value, the creator skipping that
+ * device's default-stream work and the free not waiting for it. */
 static atomic_uint devices_seen;
 
 static void note_seen(int device)
 {
     if (device >= 0 && device < 32)
-        atomic_fetch_or_explicit(&devices_seen, 1u << device, memory_order_relaxed);
+        atomic_fetch_or_explicit(&devices_seen, 1u << device, memory_order_seq_cst);
 }
 
 unsigned npa_devices_seen(void)
 {
-    return atomic_load_explicit(&devices_seen, memory_order_relaxed);
+    return atomic_load_explicit(&devices_seen, memory_order_seq_cst);
 }
 
 int npa_thread_device_slow(void)

@@ -107,7 +107,9 @@ static pthread_mutex_t first_stream_lock = PTHREAD_MUTEX_INITIALIZER;
 void npa_streams_add(int device, aclrtStream stream)
 {
     npa_mutex_lock(&first_stream_lock);
-    if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_acq_rel) == 0)
+    /* Sequentially consistent, before settle_before_first_stream reads the
+     * devices seen: a store-buffering pair (device.c). */
+    if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_seq_cst) == 0)
         settle_before_first_stream();
     npa_mutex_unlock(&first_stream_lock);
     if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
@@ -306,8 +308,11 @@ int npa_fence_needed(void *ctx, int device)
          * the stream. The free takes the device lock before it (on x86 a
          * locked compare-and-swap, a full barrier) and opens a stats section
          * with a release fence (on aarch64 a dmb ish, a full barrier), and
-         * the runtime's own launch and synchronize share its locks. */
-        return atomic_load_explicit(&live_streams, memory_order_relaxed) > 0;
+         * the runtime's own launch and synchronize share its locks. A
+         * device first set while the creator ran is the other such pair
+         * (device.c): for it this load is sequentially consistent, which
+         * costs x86-64 nothing and aarch64 an ldar for an ldr. */
+        return atomic_load_explicit(&live_streams, memory_order_seq_cst) > 0;
     case NPA_REUSE_SAFE:
         break;
     }

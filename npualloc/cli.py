@@ -136,17 +136,22 @@ def _render(snapshot: dict[str, Any]) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    watched = False
+    watched: int | None = None  # created_unix_ns of the region watched
     while True:
         try:
             snapshot = _snapshot(args.pid, args.device)
         except (NoSuchProcessError, NotUnderNpuallocError):
-            if not watched:
+            if watched is None:
                 raise
             # Its region is removed only at exit: a process watched until now ended.
             sys.stderr.write(f"npualloc: process {args.pid} ended\n")
             return 0
-        watched = True
+        if watched is not None and snapshot["created_unix_ns"] != watched:
+            # Another region under the pid: the process ended and the pid was
+            # given to a new one under npualloc (or it exec'd another program).
+            sys.stderr.write(f"npualloc: process {args.pid} ended (the pid now names another region)\n")
+            return 0
+        watched = snapshot["created_unix_ns"]
         text = json.dumps(snapshot, indent=2) + "\n" if args.json else _render(snapshot)
         if args.watch and sys.stdout.isatty():
             text = "\033[H\033[2J" + text

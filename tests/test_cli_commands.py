@@ -77,6 +77,31 @@ def test_stats_watch_of_a_process_that_exits_says_it_ended(tmp_path: Path) -> No
     assert watcher.returncode == 0 and err == f"npualloc: process {w.pid} ended\n", err
 
 
+def test_stats_watch_ends_when_the_pid_names_another_region(tmp_path: Path) -> None:
+    """Each frame opens the region by pid: once the process ended and its pid
+    went to a new process under npualloc, the watch went on showing that one
+    as if it were the same. A region created at another time is another process."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        path = write_region(tmp_path, sleeper.pid, region_bytes(sleeper.pid, created_unix_ns=1))
+        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(sleeper.pid), "--watch", "0.05"],
+                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert watcher.stdout is not None
+        for line in watcher.stdout:  # one frame shown: the process is being watched
+            if line.startswith("npualloc · pid"):
+                break
+        replacement = path.with_name("replacement")  # the new region appears whole, as the allocator makes one
+        replacement.write_bytes(region_bytes(sleeper.pid, created_unix_ns=2))
+        replacement.chmod(0o600)
+        replacement.rename(path)
+        _, err = watcher.communicate(timeout=60)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert watcher.returncode == 0, err
+    assert err == f"npualloc: process {sleeper.pid} ended (the pid now names another region)\n", err
+
+
 def test_stats_watch_refreshes_until_interrupted(tmp_path: Path) -> None:
     """Frames are counted as they arrive (never a wait of some seconds), and a
     change made in the process shows in a later frame."""

@@ -22,7 +22,8 @@ from region_helpers import Workload, assert_one_line_error, cli_with_trigger, dr
 
 import npualloc
 from npualloc.plot import timeline
-from npualloc.region import Region
+from npualloc._ffi import constants, ffi
+from npualloc.region import Region, reader_library
 from npualloc.snapshot import loads
 
 MiB = 1 << 20
@@ -197,20 +198,24 @@ def test_snapshot_command_never_writes_through_a_descriptor_the_program_reused(t
     assert list(elsewhere.iterdir()) == [] and not (tmp_path / "snap.pickle").exists()
 
 
-def test_hand_over_files_nobody_took_are_bounded_and_go_at_exit(tmp_path: Path) -> None:
-    """A snapshot command that timed out (an idle process answers later)
-    leaves its file, which its requester never removes: a week of them
-    filled /dev/shm (a soak run). The process keeps the last two and
-    removes the rest, and those two at exit."""
+def test_hand_over_files_nobody_took_are_bounded_and_go_at_exit(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot whose requester stopped waiting after the process took it
+    (a timeout while it was being written, a requester killed) leaves its
+    file, which nobody removes: a week of them filled /dev/shm (a soak run,
+    when a timed-out command was still applied later). The process keeps
+    the last two and removes the rest, and those two at exit."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
     region_dir = tmp_path / f"npualloc-{os.geteuid()}"
     with Workload(tmp_path) as w:
         w.call("malloc(4096)")
         left = []
+        seq = ffi.new("uint64_t *")
         for _ in range(4):
-            gave_up = run_cli(["snapshot", str(w.pid), "-o", str(tmp_path / "snap.pickle"), "--timeout", "0.2"],
-                              tmp_path)
-            assert gave_up.returncode == 8, gave_up.stderr
-            w.call("malloc(512)")  # the process answers now
+            with Region(w.pid, writable=True) as region:  # posted by a requester that never reads its file
+                assert reader_library().npualloc_reader_post(region._file, constants.NPUALLOC_CMD_SNAPSHOT, -1,
+                                                             0.0, seq) == constants.NPUALLOC_POST_OK
+            w.call("malloc(512)")  # the process takes it and writes the file
             left.append(sorted(p.name for p in region_dir.glob(f"npualloc.{w.pid}.snapshot.*")))
         assert [len(names) for names in left] == [1, 2, 2, 2]
         assert left[3] == sorted(set(left[3]) - set(left[1]))  # the oldest went, not the newest
@@ -378,7 +383,7 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         w.call("malloc(512)")
         assert_one_line_error(run_cli(["snapshot", str(w.pid), "-o", str(tmp_path / "x"), "--timeout", "0.2"],
-                                      tmp_path), 8, "did not acknowledge")
+                                      tmp_path), 8, "did not take the command within 0.2s")
         assert_one_line_error(run_cli(["record-history", str(w.pid), "-1"], tmp_path), 2, "entries must be >= 0")
     assert not (tmp_path / "x").exists()
     bogus = tmp_path / "bogus.pickle"

@@ -60,16 +60,22 @@ def test_stats_of_a_device_the_process_never_used_says_so(tmp_path: Path) -> Non
         assert list(both["devices"]) == ["0"] and both["unused_devices"] == []
 
 
+def _watching(tmp_path: Path, pid: int) -> subprocess.Popen:
+    """`stats <pid> --watch 0.05`, once it has shown a frame: the process is being watched."""
+    watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(pid), "--watch", "0.05"],
+                               env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert watcher.stdout is not None
+    for line in watcher.stdout:
+        if line.startswith(f"npualloc · pid {pid} "):
+            break
+    return watcher
+
+
 def test_stats_watch_of_a_process_that_exits_says_it_ended(tmp_path: Path) -> None:
     w = Workload(tmp_path)
     try:
         w.call("malloc(4096)")
-        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(w.pid), "--watch", "0.05"],
-                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert watcher.stdout is not None
-        for line in watcher.stdout:  # one frame shown: the process is being watched
-            if line.startswith("  reserved"):
-                break
+        watcher = _watching(tmp_path, w.pid)
         assert w.close() == 0
         _, err = watcher.communicate(timeout=60)
     finally:
@@ -84,12 +90,7 @@ def test_stats_watch_ends_when_the_pid_names_another_region(tmp_path: Path) -> N
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         path = write_region(tmp_path, sleeper.pid, region_bytes(sleeper.pid, created_unix_ns=1))
-        watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(sleeper.pid), "--watch", "0.05"],
-                                   env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert watcher.stdout is not None
-        for line in watcher.stdout:  # one frame shown: the process is being watched
-            if line.startswith("npualloc · pid"):
-                break
+        watcher = _watching(tmp_path, sleeper.pid)
         replacement = path.with_name("replacement")  # the new region appears whole, as the allocator makes one
         replacement.write_bytes(region_bytes(sleeper.pid, created_unix_ns=2))
         replacement.chmod(0o600)

@@ -8,7 +8,12 @@ What is asserted: the tests that fail are exactly the ones listed below, each
 with why, so a new failure and a new pass are both noticed (a new pass: drop it
 from the list and raise PASS_FLOOR); every NOT_SIMULATED one fails on MindTorch
 alone too, so npualloc breaks none; at least PASS_FLOOR pass. The run's table
-is printed (pytest -s shows it) for the README."""
+is printed (pytest -s shows it) for the README.
+
+It runs twice under npualloc: with no allocator config (MindTorch's default
+there: expandable segments) and with expandable_segments:False, the plain
+segments every user who sets any config key gets (reuse_policy, the GC
+threshold, record_history, ...); the accepted failures are the same."""
 from __future__ import annotations
 
 import subprocess
@@ -63,7 +68,8 @@ def suite_files() -> list[str]:
     return [str(f) for f in files if f.is_file()]
 
 
-def run_suite(tmp_path: Path, name: str, under_npualloc: bool, selection: list[str]) -> dict[str, str]:
+def run_suite(tmp_path: Path, name: str, under_npualloc: bool, selection: list[str],
+              **extra_env: str) -> dict[str, str]:
     """{test id: "passed" | "failed" | "skipped"} from a junit report."""
     python = installed_python()
     report = tmp_path / f"{name}.xml"
@@ -71,7 +77,7 @@ def run_suite(tmp_path: Path, name: str, under_npualloc: bool, selection: list[s
                    f"--junitxml={report}", *selection]
     argv = [python, "-m", "npualloc", "run", "--", *pytest_argv] if under_npualloc else pytest_argv
     # No bytecode written into the pinned copy; run from a scratch directory.
-    proc = subprocess.run(cann_root_command(argv), env=mindtorch_env(PYTHONDONTWRITEBYTECODE="1"),
+    proc = subprocess.run(cann_root_command(argv), env=mindtorch_env(PYTHONDONTWRITEBYTECODE="1", **extra_env),
                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
     if proc.returncode not in (0, 1) or not report.exists():
         pytest.fail(f"pytest exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -88,11 +94,24 @@ def short_name(test: str) -> str:
     return test.split("::")[-1]
 
 
-def test_mindtorch_npu_suite_under_npualloc(tmp_path):
+@pytest.fixture(scope="module")
+def raw_outcome(tmp_path_factory) -> dict[str, str]:
+    """The same suite on MindTorch alone, run once for every configuration."""
+    return run_suite(tmp_path_factory.mktemp("raw"), "raw", False, suite_files())
+
+
+# The allocator configs the suite runs under: none (the pass-through switches
+# expandable segments on), and plain segments, which any config a user sets
+# keeps unless it names expandable_segments:True.
+CONFIGS = {"default": {}, "plain_segments": {"MINDTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_mindtorch_npu_suite_under_npualloc(tmp_path, request, config):
     files = suite_files()
     if not files:
         pytest.skip(f"MindTorch's NPU tests not found in {SUITE}")
-    under = run_suite(tmp_path, "npualloc", True, files)
+    under = run_suite(tmp_path, "npualloc", True, files, **CONFIGS[config])
     passed = sorted(t for t, o in under.items() if o == "passed")
     failed = sorted(t for t, o in under.items() if o == "failed")
     skipped = sorted(t for t, o in under.items() if o == "skipped")
@@ -101,9 +120,9 @@ def test_mindtorch_npu_suite_under_npualloc(tmp_path):
     now_passing = [t for t in passed if short_name(t) in NOT_SIMULATED | REPLACED_INTERNALS]
     # The same suite on MindTorch alone: a NOT_SIMULATED one must fail there
     # too, and an unexpected failure is told apart (npualloc's doing or not).
-    raw = run_suite(tmp_path, "raw", False, files)
+    raw = request.getfixturevalue("raw_outcome")
     pass_alone = [t for t in failed if short_name(t) in NOT_SIMULATED and raw.get(t) == "passed"]
-    print(f"\nMindTorch v2 NPU tests under npualloc: {len(passed)} passed, {len(failed)} failed, "
+    print(f"\nMindTorch v2 NPU tests under npualloc ({config}): {len(passed)} passed, {len(failed)} failed, "
           f"{len(skipped)} skipped of {len(under)}")
     for test in failed:
         print(f"  FAILED {test}: {explained.get(short_name(test), 'NOT LISTED')}; on MindTorch alone: {raw.get(test)}")

@@ -115,7 +115,7 @@ def test_clash_with_max_split_size_warns_and_keeps_plain_segments():
     assert "expandable_segments" in lines[0]
     assert out["bad"] == 0
     assert out["after_first"]["aclrtReserveMemAddress"] == 0
-    assert out["after_first"]["aclrtMalloc"] > 0
+    assert out["after_first"]["aclrtMallocAlign32"] > 0
 
 
 def replay(trace: Path, conf: str) -> dict:
@@ -169,7 +169,7 @@ from npualloc.snapshot import snapshot_bytes
 
 MIB = 1 << 20
 assert acl.init() == 0 and acl.rt.set_device(0) == 0
-NAMES = ("aclrtMalloc", "aclrtReserveMemAddress", "aclrtMapMem")
+NAMES = ("aclrtMallocAlign32", "aclrtReserveMemAddress", "aclrtMapMem")
 out = {}
 
 def step(name, size):
@@ -216,10 +216,10 @@ def test_switched_at_run_time_through_set_config():
     proc = run_python(SWITCHED, preload_env())
     out = json.loads(proc.stdout.splitlines()[-1])
     plain, on, off = out["plain"], out["switched_on"], out["switched_off"]
-    assert plain["calls"] == {"aclrtMalloc": 1, "aclrtReserveMemAddress": 0, "aclrtMapMem": 0}
-    assert on["calls"]["aclrtMalloc"] == 1 and on["calls"]["aclrtReserveMemAddress"] == 1
+    assert plain["calls"] == {"aclrtMallocAlign32": 1, "aclrtReserveMemAddress": 0, "aclrtMapMem": 0}
+    assert on["calls"]["aclrtMallocAlign32"] == 1 and on["calls"]["aclrtReserveMemAddress"] == 1
     assert on["calls"]["aclrtMapMem"] == 2  # 30 MiB: two 20 MiB pages
-    assert off["calls"] == {"aclrtMalloc": 2, "aclrtReserveMemAddress": 1, "aclrtMapMem": 2}
+    assert off["calls"] == {"aclrtMallocAlign32": 2, "aclrtReserveMemAddress": 1, "aclrtMapMem": 2}
     for step, expandable in ((plain, False), (on, True), (off, False)):
         assert ("expandable_segments:True" in step["config"]) is expandable
         assert step["region_config"] == step["config"]
@@ -248,7 +248,7 @@ except ValueError:
 p, ret = acl.rt.malloc(5 << 20, 0)
 assert ret == 0 and acl.rt.free(p) == 0
 print(json.dumps(dict(refused=refused, config=npualloc.get_config(),
-                      reserves=aclsim.call_count("aclrtReserveMemAddress"), mallocs=aclsim.call_count("aclrtMalloc"))))
+                      reserves=aclsim.call_count("aclrtReserveMemAddress"), mallocs=aclsim.call_count("aclrtMallocAlign32"))))
 assert acl.rt.reset_device(0) == 0 and acl.finalize() == 0
 """
 
@@ -281,11 +281,11 @@ r, w = os.pipe()
 pid = os.fork()
 if pid == 0:
     try:
-        reserves, mallocs = aclsim.call_count("aclrtReserveMemAddress"), aclsim.call_count("aclrtMalloc")
+        reserves, mallocs = aclsim.call_count("aclrtReserveMemAddress"), aclsim.call_count("aclrtMallocAlign32")
         q, ret = acl.rt.malloc(5 << 20, 0)
         os.write(w, json.dumps(dict(ret=ret, config=npualloc.get_config(),
                                     reserves=aclsim.call_count("aclrtReserveMemAddress") - reserves,
-                                    mallocs=aclsim.call_count("aclrtMalloc") - mallocs)).encode())
+                                    mallocs=aclsim.call_count("aclrtMallocAlign32") - mallocs)).encode())
     finally:
         os._exit(0)
 os.close(w)

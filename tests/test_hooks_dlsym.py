@@ -20,7 +20,8 @@ libname, mode, late = sys.argv[1], {"local": ctypes.RTLD_LOCAL, "global": ctypes
 sim = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libaclsim.so"))
 sim.aclsim_call_count.restype = ctypes.c_uint64
 sim.aclsim_call_count.argtypes = [ctypes.c_char_p]
-raw = lambda: sim.aclsim_call_count(b"aclrtMalloc")
+# device mallocs of any kind: the program's own, or npualloc's segments (aclrtMallocAlign32)
+raw = lambda: sim.aclsim_call_count(b"aclrtMalloc") + sim.aclsim_call_count(b"aclrtMallocAlign32")
 if late:  # the first allocation happens through pyACL before the handle lookup
     import acl
     assert acl.init() == 0 and acl.rt.set_device(0) == 0
@@ -145,12 +146,13 @@ int main(int argc, char **argv)
     printf("missing=%d\n", dlsym(h, "aclrtNoSuchFunction") == NULL);
     atexit(report_at_exit);
     if (init(NULL) || set(0)) return 3;
-    uint64_t before = count("aclrtMalloc");
+    /* device mallocs of any kind: the program's own, or npualloc's segments */
+    uint64_t before = count("aclrtMalloc") + count("aclrtMallocAlign32");
     for (int i = 0; i < 50; i++) {
         void *p = NULL;
         if (mal(&p, 3000 + i, 0) || fr(p)) return 4;
     }
-    printf("raw=%llu\n", (unsigned long long)(count("aclrtMalloc") - before));
+    printf("raw=%llu\n", (unsigned long long)(count("aclrtMalloc") + count("aclrtMallocAlign32") - before));
     fflush(stdout);
     return 0; /* no aclFinalize: the exit handler returns the cache */
 }
@@ -225,7 +227,7 @@ for _ in range(5):
     rets += [lib.aclrtMalloc(ctypes.byref(p), 4096, 0), lib.aclrtFree(p)]
 sim = ctypes.CDLL({str(SIM_LIB / "libaclsim.so")!r})
 sim.aclsim_call_count.restype = ctypes.c_uint64
-print(set(rets), sim.aclsim_call_count(b"aclrtMalloc"))
+print(set(rets), sim.aclsim_call_count(b"aclrtMalloc") + sim.aclsim_call_count(b"aclrtMallocAlign32"))
 """
     proc = run_python(code, env)
     assert proc.stdout.split() == ["{0}", "1"]

@@ -18,7 +18,8 @@ from npualloc.conf_env import CONF_VARIABLES
 
 STEPS = 6
 # The raw device allocations and frees counted after each step: plain
-# (aclrtMalloc/aclrtFree) and the physical pages of expandable segments.
+# (aclrtMalloc, or npualloc's segments' aclrtMallocAlign32, and aclrtFree) and
+# the physical pages of expandable segments.
 RAW_CALLS = ("mallocs", "frees", "pages", "pages_freed")
 
 HARNESS = """
@@ -27,7 +28,7 @@ sys.path.insert(0, {programs!r})
 import aclsim, train_mlp
 counts = []
 def on_step(step, loss):
-    counts.append({{"step": step, "loss": loss, "mallocs": aclsim.call_count("aclrtMalloc"),
+    counts.append({{"step": step, "loss": loss, "mallocs": aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32"),
                     "frees": aclsim.call_count("aclrtFree"), "outstanding": aclsim.bytes_outstanding(0),
                     "pages": aclsim.call_count("aclrtMallocPhysical"),
                     "pages_freed": aclsim.call_count("aclrtFreePhysical")}})

@@ -383,11 +383,11 @@ def test_destroying_a_devices_last_context_leaves_no_cached_block_behind():
 ctx, ret = acl.rt.create_context(1); assert ret == 0
 p, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
 assert acl.rt.free(p) == 0
-mallocs = aclsim.call_count("aclrtMalloc")
+mallocs = aclsim.call_count("aclrtMallocAlign32")
 assert acl.rt.destroy_context(ctx) == 0
 ctx, ret = acl.rt.create_context(1); assert ret == 0
 q, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
-emit(new_raw=aclsim.call_count("aclrtMalloc") - mallocs, memset=acl.rt.memset(q, 1 << 20, 7, 1 << 20),
+emit(new_raw=aclsim.call_count("aclrtMallocAlign32") - mallocs, memset=acl.rt.memset(q, 1 << 20, 7, 1 << 20),
      outstanding=aclsim.bytes_outstanding(1))
 """
     out, proc = run(code, preload_env())
@@ -395,3 +395,21 @@ emit(new_raw=aclsim.call_count("aclrtMalloc") - mallocs, memset=acl.rt.memset(q,
     assert out["new_raw"] == 1
     assert out["memset"] == 0
     assert out["outstanding"] > 0
+
+
+def test_segments_are_charged_their_size_only():
+    """A segment is asked of the runtime with aclrtMallocAlign32, as torch_npu
+    asks for one: no +32 bytes on top of its 2 MiB, so a 4 MiB device holds
+    the two small segments of two streams (through aclrtMalloc the second did
+    not fit: 2097120 bytes free for a 2097152-byte segment)."""
+    out, proc = run("""
+npa = ctypes.CDLL(os.environ["LD_PRELOAD"])
+npa.npualloc_malloc_stream_addr.restype = ctypes.c_size_t
+npa.npualloc_malloc_stream_addr.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+streams = [acl.rt.create_stream()[0] for _ in range(2)]
+blocks = [npa.npualloc_malloc_stream_addr(512, s, 0) for s in streams]
+emit(served=[b != 0 for b in blocks], charged=aclsim.bytes_outstanding(0),
+     segments=aclsim.call_count("aclrtMallocAlign32"), plain=aclsim.call_count("aclrtMalloc"))
+""", preload_env(NPUSIM_HBM_MB="4"))
+    assert out == {"served": [True, True], "charged": 4 << 20, "segments": 2, "plain": 0}
+    assert proc.stderr == ""

@@ -89,11 +89,11 @@ def test_tiny_trace_figures_match_hand_computation():
     assert r["largest_free_block"] == largest
     assert r["fragmentation"] == pytest.approx(1 - largest / cached_free, abs=1e-6)
 
-    # The simulator charges each raw malloc round_up(size, 32) + 32 bytes:
-    # 40 MiB of segments cost 40 MiB + 96 B, so the smallest HBM (in whole
-    # MiB) is 41 MiB, and the search resolves to 1 MiB at this size.
+    # npualloc asks for segments with aclrtMallocAlign32, which the simulator
+    # charges their size: 40 MiB of segments cost 40 MiB, so the smallest HBM
+    # (in whole MiB) is 40 MiB, and the search resolves to 1 MiB at this size.
     assert report["fits"]
-    assert report["smallest_hbm_bytes"] == 41 * MIB
+    assert report["smallest_hbm_bytes"] == 40 * MIB
     assert report["smallest_hbm_resolution_bytes"] == MIB
 
 
@@ -116,10 +116,10 @@ def test_raw_runtime_smallest_hbm_is_the_accounted_peak():
 
 
 def test_oom_stops_the_replay_and_is_reported():
-    # 40 MiB of HBM: a, b, c fit (2 + 20 MiB segments); d's 18 MiB segment
+    # 39 MiB of HBM: a, b, c fit (2 + 20 MiB segments); d's 18 MiB segment
     # does not, nothing cached can be released (both segments hold live
     # blocks), so event 4 (alloc d, after a, b, c, free a) is an OOM.
-    report = replay_json(TINY, "--hbm", "40M", "--no-search")
+    report = replay_json(TINY, "--hbm", "39M", "--no-search")
     r = report["replay"]
     assert not report["fits"] and r["oom"] and not r["completed"]
     assert r["failed_event"] == 4 and r["failed_size"] == D
@@ -263,12 +263,12 @@ def test_an_oom_nobody_searched_for_exits_non_zero():
     """--no-search: the replay answers "does it fit in --hbm?", no is exit 10
     (the report is still printed). With the search the OOMs are the search's
     own and the report answers what fits: exit 0."""
-    proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "40M", "--no-search", check=False)
+    proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "39M", "--no-search", check=False)
     assert proc.returncode == replay.EXIT_DID_NOT_FIT, proc.stderr
-    assert "fits in 40.00 MiB  no: OOM at event 4" in proc.stdout
-    proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "40M", "--no-search", "--json", check=False)
+    assert "fits in 39.00 MiB  no: OOM at event 4" in proc.stdout
+    proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "39M", "--no-search", "--json", check=False)
     assert proc.returncode == replay.EXIT_DID_NOT_FIT and not json.loads(proc.stdout)["fits"]
-    searched = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "40M", "--json")
+    searched = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "39M", "--json")
     report = json.loads(searched.stdout)
-    assert not report["fits"] and report["smallest_hbm_bytes"] == 41 * MIB
+    assert not report["fits"] and report["smallest_hbm_bytes"] == 40 * MIB
     assert run_replay(str(TINY), "--build", str(BUILD), "--no-search").returncode == 0

@@ -27,7 +27,7 @@ assert acl.init() == 0 and acl.rt.set_device(0) == 0
 ops = aclsim.Ops()
 s1, ret = acl.rt.create_stream(); assert ret == 0
 s2, ret = acl.rt.create_stream(); assert ret == 0
-COUNTED = ("aclrtMalloc", "aclrtFree", "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtSynchronizeDevice",
+COUNTED = ("aclrtMalloc", "aclrtMallocAlign32", "aclrtFree", "aclrtRecordEvent", "aclrtQueryEventStatus", "aclrtSynchronizeDevice",
            "aclrtSynchronizeStream", "aclrtCreateEvent")
 
 def malloc(size, stream, flags=0):

@@ -34,10 +34,12 @@ steps, peak, last = [], 0, [time.perf_counter()]
 def on_step(step, loss):
     global peak
     now = time.perf_counter()
-    # Raw device allocations and memory held: plain aclrtMalloc and the
-    # physical pages of expandable segments (MindTorch's default under npualloc).
+    # Raw device allocations and memory held: plain aclrtMalloc (MindTorch's),
+    # npualloc's plain segments (aclrtMallocAlign32) and the physical pages of
+    # expandable segments (MindTorch's default under npualloc).
     steps.append({{"ms": (now - last[0]) * 1e3,
-                   "mallocs": aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocPhysical")}})
+                   "mallocs": aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32")
+                              + aclsim.call_count("aclrtMallocPhysical")}})
     peak = max(peak, aclsim.bytes_outstanding(0) + aclsim.physical_bytes_outstanding(0))
     last[0] = time.perf_counter()
 train_mlp.train("npu", {steps}, on_step)

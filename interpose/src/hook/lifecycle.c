@@ -139,14 +139,18 @@ void npa_hook_remember_config(const npa_config *parsed, npa_runtime_key key)
 static npa_error be_raw_malloc(void *ctx, int device, size_t size, void **ptr)
 {
     (void)ctx;
-    __typeof__(&aclrtMalloc) real = NPA_REAL(aclrtMalloc);
+    /* A segment is asked for exactly, as torch_npu asks: aclrtMalloc would
+     * charge 32 bytes past the core's 2 MiB multiple, and a device of two
+     * segments' size then held one. The blocks inside keep their own pad. */
+    __typeof__(&aclrtMalloc) real = NPA_REAL(aclrtMallocAlign32);
+    if (real == NULL)
+        real = NPA_REAL(aclrtMalloc);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtMalloc);
     npa_devswitch sw;
     npa_error err = npa_device_enter(device, &sw);
     if (err != ACL_SUCCESS)
         return err;
-    /* The core rounded already; the runtime's +32 pad is its own business. */
     err = real(ptr, size, ACL_MEM_MALLOC_HUGE_FIRST);
     npa_device_leave(&sw);
     return err;

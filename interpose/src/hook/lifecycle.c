@@ -373,11 +373,16 @@ npa_allocator *npa_hook_init(void)
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a == NULL && state == ST_UNINIT) {
         const npa_config *c = npa_hook_config();
-        npa_region_get(); /* before the core asks where its stats live */
         npa_backend b = backend_for(c);
         a = npa_create(&b, c);
-        if (a != NULL) {
+        if (a != NULL)
             npa_region_publish_config(a); /* what the core put in force */
+        /* Made once the config is known, so a reader that finds the file
+         * never sees it without one (backend_for's lookups took long enough
+         * for exports_stress's reader to copy an empty config), and before
+         * the core asks where its stats live. */
+        npa_region_get();
+        if (a != NULL) {
             atomic_store_explicit(&any_allocator, a, memory_order_release);
             atomic_store_explicit(&npa_serving, a, memory_order_release);
             state = ST_ACTIVE;

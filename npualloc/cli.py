@@ -292,8 +292,6 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_record_history(args: argparse.Namespace) -> int:
-    if args.entries < 0:
-        _Parser(prog="npualloc").error("record-history: entries must be >= 0 (0 turns recording off)")
     snapshot.record_memory_history(None if args.entries == 0 else "all", max_entries=args.entries, pid=args.pid,
                                    timeout=args.timeout)
     state = f"recording the last {args.entries} events per device" if args.entries else "history recording off"
@@ -312,7 +310,7 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
         p.add_argument("pid", type=_pid)
         if device:
-            p.add_argument("--device", type=int, default=None, help="device index (default: every device in use)")
+            p.add_argument("--device", type=_count, default=None, help="device index (default: every device in use)")
         if timeout:
             p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for the acknowledgement")
         return p
@@ -351,7 +349,7 @@ def _parser() -> argparse.ArgumentParser:
     snap.add_argument("-o", "--output", required=True, help="the .pickle file to write")
     snap.set_defaults(run=cmd_snapshot)
     history = with_pid("record-history", "record the last N allocator events per device (0: off)", device=False)
-    history.add_argument("entries", type=int)
+    history.add_argument("entries", type=_count, help="0 turns recording off")
     history.set_defaults(run=cmd_record_history)
     plotter = sub.add_parser("plot", help="memory over time and the segment map of a snapshot (ours, an OOM "
                              "snapshot or torch's), as a PNG")
@@ -374,12 +372,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _pid(text: str) -> int:
     """A process id: a positive int (0 or -5 is a usage error, not a missing process)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
+    value = memory.parse_decimal(text)
+    if value is None or value <= 0:
         raise argparse.ArgumentTypeError(f"needs a positive process id, not {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    """A device index or a number of entries: 0 or more, in ASCII digits."""
+    value = memory.parse_decimal(text)
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"needs a whole number, 0 or more, not {text!r}")
     return value
 
 

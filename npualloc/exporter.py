@@ -119,11 +119,8 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 
 
 def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
+    port = memory.parse_decimal(text)
+    if port is None or not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"needs a TCP port, 0 to 65535, not {text!r}")
     return port
 

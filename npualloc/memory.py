@@ -91,6 +91,14 @@ def _current_device() -> int:
     return device if device >= 0 else 0
 
 
+def parse_decimal(text: str) -> int | None:
+    """The value of text written as ASCII digits with an optional leading '-',
+    else None. int() also takes '٣' (Arabic-Indic 3), '1_000', '+7' and ' 7 ',
+    which would let 'npu:٣' or a pid of '٣٤' name device 3 or process 34."""
+    digits = text[1:] if text.startswith("-") else text
+    return int(text) if digits.isascii() and digits.isdigit() else None
+
+
 def device_index(device: object, current: int | None = None) -> int:
     """Normalises a device like torch: None or "npu" -> the current device, an
     int, "npu:N", an object with .index (and .type "npu" when it has one), or
@@ -104,9 +112,9 @@ def device_index(device: object, current: int | None = None) -> int:
         index = device
     elif isinstance(device, str):
         kind, _, number = device.strip().partition(":")
-        if kind != "npu" or (number and not number.isdigit()):
+        index = parse_decimal(number) if number else None
+        if kind != "npu" or (number and (index is None or index < 0)):
             raise ValueError(f"invalid device {device!r}: expected 'npu' or 'npu:N'")
-        index = int(number) if number else None
     elif hasattr(device, "index") or hasattr(device, "idx"):
         kind = getattr(device, "type", "npu")
         if kind != "npu":

@@ -26,7 +26,8 @@ from npualloc._ffi import REGION_SIZE, constants, ffi
 def test_usage_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli([], tmp_path), 2, "required")
     assert_one_line_error(run_cli(["stats"], tmp_path), 2, "pid")
-    for pid in ("notapid", "0", "-5"):  # -5 once read as a process that does not exist (exit 3)
+    # -5 once read as a process that does not exist (exit 3); int() reads "٣٤" (Arabic-Indic) as 34, "1_000" as 1000
+    for pid in ("notapid", "0", "-5", "٣٤", "1_000", "+7", " 7"):
         assert_one_line_error(run_cli(["stats", pid], tmp_path), 2, "pid: needs a positive process id")
     assert_one_line_error(run_cli(["frobnicate"], tmp_path), 2, "invalid choice")
     assert_one_line_error(run_cli(["stats", "1", "--watch", "0"], tmp_path), 2, "--watch")
@@ -35,9 +36,14 @@ def test_usage_errors(tmp_path: Path) -> None:
         assert_one_line_error(run_cli(["stats", "1", "--watch", value], tmp_path), 2, "--watch: needs a positive")
         assert_one_line_error(run_cli(["empty-cache", "1", "--timeout", value], tmp_path), 2,
                               "--timeout: needs a positive")
-    for port in ("99999", "-1", "http"):  # 99999 ended in an OverflowError traceback
+    for port in ("99999", "-1", "http", "٩٠٠٠"):  # 99999 ended in an OverflowError traceback
         assert_one_line_error(run_cli(["exporter", "--port", port], tmp_path), 2, "--port: needs a TCP port")
     assert_one_line_error(run_cli(["run"], tmp_path), 2, "no command")
+    for index in ("-1", "٣", "x"):  # "٣" was device 3
+        assert_one_line_error(run_cli(["stats", "1", "--device", index], tmp_path), 2,
+                              "--device: needs a whole number, 0 or more")
+        assert_one_line_error(run_cli(["record-history", "1", index], tmp_path), 2,
+                              "entries: needs a whole number, 0 or more")
     # checked before the command is posted: the process could only say it rejected the argument
     assert_one_line_error(run_cli(["record-history", "1", "16777217"], tmp_path), 2, "at most 16777216 per device")
 

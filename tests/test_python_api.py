@@ -30,7 +30,7 @@ def test_device_normalisation(device: object, index: int) -> None:
 
 
 @pytest.mark.parametrize("device", [
-    "cuda", "cuda:0", "npu:x", "npu:-1", "npu:16", "", -1, 16, True, 1.5, object(),
+    "cuda", "cuda:0", "npu:x", "npu:-1", "npu:16", "npu:٣", "npu:+1", "npu:1_0", "", -1, 16, True, 1.5, object(),
     SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="npu", index="1"), SimpleNamespace(idx="1"),
 ])
 def test_bad_devices_are_rejected(device: object) -> None:

@@ -184,24 +184,30 @@ int main(int argc, char **argv)
 """
 
 
-def test_a_user_squatted_by_another_user_keeps_stats_that_root_reads(base: Path) -> None:
-    """Neither side root: uid 1 (daemon) takes the name of uid 65534's region
-    directory; 65534's process keeps its stats and root sees them."""
+def start_victim(base: Path, umask: int = -1) -> subprocess.Popen[str]:
+    """VICTIM as uid 65534 under npualloc, once it holds its 1 MiB."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     victim = base / "victim"
     subprocess.run([cc, "-O1", "-o", str(victim), "-x", "c", "-", "-ldl"], input=VICTIM, text=True, check=True)
     victim.chmod(0o755)
-    squatter = 1
-    as_user(squatter, lambda: (base / f"npualloc-{ATTACKER}").mkdir(mode=0o755))
     env = preload_env(NPUALLOC_SHM_DIR=str(base))
     env.pop("NPUSIM_SHARED_DIR", None)  # the test's device accounting is root's alone
     proc = subprocess.Popen([str(victim), str(SIM_LIB / "libascendcl.so")], env=env, user=ATTACKER, group=ATTACKER,
-                            extra_groups=[], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            extra_groups=[], umask=umask, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout and proc.stdout.readline() == "ready\n", proc.communicate(timeout=30)
+    return proc
+
+
+def test_a_user_squatted_by_another_user_keeps_stats_that_root_reads(base: Path) -> None:
+    """Neither side root: uid 1 (daemon) takes the name of uid 65534's region
+    directory; 65534's process keeps its stats and root sees them."""
+    squatter = 1
+    as_user(squatter, lambda: (base / f"npualloc-{ATTACKER}").mkdir(mode=0o755))
+    proc = start_victim(base)
     try:
-        assert proc.stdout and proc.stdout.readline() == "ready\n", proc.communicate(timeout=30)
         assert npualloc.memory_allocated(pid=proc.pid) >= 1 << 20
         home = Region(proc.pid).path.parent
         info = home.lstat()
@@ -217,6 +223,30 @@ def test_a_user_squatted_by_another_user_keeps_stats_that_root_reads(base: Path)
     lines = stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("npualloc: "), stderr
     assert f"npualloc-{ATTACKER} " in lines[0] and f"uid {squatter} ({pwd.getpwuid(squatter).pw_name})" in lines[0]
+
+
+@pytest.mark.parametrize("how", ["umask 0477", "left cut"])
+def test_a_umask_that_cuts_the_owners_own_bits_still_gets_its_region_directory(base: Path, how: str) -> None:
+    """mkdir's 0700 under umask 0477 is 0300, which even its owner cannot open
+    to read: the process warned that its own directory was "open to group or
+    others", found no fallback either, and kept no live stats; every later
+    process of that user met the same directory ("left cut")."""
+    home = base / f"npualloc-{ATTACKER}"
+    def cut() -> None:
+        home.mkdir()
+        home.chmod(0o300)
+
+    if how == "left cut":
+        as_user(ATTACKER, cut)
+    proc = start_victim(base, umask=0o477 if how == "umask 0477" else -1)
+    try:
+        assert npualloc.memory_allocated(pid=proc.pid) >= 1 << 20
+        region = Region(proc.pid).path
+        assert region.parent == home and stat.S_IMODE(home.lstat().st_mode) == 0o700
+        assert stat.S_IMODE(region.lstat().st_mode) == 0o600 and region.lstat().st_uid == ATTACKER
+    finally:
+        _, stderr = proc.communicate(input="\n", timeout=30)
+    assert proc.returncode == 0 and stderr == "", stderr
 
 
 def test_the_snapshot_hand_over_is_read_in_the_checked_directory_not_at_its_path(

@@ -99,6 +99,29 @@ static int open_private_dir(int base_fd, const char *name, struct stat *seen)
     return fd;
 }
 
+/* mkdirat's mode passes through the umask, which may cut the owner's own
+ * bits too: umask 0477 left 0300, which even we cannot open to read, so no
+ * region was ever made, and each later process met the same directory. Sets
+ * 0700 on name when it is a directory of ours open to nobody else, through an
+ * O_PATH descriptor (which needs no permission on it) named as
+ * /proc/self/fd/N, so the chmod reaches that very directory, never what a link
+ * put at the name points at: glibc's fchmodat(AT_SYMLINK_NOFOLLOW) does the
+ * same, from 2.32 only. Without /proc the bits stay as they are. */
+static void restore_owner_bits(int base_fd, const char *name)
+{
+    int fd = npa_openat_no_mount(base_fd, name, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid() && (st.st_mode & 077) == 0 &&
+        (st.st_mode & 0700) != 0700) {
+        char path[40];
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        (void)chmod(path, 0700); /* a failure shows in open_private_dir */
+    }
+    close(fd);
+}
+
 static void warn_taken(const char *base, const char *name, const struct stat *seen, bool mounted)
 {
     if (mounted) {
@@ -108,7 +131,9 @@ static void warn_taken(const char *base, const char *name, const struct stat *se
     }
     char owner[64];
     user_name(seen->st_uid, owner, sizeof owner);
-    const char *why = seen->st_uid != geteuid() ? "" : " (ours, but open to group or others)";
+    const char *why = seen->st_uid != geteuid()   ? ""
+                      : (seen->st_mode & 077) != 0 ? " (ours, but open to group or others)"
+                                                   : " (ours, but its owner's bits cut and /proc not there to restore them)";
     npa_warn_once("%s/%s is %s owned by uid %u%s%s%s%s, not this process's region directory: its live stats go to "
                   "a directory of its own beside it",
                   base, name, kind_of(seen->st_mode), (unsigned)seen->st_uid, owner[0] ? " (" : "", owner,
@@ -160,13 +185,9 @@ static int make_fallback(int base_fd, const char *prefix, char *name, size_t len
                 continue; /* taken too: draw again */
             return -1;
         }
+        restore_owner_bits(base_fd, name);
         struct stat seen;
-        int fd = open_private_dir(base_fd, name, &seen);
-        if (fd >= 0 && fchmod(fd, 0700) == 0) /* a umask may have cut our own bits */
-            return fd;
-        if (fd >= 0)
-            close(fd);
-        return -1;
+        return open_private_dir(base_fd, name, &seen);
     }
     errno = EEXIST;
     return -1;
@@ -189,14 +210,12 @@ int npa_region_dir_open(char *path, size_t len)
     char name[64], prefix[sizeof name + 1]; /* room for name and its dot, as the compiler checks */
     snprintf(name, sizeof name, "npualloc-%u", (unsigned)geteuid());
     snprintf(prefix, sizeof prefix, "%s.", name);
-    int created = mkdirat(base_fd, name, 0700) == 0;
+    (void)mkdirat(base_fd, name, 0700); /* EEXIST: made by an earlier process (or taken) */
+    restore_owner_bits(base_fd, name);  /* also mends one an earlier build left cut */
     struct stat seen;
     int fd = open_private_dir(base_fd, name, &seen);
     bool mounted = fd < 0 && errno == EXDEV;
-    if (fd >= 0 && created && fchmod(fd, 0700) != 0) {
-        close(fd);
-        fd = -1;
-    } else if (fd < 0 && (seen.st_mode != 0 || mounted)) {
+    if (fd < 0 && (seen.st_mode != 0 || mounted)) {
         warn_taken(base, name, &seen, mounted);
         fd = reuse_fallback(base_fd, prefix, name, sizeof name);
         if (fd < 0)

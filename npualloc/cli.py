@@ -242,7 +242,11 @@ def _post_pause_command(region: Region, code: int, args: argparse.Namespace, fai
     try:
         region.post_command(code, timeout=args.timeout)
     except CommandRejectedError as e:
-        if e.status != constants.NPUALLOC_CMD_EFAILED or region.header().state != "paused":
+        try:
+            paused = e.status == constants.NPUALLOC_CMD_EFAILED and region.header().state == "paused"
+        except NpuallocError:  # the region unreadable now (the process ended): the refusal says what is known
+            paused = False
+        if not paused:
             raise
         raise CommandRejectedError(f"process {args.pid}: {failed} (another process may hold it; its stderr says "
                                    f"why); it stays paused with its backup: {retry} once memory is free", e.status) from e

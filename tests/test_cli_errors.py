@@ -17,7 +17,8 @@ from region_helpers import (Workload, assert_one_line_error, cli_env, region_byt
 
 from npualloc import cli, errors
 from npualloc import region as region_module
-from npualloc.errors import CommandInterruptedError, CorruptRegionError, NpuallocError, OtherUserError
+from npualloc.errors import (CommandInterruptedError, CommandRejectedError, CorruptRegionError, NpuallocError,
+                             OtherUserError)
 from npualloc.region import Region, RegionHeader, reader_library
 from npualloc._ffi import REGION_SIZE, constants, ffi
 
@@ -330,3 +331,26 @@ def test_processes_proc_hides_are_another_users_not_a_traceback(tmp_path: Path, 
     shown = capsys.readouterr()
     assert shown.out == "no process is running under npualloc\n" and shown.err == ""
     assert not leftover.exists()
+
+
+def test_a_failed_pause_is_told_even_when_the_region_cannot_be_read_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed pause reads the region to say whether the process stays
+    paused; a region that could not be read then (the process ended, a writer
+    of the same uid broke it) replaced the refusal's own message with that
+    read's error."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+
+    def unreadable(self: Region) -> RegionHeader:
+        raise CorruptRegionError("the region's magic was overwritten")
+
+    def refuse(self: Region, *args: object, **kwargs: object) -> int:
+        monkeypatch.setattr(Region, "header", unreadable)
+        raise CommandRejectedError("the pause failed: no host memory for the backup", constants.NPUALLOC_CMD_EFAILED)
+
+    with Workload(tmp_path) as w:
+        w.call("malloc(512)")
+        monkeypatch.setattr(Region, "post_command", refuse)
+        assert cli.main(["pause", str(w.pid)]) == CommandRejectedError.exit_code
+    err = capsys.readouterr().err
+    assert "no host memory for the backup" in err and "magic" not in err, err

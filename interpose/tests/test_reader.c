@@ -19,6 +19,7 @@
 #include "check.h"
 #include "fake_backend.h"
 #include "npualloc_reader.h"
+#include "region/region.h"
 #include "test_util.h"
 
 static char dir[] = "/tmp/npualloc-test-reader.XXXXXX";
@@ -294,6 +295,44 @@ static void test_post_and_ack(void) {
     npualloc_reader_close(&file);
 }
 
+/* The process saw request 1 (its request_seq load), then stalled before
+ * taking it; meanwhile its requester withdrew it, posted 2 and withdrew that
+ * too. Taking 1 late finds both withdrawn: nothing is answered (an answer
+ * to 1 would move ack_seq back under 2's) and closed_seq stays at 2, so 2,
+ * whose requester was told it was withdrawn, is never taken. */
+static void test_a_late_take_leaves_later_withdrawals_closed(void) {
+    npualloc_region r;
+    region_template(&r);
+    npualloc_region_file file;
+    CHECK_EQ(open_path(write_file("region", &r, sizeof r), 1, &file), NPUALLOC_OPEN_OK);
+    npualloc_command *c = &file.region->command;
+    uint64_t seq = 0;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_PAUSE, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    uint64_t seen = __atomic_load_n(&c->request_seq, __ATOMIC_ACQUIRE); /* the process's load */
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq), 1);
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_PAUSE, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq), 1);
+    CHECK_EQ(npa_region_take_command(file.region, seen), NPA_COMMAND_WITHDRAWN);
+    CHECK(c->closed_seq == 2 && c->ack_seq == 2);
+    CHECK_EQ(npa_region_take_command(file.region, 2), NPA_COMMAND_WITHDRAWN);
+    CHECK_EQ(c->closed_seq, 2);
+    /* The next request is taken as usual. */
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RESET_PEAK, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(npa_region_take_command(file.region, seq), NPA_COMMAND_TAKEN);
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq), 0);
+    /* A slot someone rewrote (closed_seq past every request) is damaged and
+     * mended: the request after it is taken. */
+    c->ack_seq = seq;
+    c->closed_seq = 12345;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RESET_PEAK, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(npa_region_take_command(file.region, seq), NPA_COMMAND_DAMAGED);
+    CHECK_EQ(c->closed_seq, seq);
+    c->ack_seq = seq;
+    CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RESET_PEAK, -1, 0.0, &seq), NPUALLOC_POST_OK);
+    CHECK_EQ(npa_region_take_command(file.region, seq), NPA_COMMAND_TAKEN);
+    npualloc_reader_close(&file);
+}
+
 /* --- the seqlock against the real writer ------------------------------- */
 
 #define READERS 2
@@ -497,6 +536,7 @@ int main(void) {
     RUN(test_regions_open_at_once_are_bounded);
     RUN(test_pause_state);
     RUN(test_post_and_ack);
+    RUN(test_a_late_take_leaves_later_withdrawals_closed);
     RUN(test_snapshots_stay_consistent_under_a_writer);
     RUN(test_commands_arrive_whole);
     char path[256];

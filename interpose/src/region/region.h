@@ -30,18 +30,29 @@ static inline int npa_region_command_pending(npualloc_region *r)
 /* Request seq (seen in request_seq, acquire) closed for the process
  * (npualloc_shm.h): TAKEN, to apply and acknowledge; WITHDRAWN by its
  * requester, which acknowledged it: nothing to do; DAMAGED when closed_seq
- * was neither the request before nor this one (a region someone rewrote):
- * acknowledge it as NPUALLOC_CMD_EINVAL unapplied. Closed either way, so a
- * damaged slot is mended for the next request. */
+ * was neither the request before nor this one nor a later one (a region
+ * someone rewrote): acknowledge it as NPUALLOC_CMD_EINVAL unapplied. A
+ * damaged slot is closed at seq, mended for the next request. */
 typedef enum { NPA_COMMAND_TAKEN, NPA_COMMAND_WITHDRAWN, NPA_COMMAND_DAMAGED } npa_command_claim;
 
 static inline npa_command_claim npa_region_take_command(npualloc_region *r, uint64_t seq)
 {
-    /* One read-modify-write decides between the process and the requester's
-     * compare-and-swap; the fields were made visible by request_seq's
-     * acquire already. */
-    uint64_t closed = __atomic_exchange_n(&r->command.closed_seq, seq, __ATOMIC_RELAXED);
-    return closed == seq - 1 ? NPA_COMMAND_TAKEN : closed == seq ? NPA_COMMAND_WITHDRAWN : NPA_COMMAND_DAMAGED;
+    /* One compare-and-swap decides between the process and the requester's;
+     * the fields were made visible by request_seq's acquire already. Not an
+     * exchange: a process that stalled after seeing seq may come when its
+     * requester has withdrawn seq and later requests too, and writing seq
+     * back would reopen the last of them, to be taken and applied though its
+     * requester was told it never would be. */
+    uint64_t closed = seq - 1;
+    if (__atomic_compare_exchange_n(&r->command.closed_seq, &closed, seq, 0, __ATOMIC_ACQUIRE, __ATOMIC_ACQUIRE))
+        return NPA_COMMAND_TAKEN;
+    /* The acquire pairs with the withdrawal's release: a later request
+     * closed_seq names is seen in request_seq. */
+    uint64_t requested = __atomic_load_n(&r->command.request_seq, __ATOMIC_RELAXED);
+    if (closed - seq <= requested - seq) /* seq <= closed <= requested, in the counter's wrap-around */
+        return NPA_COMMAND_WITHDRAWN;
+    __atomic_store_n(&r->command.closed_seq, seq, __ATOMIC_RELAXED);
+    return NPA_COMMAND_DAMAGED;
 }
 
 /* The process's answer to request seq: the status, then ack_seq with

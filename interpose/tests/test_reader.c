@@ -286,6 +286,13 @@ static void test_post_and_ack(void) {
     CHECK_EQ(npualloc_reader_withdraw(&file, seq), 0);
     CHECK_EQ(npualloc_reader_post(&file, NPUALLOC_CMD_RESET_PEAK, -1, 0.0, &seq), NPUALLOC_POST_OK);
     CHECK_EQ(seq, 3);
+    /* 4 was never posted: withdrawing it closes nothing, though 3 is taken
+     * (closed_seq 3, where a compare-and-swap from 3 would pass): it once
+     * answered 4 withdrawn, and the process's answer to 3 then moved ack_seq
+     * back under it. */
+    c->closed_seq = 3;
+    CHECK_EQ(npualloc_reader_withdraw(&file, seq + 1), 0);
+    CHECK(c->closed_seq == 3 && c->ack_seq == 2);
 
     /* A crafted region at the end of the counter: refused, nothing stored. */
     c->request_seq = c->ack_seq = UINT64_MAX;

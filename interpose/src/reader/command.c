@@ -49,6 +49,10 @@ int32_t npualloc_reader_withdraw(npualloc_region_file *file, uint64_t seq)
      * request_seq before closed_seq (release), as a process that comes late
      * tells a later request withdrawn from a rewritten slot by it; then the
      * answer: the status, then ack_seq with release, as the process answers. */
+    /* Only the request posted last: closing one past it would mark a request
+     * nobody made as answered, and the slot stayed busy for every later post. */
+    if (__atomic_load_n(&command->request_seq, __ATOMIC_RELAXED) != seq)
+        return 0;
     uint64_t open = seq - 1;
     if (!__atomic_compare_exchange_n(&command->closed_seq, &open, seq, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
         return 0;

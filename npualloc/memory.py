@@ -91,6 +91,16 @@ def _current_device() -> int:
     return device if device >= 0 else 0
 
 
+def _own_device(lib: Any, device: object) -> int:
+    """device_index() of a device of this process, refused past the devices
+    the runtime sees, as torch refuses them: their stats read all zeros."""
+    index = device_index(device)
+    count = lib.npualloc_device_count()
+    if 0 <= count <= index:
+        raise ValueError(f"invalid device {device!r}: the runtime sees {count} device(s)")
+    return index
+
+
 def parse_decimal(text: str) -> int | None:
     """The value of text written as ASCII digits with an optional leading '-',
     else None. int() also takes '٣' (Arabic-Indic 3), '1_000', '+7' and ' 7 ',
@@ -143,7 +153,7 @@ def _raw_stats(device: object, pid: int | None, saver: bool = False) -> tuple[An
     """(npualloc_device_stats, npualloc_saver_stats or None unless saver, index)."""
     if _in_process(pid):
         lib = _library()
-        index = device_index(device)
+        index = _own_device(lib, device)
         out = ffi.new("npualloc_device_stats *")
         if lib.npualloc_get_stats(index, out) != 0:
             raise ValueError(f"npualloc has no stats for device {index}")
@@ -235,7 +245,8 @@ def empty_cache(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> N
 
 def _reset(code: int, c_function: str, device: object, pid: int | None, timeout: float) -> None:
     if _in_process(pid):
-        getattr(_library(), c_function)(device_index(device))
+        lib = _library()
+        getattr(lib, c_function)(_own_device(lib, device))
         return
     assert pid is not None
     with Region(pid) as region:
@@ -335,7 +346,7 @@ def mem_get_info(device: object = None) -> tuple[int, int]:
     total_bytes = ffi.new("size_t *")
     lib = loaded_library()
     if lib is not None:
-        index = device_index(device)
+        index = _own_device(lib, device)
         ret = lib.npualloc_mem_get_info(index, free_bytes, total_bytes)
     else:
         ret, index = _runtime_mem_get_info(runtime_library(), device, free_bytes, total_bytes)

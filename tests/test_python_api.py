@@ -216,6 +216,26 @@ def test_max_split_size_is_the_setting_before_the_first_allocation() -> None:
     assert run_python(code, preload_env()).stdout.split() == ["-1", "0"]
 
 
+def test_a_device_past_the_runtimes_count_is_refused_in_process() -> None:
+    """torch raises for a device index past the devices it sees; npualloc read
+    that device's stats as zeros (and reset or emptied nothing, silently)."""
+    calls = ["memory_stats(2)", "memory_allocated('npu:2')", "reset_peak_memory_stats(2)",
+             "reset_accumulated_memory_stats(2)", "mem_get_info(2)"]
+    proc = run_python(f"""
+import npualloc
+for call in {calls!r}:
+    try:
+        eval("npualloc." + call)
+        print(call, "accepted")
+    except ValueError as e:
+        print(call, "refused:", e)
+print(npualloc.memory_stats(1)["allocated_bytes.all.current"])
+""", preload_env(NPUSIM_DEVICE_COUNT="2"))
+    lines = proc.stdout.splitlines()
+    assert lines == [f"{call} refused: invalid device {call[call.index('(') + 1:-1]}: the runtime sees 2 device(s)"
+                     for call in calls] + ["0"], proc.stdout + proc.stderr
+
+
 def test_mem_get_info_inside_follows_the_runtime(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         free, total = w.call("npualloc.mem_get_info()")

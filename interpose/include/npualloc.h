@@ -36,6 +36,9 @@ int npualloc_set_config(const char *text);
 int npualloc_set_gc_threshold(double threshold);
 /* aclrtGetMemInfo(ACL_HBM_MEM) for a device, through the real runtime; an aclError. */
 int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
+/* The devices the runtime sees (aclrtGetDeviceCount), -1 when it cannot say:
+ * torch raises for a device index past them, and the Python API does too. */
+int npualloc_device_count(void);
 /* The device current on the calling thread as npualloc tracks it, -1 if none. */
 int npualloc_current_device(void);
 /* The memory snapshot torch.cuda.memory._snapshot() returns ({"segments",

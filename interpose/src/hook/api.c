@@ -213,6 +213,15 @@ NPA_EXPORT int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *tot
     return npa_hook_mem_get_info(device, free_bytes, total_bytes);
 }
 
+NPA_EXPORT int npualloc_device_count(void)
+{
+    __typeof__(&aclrtGetDeviceCount) real = npa_real_optional(NPA_FN_aclrtGetDeviceCount);
+    uint32_t count = 0;
+    if (real == NULL || real(&count) != ACL_SUCCESS || count > INT32_MAX)
+        return -1;
+    return (int)count;
+}
+
 NPA_EXPORT int npualloc_current_device(void)
 {
     return npa_tls_device;

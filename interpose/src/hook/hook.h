@@ -192,6 +192,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtMapMem,
     NPA_FN_aclrtUnmapMem,
     NPA_FN_aclrtMemcpy, /* the memory saver's host backups */
+    NPA_FN_aclrtGetDeviceCount, /* npualloc_device_count */
     NPA_FN_COUNT
 } npa_fn;
 

@@ -41,7 +41,7 @@ static const struct {
     NNOP(aclDestroyAclOpExecutor), ACL(aclrtGetDevice), ACL(aclrtSynchronizeDevice), ACL(aclrtGetMemInfo),
     ACL(aclrtCreateEvent), ACL(aclrtRecordEvent), ACL(aclrtQueryEventStatus), ACL(aclrtDestroyEvent),
     ACL(aclrtReserveMemAddress), ACL(aclrtReleaseMemAddress), ACL(aclrtMallocPhysical), ACL(aclrtFreePhysical),
-    ACL(aclrtMapMem), ACL(aclrtUnmapMem), ACL(aclrtMemcpy),
+    ACL(aclrtMapMem), ACL(aclrtUnmapMem), ACL(aclrtMemcpy), ACL(aclrtGetDeviceCount),
 #undef ACL
 #undef NNOP
 };

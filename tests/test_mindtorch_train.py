@@ -28,7 +28,7 @@ sys.path.insert(0, {programs!r})
 import aclsim, train_mlp
 counts = []
 def on_step(step, loss):
-    counts.append({{"step": step, "loss": loss, "mallocs": aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32"),
+    counts.append({{"step": step, "loss": loss, "mallocs": aclsim.device_malloc_count(),
                     "frees": aclsim.call_count("aclrtFree"), "outstanding": aclsim.bytes_outstanding(0),
                     "pages": aclsim.call_count("aclrtMallocPhysical"),
                     "pages_freed": aclsim.call_count("aclrtFreePhysical")}})

@@ -56,8 +56,7 @@ for it in range(20):
     rng.shuffle(blocks)
     for p, _, _ in blocks:
         assert acl.rt.free(p) == 0
-    counts.append(aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32")
-                  + aclsim.call_count("aclrtMallocCached"))
+    counts.append(aclsim.device_malloc_count() + aclsim.call_count("aclrtMallocCached"))
 for p, _ in weights:
     assert acl.rt.free(p) == 0
 live_before_reset = aclsim.live_allocations(0)

@@ -74,6 +74,12 @@ def call_count(api: str) -> int:
     return n
 
 
+def device_malloc_count() -> int:
+    """Plain device allocations that reached the sim: aclrtMalloc (a program's
+    own) and aclrtMallocAlign32 (torch_npu's, and npualloc's segments)."""
+    return call_count("aclrtMalloc") + call_count("aclrtMallocAlign32")
+
+
 def _per_device(fn, device: int) -> int:
     n = fn(device)
     if n == _NO_SUCH:

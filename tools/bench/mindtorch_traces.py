@@ -68,12 +68,7 @@ def replay(name: str, max_events: int) -> dict:
     for _ in trace:
         timed(_nothing, 4096, stream)
     floor, spent[:] = [t / len(trace) * 1e6 for t in spent], [0.0, 0.0]
-
-    def device_mallocs() -> int:
-        """MindTorch's own aclrtMalloc calls and npualloc's segments (aclrtMallocAlign32)."""
-        return aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32")
-
-    mallocs0, frees0 = device_mallocs(), aclsim.call_count("aclrtFree")
+    mallocs0, frees0 = aclsim.device_malloc_count(), aclsim.call_count("aclrtFree")
     for entry in trace:
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc" and addr not in live:
@@ -97,7 +92,7 @@ def replay(name: str, max_events: int) -> dict:
     return {"trace": name, "events": events, "us_per_event": spent[0] / events * 1e6,
             "cpu_us_per_event": spent[1] / events * 1e6,
             "timer_us_per_event": floor[0], "timer_cpu_us_per_event": floor[1],
-            "raw_mallocs": device_mallocs() - mallocs0,
+            "raw_mallocs": aclsim.device_malloc_count() - mallocs0,
             "raw_frees": aclsim.call_count("aclrtFree") - frees0,
             "peak_device": peak_device, "peak_requested": peak_requested,
             "allocator": type(alloc).__name__}

@@ -38,8 +38,7 @@ def on_step(step, loss):
     # npualloc's plain segments (aclrtMallocAlign32) and the physical pages of
     # expandable segments (MindTorch's default under npualloc).
     steps.append({{"ms": (now - last[0]) * 1e3,
-                   "mallocs": aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32")
-                              + aclsim.call_count("aclrtMallocPhysical")}})
+                   "mallocs": aclsim.device_malloc_count() + aclsim.call_count("aclrtMallocPhysical")}})
     peak = max(peak, aclsim.bytes_outstanding(0) + aclsim.physical_bytes_outstanding(0))
     last[0] = time.perf_counter()
 train_mlp.train("npu", {steps}, on_step)

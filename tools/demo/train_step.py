@@ -102,7 +102,7 @@ def raw_calls() -> tuple[int, int]:
     """Device mallocs and frees that reached the runtime since the process
     started (npualloc's own included, its segments through aclrtMallocAlign32):
     the same count as npualloc's num_device_alloc / num_device_free."""
-    return aclsim.call_count("aclrtMalloc") + aclsim.call_count("aclrtMallocAlign32"), aclsim.call_count("aclrtFree")
+    return aclsim.device_malloc_count(), aclsim.call_count("aclrtFree")
 
 
 def step(ops: Ops, params: list[int], seq_len: int, peak: list[int], pause: bool, mid: list[tuple[int, int]]

@@ -375,8 +375,7 @@ npa_allocator *npa_hook_init(void)
         const npa_config *c = npa_hook_config();
         npa_backend b = backend_for(c);
         a = npa_create(&b, c);
-        if (a != NULL)
-            npa_region_publish_config(a); /* what the core put in force */
+        npa_region_publish_config(a); /* what the core put in force (none without an allocator) */
         /* Made once the config is known, so a reader that finds the file
          * never sees it without one (backend_for's lookups took long enough
          * for exports_stress's reader to copy an empty config), and before

@@ -43,16 +43,16 @@ int32_t npualloc_reader_withdraw(npualloc_region_file *file, uint64_t seq)
     if (!file->writable || seq == 0)
         return 0;
     npualloc_command *command = &file->region->command;
+    /* Only the request posted last: closing one past it would mark a request
+     * nobody made as answered, and the slot stayed busy for every later post. */
+    if (__atomic_load_n(&command->request_seq, __ATOMIC_RELAXED) != seq)
+        return 0;
     /* Against the process's compare-and-swap of closed_seq (npa_region_take_command):
      * whichever comes first closes the request. The process never reads the
      * fields of a request it did not close; what it needs ordered is
      * request_seq before closed_seq (release), as a process that comes late
      * tells a later request withdrawn from a rewritten slot by it; then the
      * answer: the status, then ack_seq with release, as the process answers. */
-    /* Only the request posted last: closing one past it would mark a request
-     * nobody made as answered, and the slot stayed busy for every later post. */
-    if (__atomic_load_n(&command->request_seq, __ATOMIC_RELAXED) != seq)
-        return 0;
     uint64_t open = seq - 1;
     if (!__atomic_compare_exchange_n(&command->closed_seq, &open, seq, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED))
         return 0;

@@ -218,7 +218,7 @@ def test_max_split_size_is_the_setting_before_the_first_allocation() -> None:
 
 def test_a_device_past_the_runtimes_count_is_refused_in_process() -> None:
     """torch raises for a device index past the devices it sees; npualloc read
-    that device's stats as zeros (and reset or emptied nothing, silently)."""
+    that device's stats as zeros (and reset nothing, silently)."""
     calls = ["memory_stats(2)", "memory_allocated('npu:2')", "reset_peak_memory_stats(2)",
              "reset_accumulated_memory_stats(2)", "mem_get_info(2)"]
     proc = run_python(f"""

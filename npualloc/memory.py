@@ -104,9 +104,13 @@ def _own_device(lib: Any, device: object) -> int:
 def parse_decimal(text: str) -> int | None:
     """The value of text written as ASCII digits with an optional leading '-',
     else None. int() also takes '٣' (Arabic-Indic 3), '1_000', '+7' and ' 7 ',
-    which would let 'npu:٣' or a pid of '٣٤' name device 3 or process 34."""
+    which would let 'npu:٣' or a pid of '٣٤' name device 3 or process 34.
+    Values of more than 18 digits are None too: no pid, port, device or count
+    reaches them, and past 4300 digits int() raises its own ValueError."""
     digits = text[1:] if text.startswith("-") else text
-    return int(text) if digits.isascii() and digits.isdigit() else None
+    if not (digits.isascii() and digits.isdigit()) or len(digits.lstrip("0")) > 18:
+        return None
+    return int(text)
 
 
 def device_index(device: object, current: int | None = None) -> int:

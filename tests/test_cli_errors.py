@@ -28,7 +28,7 @@ def test_usage_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_cli([], tmp_path), 2, "required")
     assert_one_line_error(run_cli(["stats"], tmp_path), 2, "pid")
     # -5 once read as a process that does not exist (exit 3); int() reads "٣٤" (Arabic-Indic) as 34, "1_000" as 1000
-    for pid in ("notapid", "0", "-5", "٣٤", "1_000", "+7", " 7"):
+    for pid in ("notapid", "0", "-5", "٣٤", "1_000", "+7", " 7", "1" * 5000):  # 5000 digits: int()'s own limit
         assert_one_line_error(run_cli(["stats", pid], tmp_path), 2, "pid: needs a positive process id")
     assert_one_line_error(run_cli(["frobnicate"], tmp_path), 2, "invalid choice")
     assert_one_line_error(run_cli(["stats", "1", "--watch", "0"], tmp_path), 2, "--watch")

@@ -31,6 +31,7 @@ def test_device_normalisation(device: object, index: int) -> None:
 
 @pytest.mark.parametrize("device", [
     "cuda", "cuda:0", "npu:x", "npu:-1", "npu:16", "npu:٣", "npu:+1", "npu:1_0", "", -1, 16, True, 1.5, object(),
+    pytest.param("npu:" + "1" * 5000, id="npu:<5000 digits>"),  # past int()'s digit limit, its own ValueError
     SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="npu", index="1"), SimpleNamespace(idx="1"),
 ])
 def test_bad_devices_are_rejected(device: object) -> None:

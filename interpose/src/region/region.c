@@ -502,7 +502,7 @@ void npa_region_poll_slow(npa_allocator *allocator)
         int32_t code = __atomic_load_n(&cmd->code, __ATOMIC_RELAXED);
         int32_t device = __atomic_load_n(&cmd->device, __ATOMIC_RELAXED);
         double arg;
-        memcpy(&arg, (const void *)&cmd->arg, sizeof arg);
+        __atomic_load(&cmd->arg, &arg, __ATOMIC_RELAXED);
         int32_t status = apply_command(allocator, r, &requested, code, device, arg, &keep);
         npa_region_acknowledge(r, requested, status);
     }

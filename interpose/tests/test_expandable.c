@@ -588,6 +588,31 @@ static void test_cap_checked_on_the_request_as_torch(void) {
     fixture_destroy(&fx);
 }
 
+/* A range is sized by the cap in force when it is reserved: one reserved
+ * under a cap of 20 MiB (two 20 MiB pages) cannot hold what a raised cap
+ * allows, and the pool then reserves another, sized by the new cap, as
+ * torch does when none of its ranges has room. 200 MiB device. */
+static void test_a_raised_cap_grows_past_the_first_range(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = true;
+    config.per_process_memory_fraction = 0.1;
+    fixture fx;
+    fake_init(&fx.fake, 200 * MiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, &config);
+    alloc_exact(&fx, 0, 15 * MiB);
+    void *p = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, 15 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
+    CHECK_EQ(fx.fake.va_reserves, 1);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 1.0), 0);
+    alloc_exact(&fx, 0, 150 * MiB); /* more than the first range's 40 MiB */
+    CHECK_EQ(fx.fake.va_reserves, 2);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 180 * MiB);
+    CHECK_EQ(stats_of(&fx, 0).num_ooms, 1);
+    fixture_destroy(&fx);
+}
+
 /* torch's find_expandable_block reserves another range for a pool when no
  * unmapped stretch of its ranges has room: with 40 MiB of the device free
  * but the first range's free space in 20 MiB holes, a 40 MiB request is
@@ -647,6 +672,7 @@ int main(void) {
     RUN(test_switched_at_run_time);
     RUN(test_split_rule_follows_the_setting);
     RUN(test_cap_checked_on_the_request_as_torch);
+    RUN(test_a_raised_cap_grows_past_the_first_range);
     RUN(test_a_second_range_when_the_first_has_only_holes);
     RUN(test_no_range_kept_for_a_request_larger_than_one);
     RUN(test_oom_retry_over_both_kinds);

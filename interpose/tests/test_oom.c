@@ -1,6 +1,7 @@
 /* The malloc path after a miss: the OOM retry sequence with its counters,
  * the oversize release step, failure injection, the per-process cap, the
  * OOM report line, and age-based GC. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,6 +266,75 @@ static void test_fraction_below_smallest_segment_is_refused(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's set_per_process_memory_fraction at run time, 100 MiB device: a
+ * cap lowered under what is reserved refuses the next growth (the device is
+ * never asked) while the cached blocks keep serving; raised again, growth
+ * works; the stat follows; refused values change nothing. */
+static void test_fraction_set_at_run_time(void) {
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, NULL);
+    alloc_exact(&fx, 0, 40 * MiB);
+    void *cached = alloc_exact(&fx, 0, 20 * MiB);
+    CHECK_EQ(npa_free(fx.a, cached, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 0.3), 0);
+    const int64_t cap = (int64_t)(0.3 * (double)(100 * MiB));
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_limit_bytes, cap);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 60 * MiB); /* above the cap, and kept */
+
+    CHECK(alloc_exact(&fx, 0, 20 * MiB) == cached); /* the cache serves past the cap */
+    CHECK_EQ(npa_free(fx.a, cached, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 2);
+
+    char line[1024];
+    CHECK_EQ(malloc_reporting(&fx, 30 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 2); /* refused by the cap, not by the device */
+    CHECK(strstr(line, "per-process cap 31457280 bytes") != NULL);
+    CHECK(strstr(line, "raise per_process_memory_fraction") != NULL);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_ooms, 1);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 40 * MiB); /* the retry gave the cache back */
+
+    /* Outside [0, 1], NaN, a cap below the smallest segment (0 and 1e-9 of
+     * 100 MiB), a bad device: refused, the cap as it was. */
+    const double refused[] = {-0.1, 1.5, NAN, 0.0, 1e-9, 1.9 / 100.0};
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++)
+        CHECK_EQ(npa_set_memory_fraction(fx.a, 0, refused[i]), -1);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, -1, 0.5), -1);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, NPUALLOC_MAX_DEVICES, 0.5), -1);
+    CHECK_EQ(npa_set_memory_fraction(NULL, 0, 0.5), -1);
+    CHECK_EQ(stats_of(&fx, 0).reserved_limit_bytes, cap);
+    CHECK_EQ(malloc_reporting(&fx, 30 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK_EQ(fx.fake.warnings, 0); /* refusals are the caller's to report */
+
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 1.0), 0); /* no cap, as the config's default */
+    CHECK_EQ(stats_of(&fx, 0).reserved_limit_bytes, 0);
+    alloc_exact(&fx, 0, 30 * MiB);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 0.9), 0); /* 70 reserved + 20 <= 90 */
+    CHECK_EQ(stats_of(&fx, 0).reserved_limit_bytes, (int64_t)(0.9 * (double)(100 * MiB)));
+    alloc_exact(&fx, 0, 20 * MiB);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 4);
+    fixture_destroy(&fx);
+}
+
+/* A device nothing allocated on yet is created with its cap, as torch's
+ * per-device allocator has one from the start. */
+static void test_fraction_set_before_the_device_is_used(void) {
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, NULL);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 0.5), 0);
+    npualloc_device_stats s = stats_of(&fx, 1);
+    CHECK_EQ(s.reserved_limit_bytes, 50 * MiB);
+    CHECK_EQ(s.device_total_bytes, 100 * MiB);
+    alloc_exact(&fx, 1, 40 * MiB);
+    char line[1024];
+    void *p = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 1, 20 * MiB, NPA_ENTRY_EXACT, &p), NPA_ERR_OOM);
+    CHECK_EQ(stats_of(&fx, 0).reserved_limit_bytes, 0); /* per device: device 0 has none */
+    CHECK_EQ(malloc_reporting(&fx, 60 * MiB, line, sizeof line), NPA_OK);
+    fixture_destroy(&fx);
+}
+
 /* Four cached large segments with ages A 7, B 4, C 2, E 1 pool searches at
  * the moment the next miss runs GC; returns their addresses in that order. */
 static void build_aged_cache(fixture *fx, void *out[4]) {
@@ -417,6 +487,8 @@ int main(void) {
     RUN(test_runtime_errors_are_not_out_of_memory);
     RUN(test_fraction_cap);
     RUN(test_fraction_below_smallest_segment_is_refused);
+    RUN(test_fraction_set_at_run_time);
+    RUN(test_fraction_set_before_the_device_is_used);
     RUN(test_gc_frees_oldest_first_and_stops);
     RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);

@@ -144,19 +144,35 @@ void npa_destroy(npa_allocator *a) {
     free(a);
 }
 
-/* per_process_memory_fraction in bytes of this device, 0: no cap. Every
- * allocation takes a segment (or an expandable page) of at least
- * NPA_SMALL_BUFFER, so a cap below that would refuse everything, and one
- * that rounds to 0 would read as "no cap": a smaller fraction must never
- * mean more memory, so such a fraction is refused as a bad value is, with a
- * warning, and the default (no cap) is kept. Refused for this device only:
- * the cap depends on the device's size, so the setting itself stays (and
- * the config string shows it) for devices it fits. */
-static size_t fraction_cap(npa_allocator *a, int id, size_t total_bytes) {
+/* The cap a fraction sets on a device of total_bytes, in *cap (0: none,
+ * for 1.0 or a device of unknown size). Every allocation takes a segment (or
+ * an expandable page) of at least NPA_SMALL_BUFFER, so a cap below that
+ * would refuse everything, and one that rounds to 0 would read as "no cap":
+ * a smaller fraction must never mean more memory, so such a fraction is
+ * refused (false). */
+static bool fraction_cap(double fraction, size_t total_bytes, size_t *cap) {
+    *cap = 0;
+    if (!(fraction < 1.0) || total_bytes == 0) return true;
+    *cap = (size_t)(fraction * (double)total_bytes);
+    return *cap >= NPA_SMALL_BUFFER;
+}
+
+/* The per-process cap (0: none) and what GC measures against; the caller
+ * publishes reserved_limit_bytes. */
+static void set_limit(npa_device *d, size_t cap) {
+    d->limit_bytes = cap;
+    d->allowed_bytes = cap ? cap : d->total_bytes;
+}
+
+/* per_process_memory_fraction of the config on a new device. A refused
+ * fraction is refused as a bad value is, with a warning, and the default
+ * (no cap) is kept: for this device only, since the cap depends on the
+ * device's size, so the setting itself stays (and the config string shows
+ * it) for devices it fits. */
+static size_t config_cap(npa_allocator *a, int id, size_t total_bytes) {
     double fraction = a->config.per_process_memory_fraction;
-    if (!(fraction < 1.0) || total_bytes == 0) return 0;
-    size_t cap = (size_t)(fraction * (double)total_bytes);
-    if (cap >= NPA_SMALL_BUFFER) return cap;
+    size_t cap;
+    if (fraction_cap(fraction, total_bytes, &cap)) return cap;
     if (a->backend.warn) {
         char message[256];
         snprintf(message, sizeof message,
@@ -186,8 +202,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     size_t free_bytes = 0, total_bytes = 0;
     if (a->backend.mem_get_info(a->backend.ctx, id, &free_bytes, &total_bytes) != NPA_OK) free_bytes = total_bytes = 0;
     d->total_bytes = total_bytes;
-    d->limit_bytes = fraction_cap(a, id, total_bytes);
-    d->allowed_bytes = d->limit_bytes ? d->limit_bytes : total_bytes;
+    set_limit(d, config_cap(a, id, total_bytes));
 
     d->stats = a->backend.stats_storage ? a->backend.stats_storage(a->backend.ctx, id) : NULL;
     if (!d->stats) d->stats = &d->local_stats;
@@ -210,6 +225,27 @@ double npa_gc_threshold(const npa_allocator *a) {
     double t;
     __atomic_load(&a->config.garbage_collection_threshold, &t, __ATOMIC_RELAXED);
     return t;
+}
+
+/* torch's setMemoryFraction: later growth is checked against the new cap;
+ * what is reserved already stays, even above it. Under the device lock, as
+ * every reader of the cap (a growth, GC, an OOM report) holds it. A device
+ * of unknown size cannot be capped: refused, as a cap below a segment is. */
+int npa_set_memory_fraction(npa_allocator *a, int device, double fraction) {
+    if (!a || !(fraction >= 0.0 && fraction <= 1.0)) return -1;
+    npa_device *d = npa_device_get(a, device, true);
+    if (!d) return -1;
+    npa_lock_acquire(&d->lock);
+    size_t cap;
+    bool fits = fraction_cap(fraction, d->total_bytes, &cap) && (cap != 0 || fraction == 1.0);
+    if (fits) {
+        set_limit(d, cap);
+        npa_stats_begin(d);
+        npa_stat_store(&d->stats->reserved_limit_bytes, (int64_t)cap);
+        npa_stats_end(d);
+    }
+    npa_lock_release(&d->lock);
+    return fits ? 0 : -1;
 }
 
 static void warn_backend(void *arg, const char *message) {

@@ -294,8 +294,8 @@ typedef struct npa_device {
     unsigned poll_backoff;   /* polls to skip before the next query of a fence (pending.c) */
     unsigned polls_skipped;  /* polls since the last query */
     size_t total_bytes;      /* device capacity seen at init (0: unknown) */
-    size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none */
-    size_t allowed_bytes;    /* what GC measures its threshold against */
+    size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none (npa_set_memory_fraction changes it) */
+    size_t allowed_bytes;    /* the cap, else total_bytes: what GC measures against and a new range is sized by */
     npualloc_device_stats *stats; /* backend storage or local_stats */
     npualloc_device_stats local_stats;
 } npa_device;

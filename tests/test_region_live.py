@@ -184,6 +184,55 @@ def test_reset_peak_and_accumulated_commands(shm: Path) -> None:
         assert stats["allocated_bytes.all.allocated"] < MiB
 
 
+def test_memory_fraction_command_caps_growth_and_keeps_the_cache(shm: Path) -> None:
+    """torch's set_per_process_memory_fraction from another process, on a
+    100 MiB device: a cap under what is reserved refuses the next growth with
+    the allocator's OOM while the cached blocks keep serving; raised to 1.0,
+    the process grows again."""
+    cap = int(0.3 * 100 * MiB)
+    b20, b30, b40 = (n * MiB - 64 for n in (20, 30, 40))  # aclrtMalloc's 32 bytes on top still fit n MiB
+    with Workload(shm, NPUSIM_HBM_MB="100") as w:
+        w.call(f"malloc({b40})")
+        w.call("malloc(4096)")  # a small segment, freed by the trigger below
+        w.call(f"malloc({b20})")
+        w.call("free()")  # its 20 MiB segment stays cached
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_SET_MEMORY_FRACTION, "free()", device=0, arg=0.3)
+        stats = npualloc.memory_stats(pid=w.pid)
+        assert stats["npualloc.reserved_limit_bytes"] == cap
+        assert stats["reserved_bytes.all.current"] == 62 * MiB  # above the cap, and kept
+        assert "per_process_memory_fraction" not in npualloc.get_config(pid=w.pid)  # per device, as torch's
+
+        w.call(f"malloc({b20})")  # served by the cache past the cap
+        w.call("malloc(4096)")
+        assert npualloc.memory_stats(pid=w.pid)["num_device_alloc"] == stats["num_device_alloc"]
+        assert w.call(f"acl.rt.malloc({b30}, 0)[1]") == 207001
+        assert npualloc.memory_stats(pid=w.pid)["num_ooms"] == 1
+
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_SET_MEMORY_FRACTION, "free()", device=0, arg=1.0)
+        assert npualloc.memory_stats(pid=w.pid)["npualloc.reserved_limit_bytes"] == 0
+        w.call(f"malloc({b30})")
+        stderr = w.stderr()
+    assert f"npualloc: out of memory on device 0: requested {b30} bytes" in stderr, stderr
+    assert f"per-process cap {cap} bytes" in stderr, stderr
+
+
+@pytest.mark.parametrize("device, arg", [
+    (0, 1.5), (0, -0.5), (0, float("nan")),
+    (0, 1e-9),  # a cap of 0 bytes: below the smallest segment
+    (-1, 0.5),  # per device, as torch's: not every device at once
+    (12, 0.5),  # past the simulator's 8 devices: nothing set up for it
+])
+def test_bad_memory_fractions_are_rejected_and_change_nothing(shm: Path, device: int, arg: float) -> None:
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        with pytest.raises(CommandRejectedError, match="rejected the argument"):
+            _post_and_trigger(w, shm, constants.NPUALLOC_CMD_SET_MEMORY_FRACTION, "malloc(4096)", device=device,
+                              arg=arg)
+        assert npualloc.memory_stats(pid=w.pid)["npualloc.reserved_limit_bytes"] == 0
+        with Region(w.pid) as region:
+            assert region.devices_in_use() == [0]
+
+
 def test_config_commands_change_the_config_and_a_forked_child_keeps_it(shm: Path) -> None:
     """The GC threshold and record_history set from another process change
     the process's config as npualloc.set_config does there: a child it forks

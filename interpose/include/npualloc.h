@@ -34,6 +34,13 @@ int npualloc_set_config(const char *text);
  * string cannot say: torch's parser refuses 0); returns 0, or -1 when refused
  * (out of [0, 1), or beside expandable_segments: warned once). */
 int npualloc_set_gc_threshold(double threshold);
+/* torch.cuda.set_per_process_memory_fraction(fraction, device): from now on
+ * the device's reserved memory grows only up to fraction of its memory
+ * (what is reserved already stays, above it too; 1.0: no cap). The allocator
+ * is made now if it is not yet. Returns 0, or -1 when refused (fraction
+ * outside [0, 1], a device the runtime does not answer for, a cap below
+ * 2 MiB: warned once, nothing changed). */
+int npualloc_set_memory_fraction(double fraction, int device);
 /* aclrtGetMemInfo(ACL_HBM_MEM) for a device, through the real runtime; an aclError. */
 int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 /* The devices the runtime sees (aclrtGetDeviceCount), -1 when it cannot say:

@@ -44,6 +44,7 @@
 #define NPUALLOC_MAX_RECORD_HISTORY 16777216 /* the most entries per device record_history takes */
 #define NPUALLOC_CMD_PAUSE 7            /* release all device memory, block allocator calls until RESUME */
 #define NPUALLOC_CMD_RESUME 8
+#define NPUALLOC_CMD_SET_MEMORY_FRACTION 9 /* arg: the fraction, device: its index (not -1: per device) */
 
 /* Command results (npualloc_command.ack_status). */
 #define NPUALLOC_CMD_OK 0

@@ -195,6 +195,41 @@ NPA_EXPORT int npualloc_set_gc_threshold(double threshold)
     return rejected ? -1 : 0;
 }
 
+int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, const char **why)
+{
+    if (!(fraction >= 0.0 && fraction <= 1.0)) { /* also rejects NaN */
+        *why = "the fraction is not in [0, 1]";
+        return -1;
+    }
+    if (bad_device(device)) {
+        *why = "no such device index";
+        return -1;
+    }
+    /* Asked before the core sets up a device it has not seen: one made
+     * while the runtime cannot tell its size would stay without one, so
+     * never capped and never sized for GC or expandable ranges. */
+    size_t free_bytes, total_bytes;
+    if (npa_hook_mem_get_info(device, &free_bytes, &total_bytes) != ACL_SUCCESS) {
+        *why = "the runtime cannot tell the device's memory";
+        return -1;
+    }
+    if (npa_set_memory_fraction(a, device, fraction) != 0) {
+        *why = "its cap is below the smallest segment (2 MiB), which would refuse every allocation";
+        return -1;
+    }
+    return 0;
+}
+
+NPA_EXPORT int npualloc_set_memory_fraction(double fraction, int device)
+{
+    npa_allocator *a = npa_hook_allocator(); /* made now if not yet, as torch's lazy init makes it */
+    const char *why = "no allocator serves this process (npualloc disabled, or ACL finalized)";
+    if (a != NULL && npa_hook_set_memory_fraction(a, device, fraction, &why) == 0)
+        return 0;
+    npa_warn_once("npualloc_set_memory_fraction: %g on device %d: %s (not applied)", fraction, device, why);
+    return -1;
+}
+
 NPA_EXPORT void *npualloc_snapshot(size_t *size)
 {
     if (size == NULL)

@@ -368,6 +368,12 @@ npa_error npa_hook_synchronize(int device);
 /* backend.mem_get_info and npualloc_mem_get_info: the device's HBM free and
  * total bytes, asked on that device. */
 npa_error npa_hook_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
+/* torch's set_per_process_memory_fraction on one device of a, for this
+ * process's npualloc_set_memory_fraction and another process's command
+ * alike: 0, or -1 with why (a phrase) and nothing changed: a fraction
+ * outside [0, 1], a bad device or one the runtime cannot tell the size of,
+ * a cap below the smallest segment. */
+int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, const char **why);
 void npa_hook_before_reset(int device);
 void npa_hook_before_context_destroy(void); /* every device's cache back, under init_lock (1) */
 void npa_hook_before_finalize(void);

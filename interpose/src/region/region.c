@@ -453,6 +453,12 @@ static int32_t apply_command(npa_allocator *a, npualloc_region *r, uint64_t *seq
         npa_region_publish_config(a);
         return NPUALLOC_CMD_OK;
     }
+    if (code == NPUALLOC_CMD_SET_MEMORY_FRACTION) {
+        /* Per device, like torch's, so not in the config text: the cap shows
+         * as the device's reserved_limit_bytes. */
+        const char *why;
+        return npa_hook_set_memory_fraction(a, device, arg, &why) == 0 ? NPUALLOC_CMD_OK : NPUALLOC_CMD_EINVAL;
+    }
     if (code != NPUALLOC_CMD_EMPTY_CACHE && code != NPUALLOC_CMD_RESET_PEAK && code != NPUALLOC_CMD_RESET_ACCUMULATED)
         return NPUALLOC_CMD_EUNKNOWN;
     if (device < -1 || device >= NPUALLOC_MAX_DEVICES)

@@ -285,6 +285,15 @@ def cmd_set_gc_threshold(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_set_memory_fraction(args: argparse.Namespace) -> int:
+    try:
+        index = memory._set_memory_fraction(args.fraction, args.device, pid=args.pid, timeout=args.timeout)
+    except ValueError as e:
+        _Parser(prog="npualloc").error(str(e))
+    sys.stdout.write(f"process {args.pid}: per_process_memory_fraction of device {index} set to {args.fraction:g}\n")
+    return 0
+
+
 def cmd_snapshot(args: argparse.Namespace) -> int:
     data = snapshot.snapshot_bytes(args.pid, timeout=args.timeout)
     taken = snapshot.loads(data)  # also proves the file loads before it is handed on
@@ -348,6 +357,13 @@ def _parser() -> argparse.ArgumentParser:
     gc = with_pid("set-gc-threshold", "set garbage_collection_threshold at run time (0: off)", device=False)
     gc.add_argument("value", type=float)
     gc.set_defaults(run=cmd_set_gc_threshold)
+
+    fraction = with_pid("set-memory-fraction", "cap a device's reserved memory at a fraction of it from now on, as "
+                        "torch's set_per_process_memory_fraction (1: no cap)", device=False)
+    fraction.add_argument("fraction", type=float)
+    fraction.add_argument("--device", type=_count, default=None,
+                          help="device index (default: the first device the process allocated on)")
+    fraction.set_defaults(run=cmd_set_memory_fraction)
 
     snap = with_pid("snapshot", "write the process's memory snapshot (torch's _dump_snapshot pickle)", device=False)
     snap.add_argument("-o", "--output", required=True, help="the .pickle file to write")

@@ -6,6 +6,7 @@ shared-memory region, and the mutating calls post a command to it.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from typing import Any
@@ -291,6 +292,52 @@ def set_gc_threshold(threshold: float, pid: int | None = None, timeout: float = 
     else:
         assert pid is not None
         _post(constants.NPUALLOC_CMD_SET_GC_THRESHOLD, -1, threshold, pid, timeout)
+
+
+# Every allocation takes a segment (or an expandable page) of at least this
+# size, so a cap below it would refuse everything: the library refuses it.
+_SMALLEST_SEGMENT = 2 << 20
+
+
+def _check_fraction_cap(fraction: float, total_bytes: int, index: int) -> None:
+    cap = int(fraction * total_bytes)  # as the library rounds it: the double product, truncated
+    if fraction < 1.0 and cap < _SMALLEST_SEGMENT:
+        raise ValueError(f"fraction {fraction:g} caps device {index} at {cap} bytes, below the smallest segment "
+                         f"({_SMALLEST_SEGMENT} bytes): nothing could be allocated")
+
+
+def _set_memory_fraction(fraction: object, device: object, pid: int | None, timeout: float) -> int:
+    """set_per_process_memory_fraction, returning the device index it set."""
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise TypeError(f"invalid type for fraction: {type(fraction).__name__}, must be a float")
+    value = float(fraction)
+    if not 0.0 <= value <= 1.0:  # also NaN
+        raise ValueError(f"invalid fraction value: {fraction}. Allowed range: 0~1")
+    if _in_process(pid):
+        lib = _library()
+        index = _own_device(lib, device)
+        _check_fraction_cap(value, mem_get_info(index)[1], index)
+        if lib.npualloc_set_memory_fraction(value, index) != 0:
+            raise ValueError(f"npualloc refused memory fraction {value:g} on device {index} (warned on stderr)")
+        return index
+    assert pid is not None
+    with Region(pid) as region:
+        index = _region_device(region, device)
+        if index in region.devices_in_use():  # its size known; else the process checks it
+            _check_fraction_cap(value, int(region.read_device_stats(index).device_total_bytes), index)
+    _post(constants.NPUALLOC_CMD_SET_MEMORY_FRACTION, index, value, pid, timeout)
+    return index
+
+
+def set_per_process_memory_fraction(fraction: float, device: object = None, pid: int | None = None,
+                                    timeout: float = COMMAND_TIMEOUT_S) -> None:
+    """torch's set_per_process_memory_fraction: from now on the device's
+    reserved memory grows only up to fraction of its memory (an allocation
+    that would grow past it fails as an out of memory); what is reserved
+    already stays, above the cap too; 1.0 takes the cap off. Per device, so
+    it is not in get_config(): memory_stats()'s npualloc.reserved_limit_bytes
+    shows it."""
+    _set_memory_fraction(fraction, device, pid, timeout)
 
 
 def _runtime_mem_get_info(runtime: Any, device: object, free_bytes: Any, total_bytes: Any) -> tuple[int, int]:

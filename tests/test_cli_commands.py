@@ -266,6 +266,27 @@ def test_empty_cache_reset_peak_and_gc_threshold(tmp_path: Path) -> None:
                 npualloc.empty_cache(pid=w.pid, timeout=timeout)
 
 
+def test_set_memory_fraction(tmp_path: Path) -> None:
+    with Workload(tmp_path, NPUSIM_HBM_MB="100") as w:
+        w.call(f"malloc({40 * MiB - 64})")
+        done = cli_with_trigger(w, tmp_path, ["set-memory-fraction", str(w.pid), "0.5"], "malloc(4096)")
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        assert done.stdout == f"process {w.pid}: per_process_memory_fraction of device 0 set to 0.5\n"
+        assert npualloc.memory_stats(pid=w.pid)["npualloc.reserved_limit_bytes"] == 50 * MiB
+        assert w.call(f"acl.rt.malloc({20 * MiB - 64}, 0)[1]") == 207001
+
+        # A cap below 2 MiB of the device the region shows is refused before anything is posted.
+        refused = run_cli(["set-memory-fraction", str(w.pid), "0.01", "--device", "0"], tmp_path)
+        assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+        assert refused.stderr.startswith("npualloc: fraction 0.01 caps device 0 at 1048576 bytes, below the "
+                                         "smallest segment"), refused.stderr
+        done = cli_with_trigger(w, tmp_path, ["set-memory-fraction", str(w.pid), "1", "--device", "0"],
+                                "malloc(4096)")
+        assert done.stdout == f"process {w.pid}: per_process_memory_fraction of device 0 set to 1\n", done.stderr
+        assert npualloc.memory_stats(pid=w.pid)["npualloc.reserved_limit_bytes"] == 0
+        w.call(f"malloc({20 * MiB - 64})")
+
+
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "npualloc", "run", *args], env=env, capture_output=True, text=True,
                           timeout=60)

@@ -199,6 +199,10 @@ def test_bad_device_and_gc_value(tmp_path: Path, sleeper: int) -> None:
     write_region(tmp_path, sleeper, region_bytes(sleeper))
     assert_one_line_error(run_cli(["stats", str(sleeper), "--device", "99"], tmp_path), 2, "out of range")
     assert_one_line_error(run_cli(["set-gc-threshold", str(sleeper), "1.5"], tmp_path), 2, "[0, 1)")
+    for fraction in ("1.5", "-0.5", "nan"):
+        assert_one_line_error(run_cli(["set-memory-fraction", str(sleeper), fraction], tmp_path), 2, "Allowed range: 0~1")
+    assert_one_line_error(run_cli(["set-memory-fraction", str(sleeper), "0.5", "--device", "99"], tmp_path), 2,
+                          "out of range")
 
 
 def test_run_command_not_found(tmp_path: Path) -> None:

@@ -246,6 +246,8 @@ def test_a_pause_of_a_paused_process_is_refused_as_such():
         again = _cli("pause", str(trainer.proc.pid), check=False)
         assert (again.returncode, again.stdout) == (9, "")
         assert again.stderr == f"npualloc: process {trainer.proc.pid}: the process is paused: resume it first\n"
+        capped = _cli("set-memory-fraction", str(trainer.proc.pid), "0.5", check=False)
+        assert (capped.returncode, capped.stdout, capped.stderr) == (9, "", again.stderr)
         assert _cli("resume", str(trainer.proc.pid)).returncode == 0
         trainer.finish()
     finally:

@@ -208,6 +208,48 @@ def test_set_gc_threshold_zero_turns_gc_off_in_process(tmp_path: Path, monkeypat
             w.call("npualloc.set_gc_threshold(1.0)")
 
 
+def test_set_per_process_memory_fraction_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's set_per_process_memory_fraction on a 100 MiB device: set before
+    the first allocation, lowered under what is reserved (the cache still
+    serves, growth fails with the allocator's OOM), raised; bad values raise
+    as torch's do and change nothing."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    b20, b30, b40 = (n * MiB - 64 for n in (20, 30, 40))  # aclrtMalloc's 32 bytes on top still fit n MiB
+    limit = "npualloc.memory_stats()['npualloc.reserved_limit_bytes']"
+    with Workload(tmp_path, NPUSIM_HBM_MB="100") as w:
+        w.call("npualloc.set_per_process_memory_fraction(0.5)")  # before the first malloc
+        assert w.call(limit) == 50 * MiB
+        w.call(f"malloc({b40})")
+        assert w.call(f"acl.rt.malloc({b20}, 0)[1]") == 207001
+        w.call("npualloc.set_per_process_memory_fraction(1, 'npu:0')")  # an int, as torch takes it
+        assert w.call(limit) == 0
+        w.call(f"malloc({b20})")
+        w.call("free()")  # cached: 60 MiB reserved
+        w.call("npualloc.set_per_process_memory_fraction(0.3, device=0)")
+        assert w.call(limit) == int(0.3 * 100 * MiB)
+        alloc_before = w.call("npualloc.memory_stats()['num_device_alloc']")
+        w.call(f"malloc({b20})")  # the cache serves past the cap
+        assert w.call("npualloc.memory_stats()['num_device_alloc']") == alloc_before
+        assert w.call(f"acl.rt.malloc({b30}, 0)[1]") == 207001
+        assert w.call("npualloc.memory_stats()['num_ooms']") == 2
+
+        for bad, error in (("'0.5'", "TypeError"), ("True", "TypeError"), ("None", "TypeError"),
+                           ("-0.1", "ValueError: invalid fraction"), ("1.5", "ValueError: invalid fraction"),
+                           ("float('nan')", "ValueError: invalid fraction"),
+                           ("1e-9", "ValueError: fraction 1e-09 caps device 0 at 0 bytes, below the smallest"),
+                           ("0.5, 'npu:12'", "ValueError: invalid device")):  # the simulator has 8
+            with pytest.raises(AssertionError, match=error):
+                w.call(f"npualloc.set_per_process_memory_fraction({bad})")
+        assert w.call(limit) == int(0.3 * 100 * MiB)
+        # The library refuses what the Python checks stop first, warning once.
+        assert w.call("npualloc.memory._library().npualloc_set_memory_fraction(1e-9, 0)") == -1
+        assert w.call(limit) == int(0.3 * 100 * MiB)
+        stderr = w.stderr()
+    assert ("npualloc: npualloc_set_memory_fraction: 1e-09 on device 0: its cap is below the smallest segment "
+            "(2 MiB), which would refuse every allocation (not applied)\n") in stderr, stderr
+    assert stderr.count("the per-process cap was hit") == 2, stderr
+
+
 def test_max_split_size_is_the_setting_before_the_first_allocation() -> None:
     """torch reports the configured max_split_size as soon as its allocator
     exists; npualloc reported -1 ("unset") until the first allocation."""

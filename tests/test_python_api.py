@@ -250,6 +250,23 @@ def test_set_per_process_memory_fraction_in_process(tmp_path: Path, monkeypatch:
     assert stderr.count("the per-process cap was hit") == 2, stderr
 
 
+def test_a_memory_fraction_refused_before_acl_init_sets_nothing_up(tmp_path: Path) -> None:
+    """The library's call before aclInit: the runtime cannot tell the device's
+    memory, so it is refused, warned once, before the allocator (and its
+    region) is made for it; after aclInit the same call caps the device."""
+    proc = run_python("""
+        import os, acl
+        from npualloc import memory
+        lib = memory._library()
+        print(lib.npualloc_set_memory_fraction(0.5, 0), os.listdir(os.environ["NPUALLOC_SHM_DIR"]))
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        print(lib.npualloc_set_memory_fraction(0.5, 0), memory.memory_stats()["npualloc.reserved_limit_bytes"])
+    """, preload_env(NPUALLOC_SHM_DIR=str(tmp_path), NPUSIM_HBM_MB="100"))
+    assert proc.stdout.splitlines() == ["-1 []", f"0 {50 * MiB}"], proc.stdout
+    assert proc.stderr == ("npualloc: npualloc_set_memory_fraction: 0.5 on device 0: the runtime cannot tell the "
+                           "device's memory (not applied)\n"), proc.stderr
+
+
 def test_max_split_size_is_the_setting_before_the_first_allocation() -> None:
     """torch reports the configured max_split_size as soon as its allocator
     exists; npualloc reported -1 ("unset") until the first allocation."""

@@ -213,6 +213,10 @@ int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, 
         *why = "the runtime cannot tell the device's memory";
         return -1;
     }
+    if (a == NULL && (a = npa_hook_allocator()) == NULL) { /* made now, as torch's lazy init makes it */
+        *why = "no allocator serves this process (npualloc disabled, or ACL finalized)";
+        return -1;
+    }
     if (npa_set_memory_fraction(a, device, fraction) != 0) {
         *why = "its cap is below the smallest segment (2 MiB), which would refuse every allocation";
         return -1;
@@ -222,9 +226,8 @@ int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, 
 
 NPA_EXPORT int npualloc_set_memory_fraction(double fraction, int device)
 {
-    npa_allocator *a = npa_hook_allocator(); /* made now if not yet, as torch's lazy init makes it */
-    const char *why = "no allocator serves this process (npualloc disabled, or ACL finalized)";
-    if (a != NULL && npa_hook_set_memory_fraction(a, device, fraction, &why) == 0)
+    const char *why;
+    if (npa_hook_set_memory_fraction(NULL, device, fraction, &why) == 0)
         return 0;
     npa_warn_once("npualloc_set_memory_fraction: %g on device %d: %s (not applied)", fraction, device, why);
     return -1;

@@ -29,8 +29,9 @@
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
  *      polls fences, synchronizes, and counts into a device's stats (5).
  *   3. command lock (region.c g_command_lock): one thread applies another
- *      process's command; under it empty_cache, resets and snapshots take
- *      the device locks one at a time (5), and the config text (8).
+ *      process's command; under it empty_cache, resets, snapshots and a
+ *      memory fraction take the device locks one at a time (5; a memory
+ *      fraction may create its device: 4), and the config text (8).
  *      A pause (pause.c, core pausable.c) takes 4 and then every device
  *      lock (5) in ascending order and holds them until its resume.
  *      Never nested with 1 or 2: a command that set a run-time key keeps
@@ -368,11 +369,12 @@ npa_error npa_hook_synchronize(int device);
 /* backend.mem_get_info and npualloc_mem_get_info: the device's HBM free and
  * total bytes, asked on that device. */
 npa_error npa_hook_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
-/* torch's set_per_process_memory_fraction on one device of a, for this
- * process's npualloc_set_memory_fraction and another process's command
- * alike: 0, or -1 with why (a phrase) and nothing changed: a fraction
- * outside [0, 1], a bad device or one the runtime cannot tell the size of,
- * a cap below the smallest segment. */
+/* torch's set_per_process_memory_fraction on one device of a (NULL: this
+ * process's allocator, made if it is not yet, once the arguments passed),
+ * for npualloc_set_memory_fraction and another process's command alike: 0,
+ * or -1 with why (a phrase) and nothing changed: a fraction outside [0, 1],
+ * a bad device or one the runtime cannot tell the size of, no allocator, a
+ * cap below the smallest segment. */
 int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, const char **why);
 void npa_hook_before_reset(int device);
 void npa_hook_before_context_destroy(void); /* every device's cache back, under init_lock (1) */

@@ -92,7 +92,9 @@ def _device_table(device: int, s: dict[str, Any]) -> list[str]:
         f"  {'executor destroys':<22}{s['npualloc.executor_destroys_forwarded']:>14} forwarded, "
         f"{s['npualloc.executor_destroys_skipped']} skipped",
         f"  {'device memory':<22}{human_bytes(s['npualloc.device_free_bytes']):>14} free of "
-        f"{human_bytes(s['npualloc.device_total_bytes'])}",
+        f"{human_bytes(s['npualloc.device_total_bytes'])}" + (
+            f", reserved capped at {human_bytes(s['npualloc.reserved_limit_bytes'])}"
+            if s['npualloc.reserved_limit_bytes'] else ""),
     ] + ([f"  {'memory_saver':<22}{human_bytes(s['npualloc.saver_allocated_bytes']):>14} in "
           f"{s['npualloc.saver_allocations']} allocations, {human_bytes(s['npualloc.saver_paused_bytes'])} paused, "
           f"{human_bytes(s['npualloc.saver_backup_bytes'])} host backup"] if s['npualloc.saver_allocations'] else [])

@@ -274,6 +274,9 @@ def test_set_memory_fraction(tmp_path: Path) -> None:
         assert done.stdout == f"process {w.pid}: per_process_memory_fraction of device 0 set to 0.5\n"
         assert npualloc.memory_stats(pid=w.pid)["npualloc.reserved_limit_bytes"] == 50 * MiB
         assert w.call(f"acl.rt.malloc({20 * MiB - 64}, 0)[1]") == 207001
+        # The config line cannot show it (the cap is per device, as torch's): the device's table does.
+        table = run_cli(["stats", str(w.pid)], tmp_path).stdout
+        assert "free of 100.00 MiB, reserved capped at 50.00 MiB\n" in table, table
 
         # A cap below 2 MiB of the device the region shows is refused before anything is posted.
         refused = run_cli(["set-memory-fraction", str(w.pid), "0.01", "--device", "0"], tmp_path)
@@ -285,6 +288,7 @@ def test_set_memory_fraction(tmp_path: Path) -> None:
         assert done.stdout == f"process {w.pid}: per_process_memory_fraction of device 0 set to 1\n", done.stderr
         assert npualloc.memory_stats(pid=w.pid)["npualloc.reserved_limit_bytes"] == 0
         w.call(f"malloc({20 * MiB - 64})")
+        assert "capped" not in run_cli(["stats", str(w.pid)], tmp_path).stdout
 
 
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -310,9 +310,9 @@ def _set_memory_fraction(fraction: object, device: object, pid: int | None, time
     """set_per_process_memory_fraction, returning the device index it set."""
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise TypeError(f"invalid type for fraction: {type(fraction).__name__}, must be a float")
-    value = float(fraction)
-    if not 0.0 <= value <= 1.0:  # also NaN
+    if not 0 <= fraction <= 1:  # also NaN; compared before float(), which raises OverflowError for 10**400
         raise ValueError(f"invalid fraction value: {fraction}. Allowed range: 0~1")
+    value = float(fraction)
     if _in_process(pid):
         lib = _library()
         index = _own_device(lib, device)

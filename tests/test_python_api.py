@@ -235,6 +235,7 @@ def test_set_per_process_memory_fraction_in_process(tmp_path: Path, monkeypatch:
 
         for bad, error in (("'0.5'", "TypeError"), ("True", "TypeError"), ("None", "TypeError"),
                            ("-0.1", "ValueError: invalid fraction"), ("1.5", "ValueError: invalid fraction"),
+                           ("10 ** 400", "ValueError: invalid fraction"),  # float() of it: OverflowError
                            ("float('nan')", "ValueError: invalid fraction"),
                            ("1e-9", "ValueError: fraction 1e-09 caps device 0 at 0 bytes, below the smallest"),
                            ("0.5, 'npu:12'", "ValueError: invalid device")):  # the simulator has 8

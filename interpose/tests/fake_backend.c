@@ -148,10 +148,12 @@ static void fake_report_oom(void *ctx, int device, const char *message) {
 static npa_error fake_mem_get_info(void *ctx, int device, size_t *free_bytes, size_t *total_bytes) {
     fake_backend *f = ctx;
     pthread_mutex_lock(&f->lock);
+    bool fail = f->fail_next_mem_infos > 0;
+    if (fail) f->fail_next_mem_infos--;
     *free_bytes = f->capacity - f->used[device];
     *total_bytes = f->capacity;
     pthread_mutex_unlock(&f->lock);
-    return NPA_OK;
+    return fail ? 107002 /* ACL_ERROR_RT_CONTEXT_NULL */ : NPA_OK;
 }
 
 static int fake_fence_needed(void *ctx, int device) {

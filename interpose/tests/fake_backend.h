@@ -30,6 +30,7 @@ typedef struct fake_backend {
     npa_error fail_malloc_error; /* with this error (0: 207001, out of memory) */
     int fail_next_syncs;       /* the next N synchronizes fail (nothing completes) */
     int fail_next_fences;      /* the next N fence records fail (no fence, no synchronize) */
+    int fail_next_mem_infos;   /* the next N mem_get_info calls fail (the runtime cannot tell) */
     char last_warning[512];    /* the backend's warn: the latest message */
     long warnings;
     char last_oom_report[512];  /* the backend's report_oom: the latest report */

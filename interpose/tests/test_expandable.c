@@ -613,6 +613,25 @@ static void test_a_raised_cap_grows_past_the_first_range(void) {
     fixture_destroy(&fx);
 }
 
+/* A device made while the runtime could not tell its size has nothing to
+ * size a range by: its first growth asks again, and gets its range, rather
+ * than giving the pool up to plain segments for good. */
+static void test_a_range_once_the_device_can_tell_its_size(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.expandable_segments = true;
+    fixture fx;
+    fake_init(&fx.fake, 200 * MiB, false);
+    fx.fake.vmm = true;
+    fx.fake.fail_next_mem_infos = 1;
+    fixture_start(&fx, &config);
+    alloc_exact(&fx, 0, 30 * MiB);
+    CHECK_EQ(fx.fake.va_reserves, 1);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 0);
+    CHECK_EQ(stats_of(&fx, 0).device_total_bytes, 200 * MiB);
+    fixture_destroy(&fx);
+}
+
 /* torch's find_expandable_block reserves another range for a pool when no
  * unmapped stretch of its ranges has room: with 40 MiB of the device free
  * but the first range's free space in 20 MiB holes, a 40 MiB request is
@@ -673,6 +692,7 @@ int main(void) {
     RUN(test_split_rule_follows_the_setting);
     RUN(test_cap_checked_on_the_request_as_torch);
     RUN(test_a_raised_cap_grows_past_the_first_range);
+    RUN(test_a_range_once_the_device_can_tell_its_size);
     RUN(test_a_second_range_when_the_first_has_only_holes);
     RUN(test_no_range_kept_for_a_request_larger_than_one);
     RUN(test_oom_retry_over_both_kinds);

@@ -317,6 +317,30 @@ static void test_fraction_set_at_run_time(void) {
     fixture_destroy(&fx);
 }
 
+/* A device made while the runtime could not tell its size (its first
+ * mem_get_info failed) takes the config's cap at the first sample that can,
+ * the one after its first growth: it ran uncapped for good before. 100 MiB
+ * device, fraction 0.5. */
+static void test_a_device_sized_late_takes_the_configs_cap(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.per_process_memory_fraction = 0.5;
+    fixture fx;
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.fail_next_mem_infos = 1;
+    fixture_start(&fx, &c);
+    alloc_exact(&fx, 0, 40 * MiB);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.device_total_bytes, 100 * MiB);
+    CHECK_EQ(s.reserved_limit_bytes, 50 * MiB);
+    char line[1024];
+    CHECK_EQ(malloc_reporting(&fx, 20 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK(strstr(line, "per-process cap 52428800 bytes") != NULL);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 1); /* refused by the cap, not by the device */
+    CHECK_EQ(fx.fake.warnings, 0);
+    fixture_destroy(&fx);
+}
+
 /* A device nothing allocated on yet is created with its cap, as torch's
  * per-device allocator has one from the start. */
 static void test_fraction_set_before_the_device_is_used(void) {
@@ -489,6 +513,7 @@ int main(void) {
     RUN(test_fraction_below_smallest_segment_is_refused);
     RUN(test_fraction_set_at_run_time);
     RUN(test_fraction_set_before_the_device_is_used);
+    RUN(test_a_device_sized_late_takes_the_configs_cap);
     RUN(test_gc_frees_oldest_first_and_stops);
     RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);

@@ -210,6 +210,14 @@ static npa_device *device_create(npa_allocator *a, int id) {
     return d;
 }
 
+void npa_device_size_known(npa_allocator *a, npa_device *d, size_t total_bytes) {
+    d->total_bytes = total_bytes;
+    set_limit(d, config_cap(a, d->id, total_bytes));
+    npa_stats_begin(d);
+    npa_stat_store(&d->stats->reserved_limit_bytes, (int64_t)d->limit_bytes);
+    npa_stats_end(d);
+}
+
 npa_device *npa_device_create_slow(npa_allocator *a, int device) {
     pthread_mutex_lock(&a->init_lock);
     npa_device *d = a->devices[device];

@@ -28,6 +28,7 @@
  * the device refuses; NULL alone when host memory ran out. */
 static npa_expandable *reserve(npa_allocator *a, npa_device *d, npa_pool *pool) {
     size_t page_size = pool->is_small ? NPA_SMALL_BUFFER : NPA_LARGE_BUFFER;
+    if (d->allowed_bytes == 0) npa_stats_sample_device_memory(a, d, NULL, NULL); /* the size, if it can tell now */
     size_t allowed = d->allowed_bytes;
     if (allowed == 0) { /* the device's size is unknown: nothing to size the range by */
         pool->vmm_refused = true;

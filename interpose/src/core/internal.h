@@ -293,7 +293,7 @@ typedef struct npa_device {
     npa_fence_batch *spare_batches;
     unsigned poll_backoff;   /* polls to skip before the next query of a fence (pending.c) */
     unsigned polls_skipped;  /* polls since the last query */
-    size_t total_bytes;      /* device capacity seen at init (0: unknown) */
+    size_t total_bytes;      /* device capacity, from init or the first sample that told it (0: unknown) */
     size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none (npa_set_memory_fraction changes it) */
     size_t allowed_bytes;    /* the cap, else total_bytes: what GC measures against and a new range is sized by */
     npualloc_device_stats *stats; /* backend storage or local_stats */
@@ -324,6 +324,10 @@ static inline bool npa_expandable_on(const npa_allocator *a) {
 
 /* alloc.c */
 npa_device *npa_device_create_slow(npa_allocator *a, int device);
+/* The device's size, first known after its creation (the runtime could not
+ * tell it then): the config's cap, GC and expandable ranges take it from now
+ * on. Under the device lock, outside a stats section (a refused cap warns). */
+void npa_device_size_known(npa_allocator *a, npa_device *d, size_t total_bytes);
 /* Runs fn(a, d, arg) on one device (if it exists) or on every existing one
  * (device < 0), each under its lock, one at a time. */
 void npa_for_devices(npa_allocator *a, int device, void (*fn)(npa_allocator *, npa_device *, void *), void *arg);

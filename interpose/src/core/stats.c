@@ -27,6 +27,10 @@ npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t
         npa_stat_store(&d->stats->device_free_bytes, (int64_t)free_now);
         npa_stat_store(&d->stats->device_total_bytes, (int64_t)total_now);
         npa_stats_end(d);
+        /* A device made while the runtime could not tell its size (a
+         * thread without a context, a transient error) would otherwise run
+         * a week without its cap, GC or expandable ranges. */
+        if (d->total_bytes == 0 && total_now != 0) npa_device_size_known(a, d, total_now);
     }
     if (free_bytes) *free_bytes = free_now;
     if (total_bytes) *total_bytes = total_now;

@@ -341,6 +341,36 @@ static void test_a_device_sized_late_takes_the_configs_cap(void) {
     fixture_destroy(&fx);
 }
 
+/* A run-time fraction on a device made while the runtime could not tell
+ * its size: the call asks again, so the fraction applies once the runtime
+ * can tell (it was refused as a cap below 2 MiB), and while it cannot, every
+ * fraction is refused, 1.0 too: a "no cap" taken then gave way to the
+ * config's cap at the next sample. 100 MiB device, config fraction 0.5. */
+static void test_fraction_set_on_a_device_sized_late(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.per_process_memory_fraction = 0.5;
+    fixture fx;
+    fake_init(&fx.fake, 100 * MiB, false);
+    fx.fake.fail_next_mem_infos = 1; /* device 0 is made by the call, unsized */
+    fixture_start(&fx, &c);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 0.3), 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_limit_bytes, (int64_t)(0.3 * (double)(100 * MiB)));
+    CHECK_EQ(s.device_total_bytes, 100 * MiB);
+
+    fx.fake.fail_next_mem_infos = 2; /* device 1: made unsized, and the call's second asking fails too */
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 1.0), -1);
+    alloc_exact(&fx, 1, 30 * MiB); /* its growth samples: the size, and the config's cap */
+    CHECK_EQ(stats_of(&fx, 1).reserved_limit_bytes, 50 * MiB);
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 1.0), 0);
+    CHECK_EQ(stats_of(&fx, 1).reserved_limit_bytes, 0);
+    alloc_exact(&fx, 1, 30 * MiB);
+    CHECK_EQ(stats_of(&fx, 1).reserved_limit_bytes, 0);
+    CHECK_EQ(fx.fake.warnings, 0);
+    fixture_destroy(&fx);
+}
+
 /* A device nothing allocated on yet is created with its cap, as torch's
  * per-device allocator has one from the start. */
 static void test_fraction_set_before_the_device_is_used(void) {
@@ -514,6 +544,7 @@ int main(void) {
     RUN(test_fraction_set_at_run_time);
     RUN(test_fraction_set_before_the_device_is_used);
     RUN(test_a_device_sized_late_takes_the_configs_cap);
+    RUN(test_fraction_set_on_a_device_sized_late);
     RUN(test_gc_frees_oldest_first_and_stops);
     RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);

@@ -238,14 +238,18 @@ double npa_gc_threshold(const npa_allocator *a) {
 /* torch's setMemoryFraction: later growth is checked against the new cap;
  * what is reserved already stays, even above it. Under the device lock, as
  * every reader of the cap (a growth, GC, an OOM report) holds it. A device
- * of unknown size cannot be capped: refused, as a cap below a segment is. */
+ * made while the runtime could not tell its size asks again first. One
+ * whose size is still unknown cannot be capped, and is refused, as a cap
+ * below a segment is: 1.0 too, since the first sample that tells the size
+ * would replace that "no cap" with the config's cap. */
 int npa_set_memory_fraction(npa_allocator *a, int device, double fraction) {
     if (!a || !(fraction >= 0.0 && fraction <= 1.0)) return -1;
     npa_device *d = npa_device_get(a, device, true);
     if (!d) return -1;
     npa_lock_acquire(&d->lock);
+    if (d->total_bytes == 0) npa_stats_sample_device_memory(a, d, NULL, NULL);
     size_t cap;
-    bool fits = fraction_cap(fraction, d->total_bytes, &cap) && (cap != 0 || fraction == 1.0);
+    bool fits = d->total_bytes != 0 && fraction_cap(fraction, d->total_bytes, &cap);
     if (fits) {
         set_limit(d, cap);
         npa_stats_begin(d);

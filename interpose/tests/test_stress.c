@@ -6,7 +6,9 @@
  * an overlap between two live blocks is caught the moment it is handed out.
  * Frees go through fences that complete a little later (or, in one run,
  * need none, so small ones wait in the recent cache), and one thread also
- * empties caches, reads stats and walks segments meanwhile. Runs under
+ * empties caches, reads stats, walks segments and caps device 1 at a
+ * quarter of it and lifts the cap again (set_per_process_memory_fraction)
+ * while two others grow it meanwhile. Runs under
  * ASan and TSan (make ctest-asan / ctest-tsan); NPUALLOC_STRESS_OPS scales it. */
 #include <pthread.h>
 #include <stdint.h>
@@ -147,6 +149,7 @@ static void *worker(void *opaque) {
         fill(slot);
         if (arg->index == 0 && op % 100 == 0) {
             if (switch_expandable) npa_set_expandable_segments(allocator, op / 100 % 2 == 0);
+            CHECK_EQ(npa_set_memory_fraction(allocator, 1, op / 100 % 2 == 0 ? 0.25 : 1.0), 0);
             npa_empty_cache(allocator, -1);
             npualloc_device_stats s;
             npa_get_stats(allocator, 1, &s);

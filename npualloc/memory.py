@@ -323,8 +323,12 @@ def _set_memory_fraction(fraction: object, device: object, pid: int | None, time
     assert pid is not None
     with Region(pid) as region:
         index = _region_device(region, device)
-        if index in region.devices_in_use():  # its size known; else the process checks it
-            _check_fraction_cap(value, int(region.read_device_stats(index).device_total_bytes), index)
+        # Checked here only against a size the process knows: a device it has
+        # not used yet, or one whose size its runtime could not tell (0), is
+        # the process's to check, as it asks its runtime again.
+        total_bytes = int(region.read_device_stats(index).device_total_bytes) if index in region.devices_in_use() else 0
+        if total_bytes:
+            _check_fraction_cap(value, total_bytes, index)
     _post(constants.NPUALLOC_CMD_SET_MEMORY_FRACTION, index, value, pid, timeout)
     return index
 

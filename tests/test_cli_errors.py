@@ -205,6 +205,19 @@ def test_bad_device_and_gc_value(tmp_path: Path, sleeper: int) -> None:
                           "out of range")
 
 
+def test_memory_fraction_on_a_device_of_unknown_size_goes_to_the_process(tmp_path: Path, sleeper: int) -> None:
+    """A device in use whose size its process could not tell (the runtime
+    failed aclrtGetMemInfo there: device_total_bytes 0) has no cap to check
+    here: the command goes to the process, which asks its runtime again.
+    It was refused as a cap of 0 bytes, below the smallest segment."""
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper, device_count=1), REGION_SIZE)
+    region.devices[0].in_use = 1
+    write_region(tmp_path, sleeper, bytes(ffi.buffer(region)))
+    proc = run_cli(["set-memory-fraction", str(sleeper), "0.5", "--device", "0", "--timeout", "0.3"], tmp_path)
+    assert_one_line_error(proc, 8, "next allocator call: is the process idle?); withdrawn")
+
+
 def test_run_command_not_found(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")
 

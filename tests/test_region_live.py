@@ -219,6 +219,7 @@ def test_memory_fraction_command_caps_growth_and_keeps_the_cache(shm: Path) -> N
 @pytest.mark.parametrize("device, arg", [
     (0, 1.5), (0, -0.5), (0, float("nan")),
     (0, 1e-9),  # a cap of 0 bytes: below the smallest segment
+    (1, 1e-9),  # the same on a device the process has not used: not set up for it either
     (-1, 0.5),  # per device, as torch's: not every device at once
     (12, 0.5),  # past the simulator's 8 devices: nothing set up for it
 ])

@@ -272,11 +272,12 @@ void npa_detach_stats_storage(npa_allocator *a);
  * on (torch_npu's rule). */
 int npa_set_gc_threshold(npa_allocator *a, double threshold);
 /* torch's set_per_process_memory_fraction, per device (created here if it
- * is not yet, as an allocation would): growth past fraction of the device's
- * memory then fails as an OOM, while what is reserved already stays, above
- * the cap too; 1.0 takes the cap off. -1, nothing changed, for a fraction
- * outside [0, 1], a bad device, one of unknown size, or a cap below the
- * smallest segment (2 MiB), which would refuse everything. */
+ * is not yet, as an allocation would, once the fraction is taken): growth
+ * past fraction of the device's memory then fails as an OOM, while what is
+ * reserved already stays, above the cap too; 1.0 takes the cap off. -1,
+ * nothing changed (no device set up), for a fraction outside [0, 1], a bad
+ * device, one of unknown size, or a cap below the smallest segment (2 MiB),
+ * which would refuse everything. */
 int npa_set_memory_fraction(npa_allocator *a, int device, double fraction);
 /* expandable_segments at run time, as torch's _set_allocator_settings: how
  * pools grow from now on (pages mapped into one range per pool, or plain

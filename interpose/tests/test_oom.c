@@ -345,21 +345,26 @@ static void test_a_device_sized_late_takes_the_configs_cap(void) {
  * its size: the call asks again, so the fraction applies once the runtime
  * can tell (it was refused as a cap below 2 MiB), and while it cannot, every
  * fraction is refused, 1.0 too: a "no cap" taken then gave way to the
- * config's cap at the next sample. 100 MiB device, config fraction 0.5. */
+ * config's cap at the next sample. 100 MiB device, config fraction 0.5;
+ * each device is made by a first allocation whose two askings (at its
+ * creation, after its growth) fail. */
 static void test_fraction_set_on_a_device_sized_late(void) {
     npa_config c;
     npa_config_defaults(&c);
     c.per_process_memory_fraction = 0.5;
     fixture fx;
     fake_init(&fx.fake, 100 * MiB, false);
-    fx.fake.fail_next_mem_infos = 1; /* device 0 is made by the call, unsized */
+    fx.fake.fail_next_mem_infos = 2;
     fixture_start(&fx, &c);
+    alloc_exact(&fx, 0, 30 * MiB);
+    CHECK_EQ(stats_of(&fx, 0).device_total_bytes, 0);
     CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 0.3), 0);
     npualloc_device_stats s = stats_of(&fx, 0);
     CHECK_EQ(s.reserved_limit_bytes, (int64_t)(0.3 * (double)(100 * MiB)));
     CHECK_EQ(s.device_total_bytes, 100 * MiB);
 
-    fx.fake.fail_next_mem_infos = 2; /* device 1: made unsized, and the call's second asking fails too */
+    fx.fake.fail_next_mem_infos = 3; /* device 1, and the call's asking again */
+    alloc_exact(&fx, 1, 30 * MiB);
     CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 1.0), -1);
     alloc_exact(&fx, 1, 30 * MiB); /* its growth samples: the size, and the config's cap */
     CHECK_EQ(stats_of(&fx, 1).reserved_limit_bytes, 50 * MiB);
@@ -376,6 +381,11 @@ static void test_fraction_set_on_a_device_sized_late(void) {
 static void test_fraction_set_before_the_device_is_used(void) {
     fixture fx;
     fixture_init(&fx, 100 * MiB, NULL);
+    /* Refused, it sets nothing up: no device stats, no region slot in use. */
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 1e-9), -1);
+    fx.fake.fail_next_mem_infos = 1;
+    CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 0.5), -1);
+    CHECK_EQ(stats_of(&fx, 1).in_use, 0);
     CHECK_EQ(npa_set_memory_fraction(fx.a, 1, 0.5), 0);
     npualloc_device_stats s = stats_of(&fx, 1);
     CHECK_EQ(s.reserved_limit_bytes, 50 * MiB);

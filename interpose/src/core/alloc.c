@@ -157,6 +157,12 @@ static bool fraction_cap(double fraction, size_t total_bytes, size_t *cap) {
     return *cap >= NPA_SMALL_BUFFER;
 }
 
+/* fraction_cap for a fraction set at run time, which a device of unknown
+ * size refuses: it has nothing to take a fraction of. */
+static bool fraction_fits(double fraction, size_t total_bytes, size_t *cap) {
+    return fraction_cap(fraction, total_bytes, cap) && total_bytes != 0;
+}
+
 /* The per-process cap (0: none) and what GC measures against; the caller
  * publishes reserved_limit_bytes. */
 static void set_limit(npa_device *d, size_t cap) {
@@ -243,13 +249,18 @@ double npa_gc_threshold(const npa_allocator *a) {
  * below a segment is: 1.0 too, since the first sample that tells the size
  * would replace that "no cap" with the config's cap. */
 int npa_set_memory_fraction(npa_allocator *a, int device, double fraction) {
-    if (!a || !(fraction >= 0.0 && fraction <= 1.0)) return -1;
-    npa_device *d = npa_device_get(a, device, true);
-    if (!d) return -1;
+    if (!a || !(fraction >= 0.0 && fraction <= 1.0) || device < 0 || device >= NPUALLOC_MAX_DEVICES) return -1;
+    size_t cap;
+    npa_device *d = npa_device_get(a, device, false);
+    if (!d) { /* made only for a fraction it takes: a refused one sets nothing up (stats, region slot) */
+        size_t free_bytes, total_bytes = 0;
+        if (a->backend.mem_get_info(a->backend.ctx, device, &free_bytes, &total_bytes) != NPA_OK ||
+            !fraction_fits(fraction, total_bytes, &cap) || !(d = npa_device_get(a, device, true)))
+            return -1;
+    }
     npa_lock_acquire(&d->lock);
     if (d->total_bytes == 0) npa_stats_sample_device_memory(a, d, NULL, NULL);
-    size_t cap;
-    bool fits = d->total_bytes != 0 && fraction_cap(fraction, d->total_bytes, &cap);
+    bool fits = fraction_fits(fraction, d->total_bytes, &cap);
     if (fits) {
         set_limit(d, cap);
         npa_stats_begin(d);

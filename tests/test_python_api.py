@@ -221,7 +221,7 @@ def test_set_per_process_memory_fraction_in_process(tmp_path: Path, monkeypatch:
         assert w.call(limit) == 50 * MiB
         w.call(f"malloc({b40})")
         assert w.call(f"acl.rt.malloc({b20}, 0)[1]") == 207001
-        w.call("npualloc.set_per_process_memory_fraction(1, 'npu:0')")  # an int, as torch takes it
+        w.call("npualloc.set_per_process_memory_fraction(1, 'npu:0')")  # torch takes a float only; npualloc, any real
         assert w.call(limit) == 0
         w.call(f"malloc({b20})")
         w.call("free()")  # cached: 60 MiB reserved

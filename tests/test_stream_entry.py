@@ -391,3 +391,95 @@ def test_mindtorch_allocations_land_on_their_device():
     assert out["back_sets"] >= 1 and out["back_current"] == 0
     for name in ("fresh_thread", "thread_on_1"):
         assert out[name] == {"0": 1, "1": 1}, (name, out[name])   # one block on each device
+
+
+CACHING_ALLOCATOR = """
+import json, threading
+import acl, npualloc
+from aclsim import aclsim
+from npualloc._ffi import ffi, loaded_library
+lib = loaded_library()
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+out = ffi.new("void **")
+for device in (-1, 16):                                                      # outside NPUALLOC_MAX_DEVICES
+    assert lib.npualloc_caching_allocator_alloc(out, 4096, device, ffi.NULL) == 100000
+assert lib.npualloc_caching_allocator_alloc(ffi.NULL, 4096, 0, ffi.NULL) == 100000
+assert lib.npualloc_caching_allocator_alloc(out, 0, 0, ffi.NULL) == 0 and out[0] == ffi.NULL  # torch's size 0
+assert lib.npualloc_caching_allocator_delete(ffi.NULL) == 0
+assert lib.npualloc_caching_allocator_alloc(out, 4096, 0, ffi.NULL) == 0
+p = out[0]
+assert lib.npualloc_caching_allocator_delete(ffi.cast("char *", p) + 64) == 207002   # interior pointer
+assert lib.npualloc_caching_allocator_delete(p) == 0
+assert lib.npualloc_caching_allocator_delete(p) == 207002                          # double delete
+foreign, ret = acl.rt.malloc(4096, 3)  # HUGE_FIRST_P2P: the runtime's own block, never in the cache
+assert ret == 0 and lib.npualloc_caching_allocator_delete(ffi.cast("void *", foreign)) == 207002
+stats = npualloc.memory_stats()
+assert stats["npualloc.foreign_frees"] == 0 and stats["npualloc.invalid_frees"] == 2
+assert acl.rt.free(foreign) == 0                                    # still live: not handed to the runtime
+
+def references_taken(call):
+    sets, resets = aclsim.call_count("aclrtSetDevice"), aclsim.call_count("aclrtResetDevice")
+    call()
+    return (aclsim.call_count("aclrtSetDevice") - sets) - (aclsim.call_count("aclrtResetDevice") - resets)
+
+def alloc(device):
+    def call():
+        assert lib.npualloc_caching_allocator_alloc(out, 4096, device, ffi.NULL) == 0
+        assert lib.npualloc_caching_allocator_delete(out[0]) == 0
+    return call
+
+seen, errors = [], []
+def fresh_thread():
+    try:
+        seen.append(acl.rt.get_device()[1] != 0)
+        seen.append(references_taken(alloc(3)))
+        seen.append(acl.rt.get_device())
+    except BaseException as e:
+        errors.append(repr(e))
+thread = threading.Thread(target=fresh_thread)
+thread.start()
+thread.join()
+assert not errors, errors
+seen += [references_taken(alloc(1)), references_taken(alloc(1)), references_taken(alloc(0))]
+assert acl.rt.get_device() == (0, 0) and lib.npualloc_current_device() == 0
+assert acl.rt.reset_device_force(1) == 0
+seen.append(references_taken(alloc(1)))
+print(json.dumps(seen))
+"""
+
+
+def test_caching_allocator_exports():
+    """npualloc_caching_allocator_alloc/_delete, torch's raw_alloc and
+    raw_delete: a device outside the table and a NULL out pointer are
+    refused, size 0 is a NULL block, NULL deletes nothing; a delete of what
+    is no live block of the cache (inside a block, freed, the runtime's own)
+    is refused, counted as an invalid free when inside the cache, and never
+    handed to the runtime. The device guard's first switch into a device
+    keeps that device's reference (a reset dropping its last one would
+    release the block's memory), later ones pair each aclrtSetDevice with an
+    aclrtResetDevice and the current device is the same afterwards; a thread
+    that had no device is left on the kept one; aclrtResetDeviceForce
+    releases it and the next allocation keeps it again."""
+    proc = run_python(CACHING_ALLOCATOR, preload_env())
+    assert proc.stderr == ""
+    assert json.loads(proc.stdout) == [True, 1, [3, 0], 1, 0, 0, 1], proc.stdout
+
+
+def test_caching_allocator_with_the_cache_off():
+    """NPUALLOC_DISABLE: the runtime's own allocation, on the device named,
+    and its own free (the stream entry's contract with the cache off)."""
+    proc = run_python("""
+        import json, acl
+        from aclsim import aclsim
+        from npualloc._ffi import ffi, loaded_library
+        lib = loaded_library()
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        out = ffi.new("void **")
+        assert lib.npualloc_caching_allocator_alloc(out, 4096, 1, ffi.NULL) == 0
+        seen = [aclsim.live_allocations(1), acl.rt.get_device()]
+        seen.append(lib.npualloc_caching_allocator_delete(out[0]))
+        seen.append(aclsim.live_allocations(1))
+        seen.append(lib.npualloc_caching_allocator_delete(out[0]))  # the runtime's answer to a double free
+        print(json.dumps(seen))
+    """, preload_env(NPUALLOC_DISABLE="1"))
+    assert json.loads(proc.stdout) == [1, [0, 0], 0, 0, 207002], proc.stdout + proc.stderr

@@ -104,6 +104,21 @@ int npualloc_record_stream(void *ptr, void *stream);
 uintptr_t npualloc_malloc_stream_addr(size_t size, uintptr_t stream, int flags);
 int npualloc_malloc_stream_error(void);
 int npualloc_free_stream_addr(uintptr_t ptr, uintptr_t stream);
+/* torch.cuda.caching_allocator_alloc(size, device, stream): the stream
+ * entry (npualloc_malloc_stream, NPUALLOC_STREAM_HOST_WRITES) on device,
+ * under torch's device guard: the calling thread's current device is the
+ * same afterwards (a thread that had none is left on device), and device
+ * stays initialised, as torch_npu's guard leaves it. Size 0 gives NULL, as
+ * torch's. 0, or an aclError (ACL_ERROR_INVALID_PARAM for a device out of
+ * 0..NPUALLOC_MAX_DEVICES-1). */
+int npualloc_caching_allocator_alloc(void **ptr, size_t size, int device, void *stream);
+/* torch.cuda.caching_allocator_delete(ptr): frees a live block of npualloc's
+ * on the stream it was allocated on (no stream named; from any thread and
+ * device). NULL is a no-op. 0, or ACL_ERROR_RT_MEMORY_FREE (207002) when ptr
+ * is no live block of npualloc's: nothing is freed, never handed to the
+ * runtime (inside npualloc's memory it counts as an invalid free). With the
+ * cache off (NPUALLOC_DISABLE), the runtime's aclrtFree and its answer. */
+int npualloc_caching_allocator_delete(void *ptr);
 /* cffi:end */
 
 #ifdef __cplusplus

@@ -65,6 +65,7 @@ aclError npa_device_enter(int device, npa_devswitch *s)
     s->device = device;
     s->prev = npa_thread_device();
     s->switched = 0;
+    s->keep = 0;
     if (s->prev == device)
         return ACL_SUCCESS;
     __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
@@ -81,9 +82,40 @@ void npa_device_leave(npa_devswitch *s)
     if (s->switched) {
         __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
         __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
-        reset(s->device);
+        if (!s->keep)
+            reset(s->device);
         if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS)
             reset(s->prev);
     }
     npa_cancel_on();
+}
+
+/* Devices a guard set and kept its reference on (bit per device). */
+static atomic_uint devices_kept;
+
+aclError npa_device_guard_enter(int device, npa_device_guard *g)
+{
+    aclError err = npa_device_enter(device, &g->sw);
+    if (err != ACL_SUCCESS)
+        return err;
+    g->prev_record = npa_tls_device; /* what npa_device_enter found: the previous device, or -1 */
+    npa_device_set_current(device);
+    return ACL_SUCCESS;
+}
+
+void npa_device_guard_leave(npa_device_guard *g)
+{
+    npa_tls_device = g->prev_record;
+    unsigned bit = 1u << g->sw.device;
+    /* One guard keeps the device's reference, the first: fetch_or tells
+     * which, so two racing first guards do not both keep one. */
+    if (g->sw.switched && !(atomic_fetch_or_explicit(&devices_kept, bit, memory_order_relaxed) & bit))
+        g->sw.keep = 1;
+    npa_device_leave(&g->sw);
+}
+
+void npa_device_kept_released(int device)
+{
+    if (device >= 0 && device < NPUALLOC_MAX_DEVICES)
+        atomic_fetch_and_explicit(&devices_kept, ~(1u << device), memory_order_relaxed);
 }

@@ -339,6 +339,8 @@ NPA_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId)
      * the device failed to record on them and synchronized instead. */
     if (err == ACL_SUCCESS && !npa_hook_disabled())
         npa_streams_device_released(deviceId);
+    if (err == ACL_SUCCESS) /* a guard's kept reference went with it */
+        npa_device_kept_released(deviceId);
     return err;
 }
 

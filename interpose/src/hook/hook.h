@@ -8,6 +8,7 @@
  *   lifecycle.c lazy init, the backend, reset/finalize, exit and fork
  *   exports.c   the aclrt* / acl* entry points the program calls, and npualloc.h's stream-aware ones
  *   api.c       npualloc.h, the in-process C API
+ *   caching_alloc.c  npualloc.h's torch.cuda.caching_allocator_alloc/_delete (a named device and stream)
  *   snapshot.c  memory snapshots written to files (OOM, another process's request)
  *   vmm.c       physical memory mapped at reserved addresses, and back
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
@@ -239,12 +240,30 @@ void npa_device_forget_current(void);    /* after ResetDevice */
 /* Devices that have been current on some thread (bit per device). */
 unsigned npa_devices_seen(void);
 
-/* Making `device` current for one runtime call and restoring afterwards. */
+/* Making `device` current for one runtime call and restoring afterwards.
+ * keep: the leave leaves the device's reference in place (a guard's). */
 typedef struct npa_devswitch {
-    int device, prev, switched;
+    int device, prev, switched, keep;
 } npa_devswitch;
 aclError npa_device_enter(int device, npa_devswitch *s);
 void npa_device_leave(npa_devswitch *s);
+/* torch's device guard, for a call that names its device
+ * (npualloc_caching_allocator_alloc): the device is current on the thread,
+ * for the runtime and for our record (so the entry points serve it there),
+ * until the leave makes the previous one current again. What is allocated
+ * under it outlives it, and the reset that drops a device's last reference
+ * tears the device down with its memory, so the first guard into each device
+ * keeps the reference its enter took, as torch_npu's guard initialises a
+ * device for the rest of the run; npa_device_kept_released forgets that once
+ * aclrtResetDeviceForce released the device whatever its count. A thread
+ * that had no device keeps the kept one current. */
+typedef struct npa_device_guard {
+    npa_devswitch sw;
+    int prev_record;
+} npa_device_guard;
+aclError npa_device_guard_enter(int device, npa_device_guard *g);
+void npa_device_guard_leave(npa_device_guard *g);
+void npa_device_kept_released(int device);
 
 /* ---- streams.c ------------------------------------------------------------ */
 

@@ -32,6 +32,8 @@ int aclrtGetMemInfo(int attr, size_t *free, size_t *total);
 """
 ACL_HBM_MEM = 1
 ACL_ERROR_REPEAT_INITIALIZE = 100002
+ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
+ACL_ERROR_RT_MEMORY_FREE = 207002
 
 
 def _cffi_section(name: str, required: bool) -> str:

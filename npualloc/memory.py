@@ -7,11 +7,13 @@ shared-memory region, and the mutating calls post a command to it.
 from __future__ import annotations
 
 import numbers
+import operator
 import os
 import warnings
 from typing import Any
 
-from ._ffi import ACL_HBM_MEM, PACKAGE_DIR, c_string, constants, ffi, loaded_library, runtime_library
+from ._ffi import (ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_MEMORY_FREE, ACL_HBM_MEM, PACKAGE_DIR, c_string,
+                   constants, ffi, loaded_library, runtime_library)
 from .errors import NotUnderNpuallocError, NpuallocError
 from .region import COMMAND_TIMEOUT_S, Region, read_live_regions
 from .summary import format_summary
@@ -342,6 +344,69 @@ def set_per_process_memory_fraction(fraction: float, device: object = None, pid:
     it is not in get_config(): memory_stats()'s npualloc.reserved_limit_bytes
     shows it."""
     _set_memory_fraction(fraction, device, pid, timeout)
+
+
+def _allocation_size(size: object) -> int:
+    """size as torch's raw_alloc takes it: an int (anything with __index__,
+    not a bool), in 0..2**63-1 (torch's ssize_t; a negative one wraps there
+    to an out-of-memory error)."""
+    if isinstance(size, bool) or not hasattr(type(size), "__index__"):
+        raise TypeError(f"invalid type for size: {type(size).__name__}, must be an int")
+    nbytes = operator.index(size)  # type: ignore[arg-type]
+    if not 0 <= nbytes < 1 << 63:
+        raise ValueError(f"invalid size {nbytes}: must be in 0..2**63-1")
+    return nbytes
+
+
+def _stream_handle(stream: object) -> int:
+    """The aclrtStream handle as an int: None is the device's default
+    stream (0), an int is the handle, a cffi pointer is converted."""
+    if stream is None:
+        return 0
+    if isinstance(stream, ffi.CData) and ffi.typeof(stream).kind == "pointer":
+        return int(ffi.cast("uintptr_t", stream))
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError("Invalid type for stream argument, must be an `int` or a cffi pointer holding an "
+                        f"aclrtStream handle, not {type(stream).__name__}")
+    if not 0 <= stream < 1 << 64:
+        raise ValueError(f"invalid stream {stream}: not an aclrtStream handle")
+    return stream
+
+
+def caching_allocator_alloc(size: int, device: object = None, stream: object = None) -> int:
+    """torch's caching_allocator_alloc: size bytes from npualloc's cache on
+    device (None: this thread's current one), ordered on stream (None: the
+    device's default stream; an aclrtStream as an int or a cffi pointer);
+    returns the device address, 0 for size 0. Freed by
+    caching_allocator_delete, on that stream. The thread's current device
+    is the same afterwards."""
+    nbytes = _allocation_size(size)
+    handle = _stream_handle(stream)
+    lib = _library()
+    index = _own_device(lib, device)
+    out = ffi.new("void **")
+    ret = lib.npualloc_caching_allocator_alloc(out, nbytes, index, ffi.cast("void *", handle))
+    if ret != 0:
+        what = "out of memory" if ret == ACL_ERROR_RT_MEMORY_ALLOCATION else f"error {ret}"
+        raise RuntimeError(f"caching_allocator_alloc({nbytes}) on device {index}, stream {handle:#x} failed: "
+                           f"{what}")
+    return int(ffi.cast("uintptr_t", out[0]))
+
+
+def caching_allocator_delete(mem_ptr: int) -> None:
+    """torch's caching_allocator_delete: frees a block caching_allocator_alloc
+    returned (any live block of npualloc's), on the stream it was allocated
+    on; 0 does nothing. A pointer that is no live block raises RuntimeError
+    and frees nothing."""
+    if isinstance(mem_ptr, bool) or not isinstance(mem_ptr, int):
+        raise TypeError(f"invalid type for mem_ptr: {type(mem_ptr).__name__}, must be an int")
+    lib = _library()
+    ret = lib.npualloc_caching_allocator_delete(ffi.cast("void *", mem_ptr)) if 0 <= mem_ptr < 1 << 64 \
+        else ACL_ERROR_RT_MEMORY_FREE
+    if ret == ACL_ERROR_RT_MEMORY_FREE:
+        raise RuntimeError(f"invalid device pointer: {mem_ptr:#x}")
+    if ret != 0:
+        raise RuntimeError(f"caching_allocator_delete({mem_ptr:#x}) failed: error {ret}")
 
 
 def _runtime_mem_get_info(runtime: Any, device: object, free_bytes: Any, total_bytes: Any) -> tuple[int, int]:

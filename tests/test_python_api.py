@@ -354,4 +354,149 @@ def test_in_process_calls_without_npualloc_loaded() -> None:
         npualloc.memory_stats()
     with pytest.raises(NotUnderNpuallocError):
         npualloc.memory_allocated(pid=os.getpid())
+    with pytest.raises(NotUnderNpuallocError):
+        npualloc.caching_allocator_alloc(4096)
+    with pytest.raises(NotUnderNpuallocError):
+        npualloc.caching_allocator_delete(4096)
     assert npualloc.library_path().endswith("libnpualloc.so")
+
+
+def test_caching_allocator_alloc_and_delete_on_the_current_device(tmp_path: Path) -> None:
+    """torch's caching_allocator_alloc/_delete: the address of a block of the
+    cache on the thread's device and its default stream; the delete gives it
+    back to the cache (allocated bytes back, reserved kept). Size 0 is torch's
+    null pointer, and deleting it does nothing."""
+    with Workload(tmp_path) as w:
+        ptr = w.call(f"npualloc.caching_allocator_alloc({3 * MiB})")
+        assert ptr != 0 and ptr % 64 == 0
+        assert w.call("npualloc.memory_allocated()") >= 3 * MiB
+        reserved = w.call("npualloc.memory_reserved()")
+        assert reserved >= 3 * MiB
+        segments = w.call("[(s['device'], s['stream'], s['allocated_size']) for s in npualloc._snapshot()['segments']]")
+        assert segments == [[0, 0, w.call("npualloc.memory_allocated()")]]  # the default stream: handle 0
+        assert w.call(f"npualloc.caching_allocator_delete({ptr})") is None
+        assert w.call("npualloc.memory_allocated()") == 0
+        assert w.call("npualloc.memory_reserved()") == reserved
+        stats = w.call("npualloc.memory_stats()")
+        assert w.call("npualloc.caching_allocator_alloc(0, 'npu:0', 0)") == 0
+        assert w.call("npualloc.caching_allocator_delete(0)") is None
+        assert w.call("npualloc.memory_stats()") == stats
+
+
+def test_caching_allocator_alloc_on_another_device_and_a_created_stream(tmp_path: Path) -> None:
+    """Device in every form device_index() takes, the stream as an int or a
+    cffi pointer: that device's stats move, the thread's current device is the
+    same afterwards (for the runtime and for npualloc), and the block's
+    segment is the stream's (its pools). The delete names neither and works
+    from the thread's own device."""
+    with Workload(tmp_path) as w:
+        stream = w.call("acl.rt.create_stream()")[0]
+        guard = "type('Guard', (), {'idx': 2})()"  # torch.npu.device(2)
+        ptrs = [w.call(f"npualloc.caching_allocator_alloc({MiB}, {device}, {form})")
+                for device, form in (("1", stream), ("'npu:2'", f"npualloc.memory.ffi.cast('void *', {stream})"),
+                                     (guard, "None"))]
+        assert w.call("acl.rt.get_device()") == [0, 0]
+        assert w.call("npualloc.memory.loaded_library().npualloc_current_device()") == 0
+        assert w.call("npualloc.memory_allocated(0)") == 0
+        assert w.call("npualloc.memory_allocated(1)") >= MiB and w.call("npualloc.memory_allocated(2)") >= 2 * MiB
+        segments = w.call("sorted((s['device'], s['stream']) for s in npualloc._snapshot()['segments'])")
+        assert segments == [[1, stream], [2, 0], [2, stream]]
+        reserved = [w.call(f"npualloc.memory_reserved({d})") for d in (1, 2)]
+        for ptr in ptrs:
+            w.call(f"npualloc.caching_allocator_delete({ptr})")
+        assert [w.call(f"npualloc.memory_allocated({d})") for d in (1, 2)] == [0, 0]
+        assert [w.call(f"npualloc.memory_reserved({d})") for d in (1, 2)] == reserved
+        assert w.call("acl.rt.get_device()") == [0, 0]
+
+
+def test_caching_allocator_refuses_bad_input_and_changes_nothing(tmp_path: Path) -> None:
+    """A bad size, device or stream raises what torch raises (TypeError for a
+    type, ValueError for a value) before anything is allocated; a delete of
+    a pointer that is no live block (twice, inside a block, never ours)
+    raises torch's RuntimeError and frees nothing; one too big for the
+    device raises RuntimeError as an out of memory."""
+    with Workload(tmp_path) as w:
+        kept = w.call(f"npualloc.caching_allocator_alloc({MiB})")
+        gone = w.call(f"npualloc.caching_allocator_alloc({MiB})")
+        w.call(f"npualloc.caching_allocator_delete({gone})")
+        stats = w.call("npualloc.memory_stats()")
+        for call, error in ((f"alloc({MiB}.0)", "TypeError: invalid type for size"), ("alloc('4096')", "TypeError"),
+                            ("alloc(True)", "TypeError"), ("alloc(-1)", "ValueError: invalid size -1"),
+                            ("alloc(2 ** 63)", "ValueError: invalid size"),
+                            ("alloc(512, 'npu:12')", "ValueError: invalid device 'npu:12': the runtime sees 8"),
+                            ("alloc(512, 'cuda:0')", "ValueError: invalid device"), ("alloc(512, -1)", "ValueError"),
+                            ("alloc(512, 1.0)", "ValueError: invalid device"),
+                            ("alloc(512, 0, 'stream')", "TypeError: Invalid type for stream"),
+                            ("alloc(512, 0, -1)", "ValueError: invalid stream -1"),
+                            ("delete(float(%d))" % kept, "TypeError"),
+                            (f"delete({gone})", f"RuntimeError: invalid device pointer: {gone:#x}"),
+                            (f"delete({kept} + 64)", "RuntimeError: invalid device pointer"),
+                            ("delete(0x1000)", "RuntimeError: invalid device pointer: 0x1000"),
+                            ("delete(-1)", "RuntimeError: invalid device pointer")):
+            with pytest.raises(AssertionError, match=error):
+                w.call(f"npualloc.caching_allocator_{call}")
+        after = w.call("npualloc.memory_stats()")
+        assert after.pop("npualloc.invalid_frees") == stats.pop("npualloc.invalid_frees") + 2  # inside our memory
+        assert after == stats
+        with pytest.raises(AssertionError, match="RuntimeError: .* failed: out of memory"):
+            w.call(f"npualloc.caching_allocator_alloc({1 << 62})")
+        assert w.call("npualloc.memory_stats()['num_ooms']") == 1
+        w.call(f"npualloc.caching_allocator_delete({kept})")
+        assert w.call("npualloc.memory_allocated()") == 0
+
+
+def test_caching_allocator_alloc_and_delete_from_threads(tmp_path: Path) -> None:
+    """Threads on devices 0 and 1 allocate on devices 0 to 2 and on their own
+    streams and delete each other's blocks: every thread's device is the
+    same throughout, nothing fails, and every device's allocated bytes end at 0."""
+    proc = run_python("""
+        import json, random, threading, acl, npualloc
+        assert acl.init() == 0
+        blocks, errors, lock = [], [], threading.Lock()
+        def work(seed):
+            try:
+                rng = random.Random(seed)
+                own = seed % 2
+                assert acl.rt.set_device(own) == 0
+                stream, ret = acl.rt.create_stream()
+                assert ret == 0
+                for _ in range(300):
+                    if rng.random() < 0.5:
+                        size = rng.choice([512, 4096, 300000, 3 << 20])
+                        ptr = npualloc.caching_allocator_alloc(size, rng.randrange(3), rng.choice([None, stream]))
+                        with lock:
+                            blocks.append(ptr)
+                    else:
+                        with lock:
+                            ptr = blocks.pop(rng.randrange(len(blocks))) if blocks else 0
+                        npualloc.caching_allocator_delete(ptr)
+                    assert acl.rt.get_device() == (own, 0)
+            except BaseException as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert acl.rt.set_device(0) == 0
+        for ptr in blocks:
+            npualloc.caching_allocator_delete(ptr)
+        print(json.dumps([npualloc.memory_allocated(d) for d in range(3)]))
+    """, preload_env(NPUALLOC_SHM_DIR=str(tmp_path)))
+    assert json.loads(proc.stdout) == [0, 0, 0], proc.stdout + proc.stderr
+    assert proc.stderr == ""
+
+
+def test_caching_allocator_delete_waits_for_the_streams_queued_work(tmp_path: Path) -> None:
+    """The caller holds a bare address, which pyACL programs write with
+    aclrtMemcpy (at once, ahead of the stream's queued work): a deleted block
+    waits for an event on its own stream before the next allocation there
+    takes it, as MindTorch's pass-through asks of the stream entry."""
+    with Workload(tmp_path) as w:
+        stream = w.call("acl.rt.create_stream()")[0]
+        ptr = w.call(f"npualloc.caching_allocator_alloc(4096, 0, {stream})")
+        w.call(f"npualloc.caching_allocator_delete({ptr})")
+        assert w.call("npualloc.memory_stats()['npualloc.pending_frees']") == 1
+        assert w.call(f"npualloc.caching_allocator_alloc(4096, 0, {stream})") == ptr  # its stream idle: the event done
+        assert w.call("npualloc.memory_stats()['npualloc.pending_frees']") == 0

@@ -500,3 +500,20 @@ def test_caching_allocator_delete_waits_for_the_streams_queued_work(tmp_path: Pa
         assert w.call("npualloc.memory_stats()['npualloc.pending_frees']") == 1
         assert w.call(f"npualloc.caching_allocator_alloc(4096, 0, {stream})") == ptr  # its stream idle: the event done
         assert w.call("npualloc.memory_stats()['npualloc.pending_frees']") == 0
+
+
+def test_caching_allocator_alloc_inside_a_memory_saver_region() -> None:
+    """Inside memory_saver.region() the calling thread's allocations are
+    pausable, this one too (on the device named), and its delete frees it."""
+    proc = run_python("""
+        import json, acl, npualloc
+        from npualloc import memory_saver
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        with memory_saver.region():
+            ptr = npualloc.caching_allocator_alloc(1 << 20, 1)
+        seen = [npualloc.memory_stats(1)["npualloc.saver_allocations"], npualloc.memory_allocated(1)]
+        npualloc.caching_allocator_delete(ptr)
+        seen.append(npualloc.memory_stats(1)["npualloc.saver_allocations"])
+        print(json.dumps(seen))
+    """, preload_env())
+    assert json.loads(proc.stdout) == [1, 0, 0], proc.stdout + proc.stderr

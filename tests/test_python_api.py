@@ -517,3 +517,19 @@ def test_caching_allocator_alloc_inside_a_memory_saver_region() -> None:
         print(json.dumps(seen))
     """, preload_env())
     assert json.loads(proc.stdout) == [1, 0, 0], proc.stdout + proc.stderr
+
+
+def test_the_current_device_survives_a_reset_that_leaves_it_current() -> None:
+    """aclrtResetDevice drops one reference: a device set twice and reset once
+    stays current, and aclrtMalloc allocates there. npualloc forgot its
+    record at the reset and the Python API read "no device" as device 0:
+    memory_stats() showed device 0's and caching_allocator_alloc() allocated
+    on device 0."""
+    proc = run_python("""
+        import json, acl, npualloc
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        assert acl.rt.set_device(1) == 0 and acl.rt.set_device(1) == 0 and acl.rt.reset_device(1) == 0
+        ptr = npualloc.caching_allocator_alloc(4096)
+        print(json.dumps([acl.rt.get_device(), npualloc.memory_allocated(), npualloc.memory_allocated(0)]))
+    """, preload_env())
+    assert json.loads(proc.stdout) == [[1, 0], 4608, 0], proc.stdout + proc.stderr

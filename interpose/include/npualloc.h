@@ -46,7 +46,10 @@ int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
 /* The devices the runtime sees (aclrtGetDeviceCount), -1 when it cannot say:
  * torch raises for a device index past them, and the Python API does too. */
 int npualloc_device_count(void);
-/* The device current on the calling thread as npualloc tracks it, -1 if none. */
+/* The device current on the calling thread, as its allocations see it: what
+ * npualloc tracks, else (none set through it yet, or forgotten at a reset,
+ * which leaves a device current while references remain) the runtime's
+ * answer; -1 if none. */
 int npualloc_current_device(void);
 /* The memory snapshot torch.cuda.memory._snapshot() returns ({"segments",
  * "device_traces", "allocator_settings"}), as pickle protocol 2 bytes that use

@@ -262,5 +262,5 @@ NPA_EXPORT int npualloc_device_count(void)
 
 NPA_EXPORT int npualloc_current_device(void)
 {
-    return npa_tls_device;
+    return npa_thread_device();
 }

@@ -317,18 +317,25 @@ static void test_fraction_set_at_run_time(void) {
     fixture_destroy(&fx);
 }
 
+/* A 100 MiB device under config fraction 0.5 whose runtime fails the next
+ * failing_queries mem_get_info calls: the device is then made without a
+ * size. */
+static void start_sized_late(fixture *fx, int failing_queries) {
+    npa_config c;
+    npa_config_defaults(&c);
+    c.per_process_memory_fraction = 0.5;
+    fake_init(&fx->fake, 100 * MiB, false);
+    fx->fake.fail_next_mem_infos = failing_queries;
+    fixture_start(fx, &c);
+}
+
 /* A device made while the runtime could not tell its size (its first
  * mem_get_info failed) takes the config's cap at the first sample that can,
  * the one after its first growth: it ran uncapped for good before. 100 MiB
  * device, fraction 0.5. */
 static void test_a_device_sized_late_takes_the_configs_cap(void) {
-    npa_config c;
-    npa_config_defaults(&c);
-    c.per_process_memory_fraction = 0.5;
     fixture fx;
-    fake_init(&fx.fake, 100 * MiB, false);
-    fx.fake.fail_next_mem_infos = 1;
-    fixture_start(&fx, &c);
+    start_sized_late(&fx, 1);
     alloc_exact(&fx, 0, 40 * MiB);
     npualloc_device_stats s = stats_of(&fx, 0);
     CHECK_EQ(s.device_total_bytes, 100 * MiB);
@@ -349,13 +356,8 @@ static void test_a_device_sized_late_takes_the_configs_cap(void) {
  * each device is made by a first allocation whose two askings (at its
  * creation, after its growth) fail. */
 static void test_fraction_set_on_a_device_sized_late(void) {
-    npa_config c;
-    npa_config_defaults(&c);
-    c.per_process_memory_fraction = 0.5;
     fixture fx;
-    fake_init(&fx.fake, 100 * MiB, false);
-    fx.fake.fail_next_mem_infos = 2;
-    fixture_start(&fx, &c);
+    start_sized_late(&fx, 2);
     alloc_exact(&fx, 0, 30 * MiB);
     CHECK_EQ(stats_of(&fx, 0).device_total_bytes, 0);
     CHECK_EQ(npa_set_memory_fraction(fx.a, 0, 0.3), 0);

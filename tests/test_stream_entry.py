@@ -483,3 +483,38 @@ def test_caching_allocator_with_the_cache_off():
         print(json.dumps(seen))
     """, preload_env(NPUALLOC_DISABLE="1"))
     assert json.loads(proc.stdout) == [1, [0, 0], 0, 0, 207002], proc.stdout + proc.stderr
+
+
+def test_caching_allocator_delete_before_the_first_allocation(tmp_path):
+    """Before a process's first allocation no block of npualloc's exists, nor
+    in a forked child before its own: a delete there refuses the address
+    (207002) as at any other time, never handing it to the runtime. It went
+    to aclrtFree: the runtime refused 0x1000 with a line of its own, and the
+    child freed its parent's block (a segment of its own) and was told 0."""
+    proc = run_python("""
+        import json, os, acl
+        from aclsim import aclsim
+        from npualloc._ffi import ffi, loaded_library
+        lib = loaded_library()
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        seen = [lib.npualloc_caching_allocator_delete(ffi.cast("void *", 0x1000))]
+        out = ffi.new("void **")
+        assert lib.npualloc_caching_allocator_alloc(out, 20 << 20, 0, ffi.NULL) == 0
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1  # the child's failure fails the parent's wait
+            try:
+                child = [lib.npualloc_caching_allocator_delete(out[0]), aclsim.live_allocations(0)]
+                os.write(w, json.dumps(child).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        assert os.waitpid(pid, 0)[1] == 0
+        seen += json.loads(os.read(r, 4096))
+        seen += [aclsim.call_count("aclrtFree"), lib.npualloc_caching_allocator_delete(out[0])]
+        print(json.dumps(seen))
+    """, preload_env(NPUALLOC_SHM_DIR=str(tmp_path)))
+    assert json.loads(proc.stdout) == [207002, 207002, 1, 0, 0], proc.stdout + proc.stderr
+    assert proc.stderr == ""

@@ -119,8 +119,10 @@ int npualloc_caching_allocator_alloc(void **ptr, size_t size, int device, void *
  * on the stream it was allocated on (no stream named; from any thread and
  * device). NULL is a no-op. 0, or ACL_ERROR_RT_MEMORY_FREE (207002) when ptr
  * is no live block of npualloc's: nothing is freed, never handed to the
- * runtime (inside npualloc's memory it counts as an invalid free). With the
- * cache off (NPUALLOC_DISABLE), the runtime's aclrtFree and its answer. */
+ * runtime (inside npualloc's memory it counts as an invalid free), before
+ * the process's first allocation too (a forked child's). With the cache off
+ * (NPUALLOC_DISABLE, after aclFinalize), the runtime's aclrtFree and its
+ * answer, as the allocation was the runtime's. */
 int npualloc_caching_allocator_delete(void *ptr);
 /* cffi:end */
 

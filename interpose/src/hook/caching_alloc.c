@@ -31,8 +31,14 @@ NPA_EXPORT int npualloc_caching_allocator_delete(void *ptr)
 {
     if (ptr == NULL)
         return ACL_SUCCESS; /* torch's free(nullptr) */
-    npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
-    if (a == NULL) { /* the cache is off: the alloc was the runtime's, and so is the free */
+    /* The allocator an allocation would take now: none when the cache is
+     * off (NPUALLOC_DISABLE, after aclFinalize, one that could not be made),
+     * and then the alloc was the runtime's, and so is the free. Not only
+     * the one serving: before the first allocation (a forked child's too,
+     * holding its parent's addresses) nothing is ours, and the runtime
+     * would free what it was handed. */
+    npa_allocator *a = npa_hook_allocator();
+    if (a == NULL) {
         __typeof__(&aclrtFree) real = NPA_REAL(aclrtFree);
         return real ? real(ptr) : npa_no_runtime_error(NPA_FN_aclrtFree);
     }

@@ -3,8 +3,8 @@
  *
  * Loading the library does nothing: no constructor, no file. The allocator,
  * its stats region and the exit/fork handlers appear on the first allocation
- * (or the first stream or executor), so a process that never touches the NPU
- * pays nothing and leaves nothing behind. */
+ * (or the first stream, executor or caching_allocator_delete), so a process
+ * that never touches the NPU pays nothing and leaves nothing behind. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>

@@ -348,6 +348,24 @@ def test_mem_get_info_without_a_runtime_says_so() -> None:
     assert "no Ascend runtime found" in proc.stdout and "/nonexistent/libascendcl.so" in proc.stdout
 
 
+def test_in_process_stats_without_a_runtime_are_silent() -> None:
+    """A preloaded process that no CANN runtime reaches (a CPU-only run):
+    the stats of its current device are torch's zeros, read without a word
+    on stderr. npualloc_current_device's question to the runtime warned
+    that ACL calls fail, though the program made none."""
+    env = preload_env()
+    env.pop("ASCEND_HOME_PATH")
+    env["LD_LIBRARY_PATH"] = ""
+    proc = run_python("""
+        import json, npualloc
+        from npualloc._ffi import loaded_library
+        print(json.dumps([loaded_library().npualloc_current_device(), npualloc.memory_allocated(),
+                          npualloc.memory_stats()["num_ooms"]]))
+    """, env)
+    assert json.loads(proc.stdout) == [-1, 0, 0]
+    assert proc.stderr == ""
+
+
 def test_in_process_calls_without_npualloc_loaded() -> None:
     assert not npualloc.is_active()
     with pytest.raises(NotUnderNpuallocError, match="not loaded in this process"):

@@ -262,5 +262,10 @@ NPA_EXPORT int npualloc_device_count(void)
 
 NPA_EXPORT int npualloc_current_device(void)
 {
+    /* A query, not an ACL call of the program's: where no runtime is found
+     * the thread has no device, without the warning that ACL calls fail
+     * (npa_thread_device's lookup gives one, for an allocation). */
+    if (npa_tls_device < 0 && npa_real_optional(NPA_FN_aclrtGetDevice) == NULL)
+        return -1;
     return npa_thread_device();
 }

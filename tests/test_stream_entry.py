@@ -465,6 +465,34 @@ def test_caching_allocator_exports():
     assert json.loads(proc.stdout) == [True, 1, [3, 0], 1, 0, 0, 1], proc.stdout
 
 
+def test_a_program_reset_of_the_kept_device_is_kept_again():
+    """A thread that had no device is left on the one a guard kept; when the
+    program resets it there, that reset drops the kept reference, and the
+    next guard into the device keeps one again. Before, the kept record
+    stayed set, so the next guard paired its aclrtSetDevice with an
+    aclrtResetDevice and left its block's device with no reference at all
+    (the force reset below found none: 107000)."""
+    proc = run_python("""
+        import json, threading, acl
+        import npualloc
+        assert acl.init() == 0 and acl.rt.set_device(0) == 0
+        seen = []
+        def fresh_thread():
+            p = npualloc.caching_allocator_alloc(4096, 1)
+            seen.append(acl.rt.get_device())
+            seen.append(acl.rt.reset_device(1))
+            npualloc.caching_allocator_delete(p)
+        t = threading.Thread(target=fresh_thread)
+        t.start()
+        t.join()
+        q = npualloc.caching_allocator_alloc(4096, 1)
+        seen += [acl.rt.get_device(), acl.rt.reset_device_force(1)]
+        print(json.dumps(seen))
+    """, preload_env())
+    assert proc.stderr == ""
+    assert json.loads(proc.stdout) == [[1, 0], 0, [0, 0], 0], proc.stdout
+
+
 def test_caching_allocator_with_the_cache_off():
     """NPUALLOC_DISABLE: the runtime's own allocation, on the device named,
     and its own free (the stream entry's contract with the cache off)."""

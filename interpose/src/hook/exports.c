@@ -323,6 +323,12 @@ static aclError reset_device(aclError (*real)(int32_t), enum npa_fn fn, int32_t 
     /* The device may or may not still be current (SetDevice is counted): ask
      * the runtime again on this thread's next allocation. */
     npa_device_forget_current();
+    /* The reset may have dropped the reference a guard kept (a thread left
+     * on the kept device resetting it): the next guard into the device keeps
+     * one again. At worst the device then holds one reference more, kept
+     * initialised until a force reset, never one fewer. */
+    if (err == ACL_SUCCESS)
+        npa_device_kept_released(deviceId);
     return err;
 }
 
@@ -339,8 +345,6 @@ NPA_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId)
      * the device failed to record on them and synchronized instead. */
     if (err == ACL_SUCCESS && !npa_hook_disabled())
         npa_streams_device_released(deviceId);
-    if (err == ACL_SUCCESS) /* a guard's kept reference went with it */
-        npa_device_kept_released(deviceId);
     return err;
 }
 

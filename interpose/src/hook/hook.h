@@ -254,9 +254,11 @@ void npa_device_leave(npa_devswitch *s);
  * under it outlives it, and the reset that drops a device's last reference
  * tears the device down with its memory, so the first guard into each device
  * keeps the reference its enter took, as torch_npu's guard initialises a
- * device for the rest of the run; npa_device_kept_released forgets that once
- * aclrtResetDeviceForce released the device whatever its count. A thread
- * that had no device keeps the kept one current. */
+ * device for the rest of the run; npa_device_kept_released forgets that
+ * after any reset of the device (a force reset releases it whatever its
+ * count; a plain one may have dropped the kept reference), so the next
+ * guard keeps one again. A thread that had no device keeps the kept one
+ * current. */
 typedef struct npa_device_guard {
     npa_devswitch sw;
     int prev_record;

@@ -180,6 +180,8 @@ void sim_stream_wait_idle(struct sim_stream *s);          /* lock held */
 /* Drains, stops and frees a stream. Lock held; released while joining. */
 void sim_stream_destroy(struct sim_stream *s);
 void sim_device_wait_idle(struct sim_device *d);          /* lock held */
+/* In a forked child, lock held: the parent's streams are gone (fork.c). */
+void sim_streams_forget_after_fork(void);
 /* Counts api, then waits for every stream of the calling thread's device. */
 aclError sim_synchronize_current_device(enum sim_api api);
 

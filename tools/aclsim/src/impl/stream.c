@@ -54,6 +54,20 @@ static void discard_task(struct sim_task *t)
     }
 }
 
+/* Lock held. Drops the tasks from t on, unrun; returns how many. */
+static uint64_t drop_tasks(struct sim_task *t)
+{
+    uint64_t n = 0;
+    while (t != NULL) {
+        struct sim_task *next = t->next;
+        discard_task(t);
+        free(t);
+        n++;
+        t = next;
+    }
+    return n;
+}
+
 static void *worker_main(void *arg)
 {
     struct sim_stream *s = arg;
@@ -166,14 +180,30 @@ static void discard_queued(struct sim_stream *s)
     struct sim_task *t = s->head->next;
     s->head->next = NULL;
     s->tail = s->head;
-    while (t != NULL) {
-        struct sim_task *next = t->next;
-        discard_task(t);
-        free(t);
-        s->completed++;
-        t = next;
-    }
+    s->completed += drop_tasks(t);
     pthread_cond_broadcast(&sim_progress);
+}
+
+/* In a forked child, lock held. The parent's streams had workers the child
+ * has not, so none of them runs again: every task is dropped unrun (the one
+ * a worker was running too: nothing will finish it here) and the streams
+ * go, so a handle of the parent's is an unknown stream in the child. A
+ * device in use gets a new default stream at its next use. */
+void sim_streams_forget_after_fork(void)
+{
+    for (int32_t id = 0; id < sim_config()->device_count; id++) {
+        struct sim_device *d = sim_device(id);
+        for (int dying = 0; dying < 2; dying++) {
+            struct sim_stream **list = dying ? &d->dying : &d->streams;
+            while (*list != NULL) {
+                struct sim_stream *s = *list;
+                *list = s->next_on_device;
+                drop_tasks(s->head);
+                free(s); /* no pthread_cond_destroy: it would wait for its waiter, the parent's worker */
+            }
+        }
+        d->default_stream = NULL;
+    }
 }
 
 /* Lock held. Whether handle is a live stream (handles are checked against
@@ -187,6 +217,18 @@ static int is_live_stream(const struct sim_stream *handle)
     return 0;
 }
 
+/* Lock held. A device's default stream is made with its first reference;
+ * a forked child's device, whose default stream stayed in the parent, gets
+ * a new one here. */
+static aclError default_stream(int32_t id, struct sim_stream **out)
+{
+    struct sim_device *d = sim_device(id);
+    if (d->default_stream == NULL)
+        d->default_stream = sim_stream_create(id);
+    *out = d->default_stream;
+    return *out != NULL ? ACL_SUCCESS : ACL_ERROR_BAD_ALLOC;
+}
+
 aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
 {
     int32_t id;
@@ -195,7 +237,7 @@ aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
         return ret;
     pthread_mutex_lock(&sim_lock);
     if (handle == NULL)
-        *out = sim_device(id)->default_stream;
+        ret = default_stream(id, out);
     else if (is_live_stream(handle))
         *out = handle;
     else

@@ -16,6 +16,7 @@
 
 struct sim_event {
     uint32_t magic;
+    uint64_t generation;   /* process_generation when created */
     uint64_t record_seq;   /* records issued */
     uint64_t done_seq;     /* highest record that has executed */
     int refs;              /* queued record/wait tasks still pointing here */
@@ -24,6 +25,15 @@ struct sim_event {
 };
 
 static struct sim_event *free_events;
+/* Bumped in a forked child: the parent's events are not the child's. Their
+ * records were to be completed by streams the child does not have (fork.c),
+ * so a wait for one would never end; to the child they are unknown events. */
+static uint64_t process_generation;
+
+void sim_events_forget_after_fork(void)
+{
+    process_generation++;
+}
 
 static void recycle(struct sim_event *ev)
 {
@@ -67,7 +77,7 @@ void sim_event_task_wait(struct sim_event *ev, uint64_t seq)
 /* Lock held. */
 static int is_live(const struct sim_event *ev)
 {
-    return ev != NULL && ev->magic == EVENT_LIVE;
+    return ev != NULL && ev->magic == EVENT_LIVE && ev->generation == process_generation;
 }
 
 static aclError create_event(aclrtEvent *event)
@@ -85,7 +95,7 @@ static aclError create_event(aclrtEvent *event)
     else
         ev = malloc(sizeof *ev);
     if (ev != NULL)
-        *ev = (struct sim_event){.magic = EVENT_LIVE};
+        *ev = (struct sim_event){.magic = EVENT_LIVE, .generation = process_generation};
     pthread_mutex_unlock(&sim_lock);
     if (ev == NULL)
         return ACL_ERROR_BAD_ALLOC;

@@ -4,7 +4,8 @@
  * first runtime call would block for good. So fork waits for sim_lock (no
  * thread is then mid-update: the child's copy of the state is whole), and
  * the child lets go of what lived in the parent's threads: the streams
- * (their workers). It keeps the rest: the initialised runtime, the devices set and
+ * (their workers) and, with them, the events their queued records were to
+ * complete. It keeps the rest: the initialised runtime, the devices set and
  * the forking thread's current one, the contexts, the device memory (a copy,
  * as the rest of the address space). The real runtime gives a child none of
  * its parent's streams; the sim keeps what a test's child needs to allocate.
@@ -30,6 +31,7 @@ static void in_child(void)
      * would have the child's next broadcast wait for them. */
     pthread_cond_init(&sim_progress, NULL);
     sim_streams_forget_after_fork();
+    sim_events_forget_after_fork();
     pthread_mutex_unlock(&sim_lock);
 }
 

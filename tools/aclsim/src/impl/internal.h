@@ -189,6 +189,7 @@ aclError sim_synchronize_current_device(enum sim_api api);
 void sim_event_task_done(struct sim_event *ev, uint64_t seq);
 void sim_event_task_wait(struct sim_event *ev, uint64_t seq);
 void sim_event_task_discard(struct sim_event *ev); /* a record or wait dropped unrun */
+void sim_events_forget_after_fork(void);           /* the parent's events are not the child's (fork.c) */
 
 /* ---- executors (executor.c) ---- */
 void sim_executor_run(struct sim_executor *e, void *ws, uint64_t ws_size); /* on a worker, lock not held */

@@ -164,10 +164,19 @@ static bool fraction_fits(double fraction, size_t total_bytes, size_t *cap) {
 }
 
 /* The per-process cap (0: none) and what GC measures against; the caller
- * publishes reserved_limit_bytes. */
+ * publishes reserved_limit_bytes (npa_stats_init for a new device). */
 static void set_limit(npa_device *d, size_t cap) {
     d->limit_bytes = cap;
     d->allowed_bytes = cap ? cap : d->total_bytes;
+}
+
+/* set_limit on a device in use: reserved_limit_bytes follows under the
+ * seqlock. */
+static void publish_limit(npa_device *d, size_t cap) {
+    set_limit(d, cap);
+    npa_stats_begin(d);
+    npa_stat_store(&d->stats->reserved_limit_bytes, (int64_t)cap);
+    npa_stats_end(d);
 }
 
 /* per_process_memory_fraction of the config on a new device. A refused
@@ -218,10 +227,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
 
 void npa_device_size_known(npa_allocator *a, npa_device *d, size_t total_bytes) {
     d->total_bytes = total_bytes;
-    set_limit(d, config_cap(a, d->id, total_bytes));
-    npa_stats_begin(d);
-    npa_stat_store(&d->stats->reserved_limit_bytes, (int64_t)d->limit_bytes);
-    npa_stats_end(d);
+    publish_limit(d, config_cap(a, d->id, total_bytes));
 }
 
 npa_device *npa_device_create_slow(npa_allocator *a, int device) {
@@ -261,12 +267,7 @@ int npa_set_memory_fraction(npa_allocator *a, int device, double fraction) {
     npa_lock_acquire(&d->lock);
     if (d->total_bytes == 0) npa_stats_sample_device_memory(a, d, NULL, NULL);
     bool fits = fraction_fits(fraction, d->total_bytes, &cap);
-    if (fits) {
-        set_limit(d, cap);
-        npa_stats_begin(d);
-        npa_stat_store(&d->stats->reserved_limit_bytes, (int64_t)cap);
-        npa_stats_end(d);
-    }
+    if (fits) publish_limit(d, cap);
     npa_lock_release(&d->lock);
     return fits ? 0 : -1;
 }

@@ -205,9 +205,10 @@ int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, 
         *why = "no such device index";
         return -1;
     }
-    /* Asked before the core sets up a device it has not seen: one made
-     * while the runtime cannot tell its size would stay without one, so
-     * never capped and never sized for GC or expandable ranges. */
+    /* Asked before the allocator is made for it: a call the runtime cannot
+     * size a cap for (before aclInit) is refused with that reason, and makes
+     * no allocator or region for nothing. The core asks again under the
+     * device lock, for a device whose size it does not know yet. */
     size_t free_bytes, total_bytes;
     if (npa_hook_mem_get_info(device, &free_bytes, &total_bytes) != ACL_SUCCESS) {
         *why = "the runtime cannot tell the device's memory";

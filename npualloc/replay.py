@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import simulator
+from ._ffi import ACL_ERROR_RT_MEMORY_ALLOCATION
 from .conf_env import with_conf
 from .snapshot import load as load_any_snapshot
 from .errors import NpuallocError
@@ -222,7 +223,7 @@ def run_replayer(tools: Toolchain, event_file: Path, env: dict[str, str]) -> tup
     except json.JSONDecodeError:
         reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise ReplayError(f"the replayer failed: {reason}") from None
-    if result.get("acl_error") not in (None, 207001):
+    if result.get("acl_error") not in (None, ACL_ERROR_RT_MEMORY_ALLOCATION):
         raise ReplayError(f"the replayer stopped at event {result['failed_event']}: "
                           f"aclError {result['acl_error']}")
     return result, [line for line in proc.stderr.splitlines() if line.startswith("npualloc:")]

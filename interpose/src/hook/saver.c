@@ -233,12 +233,42 @@ int npa_saver_free(void *ptr, aclError *err)
     return 1;
 }
 
+/* A thread that ends inside a region (a C program's worker that never
+ * passes NULL) would stay counted in npa_entry_work for good, and every
+ * later allocation of every thread would leave the hit path. The key's
+ * value is set while the thread is inside one, so its destructor, run as
+ * the thread exits, takes it out (what another key's destructor allocates
+ * after that is ordinary). Should the key or its value be refused (out of
+ * memory), the thread stays counted as before: only speed is lost. */
+static pthread_key_t region_key;
+static pthread_once_t region_key_once = PTHREAD_ONCE_INIT;
+static bool region_key_made;
+
+static void leave_region(void)
+{
+    atomic_fetch_sub_explicit(&npa_entry_work, NPA_WORK_SAVER_REGION, memory_order_relaxed);
+    npa_saver_region = -1;
+}
+
+static void region_thread_ended(void *inside)
+{
+    (void)inside; /* non-NULL: the key's value is set only inside a region */
+    leave_region();
+}
+
+static void make_region_key(void)
+{
+    region_key_made = pthread_key_create(&region_key, region_thread_ended) == 0;
+}
+
 NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
 {
     if (tag == NULL) {
-        if (npa_saver_region >= 0)
-            atomic_fetch_sub_explicit(&npa_entry_work, NPA_WORK_SAVER_REGION, memory_order_relaxed);
-        npa_saver_region = -1;
+        if (npa_saver_region >= 0) {
+            if (region_key_made)
+                pthread_setspecific(region_key, NULL);
+            leave_region();
+        }
         return 0;
     }
     size_t len = strlen(tag);
@@ -246,8 +276,12 @@ NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
         return -1;
     memcpy(region_tag, tag, len + 1);
     /* Counted before this thread's region is set, so its next malloc sees the word set. */
-    if (npa_saver_region < 0)
+    if (npa_saver_region < 0) {
+        pthread_once(&region_key_once, make_region_key);
+        if (region_key_made)
+            pthread_setspecific(region_key, &npa_saver_region);
         atomic_fetch_add_explicit(&npa_entry_work, NPA_WORK_SAVER_REGION, memory_order_relaxed);
+    }
     npa_saver_region = enable_cpu_backup != 0;
     return 0;
 }

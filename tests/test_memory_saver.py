@@ -425,7 +425,7 @@ def test_a_tag_holding_a_nul_is_refused_not_cut_short():
 # high bits of the library's npa_entry_work word (hook.h), read from this
 # process's own copy of the library at the offset nm gives.
 IN_REGIONS = """\
-import ctypes, sys, threading
+import contextlib, ctypes, sys, threading
 lib = ctypes.CDLL(None)
 path, offset = sys.argv[1], int(sys.argv[2], 16)
 base = min(int(line.split("-")[0], 16) for line in open("/proc/self/maps")
@@ -447,14 +447,6 @@ def test_a_thread_that_ends_inside_a_region_is_no_longer_counted():
     # leaving it stayed counted for good: every later allocation of every
     # thread then left the hit path (99 more instructions a malloc+free pair
     # under callgrind, for the rest of the run after one such thread).
-    import shutil
-    nm = shutil.which("nm")
-    if nm is None:
-        import pytest
-        pytest.skip("no nm to find npa_entry_work")
-    from conftest import NPUALLOC_LIB
-    symbols = subprocess.run([nm, str(NPUALLOC_LIB)], capture_output=True, text=True, check=True).stdout
-    offset = next(line.split()[0] for line in symbols.splitlines() if line.endswith(" npa_entry_work"))
     body = """
         def enter_and_end(tag, leave, inside=None, done=None):
             assert lib.npualloc_saver_region(tag, 0) == 0
@@ -478,5 +470,41 @@ def test_a_thread_that_ends_inside_a_region_is_no_longer_counted():
         assert ms.bytes_of("main")["allocated"] == 2 * MiB
         ok(acl.rt.free(p))
     """
+    counting(body)
+
+
+def counting(body: str) -> None:
+    """Runs body after PRELUDE with threads_in_regions() defined (IN_REGIONS)."""
+    import shutil
+    nm = shutil.which("nm")
+    if nm is None:
+        import pytest
+        pytest.skip("no nm to find npa_entry_work")
+    from conftest import NPUALLOC_LIB
+    symbols = subprocess.run([nm, str(NPUALLOC_LIB)], capture_output=True, text=True, check=True).stdout
+    offset = next(line.split()[0] for line in symbols.splitlines() if line.endswith(" npa_entry_work"))
     run_python(PRELUDE + IN_REGIONS + textwrap.dedent(body) + "\nassert aclsim.invalid_accesses() == 0\n",
                preload_env(), args=[str(NPUALLOC_LIB.resolve()), offset])
+
+
+def test_a_forked_child_counts_only_its_own_thread_in_a_region():
+    # The other threads of the parent are not the child's: those inside a
+    # region stayed counted there, and the child's allocations left the
+    # hit path for its whole life.
+    counting("""
+        ok(acl.rt.free(malloc(MiB)))  # the process uses the NPU: npualloc's fork handlers are in place
+        inside, done = threading.Event(), threading.Event()
+        def stay():
+            assert lib.npualloc_saver_region(b"w", 0) == 0
+            inside.set(); done.wait()
+        waiting = threading.Thread(target=stay, daemon=True); waiting.start(); inside.wait()
+        for mine in (False, True):
+            with ms.region("forker") if mine else contextlib.nullcontext():
+                assert threads_in_regions() == 1 + mine
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(0 if threads_in_regions() == mine else 1)
+                assert os.waitpid(pid, 0)[1] == 0, f"child counted {'more than its own' if mine else 'a thread'}"
+        done.set(); ended(waiting)
+        assert threads_in_regions() == 0
+    """)

@@ -498,7 +498,13 @@ void npa_saver_forget_after_fork(void)
      * pauses or frees them (a free of one is passed to the runtime, like
      * any pointer npualloc did not make here). Their records and backups
      * are the child's copies: dropped. The forking thread's region stays,
-     * for the child's allocations. */
+     * for the child's allocations, and it alone is counted: the parent's
+     * other threads inside regions are not the child's, and counted they
+     * would keep its allocations off the hit path for its whole life. */
+    unsigned others = atomic_load_explicit(&npa_entry_work, memory_order_relaxed) & ~(NPA_WORK_SAVER_REGION - 1);
+    if (npa_saver_region >= 0)
+        others -= NPA_WORK_SAVER_REGION;
+    atomic_fetch_sub_explicit(&npa_entry_work, others, memory_order_relaxed);
     memset(used, 0, sizeof used);
     while (blocks) {
         saver_block *b = blocks;

@@ -319,6 +319,59 @@ def test_fences_leave_streams_gone_by_force_out(force):
     assert out["aclrtSynchronizeDevice"] == 0 and out["aclrtRecordEvent"] > 0
 
 
+# Threads that each set device 0, make a stream and reset the device (its
+# last reference: the runtime takes the stream down with it), then three
+# rounds of 300 plain pairs under reuse_policy:safe on a live stream beside
+# them, counting what their fences cost: the first, the second, and the
+# third after aclrtResetDeviceForce released the device for certain.
+FENCES_AFTER_LAST_RESETS = """
+import acl, json, threading
+from aclsim import aclsim
+assert acl.init() == 0
+errors = []
+def step():
+    try:
+        assert acl.rt.set_device(0) == 0
+        stream, ret = acl.rt.create_stream(); assert ret == 0
+        assert acl.rt.reset_device(0) == 0
+    except BaseException as e:
+        errors.append(repr(e))
+for _ in range(20):
+    t = threading.Thread(target=step); t.start(); t.join()
+assert errors == [], errors
+def fenced_pairs():
+    before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
+    for _ in range(300):
+        ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
+        assert acl.rt.free(ptr) == 0
+    return {api: aclsim.call_count(api) - n for api, n in before.items()}
+assert acl.rt.set_device(0) == 0
+kept, ret = acl.rt.create_stream(); assert ret == 0
+rounds = [fenced_pairs(), fenced_pairs()]
+assert acl.rt.reset_device_force(0) == 0 and acl.rt.set_device(0) == 0
+kept, ret = acl.rt.create_stream(); assert ret == 0
+rounds.append(fenced_pairs())
+print(json.dumps({"rounds": rounds, "invalid": aclsim.invalid_accesses()}))
+"""
+
+
+def test_fences_stop_recording_on_streams_a_last_reset_took_down():
+    """A plain reset that drops the device's last reference destroys its
+    streams, and npualloc cannot tell it from one that did not: such a
+    stream stayed listed, so every fence tried an event on each one a
+    program's threads had left that way (one more every step) before it
+    synchronized. The first refusal now makes the device's fences
+    synchronize without trying, until aclrtResetDeviceForce releases it."""
+    proc = run_python(FENCES_AFTER_LAST_RESETS, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"))
+    assert proc.stderr == ""
+    out = json.loads(proc.stdout)
+    first, second, released = out["rounds"]
+    assert first["aclrtSynchronizeDevice"] > 0   # the dead streams refused: only a synchronize covers them
+    assert second["aclrtRecordEvent"] == 0 and second["aclrtSynchronizeDevice"] == first["aclrtSynchronizeDevice"]
+    assert released["aclrtSynchronizeDevice"] == 0 and released["aclrtRecordEvent"] > 0
+    assert out["invalid"] == 0
+
+
 DROPPED_FENCE = """
 import acl, json
 from aclsim import aclsim

@@ -341,8 +341,9 @@ NPA_EXPORT aclError aclrtResetDeviceForce(int32_t deviceId)
 {
     aclError err = reset_device(NPA_REAL(aclrtResetDeviceForce), NPA_FN_aclrtResetDeviceForce, deviceId);
     /* Released for certain (a plain reset only at its last reference, which
-     * we cannot see): its streams stayed tracked, and every later fence on
-     * the device failed to record on them and synchronized instead. */
+     * we cannot see): its streams are no longer live, and fences record on
+     * the device's streams again if one taken down by a plain reset had made
+     * them synchronize (streams.c's unfenceable). */
     if (err == ACL_SUCCESS && !npa_hook_disabled())
         npa_streams_device_released(deviceId);
     return err;

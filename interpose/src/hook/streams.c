@@ -43,6 +43,22 @@ typedef struct dev_streams {
      * may still use blocks freed meanwhile, so while one is dying a fence
      * over the device's streams synchronizes instead, which waits for it. */
     int dying;
+    /* A tracked stream refused an event: the runtime took it down without
+     * a destroy we saw (the reset that dropped the device's last reference,
+     * or its last context's destroy, which we cannot tell from one that did
+     * not), or it is of a kind we cannot fence. Either way only a
+     * synchronize covers its work, so from then on every fence over the
+     * device synchronizes, and its streams are no longer tracked: kept, a
+     * program whose threads each made a stream and reset the device at its
+     * end grew the list by one dead stream a step, and each fence tried an
+     * event on every one of them (a probe's 8 fences a step made 12,412
+     * event records a step between its steps 1,100 and 2,000).
+     * Until the device is released for certain (aclrtResetDeviceForce).
+     * untracked: its streams counted in live_streams meanwhile; a destroy
+     * of one cannot tell its device, so they stay counted (the auto policy
+     * fences) until that release. */
+    bool unfenceable;
+    size_t untracked;
     npa_fence *outstanding; /* recorded and not yet released, for npa_streams_dead */
 } dev_streams;
 
@@ -90,6 +106,10 @@ static void settle_before_first_stream(void)
 /* d->lock held. */
 static void track_locked(dev_streams *d, int device, aclrtStream stream)
 {
+    if (d->unfenceable) {
+        d->untracked++; /* its fences synchronize: nothing is recorded on any stream */
+        return;
+    }
     if (push(&d->streams, &d->nstreams, &d->cap_streams, stream) != 0)
         npa_warn_once("out of host memory tracking streams; frees on device %d may be reused early", device);
 }
@@ -179,8 +199,10 @@ void npa_streams_device_released(int device)
         return;
     dev_streams *d = &devs[device];
     npa_mutex_lock(&d->lock);
-    size_t gone = d->nstreams;
+    size_t gone = d->nstreams + d->untracked;
     d->nstreams = 0;
+    d->unfenceable = false;
+    d->untracked = 0;
     /* Every event of the device's fences: its streams, the default one
      * included, are gone with their work (the reset waited for it). */
     settle_on(d, true, NULL, UINT64_MAX);
@@ -239,9 +261,9 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
         d->outstanding = f;
     }
     /* No host memory for the fence; or a stream being destroyed, which may
-     * still use the blocks and which no event may name: a synchronize below
-     * waits for it. */
-    if (f == NULL || (streams == NULL && d->dying > 0)) {
+     * still use the blocks and which no event may name, or one that refused
+     * an event: a synchronize below waits for it. */
+    if (f == NULL || (streams == NULL && (d->dying > 0 || d->unfenceable))) {
         complete = 0;
     } else {
         for (size_t i = 0; i < n; i++) {
@@ -255,10 +277,17 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
                 slot->stream = stream;
                 atomic_init(&slot->settled, false);
             } else {
-                if (ev != NULL)
+                if (ev != NULL) {
                     give_event(d, ev);
+                    if (streams == NULL && i < d->nstreams)
+                        d->unfenceable = true;
+                }
                 complete = 0;
             }
+        }
+        if (d->unfenceable) {
+            d->untracked += d->nstreams;
+            d->nstreams = 0;
         }
     }
     npa_mutex_unlock(&d->lock);
@@ -403,6 +432,8 @@ void npa_streams_forget_after_fork(void)
         devs[dev].nstreams = 0;
         devs[dev].npool = 0;
         devs[dev].dying = 0;
+        devs[dev].unfenceable = false;
+        devs[dev].untracked = 0;
         devs[dev].outstanding = NULL;
     }
     atomic_store_explicit(&live_streams, 0, memory_order_relaxed);

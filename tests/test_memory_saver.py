@@ -433,6 +433,8 @@ base = min(int(line.split("-")[0], 16) for line in open("/proc/self/maps")
 word = ctypes.c_uint.from_address(base + offset)
 def threads_in_regions():
     return word.value >> 8
+failures = []  # an assertion failing in a thread fails the run (checked at its end)
+threading.excepthook = lambda hook: failures.append(repr(hook.exc_value))
 def ended(thread):
     # join returns before the thread's own exit runs its key destructors:
     # the thread is gone once its task is.
@@ -449,13 +451,18 @@ def test_a_thread_that_ends_inside_a_region_is_no_longer_counted():
     # under callgrind, for the rest of the run after one such thread).
     body = """
         def enter_and_end(tag, leave, inside=None, done=None):
-            assert lib.npualloc_saver_region(tag, 0) == 0
+            try:
+                assert lib.npualloc_saver_region(tag, 0) == 0
+            finally:  # a failure here fails the count below, not waits for good
+                if inside:
+                    inside.set()
             if inside:
-                inside.set(); done.wait()
+                done.wait()
             if leave:
                 assert lib.npualloc_saver_region(None, 0) == 0
         inside, done = threading.Event(), threading.Event()
-        waiting = threading.Thread(target=enter_and_end, args=(b"w", False, inside, done)); waiting.start()
+        waiting = threading.Thread(target=enter_and_end, args=(b"w", False, inside, done), daemon=True)
+        waiting.start()
         inside.wait()
         assert threads_in_regions() == 1  # counted while it lives
         done.set(); ended(waiting)
@@ -483,8 +490,9 @@ def counting(body: str) -> None:
     from conftest import NPUALLOC_LIB
     symbols = subprocess.run([nm, str(NPUALLOC_LIB)], capture_output=True, text=True, check=True).stdout
     offset = next(line.split()[0] for line in symbols.splitlines() if line.endswith(" npa_entry_work"))
-    run_python(PRELUDE + IN_REGIONS + textwrap.dedent(body) + "\nassert aclsim.invalid_accesses() == 0\n",
-               preload_env(), args=[str(NPUALLOC_LIB.resolve()), offset])
+    end = "\nassert failures == [], failures\nassert aclsim.invalid_accesses() == 0\n"
+    run_python(PRELUDE + IN_REGIONS + textwrap.dedent(body) + end, preload_env(),
+               args=[str(NPUALLOC_LIB.resolve()), offset])
 
 
 def test_a_forked_child_counts_only_its_own_thread_in_a_region():
@@ -495,8 +503,11 @@ def test_a_forked_child_counts_only_its_own_thread_in_a_region():
         ok(acl.rt.free(malloc(MiB)))  # the process uses the NPU: npualloc's fork handlers are in place
         inside, done = threading.Event(), threading.Event()
         def stay():
-            assert lib.npualloc_saver_region(b"w", 0) == 0
-            inside.set(); done.wait()
+            try:
+                assert lib.npualloc_saver_region(b"w", 0) == 0
+            finally:
+                inside.set()
+            done.wait()
         waiting = threading.Thread(target=stay, daemon=True); waiting.start(); inside.wait()
         for mine in (False, True):
             with ms.region("forker") if mine else contextlib.nullcontext():

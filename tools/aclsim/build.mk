@@ -114,3 +114,20 @@ sim: $(SIM_SITE_ACL) $(SIM_PRELOADED) $(SIM_DIR)/opp
 
 -include $(SIM_IMPL_OBJS:.o=.d) $(SIM_PYACL_OBJS:.o=.d) $(SIM_OBJ)/forward/ascendcl/acl_forward.d \
          $(SIM_OBJ)/forward/acl_rt/acl_forward.d $(SIM_OBJ)/src/nnopbase/nnopbase.d $(SIM_ACLNN_OBJS:.o=.d)
+
+# ---- the simulator's own C test, part of `make ctest` (and so of its ASan,
+# TSan and aarch64 trees): streams destroyed while other threads submit to
+# them (tools/aclsim/tests/stream_race.c). SIM_RACE_ROUNDS: calls per submitter.
+SIM_RACE_ROUNDS ?= 5000
+SIM_STREAM_RACE := $(BUILD)/ctest/aclsim/stream_race
+$(SIM_STREAM_RACE): tools/aclsim/tests/stream_race.c $(SIM_LIB64)/libascendcl.so $(SIM_LIB64)/libnnopbase.so \
+                    $(SIM_LIB64)/libopapi.so
+	@mkdir -p $(dir $@)
+	$(CC) $(SIM_CFLAGS) -o $@ $< -L$(SIM_LIB64) -lascendcl -lnnopbase -lopapi -Wl,-rpath,$(abspath $(SIM_LIB64)) \
+	    $(SANFLAGS) $(LDFLAGS_BASE)
+
+sim-stream-race: $(SIM_STREAM_RACE)
+	$(CTEST_RUNNER) $(SIM_STREAM_RACE) $(SIM_RACE_ROUNDS)
+
+ctest: sim-stream-race
+.PHONY: sim-stream-race

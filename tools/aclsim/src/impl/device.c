@@ -31,21 +31,26 @@ struct sim_device *sim_device(int32_t id)
     return &devices[id];
 }
 
-aclError sim_current_device(int32_t *id)
+aclError sim_current_device_locked(int32_t *id)
 {
-    aclError ret = sim_require_init();
+    aclError ret = sim_require_init_locked();
     if (ret != ACL_SUCCESS)
         return ret;
     if (current_device < 0)
         return ACL_ERROR_RT_CONTEXT_NULL;
     struct sim_device *d = sim_device(current_device);
-    pthread_mutex_lock(&sim_lock);
-    int alive = d->refcount > 0 && d->generation == current_generation;
-    pthread_mutex_unlock(&sim_lock);
-    if (!alive)
+    if (d->refcount == 0 || d->generation != current_generation)
         return ACL_ERROR_RT_CONTEXT_NULL;
     *id = current_device;
     return ACL_SUCCESS;
+}
+
+aclError sim_current_device(int32_t *id)
+{
+    pthread_mutex_lock(&sim_lock);
+    aclError ret = sim_current_device_locked(id);
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
 }
 
 void sim_forget_current_device(void)

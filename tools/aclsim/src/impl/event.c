@@ -123,24 +123,26 @@ SIM_EXPORT aclError simrt_CreateEventExWithFlag(aclrtEvent *event, uint32_t flag
     return create_event(event);
 }
 
-/* Queues a record or wait task on a stream for a live event. */
+/* Queues a record or wait task on a stream for a live event. The stream is
+ * resolved under the hold of the lock that queues the task: a destroy in
+ * between would free it. */
 static aclError queue_event_task(aclrtEvent event, aclrtStream stream, enum sim_task_kind kind)
 {
-    struct sim_stream *s;
-    aclError ret = sim_stream_resolve(stream, &s);
-    if (ret == ACL_SUCCESS && kind == TASK_EVENT_RECORD)
-        ret = sim_inject_call_failure(SIM_API_aclrtRecordEvent);
-    if (ret != ACL_SUCCESS)
-        return ret;
     struct sim_task *t = calloc(1, sizeof *t);
     if (t == NULL)
         return ACL_ERROR_BAD_ALLOC;
     pthread_mutex_lock(&sim_lock);
+    struct sim_stream *s;
+    aclError ret = sim_stream_resolve(stream, &s);
+    if (ret == ACL_SUCCESS && kind == TASK_EVENT_RECORD)
+        ret = sim_inject_call_failure_locked(SIM_API_aclrtRecordEvent);
     struct sim_event *ev = event;
-    if (!is_live(ev)) {
+    if (ret == ACL_SUCCESS && !is_live(ev))
+        ret = ACL_ERROR_RT_PARAM_INVALID;
+    if (ret != ACL_SUCCESS) {
         pthread_mutex_unlock(&sim_lock);
         free(t);
-        return ACL_ERROR_RT_PARAM_INVALID;
+        return ret;
     }
     if (kind == TASK_EVENT_RECORD)
         ev->record_seq++;

@@ -138,14 +138,19 @@ SIM_EXPORT aclnnStatus simrt_LaunchExecutor(const char *api, void *workspace, ui
     pthread_mutex_unlock(&sim_lock);
     if (ws_required > 0 && (workspace == NULL || workspaceSize < ws_required))
         return ACLNN_ERR_PARAM_INVALID;
-    struct sim_stream *s;
-    if (sim_stream_resolve(stream, &s) != ACL_SUCCESS)
-        return ACLNN_ERR_RUNTIME_ERROR;
     struct sim_task *t = calloc(1, sizeof *t);
     if (t == NULL)
         return ACLNN_ERR_INNER_NULLPTR;
 
+    /* The stream is resolved under the hold of the lock that queues the op:
+     * a destroy in between would free it. */
     pthread_mutex_lock(&sim_lock);
+    struct sim_stream *s;
+    if (sim_stream_resolve(stream, &s) != ACL_SUCCESS) {
+        pthread_mutex_unlock(&sim_lock);
+        free(t);
+        return ACLNN_ERR_RUNTIME_ERROR;
+    }
     struct sim_executor *e = live_or_abort(executor, api);
     t->kind = TASK_OP;
     t->u.op.exec = e;

@@ -64,6 +64,7 @@ aclError sim_inject_call_failure_locked(enum sim_api api);
 
 /* ---- lifecycle (lifecycle.c) ---- */
 aclError sim_require_init(void);       /* ACL_ERROR_UNINITIALIZE unless between aclInit and aclFinalize */
+aclError sim_require_init_locked(void); /* the same, lock held */
 
 /* ---- address arena of one device (arena.c): device pointers are host
  * addresses inside a reserved range, so they can be touched by the sim, and
@@ -115,6 +116,7 @@ struct sim_device *sim_device(int32_t id);      /* NULL when out of range */
 /* The calling thread's device (takes the lock: call without it): 107002 when
  * the thread has none or its device was reset, 100001 before aclInit. */
 aclError sim_current_device(int32_t *id);
+aclError sim_current_device_locked(int32_t *id); /* the same, lock held */
 /* The prologue of a call that needs an argument and a device: count it,
  * refuse a NULL argument (100000), then find the calling thread's device. */
 static inline aclError sim_enter(enum sim_api api, const void *required, int32_t *id)
@@ -168,11 +170,15 @@ struct sim_stream {
     struct sim_task *head, *tail;
     uint64_t submitted, completed;
     int stopping;
+    int syncing;             /* threads in aclrtSynchronizeStream on it: it is freed once they left */
     pthread_t worker;
     pthread_cond_t work;
     struct sim_stream *next_on_device;
 };
-/* NULL means the default stream of the calling thread's device. */
+/* Lock held. The stream a handle names for the calling thread (NULL: its
+ * device's default stream), or 107000 for one destroyed or unknown. It is
+ * the caller's only while it holds the lock: once released, a destroy or a
+ * device reset in another thread may free it (unless it counts as syncing). */
 aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out);
 struct sim_stream *sim_stream_create(int32_t device);      /* lock held */
 void sim_stream_submit(struct sim_stream *s, struct sim_task *t); /* lock held; takes t */

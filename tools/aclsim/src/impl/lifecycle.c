@@ -8,12 +8,17 @@ pthread_cond_t sim_progress = PTHREAD_COND_INITIALIZER;
 
 static int initialized, finalized;
 
+aclError sim_require_init_locked(void)
+{
+    return initialized && !finalized ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE;
+}
+
 aclError sim_require_init(void)
 {
     pthread_mutex_lock(&sim_lock);
-    int active = initialized && !finalized;
+    aclError ret = sim_require_init_locked();
     pthread_mutex_unlock(&sim_lock);
-    return active ? ACL_SUCCESS : ACL_ERROR_UNINITIALIZE;
+    return ret;
 }
 
 SIM_EXPORT aclError simrt_Init(const char *configPath)

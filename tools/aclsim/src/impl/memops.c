@@ -75,21 +75,22 @@ SIM_EXPORT aclError simrt_Memcpy(void *dst, size_t destMax, const void *src, siz
 }
 
 /* Queues a prepared task on its stream, or frees it when preparing it (ret)
- * or resolving the stream failed. */
+ * or resolving the stream failed. Resolved and submitted under one hold of
+ * the lock: a destroy in between would free the stream. */
 static aclError submit_task(struct sim_task *t, enum sim_task_kind kind, aclrtStream stream, aclError ret)
 {
+    pthread_mutex_lock(&sim_lock);
     struct sim_stream *s;
     if (ret == ACL_SUCCESS)
         ret = sim_stream_resolve(stream, &s);
-    if (ret != ACL_SUCCESS) {
-        free(t);
-        return ret;
+    if (ret == ACL_SUCCESS) {
+        t->kind = kind;
+        sim_stream_submit(s, t);
     }
-    t->kind = kind;
-    pthread_mutex_lock(&sim_lock);
-    sim_stream_submit(s, t);
     pthread_mutex_unlock(&sim_lock);
-    return ACL_SUCCESS;
+    if (ret != ACL_SUCCESS)
+        free(t);
+    return ret;
 }
 
 SIM_EXPORT aclError simrt_MemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,

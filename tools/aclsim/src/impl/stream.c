@@ -166,6 +166,8 @@ void sim_stream_destroy(struct sim_stream *s)
     pthread_mutex_unlock(&sim_lock);
     pthread_join(s->worker, NULL);
     pthread_mutex_lock(&sim_lock);
+    while (s->syncing > 0) /* drained: they return now, but still read it */
+        pthread_cond_wait(&sim_progress, &sim_lock);
     pthread_cond_destroy(&s->work);
     free(s);
 }
@@ -232,18 +234,15 @@ static aclError default_stream(int32_t id, struct sim_stream **out)
 aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
 {
     int32_t id;
-    aclError ret = sim_current_device(&id);
+    aclError ret = sim_current_device_locked(&id);
     if (ret != ACL_SUCCESS)
         return ret;
-    pthread_mutex_lock(&sim_lock);
     if (handle == NULL)
-        ret = default_stream(id, out);
-    else if (is_live_stream(handle))
-        *out = handle;
-    else
-        ret = ACL_ERROR_RT_PARAM_INVALID;
-    pthread_mutex_unlock(&sim_lock);
-    return ret;
+        return default_stream(id, out);
+    if (!is_live_stream(handle))
+        return ACL_ERROR_RT_PARAM_INVALID;
+    *out = handle;
+    return ACL_SUCCESS;
 }
 
 static aclError create_stream(enum sim_api api, aclrtStream *stream)
@@ -284,14 +283,15 @@ static aclError destroy_stream(enum sim_api api, aclrtStream stream, int force)
     sim_count(api);
     if (stream == NULL)
         return ACL_ERROR_INVALID_PARAM;
+    /* Found and taken off the device's live streams under one hold of the
+     * lock, so a second destroy racing this one is refused (107000) and no
+     * work is queued on it from here on. */
+    pthread_mutex_lock(&sim_lock);
     struct sim_stream *s;
     aclError ret = sim_stream_resolve(stream, &s);
-    if (ret != ACL_SUCCESS)
-        return ret;
-    pthread_mutex_lock(&sim_lock);
-    if (s == sim_device(s->device)->default_stream) {
+    if (ret == ACL_SUCCESS && s == sim_device(s->device)->default_stream)
         ret = ACL_ERROR_INVALID_PARAM; /* the default stream lives as long as the device */
-    } else {
+    if (ret == ACL_SUCCESS) {
         if (force)
             discard_queued(s);
         sim_stream_destroy(s);
@@ -313,14 +313,19 @@ SIM_EXPORT aclError simrt_DestroyStreamForce(aclrtStream stream)
 SIM_EXPORT aclError simrt_SynchronizeStream(aclrtStream stream)
 {
     sim_count(SIM_API_aclrtSynchronizeStream);
+    pthread_mutex_lock(&sim_lock);
     struct sim_stream *s;
     aclError ret = sim_stream_resolve(stream, &s);
     if (ret == ACL_SUCCESS)
-        ret = sim_inject_call_failure(SIM_API_aclrtSynchronizeStream);
-    if (ret != ACL_SUCCESS)
-        return ret;
-    pthread_mutex_lock(&sim_lock);
-    sim_stream_wait_idle(s);
+        ret = sim_inject_call_failure_locked(SIM_API_aclrtSynchronizeStream);
+    if (ret == ACL_SUCCESS) {
+        /* A destroy meanwhile drains the stream, which ends this wait too,
+         * and frees it only once this thread has stopped reading it. */
+        s->syncing++;
+        sim_stream_wait_idle(s);
+        s->syncing--;
+        pthread_cond_broadcast(&sim_progress);
+    }
     pthread_mutex_unlock(&sim_lock);
-    return ACL_SUCCESS;
+    return ret;
 }

@@ -1,0 +1,190 @@
+/* Work submitted to streams while other threads destroy them, for the
+ * sanitizer builds: run it on an ASan or TSan build of the simulator.
+ *
+ * Submitters take a stream handle from a shared set of slots and queue work
+ * on it through every call that names a stream (a memset, a copy, an event
+ * record and wait, an aclnn op, a synchronize, now and then a destroy).
+ * Beside them one thread keeps replacing the slots' streams and destroying
+ * the old ones, plainly or by force. A call naming a stream destroyed before
+ * it must be refused (107000; 361001 for an aclnn launch); nothing else may
+ * come back, and the simulator must never touch a stream it has freed, which
+ * the sanitizers report. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "acl/acl.h"
+#include "aclsim_ops.h"
+
+#define SUBMITTERS 3
+#define SLOTS 4
+#define BUF_BYTES 4096
+
+static int rounds = 3000; /* each submitter's; argv[1] */
+static _Atomic(aclrtStream) slots[SLOTS];
+static atomic_int submitters_done, destroyer_rounds;
+static atomic_int failures;
+static atomic_long accepted, refused;
+
+static void fail(const char *what, long detail)
+{
+    fprintf(stderr, "stream_race: %s (%ld)\n", what, detail);
+    atomic_fetch_add(&failures, 1);
+}
+
+static uint64_t next_random(uint64_t *state)
+{
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return *state;
+}
+
+/* A call's outcome: taken, or refused for a stream destroyed before it.
+ * Returns ret. */
+static int tally(const char *call, int ret)
+{
+    if (ret == ACL_SUCCESS) {
+        atomic_fetch_add(&accepted, 1);
+        return ret;
+    }
+    if (ret == ACL_ERROR_RT_PARAM_INVALID) {
+        atomic_fetch_add(&refused, 1);
+        sched_yield(); /* the destroyer has new streams to make */
+    } else {
+        fail(call, ret);
+    }
+    return ret;
+}
+
+/* An aclnn op on stream: a launch refuses a stream it cannot use with 361001
+ * and leaves the executor to its caller. One taken has ended once the
+ * device is synchronized (a destroy's stream included), so the next op's
+ * workspace is never this one's while it runs. */
+static void launch_op(void *buf, void *workspace, int value, aclrtStream stream)
+{
+    uint64_t ws_size;
+    aclOpExecutor *exec;
+    aclnnStatus st = aclnnSimFillGetWorkspaceSize(buf, 64, value, &ws_size, &exec);
+    if (st != ACLNN_SUCCESS) {
+        fail("aclnnSimFillGetWorkspaceSize", st);
+        return;
+    }
+    st = aclnnSimFill(workspace, ws_size, exec, stream);
+    if (st == ACLNN_ERR_RUNTIME_ERROR) {
+        aclDestroyAclOpExecutor(exec);
+        atomic_fetch_add(&refused, 1);
+        return;
+    }
+    if (tally("aclnnSimFill", st) == ACL_SUCCESS)
+        tally("aclrtSynchronizeDevice", aclrtSynchronizeDevice());
+}
+
+static void *submitter(void *arg)
+{
+    uint64_t rng = 0x9e3779b97f4a7c15ull * ((uintptr_t)arg + 1);
+    void *buf = NULL, *workspace = NULL;
+    aclrtEvent recorded = NULL, waited = NULL;
+    if (aclrtSetDevice(0) != ACL_SUCCESS || aclrtMalloc(&buf, BUF_BYTES, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS ||
+        aclrtMalloc(&workspace, ACLSIM_OP_WORKSPACE_BYTES, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS ||
+        aclrtCreateEvent(&recorded) != ACL_SUCCESS || aclrtCreateEvent(&waited) != ACL_SUCCESS) {
+        fail("submitter setup", 0);
+        atomic_fetch_add(&submitters_done, 1);
+        return NULL;
+    }
+    for (int round = 0; round < rounds; round++) {
+        aclrtStream stream = atomic_load(&slots[next_random(&rng) % SLOTS]);
+        switch (round % 7) {
+        case 0:
+            tally("aclrtMemsetAsync", aclrtMemsetAsync(buf, BUF_BYTES, round & 0xff, BUF_BYTES, stream));
+            break;
+        case 1:
+            tally("aclrtMemcpyAsync", aclrtMemcpyAsync((char *)buf + BUF_BYTES / 2, BUF_BYTES / 2, buf,
+                                                       BUF_BYTES / 2, ACL_MEMCPY_DEVICE_TO_DEVICE, stream));
+            break;
+        case 2: /* never waited for: a force destroy may drop it */
+            tally("aclrtRecordEvent", aclrtRecordEvent(recorded, stream));
+            break;
+        case 3: /* recorded on the default stream, which no destroy drops, so the wait ends */
+            tally("aclrtRecordEvent", aclrtRecordEvent(waited, NULL));
+            tally("aclrtStreamWaitEvent", aclrtStreamWaitEvent(stream, waited));
+            break;
+        case 4:
+            launch_op(buf, workspace, round, stream);
+            break;
+        case 5:
+            tally("aclrtSynchronizeStream", aclrtSynchronizeStream(stream));
+            break;
+        case 6: /* races the destroyer's destroy of the same handle */
+            if (next_random(&rng) % 16 == 0)
+                tally("aclrtDestroyStream", aclrtDestroyStream(stream));
+            break;
+        }
+    }
+    atomic_fetch_add(&submitters_done, 1);
+    tally("aclrtSynchronizeDevice", aclrtSynchronizeDevice());
+    aclrtDestroyEvent(recorded);
+    aclrtDestroyEvent(waited);
+    aclrtFree(workspace);
+    aclrtFree(buf);
+    return NULL;
+}
+
+static aclrtStream new_stream(void)
+{
+    aclrtStream stream = NULL;
+    int ret = aclrtCreateStream(&stream);
+    if (ret != ACL_SUCCESS)
+        fail("aclrtCreateStream", ret);
+    return stream;
+}
+
+/* Until the submitters are done, replaces a slot's stream each round,
+ * destroying the old one; a handle a submitter destroyed first is refused. */
+static void *destroyer(void *arg)
+{
+    (void)arg;
+    if (aclrtSetDevice(0) != ACL_SUCCESS)
+        fail("destroyer aclrtSetDevice", 0);
+    for (int round = 0; atomic_load(&submitters_done) < SUBMITTERS; round++) {
+        atomic_store(&destroyer_rounds, round + 1);
+        aclrtStream old = atomic_exchange(&slots[round % SLOTS], new_stream());
+        int ret = round & 1 ? aclrtDestroyStreamForce(old) : aclrtDestroyStream(old);
+        if (ret != ACL_SUCCESS && ret != ACL_ERROR_RT_PARAM_INVALID)
+            fail("destroying a replaced stream", ret);
+    }
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1)
+        rounds = atoi(argv[1]);
+    if (aclInit(NULL) != ACL_SUCCESS || aclrtSetDevice(0) != ACL_SUCCESS) {
+        fprintf(stderr, "stream_race: cannot start the runtime\n");
+        return 1;
+    }
+    for (int i = 0; i < SLOTS; i++)
+        atomic_store(&slots[i], new_stream());
+    pthread_t threads[SUBMITTERS + 1];
+    for (uintptr_t i = 0; i < SUBMITTERS; i++)
+        pthread_create(&threads[i], NULL, submitter, (void *)i);
+    pthread_create(&threads[SUBMITTERS], NULL, destroyer, NULL);
+    for (int i = 0; i <= SUBMITTERS; i++)
+        pthread_join(threads[i], NULL);
+    for (int i = 0; i < SLOTS; i++) {
+        int ret = aclrtDestroyStream(atomic_load(&slots[i]));
+        if (ret != ACL_SUCCESS && ret != ACL_ERROR_RT_PARAM_INVALID)
+            fail("final aclrtDestroyStream", ret);
+    }
+    long taken = atomic_load(&accepted), no = atomic_load(&refused);
+    printf("stream_race: %d submitters x %d rounds, %d destroyer rounds: %ld calls taken, %ld refused\n",
+           SUBMITTERS, rounds, atomic_load(&destroyer_rounds), taken, no);
+    if (taken == 0 || no == 0)
+        fail("the race was not run: every call taken or every call refused", taken);
+    aclFinalize();
+    return atomic_load(&failures) == 0 ? 0 : 1;
+}

@@ -5,10 +5,13 @@
  * on it through every call that names a stream (a memset, a copy, an event
  * record and wait, an aclnn op, a synchronize, now and then a destroy).
  * Beside them one thread keeps replacing the slots' streams and destroying
- * the old ones, plainly or by force. A call naming a stream destroyed before
- * it must be refused (107000; 361001 for an aclnn launch); nothing else may
- * come back, and the simulator must never touch a stream it has freed, which
- * the sanitizers report. */
+ * the old ones, plainly or by force, and every eighth round resets the
+ * device by force, which destroys all its streams and ends every thread's
+ * context there, while the submitters set the device again. A call naming a
+ * stream destroyed before it must be refused (107000; 361001 for an aclnn
+ * launch) and one whose thread's context ended 107002; nothing else may come
+ * back, and the simulator must never touch a stream it has freed, which the
+ * sanitizers report. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -43,7 +46,8 @@ static uint64_t next_random(uint64_t *state)
     return *state;
 }
 
-/* A call's outcome: taken, or refused for a stream destroyed before it.
+/* A call's outcome: taken, or refused for a stream destroyed or a context
+ * ended before it; a thread whose context ended sets its device again.
  * Returns ret. */
 static int tally(const char *call, int ret)
 {
@@ -51,7 +55,9 @@ static int tally(const char *call, int ret)
         atomic_fetch_add(&accepted, 1);
         return ret;
     }
-    if (ret == ACL_ERROR_RT_PARAM_INVALID) {
+    if (ret == ACL_ERROR_RT_CONTEXT_NULL && aclrtSetDevice(0) != ACL_SUCCESS)
+        fail("aclrtSetDevice after a reset", ret);
+    if (ret == ACL_ERROR_RT_PARAM_INVALID || ret == ACL_ERROR_RT_CONTEXT_NULL) {
         atomic_fetch_add(&refused, 1);
         sched_yield(); /* the destroyer has new streams to make */
     } else {
@@ -60,10 +66,27 @@ static int tally(const char *call, int ret)
     return ret;
 }
 
+/* A destroy of a handle another thread may have destroyed first: refused
+ * with 107000, or with 100000 where its address came back as a device's new
+ * default stream after a reset (a handle is an address, and addresses are
+ * reused). */
+static void tally_destroy(const char *call, int ret)
+{
+    tally(call, ret == ACL_ERROR_INVALID_PARAM ? ACL_ERROR_RT_PARAM_INVALID : ret);
+}
+
+/* A reset ends the thread's context: it sets its device again (tally) and
+ * the synchronize is repeated there. */
+static void synchronize_device(void)
+{
+    while (tally("aclrtSynchronizeDevice", aclrtSynchronizeDevice()) == ACL_ERROR_RT_CONTEXT_NULL)
+        ;
+}
+
 /* An aclnn op on stream: a launch refuses a stream it cannot use with 361001
  * and leaves the executor to its caller. One taken has ended once the
- * device is synchronized (a destroy's stream included), so the next op's
- * workspace is never this one's while it runs. */
+ * device is synchronized (a destroy's or a reset's streams included), so the
+ * next op's workspace is never this one's while it runs. */
 static void launch_op(void *buf, void *workspace, int value, aclrtStream stream)
 {
     uint64_t ws_size;
@@ -80,7 +103,7 @@ static void launch_op(void *buf, void *workspace, int value, aclrtStream stream)
         return;
     }
     if (tally("aclnnSimFill", st) == ACL_SUCCESS)
-        tally("aclrtSynchronizeDevice", aclrtSynchronizeDevice());
+        synchronize_device();
 }
 
 static void *submitter(void *arg)
@@ -120,12 +143,12 @@ static void *submitter(void *arg)
             break;
         case 6: /* races the destroyer's destroy of the same handle */
             if (next_random(&rng) % 16 == 0)
-                tally("aclrtDestroyStream", aclrtDestroyStream(stream));
+                tally_destroy("aclrtDestroyStream", aclrtDestroyStream(stream));
             break;
         }
     }
     atomic_fetch_add(&submitters_done, 1);
-    tally("aclrtSynchronizeDevice", aclrtSynchronizeDevice());
+    synchronize_device();
     aclrtDestroyEvent(recorded);
     aclrtDestroyEvent(waited);
     aclrtFree(workspace);
@@ -143,7 +166,8 @@ static aclrtStream new_stream(void)
 }
 
 /* Until the submitters are done, replaces a slot's stream each round,
- * destroying the old one; a handle a submitter destroyed first is refused. */
+ * destroying the old one (a handle a submitter destroyed first is refused),
+ * and every eighth round resets the device and replaces them all. */
 static void *destroyer(void *arg)
 {
     (void)arg;
@@ -151,10 +175,21 @@ static void *destroyer(void *arg)
         fail("destroyer aclrtSetDevice", 0);
     for (int round = 0; atomic_load(&submitters_done) < SUBMITTERS; round++) {
         atomic_store(&destroyer_rounds, round + 1);
+        if (round % 8 == 7) {
+            int ret = aclrtResetDeviceForce(0);
+            if (ret != ACL_SUCCESS)
+                fail("aclrtResetDeviceForce", ret);
+            if (aclrtSetDevice(0) != ACL_SUCCESS)
+                fail("aclrtSetDevice after the reset", 0);
+            for (int i = 0; i < SLOTS; i++) /* the reset destroyed the old ones */
+                atomic_store(&slots[i], new_stream());
+            continue;
+        }
         aclrtStream old = atomic_exchange(&slots[round % SLOTS], new_stream());
-        int ret = round & 1 ? aclrtDestroyStreamForce(old) : aclrtDestroyStream(old);
-        if (ret != ACL_SUCCESS && ret != ACL_ERROR_RT_PARAM_INVALID)
-            fail("destroying a replaced stream", ret);
+        if (round & 1)
+            tally_destroy("aclrtDestroyStreamForce", aclrtDestroyStreamForce(old));
+        else
+            tally_destroy("aclrtDestroyStream", aclrtDestroyStream(old));
     }
     return NULL;
 }
@@ -175,11 +210,10 @@ int main(int argc, char **argv)
     pthread_create(&threads[SUBMITTERS], NULL, destroyer, NULL);
     for (int i = 0; i <= SUBMITTERS; i++)
         pthread_join(threads[i], NULL);
-    for (int i = 0; i < SLOTS; i++) {
-        int ret = aclrtDestroyStream(atomic_load(&slots[i]));
-        if (ret != ACL_SUCCESS && ret != ACL_ERROR_RT_PARAM_INVALID)
-            fail("final aclrtDestroyStream", ret);
-    }
+    if (aclrtSetDevice(0) != ACL_SUCCESS)
+        fail("final aclrtSetDevice", 0);
+    for (int i = 0; i < SLOTS; i++)
+        tally_destroy("aclrtDestroyStream", aclrtDestroyStream(atomic_load(&slots[i])));
     long taken = atomic_load(&accepted), no = atomic_load(&refused);
     printf("stream_race: %d submitters x %d rounds, %d destroyer rounds: %ld calls taken, %ld refused\n",
            SUBMITTERS, rounds, atomic_load(&destroyer_rounds), taken, no);

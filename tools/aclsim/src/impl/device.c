@@ -112,15 +112,13 @@ SIM_EXPORT aclError simrt_GetDevice(int32_t *deviceId)
     return sim_current_device(deviceId);
 }
 
-/* Lock held. Streams are destroyed one at a time because destroying one
- * releases the lock while its worker is joined. */
+/* Lock held, released while the streams are destroyed. */
 static void reset_device(struct sim_device *d)
 {
     d->refcount = 0;
     d->generation++;
     d->default_stream = NULL;
-    while (d->streams != NULL)
-        sim_stream_destroy(d->streams);
+    sim_device_destroy_old_streams(d);
 }
 
 /* Lock held: drops one reference on device id. */

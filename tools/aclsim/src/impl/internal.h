@@ -167,6 +167,7 @@ struct sim_task {
 };
 struct sim_stream {
     int32_t device;
+    uint64_t generation;     /* its device's when made: a reset ends every stream of an earlier one */
     struct sim_task *head, *tail;
     uint64_t submitted, completed;
     int stopping;
@@ -186,6 +187,9 @@ void sim_stream_wait_idle(struct sim_stream *s);          /* lock held */
 /* Drains, stops and frees a stream. Lock held; released while joining. */
 void sim_stream_destroy(struct sim_stream *s);
 void sim_device_wait_idle(struct sim_device *d);          /* lock held */
+/* Lock held, released meanwhile: destroys the device's streams of its
+ * earlier generations (a reset's, after bumping the generation). */
+void sim_device_destroy_old_streams(struct sim_device *d);
 /* In a forked child, lock held: the parent's streams are gone (fork.c). */
 void sim_streams_forget_after_fork(void);
 /* Counts api, then waits for every stream of the calling thread's device. */

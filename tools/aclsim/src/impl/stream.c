@@ -95,14 +95,15 @@ struct sim_stream *sim_stream_create(int32_t device)
     struct sim_stream *s = calloc(1, sizeof *s);
     if (s == NULL)
         return NULL;
+    struct sim_device *d = sim_device(device);
     s->device = device;
+    s->generation = d->generation;
     pthread_cond_init(&s->work, NULL);
     if (pthread_create(&s->worker, NULL, worker_main, s) != 0) {
         pthread_cond_destroy(&s->work);
         free(s);
         return NULL;
     }
-    struct sim_device *d = sim_device(device);
     s->next_on_device = d->streams;
     d->streams = s;
     return s;
@@ -170,6 +171,21 @@ void sim_stream_destroy(struct sim_stream *s)
         pthread_cond_wait(&sim_progress, &sim_lock);
     pthread_cond_destroy(&s->work);
     free(s);
+}
+
+/* One at a time, as destroying one releases the lock while its worker is
+ * joined. Meanwhile an aclrtSetDevice may give the device a new default
+ * stream: of the new generation, it is not the reset's to destroy (a reset
+ * that destroyed every stream left the device with a freed default stream). */
+void sim_device_destroy_old_streams(struct sim_device *d)
+{
+again:
+    for (struct sim_stream *s = d->streams; s != NULL; s = s->next_on_device) {
+        if (s->generation != d->generation) {
+            sim_stream_destroy(s);
+            goto again; /* the list may have changed while the lock was released */
+        }
+    }
 }
 
 /* Lock held. The tasks no worker has taken are dropped; the head, which

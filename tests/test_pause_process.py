@@ -12,13 +12,15 @@ import json
 import os
 import textwrap
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import SIM_LIB, compile_c, preload_env, run_python, sim_env
+from conftest import NPUALLOC_LIB, SIM_LIB, compile_c, preload_env, run_python, sim_env
 
 from npualloc._ffi import constants, ffi
 from npualloc.region import Region, reader_library
@@ -506,6 +508,7 @@ def test_exit_from_a_signal_handler_while_paused_ends_the_process():
 # Another thread paused inside npualloc, an executor destroy deferred behind
 # a queued op, then the main thread exits normally.
 PAUSED_EXIT = r"""
+#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -552,9 +555,35 @@ int main(int argc, char **argv)
     fflush(stdout);
     char line[16];
     if (!fgets(line, sizeof line, stdin)) return 5;
+    /* Under CLOCK_AHEAD_C only: the wall clock jumps as the exit begins. */
+    void (*clock_jump)(long) = (void (*)(long))dlsym(RTLD_DEFAULT, "clock_ahead_jump");
+    if (clock_jump)
+        clock_jump(24L * 3600);
     exit(0);
 }
 """
+
+
+def _exit_while_paused(prog: Path, env: dict[str, str]) -> None:
+    """Runs PAUSED_EXIT, pauses it, lets main exit: the exit must end by
+    itself, within a bound far above its own waits (a second a lock)."""
+    proc = subprocess.Popen([str(prog), str(SIM_LIB / "libacl_rt.so"), str(SIM_LIB / "libopapi.so"),
+                             str(SIM_LIB / "libnnopbase.so")], env=env, text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert "paused" in _cli("pause", str(proc.pid), "--timeout", "60").stdout
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the exit still waited after 60 s")
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_normal_exit_while_another_thread_is_paused_ends(tmp_path_factory):
@@ -563,18 +592,60 @@ def test_a_normal_exit_while_another_thread_is_paused_ends(tmp_path_factory):
     holds until a resume: the exit waited for good, and the region being
     gone by then, no resume could reach it. The exit now leaves deferred
     destroys to the runtime and waits for a device lock at most a second."""
+    _exit_while_paused(compile_c(tmp_path_factory, "paused_exit", PAUSED_EXIT), _env())
+
+
+# A preloaded clock_gettime whose CLOCK_REALTIME runs ahead of the kernel's
+# once clock_ahead_jump is called: to a reader of the clock that is the
+# wall clock stepped back (NTP, `date -s`) right after its read, so an
+# absolute realtime deadline it computes lies that far ahead in the
+# kernel's time. The kernel's own clock is read by syscall, which no
+# interposer sees.
+CLOCK_AHEAD_C = r"""
+#define _GNU_SOURCE
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static long ahead_s;
+
+void clock_ahead_jump(long seconds)
+{
+    __atomic_store_n(&ahead_s, seconds, __ATOMIC_RELAXED);
+}
+
+int clock_gettime(clockid_t clock, struct timespec *ts)
+{
+    int err = (int)syscall(SYS_clock_gettime, clock, ts);
+    if (err == 0 && clock == CLOCK_REALTIME)
+        ts->tv_sec += __atomic_load_n(&ahead_s, __ATOMIC_RELAXED);
+    return err;
+}
+"""
+
+
+def test_a_wall_clock_step_back_at_exit_does_not_stretch_its_wait(tmp_path_factory):
+    """The exit's bounded wait for the lock the paused thread holds (the
+    command lock, until the resume) was a realtime deadline: with the wall
+    clock stepped back a day as the exit began, it waited a day, not a
+    second. The wait is on the monotonic clock now."""
     prog = compile_c(tmp_path_factory, "paused_exit", PAUSED_EXIT)
-    proc = subprocess.Popen([str(prog), str(SIM_LIB / "libacl_rt.so"), str(SIM_LIB / "libopapi.so"),
-                             str(SIM_LIB / "libnnopbase.so")], env=_env(), text=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        assert "paused" in _cli("pause", str(proc.pid), "--timeout", "60").stdout
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        proc.wait(timeout=60)
-        assert proc.returncode == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    lib = prog.parent / "libclock_ahead.so"
+    (prog.parent / "clock_ahead.c").write_text(CLOCK_AHEAD_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(prog.parent / "clock_ahead.c")], check=True)
+    env = _env()
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{lib}"
+    _exit_while_paused(prog, env)
+
+
+def test_the_library_needs_no_pthread_mutex_clocklock_to_load():
+    """The monotonic wait is glibc 2.30's, and Ascend hosts run 2.28: the
+    library finds it at run time, never links against it, or it would not
+    load there at all."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("needs readelf")
+    symbols = subprocess.run([readelf, "--dyn-syms", "-W", str(NPUALLOC_LIB)], capture_output=True, text=True,
+                             check=True).stdout
+    assert " clock_gettime" in symbols  # the table is read: a symbol it does link
+    assert "pthread_mutex_clocklock" not in symbols

@@ -14,7 +14,7 @@
  *   saver.c     pausable allocations (npualloc.memory_saver): pause and resume
  *   pause.c     `npualloc pause <pid>`: the whole process paused until resume
  *   warn.c      once-only stderr warnings
- *   cancel.c    thread cancellation held off under our locks
+ *   cancel.c    thread cancellation held off under our locks; the exit's bounded lock wait
  *   pystack.c   Python stacks of recorded allocations (record_stacks:python)
  *
  * Lock order of libnpualloc.so, outermost first. A thread holding one of
@@ -148,8 +148,12 @@ static inline int npa_mutex_trylock(pthread_mutex_t *m)
 /* The exit's wait for a lock another thread holds (a command being
  * applied, a pause until its resume), and the most it waits: the exiting
  * thread itself may hold the lock, interrupted by a signal whose handler
- * calls exit, and would wait for good. 0 when taken. */
+ * calls exit, and would wait for good. 0 when taken. Whoever registers an
+ * exit handler that waits so calls npa_exit_wait_prepare first: it finds
+ * the C library's monotonic wait (a dlsym, never made at exit); without it
+ * the wait is on the wall clock. */
 #define NPA_EXIT_WAIT_MS 1000
+void npa_exit_wait_prepare(void);
 int npa_mutex_lock_at_exit(pthread_mutex_t *m);
 
 /* ---- realacl.c ------------------------------------------------------------ */

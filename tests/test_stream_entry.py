@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import cann_root_command, installed_python, mindtorch_env, preload_env, run_python
+from conftest import SIM_LIB, cann_root_command, compile_c, installed_python, mindtorch_env, preload_env, run_python
 
 PROGRAM = """
 import json, sys, time
@@ -491,6 +491,213 @@ def test_a_program_reset_of_the_kept_device_is_kept_again():
     """, preload_env())
     assert proc.stderr == ""
     assert json.loads(proc.stdout) == [[1, 0], 0, [0, 0], 0], proc.stdout
+
+
+# An interposer between npualloc and the runtime (preloaded after npualloc, so
+# its lookup of the runtime finds this first) that holds one call: once
+# armed, the named thread's first aclrtSetDevice, aclrtResetDeviceForce or
+# aclrtGetMemInfo on the device is held after the runtime's return until the
+# program releases it, or until the other thread named sleeps on a lock
+# outside the runtime's force reset (a /proc wchan in futex: it waits for the
+# held thread). That is the thread descheduled between the runtime's return
+# and what follows.
+HOLD_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { HOLD_SET = 1, HOLD_RESET, HOLD_MEM_INFO };
+static int armed, armed_device, held_tid, other_tid, held, released, resetting;
+
+static void nap(void)
+{
+    const struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+}
+
+void hold_arm(int call, int device, int held_thread, int other_thread)
+{
+    armed_device = device;
+    held_tid = held_thread;
+    other_tid = other_thread;
+    __atomic_store_n(&armed, call, __ATOMIC_RELEASE);
+}
+void hold_wait_held(void) { while (!__atomic_load_n(&held, __ATOMIC_ACQUIRE)) nap(); }
+void hold_release(void) { __atomic_store_n(&released, 1, __ATOMIC_RELEASE); }
+
+static int sleeps_on_a_lock(int tid)
+{
+    char path[64], wchan[64] = "";
+    snprintf(path, sizeof path, "/proc/self/task/%d/wchan", tid);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, wchan, sizeof wchan - 1);
+    close(fd);
+    return n > 0 && strstr(wchan, "futex") != NULL && !__atomic_load_n(&resetting, __ATOMIC_ACQUIRE);
+}
+
+static void hold_if_armed(int call, int device)
+{
+    int expected = call;
+    if (__atomic_load_n(&armed, __ATOMIC_ACQUIRE) != call || device != armed_device ||
+        (int)syscall(SYS_gettid) != held_tid ||
+        !__atomic_compare_exchange_n(&armed, &expected, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    __atomic_store_n(&held, 1, __ATOMIC_RELEASE);
+    while (!__atomic_load_n(&released, __ATOMIC_ACQUIRE) && !sleeps_on_a_lock(other_tid))
+        nap();
+}
+
+static void *sim(const char *name) { return dlsym(RTLD_DEFAULT, name); }
+
+int aclrtSetDevice(int device)
+{
+    int err = ((int (*)(int))sim("simrt_SetDevice"))(device);
+    hold_if_armed(HOLD_SET, device);
+    return err;
+}
+
+int aclrtResetDeviceForce(int device)
+{
+    __atomic_add_fetch(&resetting, 1, __ATOMIC_ACQ_REL);
+    int err = ((int (*)(int))sim("simrt_ResetDeviceForce"))(device);
+    __atomic_sub_fetch(&resetting, 1, __ATOMIC_ACQ_REL);
+    hold_if_armed(HOLD_RESET, device);
+    return err;
+}
+
+int aclrtGetMemInfo(int attr, size_t *free_bytes, size_t *total_bytes)
+{
+    int err = ((int (*)(int, size_t *, size_t *))sim("simrt_GetMemInfo"))(attr, free_bytes, total_bytes);
+    int device = -1;
+    ((int (*)(int *))sim("simrt_GetDevice"))(&device);
+    hold_if_armed(HOLD_MEM_INFO, device);
+    return err;
+}
+"""
+
+# Device 1 kept by a guard of the main thread, then the main thread's force
+# reset of it racing a second thread's use of it (both threads on device 0),
+# one call held as argv[2] says:
+#   reset: the main thread's force reset, after the runtime's release, until
+#          the second thread's guarded allocation on device 1 returned;
+#   set:   the second thread's guarded allocation, in its aclrtSetDevice of
+#          device 1, until the main thread's force reset returned; a guard
+#          of the main thread's follows;
+#   switch: the second thread's npualloc_mem_get_info of device 1, in the
+#          runtime's, until the main thread reset the device and a guard of
+#          its own kept it again.
+# The device must hold a reference afterwards, whoever's guard kept it.
+FORCE_RESET_RACE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { HOLD_SET = 1, HOLD_RESET, HOLD_MEM_INFO };
+/* Every function from the global scope: a lookup through the runtime's
+ * handle would hand npualloc the runtime's own, past the interposer. */
+#define FN(name) ((int (*)())dlsym(RTLD_DEFAULT, name))
+#define HOLD(name) ((void (*)(void))dlsym(RTLD_DEFAULT, name))
+static int (*guarded_alloc)(void **, size_t, int, void *);
+static pthread_barrier_t started;
+static int mode, second_tid, second_err = -1;
+
+static void *second_thread(void *block)
+{
+    FN("aclrtSetDevice")(0);
+    second_tid = (int)syscall(SYS_gettid);
+    pthread_barrier_wait(&started); /* the main thread arms the hold */
+    pthread_barrier_wait(&started);
+    if (mode == HOLD_RESET) {
+        HOLD("hold_wait_held")(); /* the runtime released device 1 */
+        second_err = guarded_alloc(block, 4096, 1, NULL);
+        HOLD("hold_release")();
+    } else if (mode == HOLD_SET) {
+        second_err = guarded_alloc(block, 4096, 1, NULL);
+    } else {
+        size_t free_bytes, total_bytes;
+        second_err = FN("npualloc_mem_get_info")(1, &free_bytes, &total_bytes);
+    }
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 3 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL))
+        return 2;
+    mode = !strcmp(argv[2], "set") ? HOLD_SET : !strcmp(argv[2], "reset") ? HOLD_RESET : HOLD_MEM_INFO;
+    guarded_alloc = (int (*)(void **, size_t, int, void *))FN("npualloc_caching_allocator_alloc");
+    if (FN("aclInit")(NULL) || FN("aclrtSetDevice")(0))
+        return 3;
+    void *first = NULL, *second = NULL, *third = NULL;
+    if (guarded_alloc(&first, 4096, 1, NULL))
+        return 4;
+    pthread_barrier_init(&started, NULL, 2);
+    pthread_t t;
+    pthread_create(&t, NULL, second_thread, &second);
+    pthread_barrier_wait(&started);
+    int main_tid = (int)syscall(SYS_gettid);
+    void (*arm)(int, int, int, int) = (void (*)(int, int, int, int))dlsym(RTLD_DEFAULT, "hold_arm");
+    if (mode == HOLD_RESET)
+        arm(mode, 1, main_tid, second_tid);
+    else
+        arm(mode, 1, second_tid, main_tid);
+    pthread_barrier_wait(&started);
+    if (mode != HOLD_RESET)
+        HOLD("hold_wait_held")(); /* the second thread holds a reference on device 1 */
+    int reset = FN("aclrtResetDeviceForce")(1);
+    if (mode == HOLD_SET) {
+        HOLD("hold_release")();
+        pthread_join(t, NULL);
+    }
+    int third_err = mode == HOLD_RESET ? 0 : guarded_alloc(&third, 4096, 1, NULL);
+    if (mode == HOLD_MEM_INFO)
+        HOLD("hold_release")();
+    if (mode != HOLD_SET)
+        pthread_join(t, NULL);
+    printf("%d %d %d %d\n", reset, second_err, third_err, FN("aclrtResetDeviceForce")(1));
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("held", ["reset", "set", "switch"])
+def test_a_force_reset_racing_a_guard_leaves_the_device_a_reference(tmp_path_factory, held):
+    """aclrtResetDeviceForce on one thread, device 1 in use on another, and
+    afterwards a force reset found no reference on device 1 (107000), where
+    a guard's block lives. reset: a guard's aclrtSetDevice came just after
+    the runtime's release and found the kept record not yet cleared, so it
+    paired it with an aclrtResetDevice, dropping the only reference under
+    the block it had just allocated. set: the guard's aclrtSetDevice came
+    before the release, and the guard found the record cleared by then and
+    kept the reference the reset had dropped; the next guard took the record
+    for its own and reset. switch: a device switch of npualloc's (mem info
+    here) took its reference before the reset and dropped one after, the
+    one a guard had kept since. A guard's aclrtSetDevice with its decision
+    to keep, a switch's aclrtSetDevice or aclrtResetDevice and a force reset
+    with the record's update are each one step now, and a switch whose
+    reference a force reset dropped does not reset again."""
+    prog = compile_c(tmp_path_factory, "force_reset_race", FORCE_RESET_RACE)
+    shim = prog.parent / "libhold.so"
+    (prog.parent / "hold.c").write_text(HOLD_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "hold.c")], check=True)
+    env = preload_env()
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), held], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.split() == ["0", "0", "0", "0"], proc.stdout
 
 
 def test_caching_allocator_with_the_cache_off():

@@ -56,8 +56,32 @@ void npa_device_forget_current(void)
  * every SetDevice we make is matched by a ResetDevice: the borrowed device's
  * count ends where it was, and the way back to the previous device is a
  * SetDevice+ResetDevice pair on it, which leaves it current (it was current,
- * so its count stays above zero). */
-aclError npa_device_enter(int device, npa_devswitch *s)
+ * so its count stays above zero).
+ *
+ * aclrtResetDeviceForce drops every reference, ours included, whatever the
+ * count, and another thread may call it at any time. So each runtime call
+ * of ours that takes or drops a reference runs under ref_lock together with
+ * its record, and so does a force reset with its update of the record (one
+ * order for all: lock, runtime call, record): a force reset cannot fall
+ * between a guard's aclrtSetDevice and its decision to keep that reference
+ * (which kept a reference the reset had dropped, or reset the one it had
+ * just taken after the reset, tearing the device down under its new
+ * block), and a switch whose reference a force reset dropped does not
+ * reset again (it would drop a reference taken since, a kept one perhaps).
+ * A plain reset drops one reference, which the counts absorb in any order.
+ * Lock order (hook.h): innermost; under it only the runtime. */
+static pthread_mutex_t ref_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Devices a guard set and kept its reference on (bit per device). */
+static unsigned devices_kept;                       /* ref_lock */
+static unsigned force_resets[NPUALLOC_MAX_DEVICES]; /* ref_lock: successful ones per device */
+
+static unsigned force_resets_of(int device)
+{
+    return device >= 0 && device < NPUALLOC_MAX_DEVICES ? force_resets[device] : 0;
+}
+
+/* keep_first: the guard's; the first into a device keeps its reference. */
+static aclError enter(int device, npa_devswitch *s, bool keep_first)
 {
     /* Until the leave: what follows calls the runtime, often under a device
      * lock (hook.h's npa_cancel_off). */
@@ -69,12 +93,29 @@ aclError npa_device_enter(int device, npa_devswitch *s)
     if (s->prev == device)
         return ACL_SUCCESS;
     __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
-    aclError err = set != NULL ? set(device) : npa_no_runtime_error(NPA_FN_aclrtSetDevice);
-    if (err == ACL_SUCCESS)
-        s->switched = 1;
-    else
+    if (set == NULL) {
         npa_cancel_on(); /* no leave follows a failed enter */
+        return npa_no_runtime_error(NPA_FN_aclrtSetDevice);
+    }
+    npa_mutex_lock(&ref_lock);
+    aclError err = set(device);
+    if (err == ACL_SUCCESS) {
+        s->switched = 1;
+        s->force_resets = force_resets_of(device);
+        if (keep_first && !(devices_kept & (1u << device))) {
+            devices_kept |= 1u << device;
+            s->keep = 1;
+        }
+    }
+    npa_mutex_unlock(&ref_lock);
+    if (err != ACL_SUCCESS)
+        npa_cancel_on();
     return err;
+}
+
+aclError npa_device_enter(int device, npa_devswitch *s)
+{
+    return enter(device, s, false);
 }
 
 void npa_device_leave(npa_devswitch *s)
@@ -82,23 +123,22 @@ void npa_device_leave(npa_devswitch *s)
     if (s->switched) {
         __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
         __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
-        if (!s->keep)
+        npa_mutex_lock(&ref_lock);
+        if (!s->keep && force_resets_of(s->device) == s->force_resets)
             reset(s->device);
         if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS)
             reset(s->prev);
+        npa_mutex_unlock(&ref_lock);
     }
     npa_cancel_on();
 }
 
-/* Devices a guard set and kept its reference on (bit per device). */
-static atomic_uint devices_kept;
-
 aclError npa_device_guard_enter(int device, npa_device_guard *g)
 {
-    aclError err = npa_device_enter(device, &g->sw);
+    aclError err = enter(device, &g->sw, true);
     if (err != ACL_SUCCESS)
         return err;
-    g->prev_record = npa_tls_device; /* what npa_device_enter found: the previous device, or -1 */
+    g->prev_record = npa_tls_device; /* what enter found: the previous device, or -1 */
     npa_device_set_current(device);
     return ACL_SUCCESS;
 }
@@ -106,16 +146,33 @@ aclError npa_device_guard_enter(int device, npa_device_guard *g)
 void npa_device_guard_leave(npa_device_guard *g)
 {
     npa_tls_device = g->prev_record;
-    unsigned bit = 1u << g->sw.device;
-    /* One guard keeps the device's reference, the first: fetch_or tells
-     * which, so two racing first guards do not both keep one. */
-    if (g->sw.switched && !(atomic_fetch_or_explicit(&devices_kept, bit, memory_order_relaxed) & bit))
-        g->sw.keep = 1;
     npa_device_leave(&g->sw);
 }
 
-void npa_device_kept_released(int device)
+aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force)
 {
-    if (device >= 0 && device < NPUALLOC_MAX_DEVICES)
-        atomic_fetch_and_explicit(&devices_kept, ~(1u << device), memory_order_relaxed);
+    /* Only a force reset holds the lock across the runtime's call: a plain
+     * one (a device's last reference can take long to tear down) need not. */
+    if (force)
+        npa_mutex_lock(&ref_lock);
+    aclError err = real(device);
+    if (!force)
+        npa_mutex_lock(&ref_lock);
+    if (err == ACL_SUCCESS && device >= 0 && device < NPUALLOC_MAX_DEVICES) {
+        devices_kept &= ~(1u << device);
+        if (force)
+            force_resets[device]++;
+    }
+    npa_mutex_unlock(&ref_lock);
+    return err;
+}
+
+void npa_device_lock_for_fork(void)
+{
+    npa_mutex_lock(&ref_lock);
+}
+
+void npa_device_unlock_after_fork(void)
+{
+    npa_mutex_unlock(&ref_lock);
 }

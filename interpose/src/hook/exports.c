@@ -319,16 +319,10 @@ static aclError reset_device(aclError (*real)(int32_t), enum npa_fn fn, int32_t 
         return npa_no_runtime_error(fn);
     if (!npa_hook_disabled())
         npa_hook_before_reset(deviceId);
-    aclError err = real(deviceId);
+    aclError err = npa_device_reset(real, deviceId, fn == NPA_FN_aclrtResetDeviceForce);
     /* The device may or may not still be current (SetDevice is counted): ask
      * the runtime again on this thread's next allocation. */
     npa_device_forget_current();
-    /* The reset may have dropped the reference a guard kept (a thread left
-     * on the kept device resetting it): the next guard into the device keeps
-     * one again. At worst the device then holds one reference more, kept
-     * initialised until a force reset, never one fewer. */
-    if (err == ACL_SUCCESS)
-        npa_device_kept_released(deviceId);
     return err;
 }
 

@@ -73,10 +73,15 @@
  *   8. the region's create lock (region.c g_create_lock): under it only
  *      warn.c's seen_lock (a region directory taken by another user is
  *      warned about while the region is created), a leaf that takes nothing.
+ *   9. ref_lock (device.c): our aclrtSetDevice/aclrtResetDevice calls with
+ *      the guard's record of a kept reference, and the program's
+ *      aclrtResetDeviceForce with its update of the record (taken with
+ *      none of ours held); taken under any of the others (the core's
+ *      switches of device run under many), and under it only the runtime.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
- * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 7b and seen_lock, in
- * that order, so no thread is inside those sections when the address space is
+ * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 7b, seen_lock and 9,
+ * in that order, so no thread is inside those sections when the address space is
  * copied (a fork during `npualloc pause` waits for the resume, 6b being
  * held); it leaves out 3, 4, 5 and g_create_lock, which the child never
  * takes from the parent's state (it builds a new allocator, and region.c
@@ -248,6 +253,7 @@ unsigned npa_devices_seen(void);
  * keep: the leave leaves the device's reference in place (a guard's). */
 typedef struct npa_devswitch {
     int device, prev, switched, keep;
+    unsigned force_resets; /* the device's, when the switch took its reference */
 } npa_devswitch;
 aclError npa_device_enter(int device, npa_devswitch *s);
 void npa_device_leave(npa_devswitch *s);
@@ -258,18 +264,24 @@ void npa_device_leave(npa_devswitch *s);
  * under it outlives it, and the reset that drops a device's last reference
  * tears the device down with its memory, so the first guard into each device
  * keeps the reference its enter took, as torch_npu's guard initialises a
- * device for the rest of the run; npa_device_kept_released forgets that
- * after any reset of the device (a force reset releases it whatever its
- * count; a plain one may have dropped the kept reference), so the next
- * guard keeps one again. A thread that had no device keeps the kept one
- * current. */
+ * device for the rest of the run, until a reset of the device: then the
+ * next guard keeps one again. A thread that had no device keeps the kept
+ * one current. */
 typedef struct npa_device_guard {
     npa_devswitch sw;
     int prev_record;
 } npa_device_guard;
 aclError npa_device_guard_enter(int device, npa_device_guard *g);
 void npa_device_guard_leave(npa_device_guard *g);
-void npa_device_kept_released(int device);
+/* The program's aclrtResetDevice (force 0) or aclrtResetDeviceForce, real
+ * being the runtime's, with the guard's record: any successful reset
+ * forgets the kept reference (a force reset drops it whatever the count; a
+ * plain one may have: a thread left on the kept device resetting it), so
+ * the next guard keeps one again; at worst the device then holds one
+ * reference more, kept initialised until a force reset, never one fewer. */
+aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force);
+void npa_device_lock_for_fork(void);
+void npa_device_unlock_after_fork(void);
 
 /* ---- streams.c ------------------------------------------------------------ */
 

@@ -515,10 +515,12 @@ static void fork_prepare(void)
     npa_realacl_lock_for_fork();
     npa_pystack_lock_for_fork();
     npa_warn_lock_for_fork();
+    npa_device_lock_for_fork();
 }
 
 static void fork_parent(void)
 {
+    npa_device_unlock_after_fork();
     npa_warn_unlock_after_fork();
     npa_pystack_unlock_after_fork();
     npa_realacl_unlock_after_fork();

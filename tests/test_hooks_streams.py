@@ -372,6 +372,42 @@ def test_fences_stop_recording_on_streams_a_last_reset_took_down():
     assert out["invalid"] == 0
 
 
+# One event refused by a live stream for a reason of the moment (500000,
+# ACL_ERROR_INTERNAL_ERROR), between two rounds of 1000 plain pairs under
+# reuse_policy:safe, and a third round after them.
+FENCES_AFTER_ONE_REFUSAL = """
+import acl, json
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+stream, ret = acl.rt.create_stream(); assert ret == 0
+def fenced_pairs():
+    before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
+    for _ in range(1000):
+        ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
+        assert acl.rt.free(ptr) == 0
+    return {api: aclsim.call_count(api) - n for api, n in before.items()}
+rounds = [fenced_pairs()]
+aclsim.fail_next_calls("aclrtRecordEvent", 1, 500000)
+rounds += [fenced_pairs(), fenced_pairs()]
+print(json.dumps({"rounds": rounds, "invalid": aclsim.invalid_accesses()}))
+"""
+
+
+def test_a_refusal_of_the_moment_costs_one_synchronize_not_every_fence():
+    """Only a refusal naming the stream unknown (a stream the runtime took
+    down) makes the device's fences synchronize for good: one that says the
+    event could not be taken this time made every later fence of the run
+    synchronize (8 in each round of 1000 pairs, for the rest of the run)."""
+    proc = run_python(FENCES_AFTER_ONE_REFUSAL, preload_env(PYTORCH_NPU_ALLOC_CONF="reuse_policy:safe"))
+    assert proc.stderr == ""
+    out = json.loads(proc.stdout)
+    before, refused, after = out["rounds"]
+    assert before["aclrtSynchronizeDevice"] == 0 and before["aclrtRecordEvent"] > 0
+    assert refused["aclrtSynchronizeDevice"] == 1  # the fence whose event was refused
+    assert after["aclrtSynchronizeDevice"] == 0 and after["aclrtRecordEvent"] > 0  # fenced by events again
+    assert out["invalid"] == 0
+
+
 DROPPED_FENCE = """
 import acl, json
 from aclsim import aclsim

@@ -43,17 +43,17 @@ typedef struct dev_streams {
      * may still use blocks freed meanwhile, so while one is dying a fence
      * over the device's streams synchronizes instead, which waits for it. */
     int dying;
-    /* A tracked stream refused an event: the runtime took it down without
-     * a destroy we saw (the reset that dropped the device's last reference,
-     * or its last context's destroy, which we cannot tell from one that did
-     * not), or it is of a kind we cannot fence. Either way only a
-     * synchronize covers its work, so from then on every fence over the
-     * device synchronizes, and its streams are no longer tracked: kept, a
-     * program whose threads each made a stream and reset the device at its
-     * end grew the list by one dead stream a step, and each fence tried an
-     * event on every one of them (a probe's 8 fences a step made 12,412
-     * event records a step between its steps 1,100 and 2,000).
-     * Until the device is released for certain (aclrtResetDeviceForce).
+    /* A tracked stream refused an event as a handle the runtime does not
+     * know (unknown_stream): the runtime took it down without a destroy we
+     * saw (the reset that dropped the device's last reference, or its last
+     * context's destroy, which we cannot tell from one that did not), or it
+     * is of a kind we cannot fence. Either way only a synchronize covers
+     * its work, so from then on every fence over the device synchronizes,
+     * and its streams are no longer tracked: kept, a program whose threads
+     * each made a stream and reset the device at its end grew the list by
+     * one dead stream a step, and each fence tried an event on every one
+     * of them (a probe's 8 fences a step made 12,412 event records a step
+     * between its steps 1,100 and 2,000). Until the device is released for certain (aclrtResetDeviceForce).
      * untracked: its streams counted in live_streams meanwhile; a destroy
      * of one cannot tell its device, so they stay counted (the auto policy
      * fences) until that release. */
@@ -230,6 +230,17 @@ static void give_event(dev_streams *d, aclrtEvent ev)
     }
 }
 
+/* Whether a record's error says the runtime does not know the stream (nor
+ * any work on it) rather than that it could not take the event this time:
+ * only that makes a device unfenceable. Any other refusal (out of memory,
+ * an internal error) costs the fence it happened in a synchronize and the
+ * stream stays tracked: made unfenceable by one, a device's fences
+ * synchronized for the rest of the run. */
+static bool unknown_stream(aclError err)
+{
+    return err == ACL_ERROR_RT_PARAM_INVALID || err == ACL_ERROR_INVALID_RESOURCE_HANDLE;
+}
+
 /* One event on each of the count streams named, or (streams NULL) on every
  * live stream of the device and its default stream: see hook.h. */
 static aclError record_fence(int device, const uintptr_t *streams, size_t count, void **fence)
@@ -271,17 +282,17 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
                                  : i < d->nstreams ? d->streams[i]
                                                    : NULL; /* NULL: the default stream */
             aclrtEvent ev = take_event(d);
-            if (ev != NULL && record(ev, stream) == ACL_SUCCESS) {
+            aclError outcome = ev != NULL ? record(ev, stream) : ACL_ERROR_BAD_ALLOC;
+            if (outcome == ACL_SUCCESS) {
                 fence_slot *slot = &f->slots[f->count++];
                 slot->event = ev;
                 slot->stream = stream;
                 atomic_init(&slot->settled, false);
             } else {
-                if (ev != NULL) {
+                if (ev != NULL)
                     give_event(d, ev);
-                    if (streams == NULL && i < d->nstreams)
-                        d->unfenceable = true;
-                }
+                if (streams == NULL && i < d->nstreams && unknown_stream(outcome))
+                    d->unfenceable = true;
                 complete = 0;
             }
         }

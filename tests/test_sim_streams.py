@@ -236,3 +236,39 @@ def test_a_forced_reset_releases_the_device_whatever_its_count():
         ok(acl.rt.reset_device(0))                               # counted afresh: one reference, one reset
         assert acl.rt.get_device()[1] == 107002
     """)
+
+
+def test_the_streams_a_reset_has_yet_to_destroy_are_no_callers():
+    """A reset destroys the device's streams one at a time, each once its
+    work drained. An aclrtSetDevice meanwhile, in another thread, starts the
+    device again; the streams the reset has still to destroy are of the
+    ended device, refused (107000) as once destroyed: they took work, and
+    a destroy, from the new context."""
+    sim("""
+        import threading
+        busy, other = acl.rt.create_event(), acl.rt.create_event()
+        busy, other = busy[0], other[0]
+        def attempt(duration_us):
+            a = dev(256)
+            later, ret = acl.rt.create_stream(); ok(ret)         # destroyed after the busy one (newest first)
+            s, ret = acl.rt.create_stream(); ok(ret)
+            aclsim.set_op_duration_us(duration_us)
+            fill(a, 256, 7, s)
+            ok(acl.rt.record_event(busy, s))
+            results = []
+            resetter = threading.Thread(target=lambda: results.append(acl.rt.reset_device_force(0)))
+            resetter.start()
+            while acl.rt.get_device()[1] == 0:
+                pass                                             # until the reset has ended this context
+            ok(acl.rt.set_device(0))                             # the device started again
+            refused = [acl.rt.record_event(other, later), acl.rt.destroy_stream(later)]
+            queued = still_queued(busy)                          # the reset was still draining s: later was listed
+            resetter.join()
+            assert results == [0]
+            assert refused == [107000, 107000], refused
+            assert acl.rt.query_event_status(other) == COMPLETE   # never recorded
+            ok(acl.rt.free(a))
+            return queued
+        while_queued(attempt)
+        assert aclsim.invalid_accesses() == 0
+    """)

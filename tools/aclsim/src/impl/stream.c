@@ -225,13 +225,16 @@ void sim_streams_forget_after_fork(void)
 }
 
 /* Lock held. Whether handle is a live stream (handles are checked against
- * the live set so a destroyed stream is an error, not a wild pointer). */
+ * the live set so a destroyed stream is an error, not a wild pointer). One
+ * of an earlier generation of its device is a reset's, which has yet to
+ * destroy it: no caller's, as once destroyed (accepted, it took work from a
+ * context the device started meanwhile, and a destroy the reset's own). */
 static int is_live_stream(const struct sim_stream *handle)
 {
     for (int32_t id = 0; id < sim_config()->device_count; id++)
         for (const struct sim_stream *s = sim_device(id)->streams; s != NULL; s = s->next_on_device)
             if (s == handle)
-                return 1;
+                return s->generation == sim_device(id)->generation;
     return 0;
 }
 

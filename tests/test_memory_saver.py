@@ -519,3 +519,24 @@ def test_a_forked_child_counts_only_its_own_thread_in_a_region():
         done.set(); ended(waiting)
         assert threads_in_regions() == 0
     """)
+
+
+def test_a_child_forked_before_the_first_allocation_counts_no_thread_of_the_parent():
+    # npualloc's fork handlers were registered at the process's first
+    # allocation (or stream): a thread that entered a region before it
+    # stayed counted in a child forked meanwhile, for the child's life.
+    counting("""
+        inside, done = threading.Event(), threading.Event()
+        def stay():
+            assert lib.npualloc_saver_region(b"w", 0) == 0
+            inside.set(); done.wait()
+        waiting = threading.Thread(target=stay, daemon=True); waiting.start(); inside.wait()
+        assert threads_in_regions() == 1
+        pid = os.fork()
+        if pid == 0:
+            os._exit(threads_in_regions())
+        counted = os.waitpid(pid, 0)[1] >> 8
+        assert counted == 0, f"the child counted {counted} thread(s) of the parent"
+        done.set(); ended(waiting)
+        assert threads_in_regions() == 0
+    """)

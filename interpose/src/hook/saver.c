@@ -256,9 +256,27 @@ static void region_thread_ended(void *inside)
     leave_region();
 }
 
+/* In a forked child: the parent's other threads inside regions are not the
+ * child's, and counted they would keep its allocations off the hit path for
+ * its whole life; the forking thread alone is counted, as its region stays.
+ * Registered at the process's first region rather than with the hook's
+ * fork handlers, which wait for its first allocation (registered with
+ * them, the at-exit release runs before the runtime's own teardown, which
+ * aclInit registers): a child forked between the two counted the parent's
+ * threads. Should the registration be refused (out of memory), such a
+ * child loses only speed. */
+static void count_only_this_thread(void)
+{
+    unsigned others = atomic_load_explicit(&npa_entry_work, memory_order_relaxed) & ~(NPA_WORK_SAVER_REGION - 1);
+    if (npa_saver_region >= 0)
+        others -= NPA_WORK_SAVER_REGION;
+    atomic_fetch_sub_explicit(&npa_entry_work, others, memory_order_relaxed);
+}
+
 static void make_region_key(void)
 {
     region_key_made = pthread_key_create(&region_key, region_thread_ended) == 0;
+    pthread_atfork(NULL, NULL, count_only_this_thread);
 }
 
 NPA_EXPORT int npualloc_saver_region(const char *tag, int enable_cpu_backup)
@@ -498,13 +516,8 @@ void npa_saver_forget_after_fork(void)
      * pauses or frees them (a free of one is passed to the runtime, like
      * any pointer npualloc did not make here). Their records and backups
      * are the child's copies: dropped. The forking thread's region stays,
-     * for the child's allocations, and it alone is counted: the parent's
-     * other threads inside regions are not the child's, and counted they
-     * would keep its allocations off the hit path for its whole life. */
-    unsigned others = atomic_load_explicit(&npa_entry_work, memory_order_relaxed) & ~(NPA_WORK_SAVER_REGION - 1);
-    if (npa_saver_region >= 0)
-        others -= NPA_WORK_SAVER_REGION;
-    atomic_fetch_sub_explicit(&npa_entry_work, others, memory_order_relaxed);
+     * for the child's allocations (the threads counted in regions:
+     * count_only_this_thread). */
     memset(used, 0, sizeof used);
     while (blocks) {
         saver_block *b = blocks;

@@ -700,6 +700,435 @@ def test_a_force_reset_racing_a_guard_leaves_the_device_a_reference(tmp_path_fac
     assert proc.stdout.split() == ["0", "0", "0", "0"], proc.stdout
 
 
+# The runtime's reset drains the device's streams before it releases the
+# device, and a stream's host callback (aclrtLaunchCallback, run by the
+# thread that aclrtSubscribeReport named, in its aclrtProcessReport) is work
+# it waits for. This interposer is such a runtime: once armed, its
+# aclrtResetDeviceForce hands the callback to the report thread and waits
+# until the callback has returned, or until the report thread sleeps in a
+# futex wait on a word of libnpualloc.so's (/proc's syscall and its first
+# argument: a lock of npualloc's, held by the thread that waits for it; a
+# wait on any other, the simulator's, a thread start, is not that), and
+# only then releases the device.
+DRAIN_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static void (*armed)(void), (*posted)(void);
+static int report_tid, done, outcome;
+
+static void nap(void)
+{
+    const struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+}
+
+void drain_arm(int tid, void (*callback)(void))
+{
+    report_tid = tid;
+    __atomic_store_n(&armed, callback, __ATOMIC_RELEASE);
+}
+
+/* The report thread's aclrtProcessReport: runs the one callback posted. */
+void drain_process_report(void)
+{
+    void (*callback)(void);
+    while ((callback = __atomic_load_n(&posted, __ATOMIC_ACQUIRE)) == NULL)
+        nap();
+    callback();
+    __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+}
+
+/* 1: the callback returned while the reset waited; 2: its thread slept on a lock. */
+int drain_outcome(void) { return __atomic_load_n(&outcome, __ATOMIC_ACQUIRE); }
+
+static int waits_for_npualloc(int tid)
+{
+    char path[64], text[128] = "";
+    snprintf(path, sizeof path, "/proc/self/task/%d/syscall", tid);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, text, sizeof text - 1);
+    close(fd);
+    char *word;
+    Dl_info in;
+    return n > 0 && strtol(text, &word, 10) == SYS_futex &&
+           dladdr((void *)strtoull(word, NULL, 16), &in) && in.dli_fname != NULL &&
+           strstr(in.dli_fname, "libnpualloc") != NULL;
+}
+
+int aclrtResetDeviceForce(int device)
+{
+    void (*callback)(void) = __atomic_exchange_n(&armed, NULL, __ATOMIC_ACQ_REL);
+    if (callback != NULL) {
+        __atomic_store_n(&posted, callback, __ATOMIC_RELEASE);
+        int seen = 0;
+        while (!seen) {
+            if (__atomic_load_n(&done, __ATOMIC_ACQUIRE))
+                seen = 1;
+            else if (waits_for_npualloc(report_tid))
+                seen = 2;
+            else
+                nap();
+        }
+        __atomic_store_n(&outcome, seen, __ATOMIC_RELEASE);
+    }
+    return ((int (*)(int))dlsym(RTLD_DEFAULT, "simrt_ResetDeviceForce"))(device);
+}
+"""
+
+# Device 1 kept by a guard of the main thread (device 0), then its force
+# reset with a callback pending on one of its streams, which the report
+# thread (device 0 current) runs: argv[2] says what the callback does,
+#   guard:  a guarded allocation on device 1, the device being reset;
+#   switch: npualloc_mem_get_info of device 2, a device switch of npualloc's.
+DRAIN_PROGRAM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define FN(name) ((int (*)())dlsym(RTLD_DEFAULT, name))
+static int (*guarded_alloc)(void **, size_t, int, void *);
+static int (*mem_get_info)(int, size_t *, size_t *);
+static void (*process_report)(void);
+static pthread_barrier_t started;
+static int guard, report_tid, callback_err = -1;
+
+static void stream_callback(void)
+{
+    void *block = NULL;
+    size_t free_bytes, total_bytes;
+    callback_err = guard ? guarded_alloc(&block, 4096, 1, NULL) : mem_get_info(2, &free_bytes, &total_bytes);
+}
+
+static void *report_thread(void *unused)
+{
+    (void)unused;
+    if (FN("aclrtSetDevice")(0))
+        return NULL;
+    report_tid = (int)syscall(SYS_gettid);
+    pthread_barrier_wait(&started);
+    process_report();
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 3 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL))
+        return 2;
+    guard = !strcmp(argv[2], "guard");
+    guarded_alloc = (int (*)(void **, size_t, int, void *))FN("npualloc_caching_allocator_alloc");
+    mem_get_info = (int (*)(int, size_t *, size_t *))FN("npualloc_mem_get_info");
+    process_report = (void (*)(void))dlsym(RTLD_DEFAULT, "drain_process_report");
+    void *first = NULL;
+    if (FN("aclInit")(NULL) || FN("aclrtSetDevice")(0) || guarded_alloc(&first, 4096, 1, NULL))
+        return 3;
+    pthread_barrier_init(&started, NULL, 2);
+    pthread_t t;
+    pthread_create(&t, NULL, report_thread, NULL);
+    pthread_barrier_wait(&started);
+    ((void (*)(int, void (*)(void)))dlsym(RTLD_DEFAULT, "drain_arm"))(report_tid, stream_callback);
+    int reset = FN("aclrtResetDeviceForce")(1);
+    pthread_join(t, NULL);
+    printf("%d %d %d\n", reset, callback_err, FN("drain_outcome")());
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("callback", ["guard", "switch"])
+def test_a_force_reset_waits_for_a_callback_that_switches_devices(tmp_path_factory, callback):
+    """A force reset waits for its device's streams, a host callback on one
+    of them included, and the callback may call npualloc: a guarded
+    allocation, a free or a query that switches devices. The force reset
+    held ref_lock across the runtime's call, which every switch of ours
+    takes: the callback waited for the lock and the reset for the callback,
+    for good. Only the record's updates are under the lock now."""
+    prog = compile_c(tmp_path_factory, "force_reset_drain", DRAIN_PROGRAM)
+    shim = prog.parent / "libdrain.so"
+    (prog.parent / "drain.c").write_text(DRAIN_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "drain.c")], check=True)
+    env = preload_env()
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), callback], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    # The reset, the callback's call, and the callback's end before the release.
+    assert proc.stdout.split() == ["0", "0", "1"], proc.stdout
+
+
+# An interposer that puts a force reset of device 1 between the two calls
+# of a switch's way back to device 1 (its aclrtSetDevice and
+# aclrtResetDevice), with another thread's aclrtSetDevice of device 1 after
+# the release: once armed, the switching thread's aclrtGetMemInfo waits for
+# the force reset to begin, its aclrtSetDevice of device 1 then waits for
+# the other thread's, and the first force reset releases the device only
+# while that aclrtSetDevice waits.
+SWITCH_BACK_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+enum { BEGUN = 1, SWITCHING_BACK, RELEASED, OTHER_SET };
+static int armed, reset_armed, switching_tid, stage;
+
+static void nap(void)
+{
+    const struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+}
+
+void back_arm(int tid)
+{
+    switching_tid = tid;
+    __atomic_store_n(&reset_armed, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&armed, 1, __ATOMIC_RELEASE);
+}
+void back_wait(int until) { while (__atomic_load_n(&stage, __ATOMIC_ACQUIRE) < until) nap(); }
+void back_reach(int reached) { __atomic_store_n(&stage, reached, __ATOMIC_RELEASE); }
+
+static int on_switching_thread(void)
+{
+    return __atomic_load_n(&armed, __ATOMIC_ACQUIRE) && (int)syscall(SYS_gettid) == switching_tid;
+}
+
+static void *sim(const char *name) { return dlsym(RTLD_DEFAULT, name); }
+
+int aclrtGetMemInfo(int attr, size_t *free_bytes, size_t *total_bytes)
+{
+    if (on_switching_thread())
+        back_wait(BEGUN);
+    return ((int (*)(int, size_t *, size_t *))sim("simrt_GetMemInfo"))(attr, free_bytes, total_bytes);
+}
+
+int aclrtSetDevice(int device)
+{
+    int err = ((int (*)(int))sim("simrt_SetDevice"))(device);
+    if (device == 1 && on_switching_thread() && __atomic_load_n(&stage, __ATOMIC_ACQUIRE) == BEGUN) {
+        back_reach(SWITCHING_BACK);
+        back_wait(OTHER_SET);
+    }
+    return err;
+}
+
+int aclrtResetDeviceForce(int device)
+{
+    int held = __atomic_exchange_n(&reset_armed, 0, __ATOMIC_ACQ_REL);
+    if (held) {
+        back_reach(BEGUN);
+        back_wait(SWITCHING_BACK);
+    }
+    int err = ((int (*)(int))sim("simrt_ResetDeviceForce"))(device);
+    if (held)
+        back_reach(RELEASED);
+    return err;
+}
+"""
+
+# The switching thread has device 1 current and asks npualloc_mem_get_info
+# of device 2; the main thread force-resets device 1; a third thread sets
+# device 1 once it is released. Printed: the force reset's result, the mem
+# info's, and a force reset's afterwards (the third thread's reference).
+SWITCH_BACK_PROGRAM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { BEGUN = 1, SWITCHING_BACK, RELEASED, OTHER_SET };
+#define FN(name) ((int (*)())dlsym(RTLD_DEFAULT, name))
+static void (*back_wait)(int), (*back_reach)(int);
+static pthread_barrier_t started;
+static int switching_tid, info_err = -1, other_err = -1;
+
+static void *switching_thread(void *unused)
+{
+    (void)unused;
+    size_t free_bytes, total_bytes;
+    if (FN("aclrtSetDevice")(1))
+        return NULL;
+    switching_tid = (int)syscall(SYS_gettid);
+    pthread_barrier_wait(&started); /* the main thread arms the interposer */
+    pthread_barrier_wait(&started);
+    info_err = FN("npualloc_mem_get_info")(2, &free_bytes, &total_bytes);
+    return NULL;
+}
+
+static void *other_thread(void *unused)
+{
+    (void)unused;
+    back_wait(RELEASED);
+    other_err = FN("aclrtSetDevice")(1);
+    back_reach(OTHER_SET);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL))
+        return 2;
+    back_wait = (void (*)(int))dlsym(RTLD_DEFAULT, "back_wait");
+    back_reach = (void (*)(int))dlsym(RTLD_DEFAULT, "back_reach");
+    if (FN("aclInit")(NULL) || FN("aclrtSetDevice")(0))
+        return 3;
+    pthread_barrier_init(&started, NULL, 2);
+    pthread_t switching, other;
+    pthread_create(&switching, NULL, switching_thread, NULL);
+    pthread_barrier_wait(&started);
+    ((void (*)(int))dlsym(RTLD_DEFAULT, "back_arm"))(switching_tid);
+    pthread_create(&other, NULL, other_thread, NULL);
+    pthread_barrier_wait(&started);
+    int reset = FN("aclrtResetDeviceForce")(1);
+    pthread_join(switching, NULL);
+    pthread_join(other, NULL);
+    printf("%d %d %d %d\n", reset, info_err, other_err, FN("aclrtResetDeviceForce")(1));
+    return 0;
+}
+"""
+
+
+def test_a_switch_back_across_a_force_reset_drops_no_later_reference(tmp_path_factory):
+    """A device switch of npualloc's goes back to the thread's device with
+    an aclrtSetDevice and an aclrtResetDevice of it. With a force reset of
+    that device between the two (the force reset no longer waits for our
+    switches) and another thread's aclrtSetDevice after its release, the
+    aclrtResetDevice dropped that thread's reference, the device's only
+    one: a later force reset found none (107000). The way back leaves the
+    reference alone while a force reset of its device is under way."""
+    prog = compile_c(tmp_path_factory, "switch_back", SWITCH_BACK_PROGRAM)
+    shim = prog.parent / "libswitch_back.so"
+    (prog.parent / "switch_back.c").write_text(SWITCH_BACK_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "switch_back.c")], check=True)
+    env = preload_env()
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.split() == ["0", "0", "0", "0"], proc.stdout
+
+
+# An interposer whose first force reset, once armed, waits before the
+# runtime's call until the program says so.
+RESET_HELD_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <time.h>
+
+static int armed, held, released;
+
+void held_arm(void) { __atomic_store_n(&armed, 1, __ATOMIC_RELEASE); }
+void held_release(void) { __atomic_store_n(&released, 1, __ATOMIC_RELEASE); }
+void held_wait(void)
+{
+    const struct timespec ms = {0, 1000000};
+    while (!__atomic_load_n(&held, __ATOMIC_ACQUIRE))
+        nanosleep(&ms, NULL);
+}
+
+int aclrtResetDeviceForce(int device)
+{
+    const struct timespec ms = {0, 1000000};
+    if (__atomic_exchange_n(&armed, 0, __ATOMIC_ACQ_REL)) {
+        __atomic_store_n(&held, 1, __ATOMIC_RELEASE);
+        while (!__atomic_load_n(&released, __ATOMIC_ACQUIRE))
+            nanosleep(&ms, NULL);
+    }
+    return ((int (*)(int))dlsym(RTLD_DEFAULT, "simrt_ResetDeviceForce"))(device);
+}
+"""
+
+# Device 1 kept by a guard of the main thread (device 0); another thread's
+# force reset of it under way (held before the runtime's call) while the
+# main thread forks. The child makes two guarded allocations on device 1,
+# resets it once (the kept reference) and prints what a force reset then
+# finds: no reference (107000) unless its guards left theirs behind.
+FORK_DURING_RESET = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define FN(name) ((int (*)())dlsym(RTLD_DEFAULT, name))
+#define HELD(name) ((void (*)(void))dlsym(RTLD_DEFAULT, name))
+static int reset_err = -1;
+
+static void *resetting_thread(void *unused)
+{
+    (void)unused;
+    reset_err = FN("aclrtResetDeviceForce")(1);
+    return NULL;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2 || !dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL))
+        return 2;
+    int (*guarded_alloc)(void **, size_t, int, void *) =
+        (int (*)(void **, size_t, int, void *))FN("npualloc_caching_allocator_alloc");
+    void *block = NULL;
+    if (FN("aclInit")(NULL) || FN("aclrtSetDevice")(0) || guarded_alloc(&block, 4096, 1, NULL))
+        return 3;
+    HELD("held_arm")();
+    pthread_t t;
+    pthread_create(&t, NULL, resetting_thread, NULL);
+    HELD("held_wait")();
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+        void *first = NULL, *second = NULL;
+        int a = guarded_alloc(&first, 4096, 1, NULL), b = guarded_alloc(&second, 4096, 1, NULL);
+        int plain = FN("aclrtResetDevice")(1);
+        printf("%d %d %d %d\n", a, b, plain, FN("aclrtResetDeviceForce")(1));
+        fflush(stdout);
+        _exit(0);
+    }
+    HELD("held_release")();
+    pthread_join(t, NULL);
+    int status = -1;
+    waitpid(child, &status, 0);
+    printf("%d %d\n", reset_err, status);
+    return 0;
+}
+"""
+
+
+def test_a_force_reset_under_way_at_a_fork_is_not_the_childs(tmp_path_factory):
+    """A force reset under way in another thread when the program forks
+    never returns in the child, which had counted it as running for good:
+    each of the child's guards on the device then left its reference
+    behind. The child forgets it."""
+    prog = compile_c(tmp_path_factory, "fork_during_reset", FORK_DURING_RESET)
+    shim = prog.parent / "libreset_held.so"
+    (prog.parent / "reset_held.c").write_text(RESET_HELD_C)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "reset_held.c")], check=True)
+    env = preload_env()
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    # The child's allocations and plain reset, its force reset finding no
+    # reference; the parent's force reset and the child's exit status.
+    assert proc.stdout.split() == ["0", "0", "0", "107000", "0", "0"], proc.stdout
+
+
 def test_caching_allocator_with_the_cache_off():
     """NPUALLOC_DISABLE: the runtime's own allocation, on the device named,
     and its own free (the stream entry's contract with the cache off)."""

@@ -61,23 +61,40 @@ void npa_device_forget_current(void)
  * aclrtResetDeviceForce drops every reference, ours included, whatever the
  * count, and another thread may call it at any time. So each runtime call
  * of ours that takes or drops a reference runs under ref_lock together with
- * its record, and so does a force reset with its update of the record (one
- * order for all: lock, runtime call, record): a force reset cannot fall
- * between a guard's aclrtSetDevice and its decision to keep that reference
- * (which kept a reference the reset had dropped, or reset the one it had
- * just taken after the reset, tearing the device down under its new
- * block), and a switch whose reference a force reset dropped does not
- * reset again (it would drop a reference taken since, a kept one perhaps).
+ * its record, and a force reset says under it when it begins and when it
+ * has returned. A switch whose reference a force reset may have dropped
+ * (one began after the switch's SetDevice, or was under way at it, when
+ * the SetDevice may have come before the release or after it) leaves the
+ * reference alone: resetting it would drop one taken since, a kept one
+ * perhaps, or the guard's own under its new block; at worst the device
+ * keeps one reference more. Nor does a guard keep its reference then: the
+ * next guard keeps one. The lock is never held across the runtime's force
+ * reset: that drains the device's streams, whose host callbacks (run on
+ * another thread, aclrtLaunchCallback) may call us and switch devices.
  * A plain reset drops one reference, which the counts absorb in any order.
  * Lock order (hook.h): innermost; under it only the runtime. */
 static pthread_mutex_t ref_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Devices a guard set and kept its reference on (bit per device). */
-static unsigned devices_kept;                       /* ref_lock */
-static unsigned force_resets[NPUALLOC_MAX_DEVICES]; /* ref_lock: successful ones per device */
+static unsigned devices_kept; /* ref_lock */
+/* Force resets per device: begun, and of those, not yet returned. */
+static unsigned force_resets_begun[NPUALLOC_MAX_DEVICES];   /* ref_lock */
+static unsigned force_resets_running[NPUALLOC_MAX_DEVICES]; /* ref_lock */
 
-static unsigned force_resets_of(int device)
+static bool in_range(int device)
 {
-    return device >= 0 && device < NPUALLOC_MAX_DEVICES ? force_resets[device] : 0;
+    return device >= 0 && device < NPUALLOC_MAX_DEVICES;
+}
+
+static bool force_reset_running(int device)
+{
+    return in_range(device) && force_resets_running[device] != 0;
+}
+
+/* ref_lock held: whether a force reset of the switch's device may have
+ * dropped the reference its SetDevice took. */
+static bool reference_maybe_dropped(const npa_devswitch *s)
+{
+    return s->force_reset_running || (in_range(s->device) && force_resets_begun[s->device] != s->force_resets);
 }
 
 /* keep_first: the guard's; the first into a device keeps its reference. */
@@ -101,8 +118,9 @@ static aclError enter(int device, npa_devswitch *s, bool keep_first)
     aclError err = set(device);
     if (err == ACL_SUCCESS) {
         s->switched = 1;
-        s->force_resets = force_resets_of(device);
-        if (keep_first && !(devices_kept & (1u << device))) {
+        s->force_resets = in_range(device) ? force_resets_begun[device] : 0;
+        s->force_reset_running = force_reset_running(device);
+        if (keep_first && !s->force_reset_running && !(devices_kept & (1u << device))) {
             devices_kept |= 1u << device;
             s->keep = 1;
         }
@@ -124,9 +142,12 @@ void npa_device_leave(npa_devswitch *s)
         __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
         __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
         npa_mutex_lock(&ref_lock);
-        if (!s->keep && force_resets_of(s->device) == s->force_resets)
+        if (!s->keep && !reference_maybe_dropped(s))
             reset(s->device);
-        if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS)
+        /* The way back takes a reference on the previous device and drops
+         * one: with a force reset of that device under way, the one dropped
+         * might be another's, taken after the release. */
+        if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS && !force_reset_running(s->prev))
             reset(s->prev);
         npa_mutex_unlock(&ref_lock);
     }
@@ -151,18 +172,22 @@ void npa_device_guard_leave(npa_device_guard *g)
 
 aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force)
 {
-    /* Only a force reset holds the lock across the runtime's call: a plain
-     * one (a device's last reference can take long to tear down) need not. */
-    if (force)
+    /* Counted as begun whether or not it succeeds: a switch overlapping a
+     * failed one keeps a reference it could have dropped, never drops one
+     * too many. */
+    bool counted = force && in_range(device);
+    if (counted) {
         npa_mutex_lock(&ref_lock);
-    aclError err = real(device);
-    if (!force)
-        npa_mutex_lock(&ref_lock);
-    if (err == ACL_SUCCESS && device >= 0 && device < NPUALLOC_MAX_DEVICES) {
-        devices_kept &= ~(1u << device);
-        if (force)
-            force_resets[device]++;
+        force_resets_begun[device]++;
+        force_resets_running[device]++;
+        npa_mutex_unlock(&ref_lock);
     }
+    aclError err = real(device);
+    npa_mutex_lock(&ref_lock);
+    if (counted)
+        force_resets_running[device]--;
+    if (err == ACL_SUCCESS && in_range(device))
+        devices_kept &= ~(1u << device);
     npa_mutex_unlock(&ref_lock);
     return err;
 }
@@ -170,6 +195,13 @@ aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force)
 void npa_device_lock_for_fork(void)
 {
     npa_mutex_lock(&ref_lock);
+}
+
+/* ref_lock held: the threads resetting did not come along. */
+void npa_device_forget_after_fork(void)
+{
+    for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+        force_resets_running[d] = 0;
 }
 
 void npa_device_unlock_after_fork(void)

@@ -75,8 +75,9 @@
  *      warned about while the region is created), a leaf that takes nothing.
  *   9. ref_lock (device.c): our aclrtSetDevice/aclrtResetDevice calls with
  *      the guard's record of a kept reference, and the program's
- *      aclrtResetDeviceForce with its update of the record (taken with
- *      none of ours held); taken under any of the others (the core's
+ *      aclrtResetDeviceForce's updates of the record before and after the
+ *      runtime's call, never across it (its drain may wait for a host
+ *      callback that calls us); taken under any of the others (the core's
  *      switches of device run under many), and under it only the runtime.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
@@ -253,7 +254,8 @@ unsigned npa_devices_seen(void);
  * keep: the leave leaves the device's reference in place (a guard's). */
 typedef struct npa_devswitch {
     int device, prev, switched, keep;
-    unsigned force_resets; /* the device's, when the switch took its reference */
+    unsigned force_resets;   /* the device's force resets begun, when the switch took its reference */
+    bool force_reset_running; /* and whether one was under way then */
 } npa_devswitch;
 aclError npa_device_enter(int device, npa_devswitch *s);
 void npa_device_leave(npa_devswitch *s);
@@ -281,6 +283,7 @@ void npa_device_guard_leave(npa_device_guard *g);
  * reference more, kept initialised until a force reset, never one fewer. */
 aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force);
 void npa_device_lock_for_fork(void);
+void npa_device_forget_after_fork(void);
 void npa_device_unlock_after_fork(void);
 
 /* ---- streams.c ------------------------------------------------------------ */

@@ -544,6 +544,7 @@ static void fork_child(void)
     npa_exec_forget_after_fork();
     npa_region_forget_after_fork();
     npa_saver_forget_after_fork();
+    npa_device_forget_after_fork();
     fork_parent();
 }
 

@@ -154,12 +154,9 @@ static inline int npa_mutex_trylock(pthread_mutex_t *m)
 /* The exit's wait for a lock another thread holds (a command being
  * applied, a pause until its resume), and the most it waits: the exiting
  * thread itself may hold the lock, interrupted by a signal whose handler
- * calls exit, and would wait for good. 0 when taken. Whoever registers an
- * exit handler that waits so calls npa_exit_wait_prepare first: it finds
- * the C library's monotonic wait (a dlsym, never made at exit); without it
- * the wait is on the wall clock. */
+ * calls exit, and would wait for good. 0 when taken. The wait is one of
+ * relative sleeps, which a step of the wall clock does not stretch. */
 #define NPA_EXIT_WAIT_MS 1000
-void npa_exit_wait_prepare(void);
 int npa_mutex_lock_at_exit(pthread_mutex_t *m);
 
 /* ---- realacl.c ------------------------------------------------------------ */

@@ -552,7 +552,6 @@ static pthread_once_t handlers_once = PTHREAD_ONCE_INIT;
 
 static void register_handlers(void)
 {
-    npa_exit_wait_prepare();
     atexit(at_exit);
     pthread_atfork(fork_prepare, fork_parent, fork_child);
 }

@@ -259,7 +259,6 @@ npualloc_region *npa_region_get(void)
     if (state != REGION_UNTRIED && state != REGION_FORKED && state != REGION_LIVE)
         return NULL;
 
-    npa_exit_wait_prepare(); /* for remove_at_exit; its dlsym kept out of g_create_lock (lock order) */
     npa_mutex_lock(&g_create_lock);
     r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     state = atomic_load_explicit(&g_state, memory_order_relaxed);

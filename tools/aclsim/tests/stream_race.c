@@ -11,13 +11,16 @@
  * stream destroyed before it must be refused (107000; 361001 for an aclnn
  * launch) and one whose thread's context ended 107002; nothing else may come
  * back, and the simulator must never touch a stream it has freed, which the
- * sanitizers report. */
+ * sanitizers report. A run whose submitters stop making calls fails rather
+ * than hangs. */
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "acl/acl.h"
 #include "aclsim_ops.h"
@@ -25,12 +28,18 @@
 #define SUBMITTERS 3
 #define SLOTS 4
 #define BUF_BYTES 4096
+#define PROGRESS_CHECK_S 60
+#define TEXT(x) #x
+#define NUMBER_TEXT(x) TEXT(x)
 
 static int rounds = 3000; /* each submitter's; argv[1] */
 static _Atomic(aclrtStream) slots[SLOTS];
 static atomic_int submitters_done, destroyer_rounds;
 static atomic_int failures;
 static atomic_long accepted, refused;
+/* The submitters' rounds: the destroyer's do not count, since it goes on
+ * until the submitters are done, and what follows them is short. */
+static atomic_long steps;
 
 static void fail(const char *what, long detail)
 {
@@ -146,6 +155,7 @@ static void *submitter(void *arg)
                 tally_destroy("aclrtDestroyStream", aclrtDestroyStream(stream));
             break;
         }
+        atomic_fetch_add(&steps, 1);
     }
     atomic_fetch_add(&submitters_done, 1);
     synchronize_device();
@@ -194,10 +204,31 @@ static void *destroyer(void *arg)
     return NULL;
 }
 
+/* SIGALRM, every PROGRESS_CHECK_S: a run that took no step since the last
+ * check is hung (a call that never returns, or a thread that waits for one),
+ * and would block make ctest for good: it fails here. Steps, not a deadline,
+ * so a slow build (TSan, qemu) only takes longer. */
+static void check_progress(int sig)
+{
+    (void)sig;
+    static long last = -1;
+    long now = atomic_load(&steps);
+    if (now == last) {
+        static const char hung[] = "stream_race: neither a submitter round nor the run ended in " NUMBER_TEXT(
+            PROGRESS_CHECK_S) " s: hung\n";
+        (void)!write(STDERR_FILENO, hung, sizeof hung - 1);
+        _exit(1);
+    }
+    last = now;
+    alarm(PROGRESS_CHECK_S);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1)
         rounds = atoi(argv[1]);
+    signal(SIGALRM, check_progress);
+    alarm(PROGRESS_CHECK_S);
     if (aclInit(NULL) != ACL_SUCCESS || aclrtSetDevice(0) != ACL_SUCCESS) {
         fprintf(stderr, "stream_race: cannot start the runtime\n");
         return 1;

@@ -34,9 +34,13 @@
 
 static int rounds = 3000; /* each submitter's; argv[1] */
 static _Atomic(aclrtStream) slots[SLOTS];
-static atomic_int submitters_done, destroyer_rounds;
+/* resets_begun when each slot's stream was made, stored after the stream: a
+ * reader that loads it before the slot gets that stream's or an older's,
+ * never more than the stream's. */
+static atomic_int slot_made_at[SLOTS];
+static atomic_int submitters_done, destroyer_rounds, resets_begun;
 static atomic_int failures;
-static atomic_long accepted, refused;
+static atomic_long accepted, refused, refused_as_default;
 /* The submitters' rounds: the destroyer's do not count, since it goes on
  * until the submitters are done, and what follows them is short. */
 static atomic_long steps;
@@ -76,12 +80,21 @@ static int tally(const char *call, int ret)
 }
 
 /* A destroy of a handle another thread may have destroyed first: refused
- * with 107000, or with 100000 where its address came back as a device's new
- * default stream after a reset (a handle is an address, and addresses are
- * reused). */
-static void tally_destroy(const char *call, int ret)
+ * with 107000, or with 100000 where its address came back as the device's
+ * new default stream (a handle is an address, and addresses are reused). A
+ * default stream is made by the first aclrtSetDevice after a reset, so that
+ * needs a reset begun after the handle was made (made_at: resets_begun
+ * then, or less); a 100000 for any other handle is the simulator's error. */
+static void tally_destroy(const char *call, int ret, int made_at)
 {
-    tally(call, ret == ACL_ERROR_INVALID_PARAM ? ACL_ERROR_RT_PARAM_INVALID : ret);
+    if (ret == ACL_ERROR_INVALID_PARAM && atomic_load(&resets_begun) > made_at) {
+        atomic_fetch_add(&refused_as_default, 1);
+        ret = ACL_ERROR_RT_PARAM_INVALID;
+    } else if (ret == ACL_ERROR_INVALID_PARAM) {
+        fail("a destroy of a stream made since the last reset began refused as the default stream", ret);
+        return;
+    }
+    tally(call, ret);
 }
 
 /* A reset ends the thread's context: it sets its device again (tally) and
@@ -128,7 +141,9 @@ static void *submitter(void *arg)
         return NULL;
     }
     for (int round = 0; round < rounds; round++) {
-        aclrtStream stream = atomic_load(&slots[next_random(&rng) % SLOTS]);
+        int slot = (int)(next_random(&rng) % SLOTS);
+        int made_at = atomic_load(&slot_made_at[slot]);
+        aclrtStream stream = atomic_load(&slots[slot]);
         switch (round % 7) {
         case 0:
             tally("aclrtMemsetAsync", aclrtMemsetAsync(buf, BUF_BYTES, round & 0xff, BUF_BYTES, stream));
@@ -152,7 +167,7 @@ static void *submitter(void *arg)
             break;
         case 6: /* races the destroyer's destroy of the same handle */
             if (next_random(&rng) % 16 == 0)
-                tally_destroy("aclrtDestroyStream", aclrtDestroyStream(stream));
+                tally_destroy("aclrtDestroyStream", aclrtDestroyStream(stream), made_at);
             break;
         }
         atomic_fetch_add(&steps, 1);
@@ -166,13 +181,17 @@ static void *submitter(void *arg)
     return NULL;
 }
 
-static aclrtStream new_stream(void)
+/* Puts a new stream in the slot; returns the old one. */
+static aclrtStream replace_stream(int slot)
 {
+    int made_at = atomic_load(&resets_begun);
     aclrtStream stream = NULL;
     int ret = aclrtCreateStream(&stream);
     if (ret != ACL_SUCCESS)
         fail("aclrtCreateStream", ret);
-    return stream;
+    aclrtStream old = atomic_exchange(&slots[slot], stream);
+    atomic_store(&slot_made_at[slot], made_at);
+    return old;
 }
 
 /* Until the submitters are done, replaces a slot's stream each round,
@@ -186,20 +205,22 @@ static void *destroyer(void *arg)
     for (int round = 0; atomic_load(&submitters_done) < SUBMITTERS; round++) {
         atomic_store(&destroyer_rounds, round + 1);
         if (round % 8 == 7) {
+            atomic_fetch_add(&resets_begun, 1);
             int ret = aclrtResetDeviceForce(0);
             if (ret != ACL_SUCCESS)
                 fail("aclrtResetDeviceForce", ret);
             if (aclrtSetDevice(0) != ACL_SUCCESS)
                 fail("aclrtSetDevice after the reset", 0);
             for (int i = 0; i < SLOTS; i++) /* the reset destroyed the old ones */
-                atomic_store(&slots[i], new_stream());
+                replace_stream(i);
             continue;
         }
-        aclrtStream old = atomic_exchange(&slots[round % SLOTS], new_stream());
+        int made_at = atomic_load(&slot_made_at[round % SLOTS]);
+        aclrtStream old = replace_stream(round % SLOTS);
         if (round & 1)
-            tally_destroy("aclrtDestroyStreamForce", aclrtDestroyStreamForce(old));
+            tally_destroy("aclrtDestroyStreamForce", aclrtDestroyStreamForce(old), made_at);
         else
-            tally_destroy("aclrtDestroyStream", aclrtDestroyStream(old));
+            tally_destroy("aclrtDestroyStream", aclrtDestroyStream(old), made_at);
     }
     return NULL;
 }
@@ -234,7 +255,7 @@ int main(int argc, char **argv)
         return 1;
     }
     for (int i = 0; i < SLOTS; i++)
-        atomic_store(&slots[i], new_stream());
+        replace_stream(i);
     pthread_t threads[SUBMITTERS + 1];
     for (uintptr_t i = 0; i < SUBMITTERS; i++)
         pthread_create(&threads[i], NULL, submitter, (void *)i);
@@ -244,10 +265,11 @@ int main(int argc, char **argv)
     if (aclrtSetDevice(0) != ACL_SUCCESS)
         fail("final aclrtSetDevice", 0);
     for (int i = 0; i < SLOTS; i++)
-        tally_destroy("aclrtDestroyStream", aclrtDestroyStream(atomic_load(&slots[i])));
+        tally_destroy("aclrtDestroyStream", aclrtDestroyStream(atomic_load(&slots[i])), atomic_load(&slot_made_at[i]));
     long taken = atomic_load(&accepted), no = atomic_load(&refused);
-    printf("stream_race: %d submitters x %d rounds, %d destroyer rounds: %ld calls taken, %ld refused\n",
-           SUBMITTERS, rounds, atomic_load(&destroyer_rounds), taken, no);
+    printf("stream_race: %d submitters x %d rounds, %d destroyer rounds: %ld calls taken, %ld refused "
+           "(%ld destroys as the default stream)\n",
+           SUBMITTERS, rounds, atomic_load(&destroyer_rounds), taken, no, atomic_load(&refused_as_default));
     if (taken == 0 || no == 0)
         fail("the race was not run: every call taken or every call refused", taken);
     aclFinalize();

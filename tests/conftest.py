@@ -139,16 +139,32 @@ def sleeper():
     proc.wait()
 
 
-def compile_c(tmp_path_factory: pytest.TempPathFactory, name: str, source: str) -> Path:
-    """Builds a small C test program (linked with -ldl) in a fresh temp dir;
-    skips the test when there is no C compiler."""
+def _c_compiler() -> str:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
+    return cc
+
+
+def compile_c(tmp_path_factory: pytest.TempPathFactory, name: str, source: str) -> Path:
+    """Builds a small C test program (linked with -ldl) in a fresh temp dir;
+    skips the test when there is no C compiler."""
+    cc = _c_compiler()
     directory = tmp_path_factory.mktemp(name)
     (directory / "prog.c").write_text(source)
     subprocess.run([cc, "-O1", "-o", str(directory / "prog"), str(directory / "prog.c"), "-ldl"], check=True)
     return directory / "prog"
+
+
+def compile_shim(directory: Path, name: str, source: str) -> Path:
+    """Builds lib<name>.so (linked with -ldl) from source in directory: a
+    test's own interposer, preloaded beside or instead of npualloc; skips the
+    test when there is no C compiler."""
+    cc = _c_compiler()
+    src, lib = directory / f"{name}.c", directory / f"lib{name}.so"
+    src.write_text(source)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True)
+    return lib
 
 
 def real_npu_env() -> dict[str, str] | None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NPUALLOC_LIB, SIM_LIB, compile_c, preload_env, run_python, sim_env
+from conftest import NPUALLOC_LIB, SIM_LIB, compile_c, compile_shim, preload_env, run_python, sim_env
 
 from npualloc._ffi import constants, ffi
 from npualloc.region import Region, reader_library
@@ -633,9 +633,7 @@ def test_a_wall_clock_step_back_at_exit_does_not_stretch_its_wait(tmp_path_facto
     clock stepped back a day as the exit began, it waited a day, not a
     second. The wait is on the monotonic clock now."""
     prog = compile_c(tmp_path_factory, "paused_exit", PAUSED_EXIT)
-    lib = prog.parent / "libclock_ahead.so"
-    (prog.parent / "clock_ahead.c").write_text(CLOCK_AHEAD_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(prog.parent / "clock_ahead.c")], check=True)
+    lib = compile_shim(prog.parent, "clock_ahead", CLOCK_AHEAD_C)
     env = _env()
     env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{lib}"
     _exit_while_paused(prog, env)

@@ -3,12 +3,9 @@ its calls reach the runtime through the dynamic linker, so an LD_PRELOADed
 aclrtMalloc wins exactly as with the real pyACL."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 
-from conftest import run_python, sim_env
+from conftest import compile_shim, run_python, sim_env
 
 CONVENTIONS = """
 import acl, acl.rt, acl.util
@@ -65,11 +62,8 @@ int aclrtMalloc(void **p, size_t size, int policy)
 """
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the probe interposer")
 def test_preloaded_aclrtmalloc_wins_over_pyacl(tmp_path):
-    src, lib = tmp_path / "probe.c", tmp_path / "libprobe.so"
-    src.write_text(PROBE_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True)
+    lib = compile_shim(tmp_path, "probe", PROBE_C)
     env = sim_env()
     env["LD_PRELOAD"] = str(lib)
     run_python(f"""

@@ -13,7 +13,8 @@ import subprocess
 
 import pytest
 
-from conftest import SIM_LIB, cann_root_command, compile_c, installed_python, mindtorch_env, preload_env, run_python
+from conftest import (SIM_LIB, cann_root_command, compile_c, compile_shim, installed_python, mindtorch_env,
+                      preload_env, run_python)
 
 PROGRAM = """
 import json, sys, time
@@ -757,6 +758,22 @@ int main(int argc, char **argv)
 """
 
 
+def _run_under_shim(tmp_path_factory: pytest.TempPathFactory, name: str, program: str, shim_name: str,
+                    shim_source: str, *args: str) -> list[str]:
+    """Builds program and the interposer shim_source, runs the program with
+    the shim preloaded after npualloc (between it and the simulator) and the
+    simulator's libacl_rt.so as its first argument, and returns the words it
+    printed; it must end cleanly, with nothing on stderr."""
+    prog = compile_c(tmp_path_factory, name, program)
+    shim = compile_shim(prog.parent, shim_name, shim_source)
+    env = preload_env()
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
+    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return proc.stdout.split()
+
+
 @pytest.mark.parametrize("held", ["reset", "set", "switch"])
 def test_a_force_reset_racing_a_guard_leaves_the_device_a_reference(tmp_path_factory, futex_waits_seen, held):
     """aclrtResetDeviceForce on one thread, device 1 in use on another, and
@@ -773,16 +790,8 @@ def test_a_force_reset_racing_a_guard_leaves_the_device_a_reference(tmp_path_fac
     to keep, a switch's aclrtSetDevice or aclrtResetDevice and a force reset
     with the record's update are each one step now, and a switch whose
     reference a force reset dropped does not reset again."""
-    prog = compile_c(tmp_path_factory, "force_reset_race", FORCE_RESET_RACE)
-    shim = prog.parent / "libhold.so"
-    (prog.parent / "hold.c").write_text(HOLD_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "hold.c")], check=True)
-    env = preload_env()
-    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
-    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), held], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    assert proc.stdout.split() == ["0", "0", "0", "0"], proc.stdout
+    printed = _run_under_shim(tmp_path_factory, "force_reset_race", FORCE_RESET_RACE, "hold", HOLD_C, held)
+    assert printed == ["0", "0", "0", "0"], printed
 
 
 # The runtime's reset drains the device's streams before it releases the
@@ -906,17 +915,9 @@ def test_a_force_reset_waits_for_a_callback_that_switches_devices(tmp_path_facto
     held ref_lock across the runtime's call, which every switch of ours
     takes: the callback waited for the lock and the reset for the callback,
     for good. Only the record's updates are under the lock now."""
-    prog = compile_c(tmp_path_factory, "force_reset_drain", DRAIN_PROGRAM)
-    shim = prog.parent / "libdrain.so"
-    (prog.parent / "drain.c").write_text(DRAIN_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "drain.c")], check=True)
-    env = preload_env()
-    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
-    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so"), callback], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     # The reset, the callback's call, and the callback's end before the release.
-    assert proc.stdout.split() == ["0", "0", "1"], proc.stdout
+    printed = _run_under_shim(tmp_path_factory, "force_reset_drain", DRAIN_PROGRAM, "drain", DRAIN_C, callback)
+    assert printed == ["0", "0", "1"], printed
 
 
 # An interposer that puts a force reset of device 1 between the two calls
@@ -1061,16 +1062,8 @@ def test_a_switch_back_across_a_force_reset_drops_no_later_reference(tmp_path_fa
     aclrtResetDevice dropped that thread's reference, the device's only
     one: a later force reset found none (107000). The way back leaves the
     reference alone while a force reset of its device is under way."""
-    prog = compile_c(tmp_path_factory, "switch_back", SWITCH_BACK_PROGRAM)
-    shim = prog.parent / "libswitch_back.so"
-    (prog.parent / "switch_back.c").write_text(SWITCH_BACK_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "switch_back.c")], check=True)
-    env = preload_env()
-    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
-    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so")], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-    assert proc.stdout.split() == ["0", "0", "0", "0"], proc.stdout
+    printed = _run_under_shim(tmp_path_factory, "switch_back", SWITCH_BACK_PROGRAM, "switch_back", SWITCH_BACK_C)
+    assert printed == ["0", "0", "0", "0"], printed
 
 
 # An interposer whose first force reset, once armed, waits before the
@@ -1165,18 +1158,10 @@ def test_a_force_reset_under_way_at_a_fork_is_not_the_childs(tmp_path_factory):
     never returns in the child, which had counted it as running for good:
     each of the child's guards on the device then left its reference
     behind. The child forgets it."""
-    prog = compile_c(tmp_path_factory, "fork_during_reset", FORK_DURING_RESET)
-    shim = prog.parent / "libreset_held.so"
-    (prog.parent / "reset_held.c").write_text(RESET_HELD_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(prog.parent / "reset_held.c")], check=True)
-    env = preload_env()
-    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
-    proc = subprocess.run([str(prog), str(SIM_LIB / "libacl_rt.so")], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     # The child's allocations and plain reset, its force reset finding no
     # reference; the parent's force reset and the child's exit status.
-    assert proc.stdout.split() == ["0", "0", "0", "107000", "0", "0"], proc.stdout
+    printed = _run_under_shim(tmp_path_factory, "fork_during_reset", FORK_DURING_RESET, "reset_held", RESET_HELD_C)
+    assert printed == ["0", "0", "0", "107000", "0", "0"], printed
 
 
 def test_caching_allocator_with_the_cache_off():

@@ -20,14 +20,9 @@ NPA_EXPORT int npualloc_is_active(void)
     return npa_real_dlsym(RTLD_DEFAULT, "aclrtMalloc") == npa_self_fn(NPA_FN_aclrtMalloc);
 }
 
-static int bad_device(int device)
-{
-    return device < 0 || device >= NPUALLOC_MAX_DEVICES;
-}
-
 NPA_EXPORT int npualloc_get_stats(int device, npualloc_device_stats *out)
 {
-    if (bad_device(device) || out == NULL)
+    if (!npa_device_in_range(device) || out == NULL)
         return -1;
     npa_allocator *a = npa_hook_allocator_any();
     if (a != NULL) {
@@ -201,7 +196,7 @@ int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, 
         *why = "the fraction is not in [0, 1]";
         return -1;
     }
-    if (bad_device(device)) {
+    if (!npa_device_in_range(device)) {
         *why = "no such device index";
         return -1;
     }

@@ -8,7 +8,7 @@
 
 NPA_EXPORT int npualloc_caching_allocator_alloc(void **ptr, size_t size, int device, void *stream)
 {
-    if (ptr == NULL || device < 0 || device >= NPUALLOC_MAX_DEVICES)
+    if (ptr == NULL || !npa_device_in_range(device))
         return ACL_ERROR_INVALID_PARAM;
     *ptr = NULL;
     if (size == 0)

@@ -80,21 +80,17 @@ static unsigned devices_kept; /* ref_lock */
 static unsigned force_resets_begun[NPUALLOC_MAX_DEVICES];   /* ref_lock */
 static unsigned force_resets_running[NPUALLOC_MAX_DEVICES]; /* ref_lock */
 
-static bool in_range(int device)
-{
-    return device >= 0 && device < NPUALLOC_MAX_DEVICES;
-}
-
 static bool force_reset_running(int device)
 {
-    return in_range(device) && force_resets_running[device] != 0;
+    return npa_device_in_range(device) && force_resets_running[device] != 0;
 }
 
 /* ref_lock held: whether a force reset of the switch's device may have
  * dropped the reference its SetDevice took. */
 static bool reference_maybe_dropped(const npa_devswitch *s)
 {
-    return s->force_reset_running || (in_range(s->device) && force_resets_begun[s->device] != s->force_resets);
+    return s->force_reset_running ||
+           (npa_device_in_range(s->device) && force_resets_begun[s->device] != s->force_resets);
 }
 
 /* keep_first: the guard's; the first into a device keeps its reference. */
@@ -118,7 +114,7 @@ static aclError enter(int device, npa_devswitch *s, bool keep_first)
     aclError err = set(device);
     if (err == ACL_SUCCESS) {
         s->switched = 1;
-        s->force_resets = in_range(device) ? force_resets_begun[device] : 0;
+        s->force_resets = npa_device_in_range(device) ? force_resets_begun[device] : 0;
         s->force_reset_running = force_reset_running(device);
         if (keep_first && !s->force_reset_running && !(devices_kept & (1u << device))) {
             devices_kept |= 1u << device;
@@ -175,7 +171,7 @@ aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force)
     /* Counted as begun whether or not it succeeds: a switch overlapping a
      * failed one keeps a reference it could have dropped, never drops one
      * too many. */
-    bool counted = force && in_range(device);
+    bool counted = force && npa_device_in_range(device);
     if (counted) {
         npa_mutex_lock(&ref_lock);
         force_resets_begun[device]++;
@@ -186,7 +182,7 @@ aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force)
     npa_mutex_lock(&ref_lock);
     if (counted)
         force_resets_running[device]--;
-    if (err == ACL_SUCCESS && in_range(device))
+    if (err == ACL_SUCCESS && npa_device_in_range(device))
         devices_kept &= ~(1u << device);
     npa_mutex_unlock(&ref_lock);
     return err;

@@ -78,7 +78,7 @@ static __attribute__((noinline)) aclError malloc_setup(void **devPtr, size_t siz
     /* NULL devPtr and size 0 are the runtime's to refuse, with its own code. */
     if (a != NULL && devPtr != NULL && size != 0 && cacheable_policy(policy)) {
         int device = npa_thread_device();
-        if (device >= 0 && device < NPUALLOC_MAX_DEVICES) {
+        if (npa_device_in_range(device)) {
             if (npa_real(NPA_FN_aclrtMalloc) == NULL)
                 return npa_no_runtime_error(fn);
             npa_region_poll(a);
@@ -99,7 +99,7 @@ static __attribute__((noinline)) aclError malloc_setup(void **devPtr, size_t siz
  * malloc found, the region made and no command waiting in it. */
 static inline bool entry_ready(npa_allocator *a, int device)
 {
-    return a != NULL && (unsigned)device < NPUALLOC_MAX_DEVICES &&
+    return a != NULL && npa_device_in_range(device) &&
            atomic_load_explicit(&npa_real_fns[NPA_FN_aclrtMalloc], memory_order_acquire) != NULL &&
            npa_region_steady();
 }

@@ -233,6 +233,12 @@ void *npa_real_dlsym(void *handle, const char *name);
 
 /* ---- device.c ------------------------------------------------------------- */
 
+/* A device index npualloc keeps state for (region slots, bit masks, tables). */
+static inline bool npa_device_in_range(int device)
+{
+    return device >= 0 && device < NPUALLOC_MAX_DEVICES;
+}
+
 extern NPA_TLS int npa_tls_device; /* -1: not known on this thread yet */
 int npa_thread_device_slow(void);
 /* The device current on this thread: the recorded one, else asked of the

@@ -492,7 +492,7 @@ NPA_EXPORT int npualloc_saver_bytes(const char *tag, size_t *allocated, size_t *
 
 NPA_EXPORT int npualloc_get_saver_stats(int device, npualloc_saver_stats *out)
 {
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES || out == NULL)
+    if (!npa_device_in_range(device) || out == NULL)
         return -1;
     npa_mutex_lock(&saver_lock);
     saver_stats_of(device, out);

@@ -132,7 +132,7 @@ void npa_streams_add(int device, aclrtStream stream)
     if (atomic_fetch_add_explicit(&live_streams, 1, memory_order_seq_cst) == 0)
         settle_before_first_stream();
     npa_mutex_unlock(&first_stream_lock);
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+    if (!npa_device_in_range(device))
         return; /* counted for the auto policy; fences there fall back to a sync */
     dev_streams *d = &devs[device];
     npa_mutex_lock(&d->lock);
@@ -195,7 +195,7 @@ void npa_streams_dead(npa_stream_death death, aclrtStream stream, int destroyed)
 
 void npa_streams_device_released(int device)
 {
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+    if (!npa_device_in_range(device))
         return;
     dev_streams *d = &devs[device];
     npa_mutex_lock(&d->lock);
@@ -246,7 +246,7 @@ static bool unknown_stream(aclError err)
 static aclError record_fence(int device, const uintptr_t *streams, size_t count, void **fence)
 {
     *fence = NULL;
-    if (device < 0 || device >= NPUALLOC_MAX_DEVICES)
+    if (!npa_device_in_range(device))
         return npa_hook_synchronize(device);
     __typeof__(&aclrtRecordEvent) record = NPA_REAL(aclrtRecordEvent);
     if (record == NULL)

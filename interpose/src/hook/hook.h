@@ -154,10 +154,14 @@ static inline int npa_mutex_trylock(pthread_mutex_t *m)
 /* The exit's wait for a lock another thread holds (a command being
  * applied, a pause until its resume), and the most it waits: the exiting
  * thread itself may hold the lock, interrupted by a signal whose handler
- * calls exit, and would wait for good. 0 when taken. The wait is one of
- * relative sleeps, which a step of the wall clock does not stretch. */
+ * calls exit, and would wait for good. 0 when taken. */
 #define NPA_EXIT_WAIT_MS 1000
 int npa_mutex_lock_at_exit(pthread_mutex_t *m);
+/* One pause of an exit's bounded retries (npa_mutex_lock_at_exit's, the
+ * release of busy devices' caches): a relative sleep, which a step of the
+ * wall clock does not stretch, counted in *waited_ms; false, without
+ * sleeping, once NPA_EXIT_WAIT_MS have been waited. */
+bool npa_exit_wait_more(int *waited_ms);
 
 /* ---- realacl.c ------------------------------------------------------------ */
 

@@ -429,12 +429,10 @@ static void release_everything(npa_allocator *a, bool at_exit)
             if (seen & (1u << d))
                 npa_empty_cache(a, d);
     } else if (a != NULL) {
-        const struct timespec nap = {.tv_sec = 0, .tv_nsec = 10 * 1000 * 1000};
+        int waited_ms = 0;
         unsigned left = npa_empty_cache_unless_busy(a, npa_devices_seen());
-        for (int waited_ms = 0; left != 0 && waited_ms < NPA_EXIT_WAIT_MS; waited_ms += 10) {
-            nanosleep(&nap, NULL);
+        while (left != 0 && npa_exit_wait_more(&waited_ms))
             left = npa_empty_cache_unless_busy(a, left);
-        }
     }
     npa_streams_destroy_events(-1, at_exit);
 }

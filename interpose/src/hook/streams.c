@@ -43,21 +43,21 @@ typedef struct dev_streams {
      * may still use blocks freed meanwhile, so while one is dying a fence
      * over the device's streams synchronizes instead, which waits for it. */
     int dying;
-    /* A tracked stream refused an event as a handle the runtime does not
-     * know (unknown_stream): the runtime took it down without a destroy we
-     * saw (the reset that dropped the device's last reference, or its last
-     * context's destroy, which we cannot tell from one that did not), or it
-     * is of a kind we cannot fence. Either way only a synchronize covers
-     * its work, so from then on every fence over the device synchronizes,
-     * and its streams are no longer tracked: kept, a program whose threads
-     * each made a stream and reset the device at its end grew the list by
-     * one dead stream a step, and each fence tried an event on every one
-     * of them (a probe's 8 fences a step made 12,412 event records a step
-     * between its steps 1,100 and 2,000). Until the device is released for certain (aclrtResetDeviceForce).
-     * untracked: its streams counted in live_streams meanwhile; a destroy
-     * of one cannot tell its device, so they stay counted (the auto policy
-     * fences) until that release. */
-    bool unfenceable;
+    /* Streams no longer tracked since one of them refused an event as a
+     * handle the runtime does not know (unknown_stream): the runtime took
+     * it down without a destroy we saw (the reset that dropped the device's
+     * last reference, or its last context's destroy, which we cannot tell
+     * from one that did not), or it is of a kind we cannot fence. Either
+     * way only a synchronize covers its work, so while any are untracked
+     * (unfenceable) every fence over the device synchronizes, and the
+     * streams made meanwhile are not tracked either: kept, a program whose
+     * threads each made a stream and reset the device at its end grew the
+     * list by one dead stream a step, and each fence tried an event on
+     * every one of them (a probe's 8 fences a step made 12,412 event
+     * records a step between its steps 1,100 and 2,000). Until the device
+     * is released for certain (aclrtResetDeviceForce); they stay counted in
+     * live_streams meanwhile, since a destroy of one cannot tell its device
+     * (the auto policy fences). */
     size_t untracked;
     npa_fence *outstanding; /* recorded and not yet released, for npa_streams_dead */
 } dev_streams;
@@ -104,9 +104,15 @@ static void settle_before_first_stream(void)
 }
 
 /* d->lock held. */
+static bool unfenceable(const dev_streams *d)
+{
+    return d->untracked != 0;
+}
+
+/* d->lock held. */
 static void track_locked(dev_streams *d, int device, aclrtStream stream)
 {
-    if (d->unfenceable) {
+    if (unfenceable(d)) {
         d->untracked++; /* its fences synchronize: nothing is recorded on any stream */
         return;
     }
@@ -201,7 +207,6 @@ void npa_streams_device_released(int device)
     npa_mutex_lock(&d->lock);
     size_t gone = d->nstreams + d->untracked;
     d->nstreams = 0;
-    d->unfenceable = false;
     d->untracked = 0;
     /* Every event of the device's fences: its streams, the default one
      * included, are gone with their work (the reset waited for it). */
@@ -274,9 +279,10 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
     /* No host memory for the fence; or a stream being destroyed, which may
      * still use the blocks and which no event may name, or one that refused
      * an event: a synchronize below waits for it. */
-    if (f == NULL || (streams == NULL && (d->dying > 0 || d->unfenceable))) {
+    if (f == NULL || (streams == NULL && (d->dying > 0 || unfenceable(d)))) {
         complete = 0;
     } else {
+        bool taken_down = false; /* a tracked stream the runtime does not know */
         for (size_t i = 0; i < n; i++) {
             aclrtStream stream = streams != NULL  ? (aclrtStream)streams[i]
                                  : i < d->nstreams ? d->streams[i]
@@ -292,11 +298,11 @@ static aclError record_fence(int device, const uintptr_t *streams, size_t count,
                 if (ev != NULL)
                     give_event(d, ev);
                 if (streams == NULL && i < d->nstreams && unknown_stream(outcome))
-                    d->unfenceable = true;
+                    taken_down = true;
                 complete = 0;
             }
         }
-        if (d->unfenceable) {
+        if (taken_down) {
             d->untracked += d->nstreams;
             d->nstreams = 0;
         }
@@ -443,7 +449,6 @@ void npa_streams_forget_after_fork(void)
         devs[dev].nstreams = 0;
         devs[dev].npool = 0;
         devs[dev].dying = 0;
-        devs[dev].unfenceable = false;
         devs[dev].untracked = 0;
         devs[dev].outstanding = NULL;
     }

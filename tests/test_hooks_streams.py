@@ -285,11 +285,24 @@ def test_a_block_freed_while_its_stream_is_destroyed_waits_for_its_work(policy, 
     assert json.loads(proc.stdout) == {"early": False, "clobbers": 0, "invalid": 0}, proc.stderr
 
 
+# The start of a script: fenced_pairs(count) makes count plain 4 KiB pairs on
+# the current device and returns what their fences cost, in synchronizes and
+# event records.
+FENCED_PAIRS = """
+import acl
+from aclsim import aclsim
+def fenced_pairs(count):
+    before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
+    for _ in range(count):
+        ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
+        assert acl.rt.free(ptr) == 0
+    return {api: aclsim.call_count(api) - n for api, n in before.items()}
+"""
+
 # After a stream goes away by force, 300 plain pairs under reuse_policy:safe,
 # counting what their fences cost.
-FENCES_AFTER = """
-import acl, json, sys
-from aclsim import aclsim
+FENCES_AFTER = FENCED_PAIRS + """
+import json, sys
 assert acl.init() == 0 and acl.rt.set_device(0) == 0 and acl.rt.set_device(0) == 0
 gone, ret = acl.rt.create_stream(); assert ret == 0
 if sys.argv[1] == "destroy":
@@ -299,11 +312,7 @@ else:   # set twice: only the forced reset releases the device, its streams with
     assert acl.rt.reset_device_force(0) == 0
     assert acl.rt.set_device(0) == 0
     kept, ret = acl.rt.create_stream(); assert ret == 0
-before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
-for _ in range(300):
-    ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
-    assert acl.rt.free(ptr) == 0
-print(json.dumps({api: aclsim.call_count(api) - n for api, n in before.items()}))
+print(json.dumps(fenced_pairs(300)))
 """
 
 
@@ -324,9 +333,8 @@ def test_fences_leave_streams_gone_by_force_out(force):
 # rounds of 300 plain pairs under reuse_policy:safe on a live stream beside
 # them, counting what their fences cost: the first, the second, and the
 # third after aclrtResetDeviceForce released the device for certain.
-FENCES_AFTER_LAST_RESETS = """
-import acl, json, threading
-from aclsim import aclsim
+FENCES_AFTER_LAST_RESETS = FENCED_PAIRS + """
+import json, threading
 assert acl.init() == 0
 errors = []
 def step():
@@ -339,18 +347,12 @@ def step():
 for _ in range(20):
     t = threading.Thread(target=step); t.start(); t.join()
 assert errors == [], errors
-def fenced_pairs():
-    before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
-    for _ in range(300):
-        ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
-        assert acl.rt.free(ptr) == 0
-    return {api: aclsim.call_count(api) - n for api, n in before.items()}
 assert acl.rt.set_device(0) == 0
 kept, ret = acl.rt.create_stream(); assert ret == 0
-rounds = [fenced_pairs(), fenced_pairs()]
+rounds = [fenced_pairs(300), fenced_pairs(300)]
 assert acl.rt.reset_device_force(0) == 0 and acl.rt.set_device(0) == 0
 kept, ret = acl.rt.create_stream(); assert ret == 0
-rounds.append(fenced_pairs())
+rounds.append(fenced_pairs(300))
 print(json.dumps({"rounds": rounds, "invalid": aclsim.invalid_accesses()}))
 """
 
@@ -375,20 +377,13 @@ def test_fences_stop_recording_on_streams_a_last_reset_took_down():
 # One event refused by a live stream for a reason of the moment (500000,
 # ACL_ERROR_INTERNAL_ERROR), between two rounds of 1000 plain pairs under
 # reuse_policy:safe, and a third round after them.
-FENCES_AFTER_ONE_REFUSAL = """
-import acl, json
-from aclsim import aclsim
+FENCES_AFTER_ONE_REFUSAL = FENCED_PAIRS + """
+import json
 assert acl.init() == 0 and acl.rt.set_device(0) == 0
 stream, ret = acl.rt.create_stream(); assert ret == 0
-def fenced_pairs():
-    before = {api: aclsim.call_count(api) for api in ("aclrtSynchronizeDevice", "aclrtRecordEvent")}
-    for _ in range(1000):
-        ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0
-        assert acl.rt.free(ptr) == 0
-    return {api: aclsim.call_count(api) - n for api, n in before.items()}
-rounds = [fenced_pairs()]
+rounds = [fenced_pairs(1000)]
 aclsim.fail_next_calls("aclrtRecordEvent", 1, 500000)
-rounds += [fenced_pairs(), fenced_pairs()]
+rounds += [fenced_pairs(1000), fenced_pairs(1000)]
 print(json.dumps({"rounds": rounds, "invalid": aclsim.invalid_accesses()}))
 """
 

@@ -5,11 +5,14 @@ lost when host memory, device memory or another process gets in the way.
 Every scenario also asserts the simulator saw no access to paused memory."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, preload_env, run_python, sim_env
+import pytest
+
+from conftest import NPUALLOC_LIB, ROOT, preload_env, run_python, sim_env
 
 PRELUDE = """\
 import os, resource
@@ -482,12 +485,9 @@ def test_a_thread_that_ends_inside_a_region_is_no_longer_counted():
 
 def counting(body: str) -> None:
     """Runs body after PRELUDE with threads_in_regions() defined (IN_REGIONS)."""
-    import shutil
     nm = shutil.which("nm")
     if nm is None:
-        import pytest
         pytest.skip("no nm to find npa_entry_work")
-    from conftest import NPUALLOC_LIB
     symbols = subprocess.run([nm, str(NPUALLOC_LIB)], capture_output=True, text=True, check=True).stdout
     offset = next(line.split()[0] for line in symbols.splitlines() if line.endswith(" npa_entry_work"))
     end = "\nassert failures == [], failures\nassert aclsim.invalid_accesses() == 0\n"

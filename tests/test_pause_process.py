@@ -631,7 +631,8 @@ def test_a_wall_clock_step_back_at_exit_does_not_stretch_its_wait(tmp_path_facto
     """The exit's bounded wait for the lock the paused thread holds (the
     command lock, until the resume) was a realtime deadline: with the wall
     clock stepped back a day as the exit began, it waited a day, not a
-    second. The wait is on the monotonic clock now."""
+    second. The wait is made of relative sleeps now, which no step of the
+    wall clock stretches."""
     prog = compile_c(tmp_path_factory, "paused_exit", PAUSED_EXIT)
     lib = compile_shim(prog.parent, "clock_ahead", CLOCK_AHEAD_C)
     env = _env()

@@ -210,3 +210,45 @@ emit(grown=(after.hblkhd + after.uordblks) - (before.hblkhd + before.uordblks),
     assert proc.returncode == 0, proc.stderr
     assert out["forwarded"] == 400000
     assert out["grown"] < (1 << 20), out
+
+
+
+def test_destroy_without_a_device_enters_no_device_the_process_never_used():
+    """A process on device 1 destroys executors where no device is current:
+    from a thread that never set one, and after resetting its device (a
+    common teardown order). The destroys are counted, on the device the
+    process used; counting them on device 0 made npualloc's state for device
+    0, whose memory it asked for by entering it (aclrtSetDevice,
+    aclrtGetMemInfo, aclrtResetDevice), in a process that never touched it."""
+    proc = run_python("""
+import json, threading
+import acl, npualloc
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(1) == 0
+ops = aclsim.Ops()
+stream, ret = acl.rt.create_stream(); assert ret == 0
+buf, _ = acl.rt.malloc(1 << 16, 0)
+plain = []
+for value in (1, 2):
+    ws_size, ex, st = ops.fill_get_workspace_size(buf, 4096, value); assert st == 0
+    ws, ret = acl.rt.malloc(ws_size, 0); assert ret == 0
+    assert ops.fill(ws, ws_size, ex, stream) == 0  # plain: phase 2 destroyed it
+    plain.append(ex)
+assert acl.rt.synchronize_stream(stream) == 0
+names = ("aclrtSetDevice", "aclrtGetMemInfo", "aclrtResetDevice")
+calls = dict.fromkeys(names, 0)
+def destroy(executor):
+    before = {name: aclsim.call_count(name) for name in names}
+    rets.append(ops.destroy_executor(executor))
+    for name in names:
+        calls[name] += aclsim.call_count(name) - before[name]
+rets = []
+thread = threading.Thread(target=destroy, args=(plain[0],))  # no device set there
+thread.start(); thread.join()
+assert acl.rt.destroy_stream(stream) == 0 and acl.rt.reset_device(1) == 0
+destroy(plain[1])  # no device current after the reset
+print(json.dumps(dict(rets=rets, calls=calls, skipped=npualloc.memory_stats(1)["npualloc.executor_destroys_skipped"])))
+""", preload_env())
+    assert json.loads(proc.stdout) == {"rets": [0, 0], "skipped": 2,
+                                       "calls": {"aclrtSetDevice": 0, "aclrtGetMemInfo": 0, "aclrtResetDevice": 0}}
+    assert proc.stderr == ""

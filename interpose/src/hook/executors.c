@@ -104,11 +104,19 @@ static int set_remove(aclOpExecutor *e)
     return 0;
 }
 
+/* A destroy where no device is current (a thread that never set one, or
+ * after a reset) counts on the first device the process used (none used:
+ * not counted): counting on device 0 made npualloc's state for it, which
+ * asks the device's memory by entering it, in a process that may never
+ * have touched device 0. */
 static void count(int device, npa_counter counter)
 {
     npa_allocator *a = npa_hook_allocator_any();
-    if (a != NULL)
-        npa_count(a, device < 0 ? 0 : device, counter, 1);
+    unsigned seen = npa_devices_seen();
+    if (device < 0 && seen != 0)
+        device = __builtin_ctz(seen);
+    if (a != NULL && device >= 0)
+        npa_count(a, device, counter, 1);
 }
 
 static void forward_destroy(aclOpExecutor *e, int device)

@@ -252,3 +252,26 @@ print(json.dumps(dict(rets=rets, calls=calls, skipped=npualloc.memory_stats(1)["
     assert json.loads(proc.stdout) == {"rets": [0, 0], "skipped": 2,
                                        "calls": {"aclrtSetDevice": 0, "aclrtGetMemInfo": 0, "aclrtResetDevice": 0}}
     assert proc.stderr == ""
+
+
+def test_repeatable_destroy_after_finalize_is_forwarded_without_runtime_calls():
+    """A C++ program's executor wrappers destroyed after aclFinalize (static
+    destructors), the device still current: aclFinalize waited for the work,
+    and after it nothing of npualloc's calls the runtime. The destroy used
+    to fence the device (aclrtCreateEvent, then aclrtSynchronizeDevice, both
+    refused), kept the executor for good and warned."""
+    out, proc = run("""
+buf, _ = acl.rt.malloc(1 << 16, 0)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+assert acl.rt.synchronize_stream(stream) == 0 and acl.rt.destroy_stream(stream) == 0
+assert acl.finalize() == 0
+names = ("aclrtGetDevice", "aclrtSetDevice", "aclrtCreateEvent", "aclrtRecordEvent", "aclrtSynchronizeDevice")
+before = {name: aclsim.call_count(name) for name in names}
+ret = ops.destroy_executor(ex)
+emit(ret=ret, live=aclsim.executors_live(), forwarded=aclsim.call_count("aclDestroyAclOpExecutor"),
+     calls={name: aclsim.call_count(name) - before[name] for name in names})
+""", preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"ret": 0, "live": 0, "forwarded": 1, "calls": dict.fromkeys(
+        ("aclrtGetDevice", "aclrtSetDevice", "aclrtCreateEvent", "aclrtRecordEvent", "aclrtSynchronizeDevice"), 0)}
+    assert proc.stderr == ""

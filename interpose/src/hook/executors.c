@@ -175,9 +175,12 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         return real ? real(executor) : npa_no_runtime_error(NPA_FN_aclDestroyAclOpExecutor);
     }
     /* An executor means the process uses the NPU: create the allocator (and
-     * its stats) now if no allocation did, so the destroy is counted. */
-    npa_hook_allocator();
-    int device = npa_thread_device();
+     * its stats) now if no allocation did, so the destroy is counted. None
+     * serves after aclFinalize, which waited for the work, and then nothing
+     * of ours calls the runtime (not even to ask the device); nor when none
+     * could be made, and then calls go to the runtime as without us. */
+    bool serving = npa_hook_allocator() != NULL;
+    int device = serving ? npa_thread_device() : npa_tls_device;
     npa_mutex_lock(&exec_lock);
     int repeatable = set_remove(executor);
     npa_mutex_unlock(&exec_lock);
@@ -187,7 +190,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         return ACLNN_SUCCESS;
     }
     void *fence = NULL;
-    if (device >= 0 && npa_fence_record_always(NULL, device, &fence) != ACL_SUCCESS) {
+    if (serving && device >= 0 && npa_fence_record_always(NULL, device, &fence) != ACL_SUCCESS) {
         /* Neither a fence nor a synchronize: a kernel in flight may still
          * use the executor, and destroying it could crash the host. Keeping
          * it costs only host memory. */
@@ -195,8 +198,9 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         return ACLNN_SUCCESS;
     }
     if (fence == NULL) {
-        /* No device on this thread (nothing of its own queued), or the fence
-         * synchronized the device instead: nothing left to wait for. */
+        /* Not serving, no device on this thread (nothing of its own
+         * queued), or the fence synchronized the device instead: nothing
+         * left to wait for. */
         forward_destroy(executor, device);
         return ACLNN_SUCCESS;
     }

@@ -141,10 +141,11 @@ def test_repeatable_destroy_in_flight_is_a_violation_without_npualloc():
     assert out["queued"] and out["violations"] == 1 and out["reached_at_once"] == 1
 
 
-def test_deferred_destroys_are_forwarded_at_exit_without_finalize():
-    """Work still queued when the program ends: npualloc's exit handler waits
-    for it before forwarding the destroy, so the simulator reports no
-    destroy-while-queued violation (it would on stderr) and nothing hangs."""
+def test_deferred_destroys_left_at_exit_without_finalize():
+    """Work still queued when the program ends, its executor's destroy
+    deferred: the exit leaves the destroy to the runtime's teardown (README),
+    so nothing destroys the executor under the queued work (the simulator
+    would report it on stderr) and nothing hangs."""
     out, proc = run("""
 buf, _ = acl.rt.malloc(1 << 16, 0)
 after, _ = acl.rt.create_event()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import preload_env, run_python, sim_env
+from conftest import NPUALLOC_LIB, compile_shim, preload_env, run_python, sim_env
 
 PRELUDE = """
 import json, os, ctypes
@@ -276,3 +276,58 @@ emit(ret=ret, live=aclsim.executors_live(), forwarded=aclsim.call_count("aclDest
     assert out == {"ret": 0, "live": 0, "forwarded": 1, "calls": dict.fromkeys(
         ("aclrtGetDevice", "aclrtSetDevice", "aclrtCreateEvent", "aclrtRecordEvent", "aclrtSynchronizeDevice"), 0)}
     assert proc.stderr == ""
+
+
+# realloc refused once, when armed, to a caller inside libnpualloc.so: the
+# first growth of the list of deferred destroys.
+REFUSED_GROWTH_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <string.h>
+
+extern void *__libc_realloc(void *ptr, size_t size);
+static int armed;
+
+void refuse_next_growth(void) { __atomic_store_n(&armed, 1, __ATOMIC_SEQ_CST); }
+
+void *realloc(void *ptr, size_t size)
+{
+    Dl_info info;
+    if (ptr == NULL && __atomic_load_n(&armed, __ATOMIC_SEQ_CST) &&
+        dladdr(__builtin_return_address(0), &info) && info.dli_fname != NULL &&
+        strstr(info.dli_fname, "libnpualloc") != NULL && __atomic_exchange_n(&armed, 0, __ATOMIC_SEQ_CST))
+        return NULL;
+    return __libc_realloc(ptr, size);
+}
+"""
+
+
+def test_repeatable_destroy_with_no_room_to_defer_is_kept_when_the_device_cannot_be_synchronized(tmp_path):
+    """No host memory to defer a repeatable executor's destroy, and the
+    synchronize that stands in for its fence refused: nothing proves that
+    the queued launch is done, so the executor is kept (as when no fence can
+    be recorded), not destroyed under the launch."""
+    shim = compile_shim(tmp_path, "refused_growth", REFUSED_GROWTH_C)
+    out, proc = run(f"""
+shim = ctypes.CDLL({str(shim)!r})
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+for retry in range(8):  # until the launch is seen still queued after its destroy
+    aclsim.set_op_duration_us(50_000 << retry)
+    ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+    assert acl.rt.record_event(after, stream) == 0
+    before = aclsim.call_count("aclDestroyAclOpExecutor")
+    violations_before = aclsim.executor_violations()
+    shim.refuse_next_growth()
+    aclsim.fail_next_calls("aclrtSynchronizeDevice", 1, 500000)
+    ret = ops.destroy_executor(ex)
+    queued = acl.rt.query_event_status(after) == (0, 0)
+    assert acl.rt.synchronize_device() == 0
+    if queued:
+        break
+emit(queued=queued, ret=ret, reached=aclsim.call_count("aclDestroyAclOpExecutor") - before,
+     violations=aclsim.executor_violations() - violations_before)
+""", {**preload_env(), "LD_PRELOAD": f"{shim} {NPUALLOC_LIB}"})
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "ret": 0, "reached": 0, "violations": 0}
+    assert proc.stderr.count("npualloc: cannot fence or synchronize device 0: an aclnn executor is kept") == 1

@@ -127,6 +127,15 @@ static void forward_destroy(aclOpExecutor *e, int device)
     count(device, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED);
 }
 
+/* Neither a fence nor a synchronize: a kernel in flight may still use the
+ * executor, and destroying it could crash the host. Keeping it costs only
+ * host memory. */
+static aclnnStatus keep(int device)
+{
+    npa_warn_once("cannot fence or synchronize device %d: an aclnn executor is kept, not destroyed", device);
+    return ACLNN_SUCCESS;
+}
+
 void npa_exec_drain(npa_drain how)
 {
     if (how == NPA_DRAIN_ALL) {
@@ -190,13 +199,8 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         return ACLNN_SUCCESS;
     }
     void *fence = NULL;
-    if (serving && device >= 0 && npa_fence_record_always(NULL, device, &fence) != ACL_SUCCESS) {
-        /* Neither a fence nor a synchronize: a kernel in flight may still
-         * use the executor, and destroying it could crash the host. Keeping
-         * it costs only host memory. */
-        npa_warn_once("cannot fence or synchronize device %d: an aclnn executor is kept, not destroyed", device);
-        return ACLNN_SUCCESS;
-    }
+    if (serving && device >= 0 && npa_fence_record_always(NULL, device, &fence) != ACL_SUCCESS)
+        return keep(device);
     if (fence == NULL) {
         /* Not serving, no device on this thread (nothing of its own
          * queued), or the fence synchronized the device instead: nothing
@@ -209,9 +213,12 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         size_t ncap = cap_pending ? cap_pending * 2 : 16;
         deferred *np = realloc(pending, ncap * sizeof(*np));
         if (np == NULL) {
+            /* No room to defer it: wait now, as a forced drain does. */
             npa_mutex_unlock(&exec_lock);
-            npa_hook_synchronize(device);
+            bool done = npa_fence_done(NULL, fence) || npa_hook_synchronize(device) == ACL_SUCCESS;
             npa_fence_release(NULL, fence);
+            if (!done)
+                return keep(device);
             forward_destroy(executor, device);
             return ACLNN_SUCCESS;
         }

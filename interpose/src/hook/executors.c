@@ -105,10 +105,10 @@ static int set_remove(aclOpExecutor *e)
 }
 
 /* A destroy where no device is current (a thread that never set one, or
- * after a reset) counts on the first device the process used (none used:
- * not counted): counting on device 0 made npualloc's state for it, which
- * asks the device's memory by entering it, in a process that may never
- * have touched device 0. */
+ * after a reset) counts on the lowest-numbered device the process used
+ * (none used: not counted): counting on device 0 made npualloc's state for
+ * it, which asks the device's memory by entering it, in a process that may
+ * never have touched device 0. */
 static void count(int device, npa_counter counter)
 {
     npa_allocator *a = npa_hook_allocator_any();

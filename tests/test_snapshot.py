@@ -367,6 +367,20 @@ def test_oom_snapshot_path_that_cannot_be_written_warns_once(tmp_path: Path) -> 
     assert stderr.count(f"npualloc: oom_snapshot: cannot write {path}: No such file or directory") == 1
 
 
+def test_a_config_path_that_is_not_utf8_leaves_the_snapshot_readable(tmp_path: Path) -> None:
+    """A Linux path is bytes: an oom_snapshot path in another encoding (Latin-1
+    here) went as it was into allocator_settings' config text, and pickle,
+    which reads every string as UTF-8, refused the whole snapshot over it
+    (UnicodeDecodeError), the OOM snapshot too. Such bytes read as U+FFFD."""
+    path = os.fsdecode(os.fsencode(tmp_path) + b"/r\xe9sum\xe9.pickle")
+    out = tmp_path / "snap.pickle"
+    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
+        w.call(f"malloc({MiB})")
+        w.call(f"npualloc.dump_snapshot({str(out)!r})")
+    settings = pickle.loads(out.read_bytes())["allocator_settings"]
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "oom_snapshot:" + path.replace("\udce9", "\ufffd")
+
+
 def test_snapshot_before_the_first_allocation_is_empty(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         snapshot = w.call("npualloc._snapshot()")

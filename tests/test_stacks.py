@@ -110,6 +110,30 @@ def test_config_form_puts_stacks_in_the_oom_snapshot_memory_viz_shows_them(tmp_p
     assert any(line.startswith("stream_0;inactive;<non-python>") for line in lines)
 
 
+def test_a_name_cut_inside_a_character_leaves_the_snapshot_readable(tmp_path: Path) -> None:
+    """Names are kept to 256 bytes: a longer one in a script under a directory
+    named in Chinese (3 bytes a character) was cut inside a character, and
+    pickle refused the whole snapshot over it (UnicodeDecodeError). The
+    snapshot loads; the bytes of the cut character read as U+FFFD."""
+    out = tmp_path / "snap.pickle"
+    filename = "/数据/" + "训练脚本目录" * 15 + "/train.py"
+    code = f"""
+    import acl, npualloc
+    assert acl.init() == 0 and acl.rt.set_device(0) == 0
+    npualloc.record_memory_history(max_entries=100, stacks='python')
+    ns = {{"acl": acl}}
+    exec(compile("def alloc():\\n    return acl.rt.malloc(4 << 20, 0)[0]\\n", {filename!r}, "exec"), ns)
+    held = ns["alloc"]()
+    npualloc.dump_snapshot({str(out)!r})
+    """
+    run_python(code, preload_env())
+    [frames] = _alloc_frames(pickle.loads(out.read_bytes()))
+    name = frames[0]["filename"]
+    assert frames[0]["name"] == "alloc" and name.endswith("\ufffd")
+    kept = name.rstrip("\ufffd")
+    assert filename.startswith(kept) and len(kept.encode()) > 240
+
+
 def test_no_stacks_unless_asked(tmp_path: Path) -> None:
     out = tmp_path / "snap.pickle"
     code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, stacks=None)",

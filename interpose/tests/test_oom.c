@@ -543,6 +543,35 @@ static void test_blocks_cached_before_the_threshold_are_of_one_age(void) {
     fixture_destroy(&fx);
 }
 
+/* torch handles the frees whose events completed before its one search of
+ * a malloc (process_events, then get_free_block). A miss here fences the
+ * frees still open and looks again: B, freed before this malloc on an idle
+ * device, is as old as A, cached just before it, and the malloc counts one
+ * search. Counted twice, with B handed back between the two, A read 2 and
+ * B 1: the average (1.5) kept B, where torch's (1) frees both. */
+static void test_a_miss_that_looks_again_counts_one_search(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.auto_complete_polls = 1; /* the device is idle: a fence is done once asked */
+    npa_config c;
+    npa_config_defaults(&c);
+    c.garbage_collection_threshold = 0.9; /* the clock runs; nothing to collect below 921 MiB */
+    fixture_start(&fx, &c);
+    void *a = alloc_exact(&fx, 0, 12 * MiB);
+    void *b = alloc_exact(&fx, 0, 12 * MiB);
+    alloc_exact(&fx, 0, 200 * MiB); /* B alone does not fill a batch (a sixteenth of 224 MiB) */
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    npa_process_pending(fx.a, 0); /* A is cached */
+    CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK); /* B waits for its fence, unasked */
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.21), 0); /* limit 215 MiB; 224 reserved */
+    alloc_exact(&fx, 0, 30 * MiB);
+    CHECK(!still_cached(&fx, a));
+    CHECK(!still_cached(&fx, b));
+    CHECK_EQ(fx.fake.raw_free_calls, 2);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_oom_sequence);
     RUN(test_the_oom_retry_looks_again_among_the_frees_it_drained);
@@ -561,5 +590,6 @@ int main(void) {
     RUN(test_gc_frees_blocks_of_exactly_average_age);
     RUN(test_gc_threshold_set_at_run_time);
     RUN(test_blocks_cached_before_the_threshold_are_of_one_age);
+    RUN(test_a_miss_that_looks_again_counts_one_search);
     return check_report();
 }

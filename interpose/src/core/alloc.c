@@ -585,6 +585,10 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         b = take_cached_block(a, d, pool, rounded);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
+            /* torch hands back the frees whose events completed before its
+             * one search of a malloc (process_events): the look before them
+             * is taken back from the GC clock, and the next one counts. */
+            if (npa_gc_threshold(a) > 0.0) pool->search_count--;
             npa_pending_flush(a, d);
             release_gone_freed(a, d);
             b = take_cached_block(a, d, pool, rounded);

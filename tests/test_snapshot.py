@@ -367,6 +367,24 @@ def test_oom_snapshot_path_that_cannot_be_written_warns_once(tmp_path: Path) -> 
     assert stderr.count(f"npualloc: oom_snapshot: cannot write {path}: No such file or directory") == 1
 
 
+def test_each_snapshot_leaves_torchs_snapshot_event_in_later_traces(tmp_path: Path) -> None:
+    """torch's snapshot() records {"action": "snapshot", "addr": 0, "size":
+    the active bytes it listed} once it has listed the segments, so later
+    traces show where each snapshot fell; npualloc replay ends an iteration
+    at each."""
+    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF="record_history:100") as w:
+        w.call(f"malloc({3 * MiB})")
+        first = w.call("npualloc._snapshot()")
+        w.call("malloc(4096)")
+        second = w.call("npualloc._snapshot()")
+    assert "snapshot" not in [e["action"] for e in first["device_traces"][0]]
+    active = sum(segment["active_size"] for segment in first["segments"])
+    events = [e for e in second["device_traces"][0] if e["action"] == "snapshot"]
+    assert [(e["addr"], e["size"], e["stream"], e["frames"]) for e in events] == [(0, active, 0, [])]
+    actions = [e["action"] for e in second["device_traces"][0]]
+    assert actions.index("snapshot") == len(first["device_traces"][0])  # right after what the first listed
+
+
 def test_a_config_path_that_is_not_utf8_leaves_the_snapshot_readable(tmp_path: Path) -> None:
     """A Linux path is bytes: an oom_snapshot path in another encoding (Latin-1
     here) went as it was into allocator_settings' config text, and pickle,

@@ -158,6 +158,7 @@ typedef enum npa_trace_action {
     NPA_TRACE_OOM = 5,
     NPA_TRACE_SEGMENT_MAP = 6,   /* pages mapped into an expandable segment */
     NPA_TRACE_SEGMENT_UNMAP = 7, /* pages unmapped from one */
+    NPA_TRACE_SNAPSHOT = 8,      /* a snapshot listed the segments: addr 0, size the active bytes it listed */
 } npa_trace_action;
 
 /* One event of a device's trace, valid only inside the visitor call. For

@@ -208,6 +208,39 @@ static void test_snapshot_pickle_framing(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's snapshot() records a snapshot event once it has listed the
+ * segments (addr 0, size the active bytes listed), so the traces of later
+ * snapshots show where each fell (npualloc replay ends an iteration there).
+ * The pickle holds the trace read before that event. */
+static void test_a_snapshot_leaves_its_event_in_the_trace(void) {
+    npa_config c = history_config(10);
+    fixture fx;
+    fixture_init(&fx, GiB, &c);
+    void *p = alloc_exact(&fx, 0, 4096);
+    void *q = alloc_exact(&fx, 0, 3 * MiB);
+    alloc_exact(&fx, 0, 1024);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(trace_of(&fx, 0).count, 7); /* 2 segments, 3 allocs, the free's request and completion */
+    size_t size = 0;
+    free(npa_snapshot_pickle(fx.a, &c, &size));
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 8);
+    check_entry(&t.entries[7], NPA_TRACE_SNAPSHOT, 0, 4096 + 1024); /* the 3 MiB block was freed */
+    CHECK_EQ(t.entries[7].stream, 0);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    free(npa_snapshot_pickle(fx.a, &c, &size));
+    t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 10); /* its ring holds the last 10 */
+    check_entry(&t.entries[9], NPA_TRACE_SNAPSHOT, 0, 1024);
+    fixture_destroy(&fx);
+
+    fixture_init(&fx, GiB, NULL); /* history off: nothing recorded */
+    alloc_exact(&fx, 0, 4096);
+    free(npa_snapshot_pickle(fx.a, &c, &size));
+    CHECK_EQ(trace_of(&fx, 0).count, 0);
+    fixture_destroy(&fx);
+}
+
 /* Recording, snapshots and run-time switches from several threads at once
  * (run under ThreadSanitizer by make ctest-tsan). */
 typedef struct churn_arg {
@@ -263,6 +296,7 @@ int main(void) {
     RUN(test_events_carry_their_stream);
     RUN(test_oom_event_holds_free_bytes);
     RUN(test_snapshot_pickle_framing);
+    RUN(test_a_snapshot_leaves_its_event_in_the_trace);
     RUN(test_concurrent_recording_and_snapshots);
     return check_report();
 }

@@ -159,6 +159,7 @@ static const char *const trace_actions[] = {
     [NPA_TRACE_OOM] = "oom",
     [NPA_TRACE_SEGMENT_MAP] = "segment_map",
     [NPA_TRACE_SEGMENT_UNMAP] = "segment_unmap",
+    [NPA_TRACE_SNAPSHOT] = "snapshot",
 };
 
 /* torch's frame dict: {"filename", "line", "name"}. */
@@ -182,6 +183,7 @@ typedef struct addr_stack {
 typedef struct trace_writer {
     pickle_buffer *b;
     const npa_backend *backend;
+    size_t active;           /* the active bytes of the segments written */
     addr_stack *stacks;      /* sorted by (addr, order); NULL when none were recorded */
     size_t stack_count, stack_capacity, seen;
     bool stacks_incomplete;  /* host memory ran out while collecting: stack_count is then 0 */
@@ -234,6 +236,7 @@ static uint32_t alloc_stack(const trace_writer *w, uintptr_t addr, size_t before
 static void segment_dict(const npa_segment_view *seg, void *arg) {
     trace_writer *w = arg;
     pickle_buffer *b = w->b;
+    w->active += seg->active_size;
     open_dict(b);
     str_value(b, "device"), int_value(b, seg->device);
     str_value(b, "address"), uint_value(b, seg->address);
@@ -334,12 +337,14 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
             if (stacks.stacks_incomplete) stacks.stack_count = 0;
             if (stacks.stack_count) qsort(stacks.stacks, stacks.stack_count, sizeof *stacks.stacks, by_addr_then_order);
         }
-        if (!npa_visit_device_segments(d, segment_dict, &(trace_writer){.b = &segments, .backend = &a->backend,
-                                       .stacks = stacks.stacks, .stack_count = stacks.stack_count},
-                                       &scratch, &scratch_capacity))
-            segments.failed = true;
+        trace_writer listed = {.b = &segments, .backend = &a->backend, .stacks = stacks.stacks,
+                               .stack_count = stacks.stack_count};
+        if (!npa_visit_device_segments(d, segment_dict, &listed, &scratch, &scratch_capacity)) segments.failed = true;
         npa_history_visit(d, trace_dict, &(trace_writer){.b = &traces, .backend = &a->backend,
                                                          .stacks = stacks.stacks, .stack_count = stacks.stack_count});
+        /* torch's snapshot(): its event after the trace it hands out, so
+         * later snapshots show where this one fell. */
+        if (!segments.failed) npa_history_note(d, NULL, NPA_TRACE_SNAPSHOT, 0, listed.active);
         npa_lock_release(&d->lock);
         close_list(&traces);
         traces_end = traces.len;

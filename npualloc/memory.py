@@ -501,7 +501,7 @@ def get_config(pid: int | None = None) -> str:
         buf = ffi.new("char[]", size)
         length = lib.npualloc_get_config(buf, size)
         if length < size:
-            return str(ffi.string(buf).decode())
+            return str(ffi.string(buf).decode(errors="replace"))  # as the region reader: a path may be any bytes
         size = length + 1
 
 

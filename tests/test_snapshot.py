@@ -399,6 +399,23 @@ def test_a_config_path_that_is_not_utf8_leaves_the_snapshot_readable(tmp_path: P
     assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "oom_snapshot:" + path.replace("\udce9", "\ufffd")
 
 
+def test_a_config_path_that_is_not_utf8_reads_back_from_get_config(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_config() in the process decoded the library's config text strictly
+    and raised UnicodeDecodeError over a Latin-1 oom_snapshot path, where the
+    same text read from the region (get_config(pid=)) has such bytes as
+    U+FFFD: both now read the same."""
+    path = os.fsdecode(os.fsencode(tmp_path) + b"/r\xe9sum\xe9.pickle")
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
+        w.call(f"malloc({MiB})")
+        inside = w.call("npualloc.get_config()")
+        outside = npualloc.get_config(pid=w.pid)
+    expected = "oom_snapshot:" + path.replace("\udce9", "\ufffd")
+    assert expected in inside.split(",")
+    assert inside == outside
+
+
 def test_snapshot_before_the_first_allocation_is_empty(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         snapshot = w.call("npualloc._snapshot()")

@@ -69,14 +69,24 @@ def _expect(value: object, kinds: type | tuple[type, ...], where: str) -> Any:
     return value
 
 
+# Every int field checked here (sizes, addresses, times, a device index) is
+# unsigned 64-bit in torch's snapshots, as in ours (core/snapshot_pickle.c);
+# past that range replay's struct.pack and plot's float division raised.
+_MAX_FIELD = (1 << 64) - 1
+
+
 def _check_record(record: object, fields: dict[str, type | tuple[type, ...]], required: tuple[str, ...],
                   where: str) -> int:
     """record is a dict whose fields, where present (required ones always),
-    have their kinds; returns how many frames it holds (a list when present)."""
+    have their kinds, ints within _MAX_FIELD; returns how many frames it
+    holds (a list when present)."""
     _expect(record, dict, where)
     for name, kinds in fields.items():
         if name in record or name in required:
-            _expect(record.get(name), kinds, f"{where}[{name!r}]")
+            value = _expect(record.get(name), kinds, f"{where}[{name!r}]")
+            if isinstance(value, int) and not 0 <= value <= _MAX_FIELD:
+                raise NotASnapshot(f"not a memory snapshot: {where}[{name!r}] is "
+                                   f"{'negative' if value < 0 else 'past 2**64 - 1'}")
     return len(_expect(record.get("frames", []), list, f"{where}['frames']"))
 
 
@@ -113,7 +123,7 @@ def _check_shape(snapshot: dict[str, Any], max_entries: int) -> None:
             frames += _check_record(block, _BLOCK_FIELDS, ("size", "state"), f"{where}['blocks'][{j}]")
     for device, trace in enumerate(traces):
         for k, entry in enumerate(trace):
-            frames += _check_record(entry, _TRACE_FIELDS, ("action",), f"device_traces[{device}][{k}]")
+            frames += _check_record(entry, _TRACE_FIELDS, ("action", "addr", "size"), f"device_traces[{device}][{k}]")
     _refuse_past(frames, MAX_SNAPSHOT_FRAMES, "stack frames")
 
 

@@ -344,8 +344,9 @@ def test_a_snapshot_holds_as_many_entries_as_its_bytes_allow(tmp_path: Path, mon
     ({"segments": [{"address": 0, "total_size": "zz", "blocks": []}]}, "segments[0]['total_size'] is str"),
     ({"segments": [{"address": 0, "total_size": 1, "blocks": [{"size": 1}]}]}, "segments[0]['blocks'][0]['state'] is NoneType"),
     ({"device_traces": [[1]]}, "device_traces[0][0] is int"),
-    ({"device_traces": [[{"action": "alloc", "size": "zz"}]]}, "device_traces[0][0]['size'] is str"),
-    ({"device_traces": [[{"action": "alloc", "frames": 3}]]}, "device_traces[0][0]['frames'] is int"),
+    ({"device_traces": [[{"action": "alloc", "addr": 0, "size": "zz"}]]}, "device_traces[0][0]['size'] is str"),
+    ({"device_traces": [[{"action": "alloc", "addr": 0, "size": 1, "frames": 3}]]},
+     "device_traces[0][0]['frames'] is int"),
 ])
 def test_a_snapshot_of_the_wrong_shape_is_refused_with_where(tmp_path: Path, snapshot: dict, where: str) -> None:
     """Fields plot, replay and memory_viz read, of another kind than torch's:
@@ -355,6 +356,35 @@ def test_a_snapshot_of_the_wrong_shape_is_refused_with_where(tmp_path: Path, sna
     with pytest.raises(npualloc.NpuallocError, match=re.escape(f"not a memory snapshot: {where}")):
         npualloc.snapshot.load(path)
     assert_one_line_error(run_cli(["plot", str(path), "-o", str(tmp_path / "p.png")], tmp_path), 1, where)
+
+
+def _alloc(**fields: int) -> dict:
+    return {"action": "alloc", "addr": 0, "size": 512, **fields}
+
+
+@pytest.mark.parametrize("snapshot, where", [
+    ({"device_traces": [[{"action": "alloc", "addr": 0}]]}, "device_traces[0][0]['size'] is NoneType"),
+    ({"device_traces": [[_alloc(size=-1)]]}, "device_traces[0][0]['size'] is negative"),
+    ({"device_traces": [[_alloc(size=1 << 64)]]}, "device_traces[0][0]['size'] is past 2**64 - 1"),
+    ({"device_traces": [[_alloc(time_us=0), _alloc(addr=512, time_us=1 << 1100)]]},
+     "device_traces[0][1]['time_us'] is past 2**64 - 1"),
+    ({"segments": [{"address": 0, "total_size": 1 << 1100, "blocks": []}], "device_traces": [[_alloc()]]},
+     "segments[0]['total_size'] is past 2**64 - 1"),
+])
+@pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
+def test_a_snapshot_field_outside_torchs_range_is_refused(tmp_path: Path, snapshot: dict, where: str,
+                                                         command: list[str]) -> None:
+    """Sizes, addresses and times are unsigned 64-bit in torch's snapshots
+    (and memory_viz reads every trace entry's addr and size): a field missing
+    or outside that range was a traceback, replay's struct.pack refusing it
+    (or a KeyError for the size) and plot's float division overflowing. One
+    line naming the field, exit 1."""
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    with pytest.raises(npualloc.NpuallocError, match=re.escape(f"not a memory snapshot: {where}")):
+        npualloc.snapshot.load(path)
+    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
+    assert_one_line_error(run_cli(args, tmp_path), 1, where)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")

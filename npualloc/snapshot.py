@@ -47,6 +47,8 @@ def loads(data: bytes) -> Snapshot:
         return _snapshot_check.loads(data)
     except _snapshot_check.NotASnapshot as e:
         raise NpuallocError(str(e)) from None
+    except MemoryError:  # a pickle's few bytes may ask for any amount (a length of 2**62)
+        raise NpuallocError("out of memory while unpickling it (not a memory snapshot?)") from None
 
 
 def load(path: str | Path) -> Snapshot:

@@ -387,6 +387,19 @@ def test_a_snapshot_field_outside_torchs_range_is_refused(tmp_path: Path, snapsh
     assert_one_line_error(run_cli(args, tmp_path), 1, where)
 
 
+@pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
+def test_a_pickle_asking_for_more_memory_than_there_is_is_one_line(tmp_path: Path, command: list[str]) -> None:
+    """A few bytes of pickle may ask the unpickler for any amount of memory:
+    this one's BINBYTES8 says 2**62 bytes follow, which no malloc gives, and
+    the MemoryError came out of the loader as a traceback."""
+    path = tmp_path / "greedy.pickle"
+    path.write_bytes(b"\x80\x04\x8e" + (1 << 62).to_bytes(8, "little") + b"x.")
+    with pytest.raises(npualloc.NpuallocError, match=f"{path}: out of memory while unpickling it"):
+        npualloc.snapshot.load(path)
+    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
+    assert_one_line_error(run_cli(args, tmp_path), 1, "out of memory while unpickling it")
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")
 def test_another_users_snapshot_is_loaded_on_trial_with_bounded_memory(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,7 +50,8 @@ def loads(data: bytes) -> dict[str, Any]:
         data = _gunzip(data)
     try:
         snapshot = _PlainDataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError, AttributeError,
+            OverflowError) as e:
         raise NotASnapshot(f"not a memory snapshot pickle ({e})") from None
     if not isinstance(snapshot, dict):
         raise NotASnapshot("not a memory snapshot (expected torch's _snapshot() dict)")

@@ -387,6 +387,25 @@ def test_a_snapshot_field_outside_torchs_range_is_refused(tmp_path: Path, snapsh
     assert_one_line_error(run_cli(args, tmp_path), 1, where)
 
 
+@pytest.mark.parametrize("data, why", [
+    (b"\x80\x02}Na.", "'dict' object has no attribute 'append'"),  # APPEND to a dict
+    (b"\x80\x04\x95" + (1 << 63).to_bytes(8, "little"), "FRAME length exceeds"),
+])
+@pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
+def test_a_pickle_the_unpickler_breaks_on_is_one_line(tmp_path: Path, data: bytes, why: str,
+                                                     command: list[str]) -> None:
+    """The unpickler raises AttributeError for an opcode applied to the
+    wrong kind of object, and OverflowError for a length past the machine's:
+    both came out of the loader as tracebacks (found by mutating snapshot
+    pickles byte by byte)."""
+    path = tmp_path / "broken.pickle"
+    path.write_bytes(data)
+    with pytest.raises(npualloc.NpuallocError, match=re.escape(f"{path}: not a memory snapshot pickle ({why}")):
+        npualloc.snapshot.load(path)
+    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
+    assert_one_line_error(run_cli(args, tmp_path), 1, why)
+
+
 @pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
 def test_a_pickle_asking_for_more_memory_than_there_is_is_one_line(tmp_path: Path, command: list[str]) -> None:
     """A few bytes of pickle may ask the unpickler for any amount of memory:

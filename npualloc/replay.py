@@ -53,7 +53,11 @@ DEFAULT_HBM = "64G"
 # answer, but never coarser than 64 MiB and never finer than the simulator's 1 MiB.
 SEARCH_MAX_STEP = 64 * MIB
 SEARCH_MIN_STEP = MIB
-SEARCH_CEILING = 1 << 46   # 64 TiB: a trace that needs more is not a memory question
+# The most HBM a replay models, --hbm and the search alike: a trace that needs
+# more is not a memory question, and the simulator reserves an arena of twice
+# its HBM and 1 GiB, which x86-64's 128 TiB of user address space refuses
+# from 48 TiB on (its runtime then fails to start).
+MAX_HBM = 1 << 44
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 
@@ -248,11 +252,11 @@ def smallest_hbm(tools: Toolchain, event_file: Path, env: dict[str, str], peak_r
     low = max(0, peak_requested // MIB - 1) * MIB     # does not fit
     high = known_fit
     if high is None:
-        high = max(2 * low, 64 * MIB)
+        high = min(max(2 * low, 64 * MIB), MAX_HBM)
         while not try_size(high):
-            if high >= SEARCH_CEILING:
+            if high >= MAX_HBM:
                 raise ReplayError(f"does not fit even in {human_bytes(high)}")
-            low, high = high, 2 * high
+            low, high = high, min(2 * high, MAX_HBM)
     while high - low > max(SEARCH_MIN_STEP, min(SEARCH_MAX_STEP, high // 100)):
         middle = (low + high) // 2 // MIB * MIB
         if try_size(middle):
@@ -291,6 +295,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         raise ReplayError(f"--hbm: {e}") from None
     if hbm < MIB:
         raise ReplayError(f"--hbm: {args.hbm} is under the simulator's 1 MiB granularity")
+    if hbm > MAX_HBM:
+        raise ReplayError(f"--hbm: {args.hbm} is past the {human_bytes(MAX_HBM)} the simulator models")
     tools = find_toolchain(args.build, args.runtime)
     snapshot = load_snapshot(args.trace)
     with tempfile.TemporaryDirectory(prefix="npualloc-replay-") as tmp:

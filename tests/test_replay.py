@@ -272,3 +272,21 @@ def test_an_oom_nobody_searched_for_exits_non_zero():
     report = json.loads(searched.stdout)
     assert not report["fits"] and report["smallest_hbm_bytes"] == 40 * MIB
     assert run_replay(str(TINY), "--build", str(BUILD), "--no-search").returncode == 0
+
+
+def test_hbm_past_what_the_simulator_models_is_one_line_error(tmp_path):
+    """The simulator reserves an arena of twice its HBM (and 1 GiB), which
+    x86-64's 128 TiB of user address space refuses from 48 TiB on: the
+    search's 64 TiB ceiling was never reached, a trace asking for 1 PiB ended
+    in "runtime start-up failed: aclError 207001", and --hbm 16777216T (2**64
+    bytes, 0 once the simulator shifted its MiB into bytes) said the tiny
+    trace does not fit. The ceiling is 16 TiB, and --hbm past it refused."""
+    huge = tmp_path / "huge.pickle"
+    huge.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 0, "size": 1 << 50}]]}))
+    proc = run_replay(str(huge), "--build", str(BUILD), check=False)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr == "npualloc: does not fit even in 16.00 TiB\n"
+    for hbm in ("17T", "16777216T"):
+        proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", hbm, "--no-search", check=False)
+        assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+        assert proc.stderr == f"npualloc: --hbm: {hbm} is past the 16.00 TiB the simulator models\n"

@@ -156,17 +156,17 @@ def _read_snapshot_file(region: Region, name: str) -> bytes:
     rename that directory and put their own at its name."""
     path = region.path.with_name(name)
     try:
-        data = read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),
+        return read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),
                                  dir_fd=region.directory_fd).data
     except FileRefusedError as e:
         if region.process_ended():  # it removes the files nobody took at exit
             raise NoSuchProcessError(f"process {region.pid} ended before its snapshot was read") from None
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
-    try:
-        os.unlink(name, dir_fd=region.directory_fd)
-    except FileNotFoundError:
-        pass
-    return data
+    finally:  # read or refused (past MAX_SNAPSHOT_BYTES), it is nobody's now
+        try:
+            os.unlink(name, dir_fd=region.directory_fd)
+        except OSError:  # gone already (its process ended), or a directory planted there
+            pass
 
 
 def snapshot_bytes(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -> bytes:

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 from conftest import BUILD, sim_env
-from region_helpers import Workload, assert_one_line_error, cli_with_trigger, drain_fifo, run_cli
+from region_helpers import (Workload, assert_one_line_error, cli_with_trigger, drain_fifo, region_file, run_cli,
+                            wait_for_pending_command)
 
 import npualloc
 from npualloc.plot import timeline
@@ -247,6 +248,24 @@ def test_a_process_that_exits_before_its_snapshot_is_read_is_said_to_have_ended(
                 npualloc._snapshot(pid=w.pid)
         finally:
             applier.join()
+
+
+def test_a_snapshot_too_large_to_read_is_removed_all_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hand-over file the requester refuses (past MAX_SNAPSHOT_BYTES: a
+    full history of record_history's 16,777,216 entries is some 2 GB, 120
+    bytes an entry) stayed in the region directory, /dev/shm's memory, until
+    later snapshots pushed it out or the process exited. It is removed as a
+    file that was read is."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(npualloc._snapshot_check, "MAX_SNAPSHOT_BYTES", 64)
+    with Workload(tmp_path) as w, ThreadPoolExecutor(1) as pool:
+        w.call("malloc(4096)")
+        taking = pool.submit(npualloc._snapshot, pid=w.pid)
+        wait_for_pending_command(region_file(tmp_path, w.pid), lambda: not taking.done())
+        w.call("malloc(512)")
+        with pytest.raises(npualloc.NpuallocError, match="cannot read .*snapshot.1: larger than 0 MiB"):
+            taking.result()
+        assert list(region_file(tmp_path, w.pid).parent.glob("npualloc.*.snapshot.*")) == []
 
 
 def test_snapshot_from_another_shell_matches_the_allocations(remote_snapshot) -> None:

@@ -93,7 +93,10 @@ def _check_record(record: object, fields: dict[str, type | tuple[type, ...]], re
 
 _SEGMENT_FIELDS = {"device": int, "address": int, "total_size": int, "blocks": list}
 _BLOCK_FIELDS = {"size": int, "requested_size": int, "state": str}
-_TRACE_FIELDS = {"action": str, "addr": int, "size": int, "time_us": (int, float)}
+_TRACE_FIELDS = {"action": str, "addr": int, "device_free": int, "size": int, "time_us": (int, float)}
+# torch writes an OOM entry's address field as device_free, not addr.
+_TRACE_REQUIRED = ("action", "addr", "size")
+_OOM_REQUIRED = ("action", "device_free", "size")
 
 
 def _check_shape(snapshot: dict[str, Any], max_entries: int) -> None:
@@ -124,7 +127,9 @@ def _check_shape(snapshot: dict[str, Any], max_entries: int) -> None:
             frames += _check_record(block, _BLOCK_FIELDS, ("size", "state"), f"{where}['blocks'][{j}]")
     for device, trace in enumerate(traces):
         for k, entry in enumerate(trace):
-            frames += _check_record(entry, _TRACE_FIELDS, ("action", "addr", "size"), f"device_traces[{device}][{k}]")
+            oom = isinstance(entry, dict) and entry.get("action") == "oom"
+            frames += _check_record(entry, _TRACE_FIELDS, _OOM_REQUIRED if oom else _TRACE_REQUIRED,
+                                    f"device_traces[{device}][{k}]")
     _refuse_past(frames, MAX_SNAPSHOT_FRAMES, "stack frames")
 
 

@@ -387,6 +387,24 @@ def test_a_snapshot_field_outside_torchs_range_is_refused(tmp_path: Path, snapsh
     assert_one_line_error(run_cli(args, tmp_path), 1, where)
 
 
+@pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
+def test_torchs_oom_entry_has_device_free_in_place_of_addr(tmp_path: Path, command: list[str]) -> None:
+    """torch writes an OOM trace entry's address field as device_free, with
+    no addr (its snapshot code, both the dict and the pickled one): requiring addr in every entry
+    refused every torch snapshot that saw an OOM. An OOM entry needs
+    device_free instead, in torch's unsigned 64 bits like the rest."""
+    oom = {"action": "oom", "device_free": 1 << 20, "size": 1 << 30, "stream": 0, "time_us": 2}
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[_alloc(time_us=1), oom]]}))
+    assert npualloc.snapshot.load(path)["device_traces"][0][1] == oom
+    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
+    proc = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    path.write_bytes(pickle.dumps({"device_traces": [[{**oom, "device_free": -1}]]}))
+    with pytest.raises(npualloc.NpuallocError, match=re.escape("device_traces[0][0]['device_free'] is negative")):
+        npualloc.snapshot.load(path)
+
+
 @pytest.mark.parametrize("data, why", [
     (b"\x80\x02}Na.", "'dict' object has no attribute 'append'"),  # APPEND to a dict
     (b"\x80\x04\x95" + (1 << 63).to_bytes(8, "little"), "FRAME length exceeds"),

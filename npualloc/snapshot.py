@@ -221,11 +221,17 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
     restarts either way). stacks="python" (or torch's default "all": there
     are no C++ frames to add) records the Python frames of each allocation in
     this process; for another process (pid=) only history is switched, its
-    stacks follow its record_stacks config key. context is accepted for
-    torch's signature."""
-    del context
+    stacks follow its record_stacks config key. enabled and context take
+    torch's values, checked as torch checks them; "state" records as "all"
+    does (torch then keeps a trace of one entry beside the live blocks'
+    stacks, but npualloc takes a live block's stack from its alloc event in
+    the trace), and context is otherwise unused."""
     if enabled is False:  # torch's legacy form: _record_memory_history(False) is off
         enabled = None
+    if not (enabled is None or enabled is True or enabled in ("state", "all")):
+        raise ValueError(f"enabled must be 'state', 'all' or None, not {enabled!r}")
+    if context not in (None, "state", "alloc", "all"):
+        raise ValueError(f"context must be 'state', 'alloc', 'all' or None, not {context!r}")
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
         raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")
     if enabled is not None and max_entries > constants.NPUALLOC_MAX_RECORD_HISTORY:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import stat
 import struct
 import subprocess
@@ -139,6 +140,25 @@ def test_torch_named_aliases_take_torchs_arguments(tmp_path: Path) -> None:
     [trace] = loads(out.read_bytes())["device_traces"]
     assert [e["action"] for e in trace] == ["alloc"] and trace[0]["frames"] == []
 
+
+
+@pytest.mark.parametrize("call, message", [
+    ("record_memory_history('on')", "enabled must be 'state', 'all' or None, not 'on'"),
+    ("record_memory_history(1)", "enabled must be 'state', 'all' or None, not 1"),
+    ("record_memory_history('all', context='allocs')", "context must be 'state', 'alloc', 'all' or None, not 'allocs'"),
+    ("_record_memory_history('all', 'frames')", "context must be 'state', 'alloc', 'all' or None, not 'frames'"),
+])
+def test_record_memory_history_refuses_what_torch_refuses(tmp_path: Path, call: str, message: str) -> None:
+    """torch checks enabled against 'state' and 'all' and context against
+    'state', 'alloc' and 'all' (None for either): any other value turned
+    history on, a typo passing for 'all'. Refused before anything changes."""
+    with Workload(tmp_path) as w:
+        w.call("malloc(4096)")
+        with pytest.raises(AssertionError, match=re.escape(f"ValueError: {message}")):
+            w.call(f"npualloc.{call}")
+        assert "record_history" not in w.call("npualloc.get_config()")
+        w.call("npualloc.record_memory_history('state', context='alloc')")
+        assert "record_history:" in w.call("npualloc.get_config()")
 
 
 @pytest.fixture(scope="module")

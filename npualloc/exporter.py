@@ -108,6 +108,8 @@ def serve(host: str, port: int) -> tuple[Any, threading.Thread]:
         return start_http_server(port, addr=host, registry=registry)
     except OSError as e:
         raise NpuallocError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except UnicodeError as e:  # a name the resolver's IDNA encoding refuses (a label past 63 characters)
+        raise NpuallocError(f"cannot listen on {host}:{port}: not a host name ({e})") from None
 
 
 def cmd_exporter(args: argparse.Namespace) -> int:

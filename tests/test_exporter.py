@@ -97,6 +97,18 @@ def test_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
     assert proc.stderr.startswith(f"npualloc: cannot listen on 127.0.0.1:{port}") and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("host", ["a" * 300, "a..b"])
+def test_a_host_name_the_resolver_refuses_is_a_one_line_error(tmp_path: Path, host: str) -> None:
+    """A label past 63 characters or an empty one fails the resolver's IDNA
+    encoding with UnicodeError, not OSError: it printed the codec's words
+    alone, naming neither --host nor what could not listen."""
+    proc = subprocess.run([sys.executable, "-m", "npualloc", "exporter", "--host", host, "--port", "0"],
+                          env=cli_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"npualloc: cannot listen on {host}:0: not a host name (") and \
+        proc.stderr.count("\n") == 1
+
+
 def test_dashboard_uses_only_exported_metrics() -> None:
     from npualloc.exporter import COUNTERS, GAUGES, PREFIX
     names = {PREFIX + n for n, _, _ in GAUGES} | {PREFIX + n + "_total" for n, _, _ in COUNTERS} | {

@@ -81,6 +81,10 @@ class FileRefusedError(NpuallocError):
     """What is at a path named by the user is not ours to read or write; it is left as it is."""
 
 
+class FileTooLargeError(FileRefusedError):
+    """A file past the size its reader takes (read_regular_file's max_bytes)."""
+
+
 class RegularFile(NamedTuple):
     data: bytes
     uid: int  # its owner, as the descriptor read showed it
@@ -127,7 +131,7 @@ def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None
             chunks.append(chunk)
             read += len(chunk)  # the file may grow while it is read
         if info.st_size > max_bytes or read > max_bytes:
-            raise FileRefusedError(f"cannot read {path}: larger than {max_bytes >> 20} MiB")
+            raise FileTooLargeError(f"cannot read {path}: larger than {max_bytes >> 20} MiB")
         return RegularFile(b"".join(chunks), info.st_uid)
     except OSError as e:
         raise FileRefusedError(f"cannot read {path}: {_reason(e.errno)}") from None

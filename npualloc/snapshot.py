@@ -29,7 +29,7 @@ from typing import Any
 from . import _snapshot_check
 from ._ffi import constants, ffi
 from .errors import CorruptRegionError, NoSuchProcessError, NpuallocError
-from .files import FileRefusedError, read_regular_file, write_user_file
+from .files import FileRefusedError, FileTooLargeError, read_regular_file, write_user_file
 from .memory import _in_process, _library, set_config
 from .region import COMMAND_TIMEOUT_S, Region
 
@@ -158,6 +158,9 @@ def _read_snapshot_file(region: Region, name: str) -> bytes:
     try:
         return read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),
                                  dir_fd=region.directory_fd).data
+    except FileTooLargeError as e:  # nothing is corrupt: a long history with stacks (record_history)
+        raise NpuallocError(f"{e}: process {region.pid}'s snapshot is past what npualloc reads; record fewer "
+                            "history entries (record_history) and take it again") from None
     except FileRefusedError as e:
         if region.process_ended():  # it removes the files nobody took at exit
             raise NoSuchProcessError(f"process {region.pid} ended before its snapshot was read") from None

@@ -275,7 +275,8 @@ def test_a_snapshot_too_large_to_read_is_removed_all_the_same(tmp_path: Path, mo
     full history of record_history's 16,777,216 entries is some 2 GB, 120
     bytes an entry) stayed in the region directory, /dev/shm's memory, until
     later snapshots pushed it out or the process exited. It is removed as a
-    file that was read is."""
+    file that was read is. Nothing is corrupt: the error says what to do,
+    where it read as a corrupt region (CorruptRegionError, the CLI's exit 7)."""
     monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
     monkeypatch.setattr(npualloc._snapshot_check, "MAX_SNAPSHOT_BYTES", 64)
     with Workload(tmp_path) as w, ThreadPoolExecutor(1) as pool:
@@ -283,8 +284,10 @@ def test_a_snapshot_too_large_to_read_is_removed_all_the_same(tmp_path: Path, mo
         taking = pool.submit(npualloc._snapshot, pid=w.pid)
         wait_for_pending_command(region_file(tmp_path, w.pid), lambda: not taking.done())
         w.call("malloc(512)")
-        with pytest.raises(npualloc.NpuallocError, match="cannot read .*snapshot.1: larger than 0 MiB"):
+        with pytest.raises(npualloc.NpuallocError, match="cannot read .*snapshot.1: larger than 0 MiB: process "
+                           rf"{w.pid}'s snapshot is past what npualloc reads; record fewer history entries") as e:
             taking.result()
+        assert not isinstance(e.value, npualloc.errors.CorruptRegionError)
         assert list(region_file(tmp_path, w.pid).parent.glob("npualloc.*.snapshot.*")) == []
 
 

@@ -383,12 +383,6 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_DID_NOT_FIT if not report["fits"] and args.no_search else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m npualloc.replay`, the same command on its own."""
-    parser = argparse.ArgumentParser(prog="npualloc replay", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m npualloc.replay`: the CLI's command, with its errors and Ctrl-C
+    from npualloc.cli import main
+    sys.exit(main(["replay", *sys.argv[1:]]))

@@ -12,13 +12,17 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import BUILD, ROOT, sim_env
+from region_helpers import assert_one_line_error
 from npualloc import replay
 
 MIB = 1 << 20
@@ -290,3 +294,20 @@ def test_hbm_past_what_the_simulator_models_is_one_line_error(tmp_path):
         proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", hbm, "--no-search", check=False)
         assert proc.returncode == 1 and proc.stdout == "", proc.stderr
         assert proc.stderr == f"npualloc: --hbm: {hbm} is past the 16.00 TiB the simulator models\n"
+
+
+def test_ctrl_c_in_python_m_npualloc_replay_is_the_clis_one_line() -> None:
+    """`python -m npualloc.replay` had its own main, which caught only
+    ReplayError: Ctrl-C during a replay was a KeyboardInterrupt traceback
+    where `npualloc replay` says "interrupted" and exits 130. It is the CLI's
+    command now. The signal comes once the replayer child runs."""
+    proc = subprocess.Popen([sys.executable, "-m", "npualloc.replay", str(TRACES / "resnet_train.pickle.gz"),
+                             "--build", str(BUILD)], env=sim_env(), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    watched = psutil.Process(proc.pid)
+    while proc.poll() is None and not watched.children():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130, "interrupted")

@@ -73,32 +73,37 @@ static void uint_value(pickle_buffer *b, uint64_t v) {
     op(b, 0);
 }
 
-/* How many bytes the well-formed UTF-8 character at s (n bytes left) takes,
- * 0 when it is not one (RFC 3629: no overlong forms, no surrogates, nothing
- * past U+10FFFF). */
-static size_t utf8_char_length(const unsigned char *s, size_t n) {
+/* The bytes at s (n left) that one character takes, *whole set, or else
+ * those one U+FFFD stands for: a lead byte and the continuation bytes that
+ * could still have completed it, Python's decoder's "maximal subpart" (a
+ * three-byte character cut after two bytes is one U+FFFD, not two). RFC
+ * 3629: no overlong forms, no surrogates, nothing past U+10FFFF. */
+static size_t utf8_span(const unsigned char *s, size_t n, bool *whole) {
     unsigned char lead = s[0], low = 0x80, high = 0xbf;
-    size_t length;
-    if (lead < 0x80) return 1;
+    size_t length, i = 1;
+    *whole = lead < 0x80;
+    if (*whole) return 1;
     if (lead >= 0xc2 && lead <= 0xdf) length = 2;
     else if (lead >= 0xe0 && lead <= 0xef) length = 3;
     else if (lead >= 0xf0 && lead <= 0xf4) length = 4;
-    else return 0;
+    else return 1;
     if (lead == 0xe0) low = 0xa0;
     else if (lead == 0xed) high = 0x9f;
     else if (lead == 0xf0) low = 0x90;
     else if (lead == 0xf4) high = 0x8f;
-    if (n < length || s[1] < low || s[1] > high) return 0;
-    for (size_t i = 2; i < length; i++)
-        if ((s[i] & 0xc0) != 0x80) return 0;
-    return length;
+    if (n > 1 && s[1] >= low && s[1] <= high) {
+        i = 2;
+        while (i < length && i < n && (s[i] & 0xc0) == 0x80) i++;
+    }
+    *whole = i == length;
+    return i;
 }
 
 /* pickle reads a BINUNICODE string as UTF-8 and refuses the whole file over
- * one that is not, so each byte that does not begin a well-formed character
- * goes as U+FFFD: a path in another encoding (Linux paths are bytes, the
- * config's oom_snapshot), a name cut inside a character (pystack keeps 256
- * bytes). The length is written once the text is. */
+ * one that is not, so what is not well-formed goes as U+FFFD, as Python's
+ * decoder would replace it: a path in another encoding (Linux paths are
+ * bytes, the config's oom_snapshot), a name cut inside a character (pystack
+ * keeps 256 bytes). The length is written once the text is. */
 static void str_value(pickle_buffer *b, const char *s) {
     static const char replacement[] = "\xef\xbf\xbd";
     const unsigned char *text = (const unsigned char *)s;
@@ -107,14 +112,14 @@ static void str_value(pickle_buffer *b, const char *s) {
     size_t length_at = b->len;
     put_le(b, 0, 4);
     for (size_t i = 0; i < n;) {
-        size_t length = utf8_char_length(text + i, n - i);
-        if (length) {
-            i += length;
-            continue;
+        bool whole;
+        size_t span = utf8_span(text + i, n - i, &whole);
+        if (!whole) {
+            put(b, text + kept, i - kept);
+            put(b, replacement, sizeof replacement - 1);
+            kept = i + span;
         }
-        put(b, text + kept, i - kept);
-        put(b, replacement, sizeof replacement - 1);
-        kept = ++i;
+        i += span;
     }
     put(b, text + kept, n - kept);
     if (b->failed) return;

@@ -278,6 +278,34 @@ emit(ret=ret, live=aclsim.executors_live(), forwarded=aclsim.call_count("aclDest
     assert proc.stderr == ""
 
 
+def test_destroys_after_finalize_on_a_device_without_state_make_none():
+    """Executors destroyed after aclFinalize on a thread whose current
+    device npualloc never allocated on (device 1 here): counting them made
+    npualloc's state for that device, which asks the runtime for its memory
+    (aclrtGetMemInfo) after aclFinalize, where nothing of ours calls it. A
+    device with state still counts them."""
+    out, proc = run("""
+import threading, npualloc
+buf, _ = acl.rt.malloc(1 << 16, 0)
+plain, _ = launch_fill(buf, 4096, 7)  # phase 2 destroyed it: its destroy is skipped
+kept, _ = launch_fill(buf, 4096, 8, repeatable=True)
+assert acl.rt.synchronize_stream(stream) == 0 and acl.rt.destroy_stream(stream) == 0
+assert acl.rt.set_device(1) == 0 and acl.finalize() == 0
+names = ("aclrtGetDevice", "aclrtSetDevice", "aclrtResetDevice", "aclrtGetMemInfo")
+before = {name: aclsim.call_count(name) for name in names}
+rets = [ops.destroy_executor(plain), ops.destroy_executor(kept)]
+calls = {name: aclsim.call_count(name) - before[name] for name in names}
+thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(plain)))
+thread.start(); thread.join()  # no device there: counted on device 0, which has its state
+s = npualloc.memory_stats(0)
+emit(rets=rets, calls=calls, live=aclsim.executors_live(), skipped=s["npualloc.executor_destroys_skipped"])
+""", preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"rets": [0, 0, 0], "calls": dict.fromkeys(
+        ("aclrtGetDevice", "aclrtSetDevice", "aclrtResetDevice", "aclrtGetMemInfo"), 0), "live": 0, "skipped": 1}
+    assert proc.stderr == ""
+
+
 # realloc refused once, when armed, to a caller inside libnpualloc.so: the
 # first growth of the list of deferred destroys.
 REFUSED_GROWTH_C = r"""

@@ -297,12 +297,14 @@ int npa_set_record_history(npa_allocator *a, size_t max_entries);
 void npa_set_record_stacks(npa_allocator *a, bool on);
 
 /* Counters only the hook layer sees, added to a device's stats (under its
- * lock, like every other stat, so readers of the region see them too). */
+ * lock, like every other stat, so readers of the region see them too). A
+ * device with no state yet gets it only when make is set: making it asks
+ * the backend for the device's memory. */
 typedef enum npa_counter {
     NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED = 0, /* num_executor_destroys_forwarded */
     NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED = 1,   /* num_executor_destroys_skipped */
 } npa_counter;
-void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta);
+void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta, bool make);
 
 /* Visit every segment of a device (device < 0: all) under its lock. */
 void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visitor, void *arg);

@@ -129,8 +129,8 @@ static void test_detached_allocator_leaves_the_storage_alone(void) {
     uint64_t seq = before.seq;
     CHECK_EQ(seq % 2, 0);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
-    npa_count(fx.a, 0, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1);
-    npa_count(fx.a, 1, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1); /* creates device 1 */
+    npa_count(fx.a, 0, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1, true);
+    npa_count(fx.a, 1, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1, true); /* creates device 1 */
     CHECK(memcmp(&shared[0], &before, sizeof before) == 0);
     CHECK_EQ(shared[1].seq, 0);
     CHECK_EQ(shared[1].in_use, 0);
@@ -160,10 +160,10 @@ static void test_unused_device_reads_as_zero(void) {
 static void test_hook_counters(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
-    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED, 3);
-    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1);
-    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED, 2);
-    npa_count(fx.a, NPUALLOC_MAX_DEVICES, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1); /* ignored */
+    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED, 3, true);
+    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1, true);
+    npa_count(fx.a, 2, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED, 2, true);
+    npa_count(fx.a, NPUALLOC_MAX_DEVICES, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED, 1, true); /* ignored */
     npualloc_device_stats s = stats_of(&fx, 2);
     CHECK_EQ(s.num_executor_destroys_forwarded, 5);
     CHECK_EQ(s.num_executor_destroys_skipped, 1);

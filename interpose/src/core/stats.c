@@ -105,8 +105,8 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     npa_lock_release(&d->lock);
 }
 
-void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta) {
-    npa_device *d = a ? npa_device_get(a, device, true) : NULL;
+void npa_count(npa_allocator *a, int device, npa_counter counter, int64_t delta, bool make) {
+    npa_device *d = a ? npa_device_get(a, device, make) : NULL;
     if (!d) return;
     npa_lock_acquire(&d->lock);
     npa_stats_begin(d);

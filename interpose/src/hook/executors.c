@@ -108,15 +108,17 @@ static int set_remove(aclOpExecutor *e)
  * after a reset) counts on the lowest-numbered device the process used
  * (none used: not counted): counting on device 0 made npualloc's state for
  * it, which asks the device's memory by entering it, in a process that may
- * never have touched device 0. */
+ * never have touched device 0. After aclFinalize (none serving) only a
+ * device with state already counts: making one would call the runtime. */
 static void count(int device, npa_counter counter)
 {
     npa_allocator *a = npa_hook_allocator_any();
+    bool serving = atomic_load_explicit(&npa_serving, memory_order_acquire) != NULL;
     unsigned seen = npa_devices_seen();
     if (device < 0 && seen != 0)
         device = __builtin_ctz(seen);
     if (a != NULL && device >= 0)
-        npa_count(a, device, counter, 1);
+        npa_count(a, device, counter, 1, serving);
 }
 
 static void forward_destroy(aclOpExecutor *e, int device)

@@ -306,6 +306,17 @@ def test_a_file_past_the_limit_is_refused_unread(tmp_path: Path, monkeypatch: py
         npualloc.snapshot.load(sparse)
 
 
+def assert_refused(tmp_path: Path, path: Path, command: list[str], load_match: str, cli_says: str,
+                   timeout: float = 60) -> None:
+    """snapshot.load refuses path, its message matching load_match, and the
+    command (replay or plot, {path} and {out} filled in) says cli_says in one
+    line, exit 1."""
+    with pytest.raises(npualloc.NpuallocError, match=load_match):
+        npualloc.snapshot.load(path)
+    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
+    assert_one_line_error(run_cli(args, tmp_path, timeout=timeout), 1, cli_says)
+
+
 @pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
 def test_a_snapshot_naming_one_trace_many_times_is_refused(tmp_path: Path, command: list[str]) -> None:
     """The pickle's memo lets one list be named any number of times: 200 KB
@@ -315,10 +326,8 @@ def test_a_snapshot_naming_one_trace_many_times_is_refused(tmp_path: Path, comma
     bomb = tmp_path / "bomb.pickle"
     bomb.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace] * 10_000}))
     assert bomb.stat().st_size < 1 << 20
-    with pytest.raises(npualloc.NpuallocError, match=re.escape("device_traces[1] is a list named twice")):
-        npualloc.snapshot.load(bomb)
-    args = [a.format(path=bomb, out=tmp_path / "p.png") for a in command]
-    assert_one_line_error(run_cli(args, tmp_path, timeout=120), 1, "is a list named twice")
+    assert_refused(tmp_path, bomb, command, re.escape("device_traces[1] is a list named twice"),
+                   "is a list named twice", timeout=120)
 
 
 def test_a_snapshot_holds_as_many_entries_as_its_bytes_allow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -381,10 +390,7 @@ def test_a_snapshot_field_outside_torchs_range_is_refused(tmp_path: Path, snapsh
     line naming the field, exit 1."""
     path = tmp_path / "bad.pickle"
     path.write_bytes(pickle.dumps(snapshot))
-    with pytest.raises(npualloc.NpuallocError, match=re.escape(f"not a memory snapshot: {where}")):
-        npualloc.snapshot.load(path)
-    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
-    assert_one_line_error(run_cli(args, tmp_path), 1, where)
+    assert_refused(tmp_path, path, command, re.escape(f"not a memory snapshot: {where}"), where)
 
 
 @pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
@@ -418,10 +424,7 @@ def test_a_pickle_the_unpickler_breaks_on_is_one_line(tmp_path: Path, data: byte
     pickles byte by byte)."""
     path = tmp_path / "broken.pickle"
     path.write_bytes(data)
-    with pytest.raises(npualloc.NpuallocError, match=re.escape(f"{path}: not a memory snapshot pickle ({why}")):
-        npualloc.snapshot.load(path)
-    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
-    assert_one_line_error(run_cli(args, tmp_path), 1, why)
+    assert_refused(tmp_path, path, command, re.escape(f"{path}: not a memory snapshot pickle ({why}"), why)
 
 
 @pytest.mark.parametrize("command", [["replay", "{path}", "--no-search"], ["plot", "{path}", "-o", "{out}"]])
@@ -431,10 +434,8 @@ def test_a_pickle_asking_for_more_memory_than_there_is_is_one_line(tmp_path: Pat
     the MemoryError came out of the loader as a traceback."""
     path = tmp_path / "greedy.pickle"
     path.write_bytes(b"\x80\x04\x8e" + (1 << 62).to_bytes(8, "little") + b"x.")
-    with pytest.raises(npualloc.NpuallocError, match=f"{path}: out of memory while unpickling it"):
-        npualloc.snapshot.load(path)
-    args = [a.format(path=path, out=tmp_path / "p.png") for a in command]
-    assert_one_line_error(run_cli(args, tmp_path), 1, "out of memory while unpickling it")
+    assert_refused(tmp_path, path, command, f"{path}: out of memory while unpickling it",
+                   "out of memory while unpickling it")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")

@@ -583,12 +583,16 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;
         if (!pair) pair = &d->plain;
         pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
+        uint64_t searches_before = pool->search_count;
         b = take_cached_block(a, d, pool, rounded);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             /* torch hands back the frees whose events completed before its
              * one search of a malloc (process_events): the look before them
-             * is taken back from the GC clock, and the next one counts. */
-            if (npa_gc_threshold(a) > 0.0) pool->search_count--;
+             * is taken back from the GC clock, and the next one counts. Put
+             * back as it was, not decremented: GC switched on at run time
+             * between the two reads of its threshold would take one back
+             * that was never counted, and wrap the clock below a block's age. */
+            pool->search_count = searches_before;
             npa_pending_flush(a, d);
             release_gone_freed(a, d);
             b = take_cached_block(a, d, pool, rounded);

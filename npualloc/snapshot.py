@@ -165,7 +165,8 @@ def _read_snapshot_file(region: Region, name: str) -> bytes:
         if region.process_ended():  # it removes the files nobody took at exit
             raise NoSuchProcessError(f"process {region.pid} ended before its snapshot was read") from None
         raise CorruptRegionError(f"the process acknowledged the snapshot but {e}") from None
-    finally:  # read or refused (past MAX_SNAPSHOT_BYTES), it is nobody's now
+    finally:  # read or refused, it is nobody's now: the name is removed, never followed (a link goes, not
+        # its target), in the directory the region was opened in, which only its user can write (0700)
         try:
             os.unlink(name, dir_fd=region.directory_fd)
         except OSError:  # gone already (its process ended), or a directory planted there

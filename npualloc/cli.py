@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from datetime import datetime
@@ -216,6 +217,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
     if args.conf is not None:
         env = with_conf(env, args.conf, "run")
+    # Python ignores these two for itself, and exec keeps an ignored signal
+    # ignored: the command gets them at their defaults, as subprocess's children do.
+    for ignored_by_python in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(ignored_by_python, signal.SIG_DFL)
     try:
         os.execvpe(command[0], command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:

@@ -336,6 +336,22 @@ def test_run_passes_the_exit_code_through(tmp_path: Path) -> None:
     assert shell.stdout.strip() == str(128 + signal.SIGKILL)
 
 
+def test_run_gives_the_command_the_signal_dispositions_it_was_started_with(tmp_path: Path) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ for itself, and an ignored signal
+    stays ignored across exec: `npualloc run -- yes | head -1` had yes write
+    on into EPIPE ("Broken pipe" on stderr, exit 1) instead of ending on
+    SIGPIPE as it does started by the shell."""
+    env = cli_env(tmp_path)
+    direct = subprocess.run(["grep", "^SigIgn:", "/proc/self/status"], env=env, capture_output=True, text=True)
+    assert _run(["--", "grep", "^SigIgn:", "/proc/self/status"], env).stdout == direct.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "npualloc", "run", "--", "yes"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"y\n"
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=60)
+    assert (proc.returncode, stderr) == (-signal.SIGPIPE, b"")
+
+
 def test_run_process_is_visible_to_stats(tmp_path: Path) -> None:
     env = cli_env(tmp_path)
     script = ("import acl, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(1 << 20, 0); "

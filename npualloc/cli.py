@@ -213,8 +213,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         _Parser(prog="npualloc").error("run: no command given (npualloc run [--sim] [--conf STR] -- CMD ...)")
     env = simulator.simulated_env(simulator.find_home(), os.environ) if args.sim else dict(os.environ)
     library = memory.library_path()
+    # ld.so's separators. Another libnpualloc.so (another install, a checkout's
+    # build/lib) goes: both loaded are two allocators in one process.
     preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()
-    env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if p != library])
+    name = os.path.basename(library)
+    env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if os.path.basename(p) != name])
     if args.conf is not None:
         env = with_conf(env, args.conf, "run")
     # Python ignores these two for itself, and exec keeps an ignored signal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,6 +317,22 @@ def test_run_preloads_into_children_and_keeps_ld_preload(tmp_path: Path) -> None
     env["PYTORCH_NPU_ALLOC_CONF"] = "max_split_size_mb:64"  # the key the user already uses wins
     done = _run(["--conf", "max_split_size_mb:128", "--", sys.executable, "-c", PRINT_CHILD_ENV], env)
     assert done.stdout.splitlines()[2:] == ["None", "max_split_size_mb:128"]
+
+
+def test_run_replaces_another_npualloc_in_ld_preload(tmp_path: Path) -> None:
+    """A libnpualloc.so already in LD_PRELOAD under another path (the
+    checkout's build/lib, another install) is not kept beside the package's:
+    both loaded, ours took the other's aclrtMalloc for the runtime's, so every
+    segment was cached twice and empty_cache gave nothing back to the device."""
+    other = tmp_path / "other" / "libnpualloc.so"
+    other.parent.mkdir()
+    shutil.copy(npualloc.library_path(), other)
+    env = cli_env(tmp_path)
+    env["LD_PRELOAD"] = f"{other} libm.so.6"
+    maps = "print(sorted({l.split()[-1] for l in open('/proc/self/maps') if l.rstrip().endswith('/libnpualloc.so')}))"
+    done = _run(["--", sys.executable, "-c", f"import os; print(os.environ['LD_PRELOAD']); {maps}"], env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"{npualloc.library_path()}:libm.so.6", str([npualloc.library_path()])]
 
 
 def test_run_conf_warnings_name_the_option(tmp_path: Path) -> None:

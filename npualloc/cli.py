@@ -213,6 +213,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         _Parser(prog="npualloc").error("run: no command given (npualloc run [--sim] [--conf STR] -- CMD ...)")
     env = simulator.simulated_env(simulator.find_home(), os.environ) if args.sim else dict(os.environ)
     library = memory.library_path()
+    if any(separator in library for separator in " :"):
+        raise NpuallocError(f"cannot preload {library}: the dynamic linker splits LD_PRELOAD at spaces and colons; "
+                            "install npualloc under a path without them")
     # ld.so's separators. Another libnpualloc.so (another install, a checkout's
     # build/lib) goes: both loaded are two allocators in one process.
     preloaded = env.get("LD_PRELOAD", "").replace(":", " ").split()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -220,6 +221,19 @@ def test_memory_fraction_on_a_device_of_unknown_size_goes_to_the_process(tmp_pat
 
 def test_run_command_not_found(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")
+
+
+@pytest.mark.parametrize("directory", ["my npualloc", "npualloc:2"])
+def test_run_refuses_a_library_the_dynamic_linker_cannot_preload(tmp_path: Path, directory: str) -> None:
+    """ld.so splits LD_PRELOAD at spaces and colons, so a package installed
+    under such a path ran the command without npualloc, ld.so's two errors
+    per process the only sign."""
+    copy = tmp_path / directory
+    shutil.copytree(ROOT / "npualloc", copy / "npualloc", ignore=shutil.ignore_patterns("__pycache__"))
+    cli_of_the_copy = f"import sys; sys.path.insert(0, {str(copy)!r}); from npualloc import cli; sys.exit(cli.main())"
+    proc = subprocess.run([sys.executable, "-c", cli_of_the_copy, "run", "--", "true"], env=cli_env(tmp_path),
+                          capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, 1, f"cannot preload {copy}/npualloc/lib/libnpualloc.so: the dynamic linker splits")
 
 
 def test_command_sequence_at_its_maximum(tmp_path: Path, sleeper: int) -> None:

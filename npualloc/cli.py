@@ -13,6 +13,7 @@ Every error is one line on stderr starting "npualloc: ".
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -207,6 +208,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exec(command: list[str], env: dict[str, str]) -> None:
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        if e.errno != errno.ENOEXEC:
+            raise
+        # No "#!" line: a shell script to the shell and to execvp(3), which run it with sh.
+        os.execve("/bin/sh", ["/bin/sh", e.filename, *command[1:]], env)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -228,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for ignored_by_python in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(ignored_by_python, signal.SIG_DFL)
     try:
-        os.execvpe(command[0], command, env)  # same pid: `npualloc stats <pid>` names what the user started
+        _exec(command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:
         sys.stderr.write(f"npualloc: {command[0]}: command not found\n")
         return 127

@@ -369,6 +369,20 @@ def test_run_gives_the_command_the_signal_dispositions_it_was_started_with(tmp_p
     assert (proc.returncode, stderr) == (-signal.SIGPIPE, b"")
 
 
+def test_run_runs_a_script_without_an_interpreter_line_with_sh(tmp_path: Path) -> None:
+    """The kernel refuses a script without "#!" (ENOEXEC); the shell, env(1)
+    and execvp(3) run it with /bin/sh, as run does now: it said "cannot run
+    ...: Exec format error", exit 126, to a script `./script` runs."""
+    script = tmp_path / "bin" / "train-npu"
+    script.parent.mkdir()
+    script.write_text('echo "$1|$#|$LD_PRELOAD"\nexit 3\n')
+    script.chmod(0o755)
+    env = cli_env(tmp_path)
+    env["PATH"] = f"{script.parent}{os.pathsep}{env['PATH']}"
+    done = _run(["--", "train-npu", "a b", "c"], env)
+    assert (done.returncode, done.stdout, done.stderr) == (3, f"a b|2|{npualloc.library_path()}\n", "")
+
+
 def test_run_process_is_visible_to_stats(tmp_path: Path) -> None:
     env = cli_env(tmp_path)
     script = ("import acl, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(1 << 20, 0); "

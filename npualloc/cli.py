@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -241,7 +242,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         _exec(command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:
-        sys.stderr.write(f"npualloc: {command[0]}: command not found\n")
+        # Also the kernel's word for a file found whose interpreter is not.
+        if shutil.which(command[0], path=env.get("PATH", os.defpath)) is not None:
+            sys.stderr.write(f"npualloc: cannot run {command[0]}: the interpreter it names (#! line or ELF loader) "
+                             "is missing\n")
+        else:
+            sys.stderr.write(f"npualloc: {command[0]}: command not found\n")
         return 127
     except OSError as e:
         sys.stderr.write(f"npualloc: cannot run {command[0]}: {e.strerror}\n")

@@ -221,6 +221,12 @@ def test_memory_fraction_on_a_device_of_unknown_size_goes_to_the_process(tmp_pat
 
 def test_run_command_not_found(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")
+    # The kernel's ENOENT for a script whose "#!" interpreter is missing was "command not found" too.
+    script = tmp_path / "train.sh"
+    script.write_text("#!/no/such/interpreter-npualloc\n")
+    script.chmod(0o755)
+    assert_one_line_error(run_cli(["run", "--", str(script)], tmp_path), 127,
+                          f"cannot run {script}: the interpreter it names (#! line or ELF loader) is missing")
 
 
 @pytest.mark.parametrize("directory", ["my npualloc", "npualloc:2"])

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from datetime import datetime
@@ -219,6 +220,25 @@ def _exec(command: list[str], env: dict[str, str]) -> None:
         os.execve("/bin/sh", ["/bin/sh", e.filename, *command[1:]], env)
 
 
+def _warn_if_preload_ignored(program: str, env: dict[str, str]) -> None:
+    """The dynamic linker ignores LD_PRELOAD (and drops it from the
+    environment) in a program whose exec changes the process's ids, one
+    set-user-ID or set-group-ID to someone else (sudo, su): it would run
+    without npualloc, silently."""
+    path = shutil.which(program, path=env.get("PATH", os.defpath))
+    try:
+        info = os.stat(path) if path is not None else None
+    except OSError:
+        return  # exec says why
+    if info is None:
+        return
+    uid = info.st_uid if info.st_mode & stat.S_ISUID else os.geteuid()
+    gid = info.st_gid if info.st_mode & stat.S_ISGID else os.getegid()
+    if uid != os.getuid() or gid != os.getgid():
+        sys.stderr.write(f"npualloc: {program} is set-user-ID or set-group-ID, and the dynamic linker "
+                         "ignores LD_PRELOAD in it: it runs without npualloc\n")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -239,6 +259,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # ignored: the command gets them at their defaults, as subprocess's children do.
     for ignored_by_python in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(ignored_by_python, signal.SIG_DFL)
+    _warn_if_preload_ignored(command[0], env)
     try:
         _exec(command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -367,6 +368,30 @@ def test_run_gives_the_command_the_signal_dispositions_it_was_started_with(tmp_p
     proc.stdout.close()
     _, stderr = proc.communicate(timeout=60)
     assert (proc.returncode, stderr) == (-signal.SIGPIPE, b"")
+
+
+def test_run_warns_that_a_set_user_id_program_runs_without_npualloc(tmp_path: Path) -> None:
+    """The dynamic linker ignores LD_PRELOAD in a program whose exec changes
+    the process's ids and drops it from its environment (sudo, su): run
+    started it without npualloc and said nothing. Here a copy of env(1),
+    set-user-ID to nobody; a plain copy runs under npualloc without a word."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a set-user-ID program of another user")
+    tool = tmp_path / "bin" / "env"
+    tool.parent.mkdir()
+    tool.parent.chmod(0o755)
+    shutil.copy("/usr/bin/env", tool)
+    env = cli_env(tmp_path)
+    plain = _run(["--", str(tool)], env)
+    assert plain.returncode == 0 and plain.stderr == "" and "LD_PRELOAD=" in plain.stdout
+    os.chown(tool, pwd.getpwnam("nobody").pw_uid, -1)
+    tool.chmod(0o4755)
+    setuid = _run(["--", str(tool)], env)
+    if "LD_PRELOAD=" in setuid.stdout:
+        pytest.skip(f"set-user-ID bits are not honoured under {tmp_path} (a nosuid mount)")
+    assert setuid.returncode == 0
+    assert setuid.stderr == (f"npualloc: {tool} is set-user-ID or set-group-ID, and the dynamic linker "
+                             "ignores LD_PRELOAD in it: it runs without npualloc\n")
 
 
 def test_run_runs_a_script_without_an_interpreter_line_with_sh(tmp_path: Path) -> None:

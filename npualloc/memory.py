@@ -118,8 +118,9 @@ def parse_decimal(text: str) -> int | None:
 
 def device_index(device: object, current: int | None = None) -> int:
     """Normalises a device like torch: None or "npu" -> the current device, an
-    int, "npu:N", an object with .index (and .type "npu" when it has one), or
-    a device guard with .idx (torch.npu.device(N), as torch takes torch.cuda.device)."""
+    int, "npu:N" (N written as torch.device reads it), an object with .index
+    (and .type "npu" when it has one), or a device guard with .idx
+    (torch.npu.device(N), as torch takes torch.cuda.device)."""
     index: object
     if device is None:
         index = None
@@ -128,9 +129,10 @@ def device_index(device: object, current: int | None = None) -> int:
     elif isinstance(device, int):
         index = device
     elif isinstance(device, str):
-        kind, _, number = device.strip().partition(":")
-        index = parse_decimal(number) if number else None
-        if kind != "npu" or (number and (index is None or index < 0)):
+        # torch.device's grammar: "npu:" and "npu:01" are errors there, not the current device and device 1.
+        kind, colon, number = device.partition(":")
+        index = parse_decimal(number) if colon else None
+        if kind != "npu" or (colon and (index is None or index < 0 or number != str(index))):
             raise ValueError(f"invalid device {device!r}: expected 'npu' or 'npu:N'")
     elif hasattr(device, "index") or hasattr(device, "idx"):
         kind = getattr(device, "type", "npu")

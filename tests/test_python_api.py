@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 
 @pytest.mark.parametrize("device, index", [
-    (None, 0), (0, 0), (3, 3), ("npu", 0), ("npu:1", 1), (" npu:15 ", 15),
+    (None, 0), (0, 0), (3, 3), ("npu", 0), ("npu:0", 0), ("npu:1", 1), ("npu:15", 15),
     (SimpleNamespace(type="npu", index=2), 2), (SimpleNamespace(index=4), 4), (SimpleNamespace(type="npu", index=None), 0),
     (SimpleNamespace(idx=5, prev_idx=-1), 5),  # torch.npu.device(5), a device guard: torch takes torch.cuda.device's .idx
 ])
@@ -31,6 +31,9 @@ def test_device_normalisation(device: object, index: int) -> None:
 
 @pytest.mark.parametrize("device", [
     "cuda", "cuda:0", "npu:x", "npu:-1", "npu:16", "npu:٣", "npu:+1", "npu:1_0", "", -1, 16, True, 1.5, object(),
+    # torch.device's grammar, ([a-zA-Z_]+)(?::([1-9]\d*|0))?: no empty index (it named the current
+    # device), no leading zero, no blank around it (these named device 1 and 15)
+    "npu:", "npu:01", "npu:00", " npu:15 ", "npu: 1", "npu\n",
     pytest.param("npu:" + "1" * 5000, id="npu:<5000 digits>"),  # past int()'s digit limit, its own ValueError
     SimpleNamespace(type="cuda", index=0), SimpleNamespace(type="npu", index="1"), SimpleNamespace(idx="1"),
 ])

@@ -47,10 +47,12 @@ def _scaled(value: int, reference: float, units: tuple[str, ...], step: int, thr
 
 
 def human_bytes(value: float) -> str:
-    """value in the largest binary unit (up to TiB) that keeps it under 1024."""
+    """value in the largest binary unit (up to TiB) that keeps it under 1024
+    as printed: 1048575 bytes rounds to 1.00 MiB, not 1024.00 KiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        shown = f"{value:.0f}" if unit == "B" else f"{value:.2f}"
+        if abs(float(shown)) < 1024:
+            return f"{shown} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
 

@@ -15,7 +15,7 @@ import npualloc
 from npualloc.errors import NotUnderNpuallocError
 from npualloc._ffi import ffi
 from npualloc.memory import device_index, stats_to_dict
-from npualloc.summary import format_count, format_size, format_summary
+from npualloc.summary import format_count, format_size, format_summary, human_bytes
 
 MiB = 1 << 20
 
@@ -49,6 +49,12 @@ def test_size_and_count_scaling_like_torch() -> None:
     assert format_size(5 * MiB, 0) == "5242880 B  "  # scaled by the row's "all" value, not its own
     assert format_count(7, 7) == "      7   "
     assert format_count(800_000, 800_000) == "    800 K "
+
+
+def test_human_bytes_never_prints_1024_of_a_unit() -> None:
+    """The CLI's sizes: a value that rounds to 1024.00 of a unit is 1.00 of the next."""
+    assert [human_bytes(v) for v in (1023, 1024, MiB - 1, MiB, (1 << 30) - 1, (1 << 30) - 6000, (1 << 40) - 1)] == [
+        "1023 B", "1.00 KiB", "1.00 MiB", "1.00 MiB", "1.00 GiB", "1023.99 MiB", "1.00 TiB"]
 
 
 def test_memory_summary_header_has_torchs_columns() -> None:

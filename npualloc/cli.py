@@ -322,7 +322,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_reset_peak(args: argparse.Namespace) -> int:
-    memory.reset_peak_memory_stats(args.device, pid=args.pid, timeout=args.timeout)
+    # Without --device every device in use (-1), as its help says: memory.reset_peak_memory_stats's
+    # default is one device, torch's current one.
+    device = -1 if args.device is None else memory.device_index(args.device)
+    with Region(args.pid, writable=True) as region:
+        region.post_command(constants.NPUALLOC_CMD_RESET_PEAK, device, timeout=args.timeout)
     sys.stdout.write(f"process {args.pid}: peak stats reset\n")
     return 0
 

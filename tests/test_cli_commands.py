@@ -268,6 +268,20 @@ def test_empty_cache_reset_peak_and_gc_threshold(tmp_path: Path) -> None:
                 npualloc.empty_cache(pid=w.pid, timeout=timeout)
 
 
+def test_reset_peak_without_a_device_resets_every_device_in_use(tmp_path: Path) -> None:
+    """As its --device help says (default: every device in use), like empty-cache:
+    it reset only the first device the process allocated on."""
+    with Workload(tmp_path) as w:
+        for device in (0, 1):
+            w.call(f"acl.rt.set_device({device})")
+            w.call(f"malloc({3 * MiB})")
+            w.call("free()")
+        assert [npualloc.max_memory_allocated(d, pid=w.pid) for d in (0, 1)] == [3 * MiB + 512] * 2
+        done = cli_with_trigger(w, tmp_path, ["reset-peak", str(w.pid)], "malloc(4096)")
+        assert done.returncode == 0 and "peak stats reset" in done.stdout, done.stderr
+        assert [npualloc.max_memory_allocated(d, pid=w.pid) for d in (0, 1)] == [0, 4608]
+
+
 def test_set_memory_fraction(tmp_path: Path) -> None:
     with Workload(tmp_path, NPUSIM_HBM_MB="100") as w:
         w.call(f"malloc({40 * MiB - 64})")

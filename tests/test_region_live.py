@@ -64,6 +64,22 @@ def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
         assert npualloc.memory_summary(pid=w.pid) == w.call("npualloc.memory_summary()")
 
 
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:64"])
+def test_a_device_the_cache_never_used_reads_the_same_outside(shm: Path, conf: str) -> None:
+    """torch's figures of a device nothing was allocated on: all 0 but
+    max_split_size, the setting (-1 unset). The region's slot read 0 there: on
+    a device never used, and on one only memory_saver allocated on, which
+    `npualloc stats` lists."""
+    with Workload(shm, PYTORCH_NPU_ALLOC_CONF=conf) as w:
+        w.call("malloc(4096)")
+        w.call("acl.rt.set_device(1)")
+        w.call("exec('from npualloc import memory_saver\\nwith memory_saver.region(\\'kv\\'): malloc(4096)')")
+        for device in (1, 2):
+            inside = w.call(f"npualloc.memory_stats({device})")
+            assert npualloc.memory_stats(device, pid=w.pid) == inside
+            assert inside["max_split_size"] == (64 * MiB if conf else -1)
+
+
 def test_exit_leaves_a_region_another_process_put_at_our_name(shm: Path) -> None:
     """Processes in two pid namespaces that share the region directory may
     have the same pid: the later one renames its region over the earlier's.

@@ -58,6 +58,9 @@ static char g_name[32];
  * renames its region over ours), which our exit must leave alone. */
 static ino_t g_file_ino;
 static char g_config[NPUALLOC_CONFIG_LEN];
+/* memory_stats()'s max_split_size of the config in force, which a device
+ * slot holds before any allocator starts on that device (see fill_devices). */
+static int64_t g_max_split_size = -1;
 static atomic_flag g_warned = ATOMIC_FLAG_INIT;
 static int g_hooks_registered;
 
@@ -162,6 +165,16 @@ static void fill_header(npualloc_region *r)
     h->magic = NPUALLOC_SHM_MAGIC;
 }
 
+/* Every device slot as torch shows a device nothing was allocated on: all 0
+ * but max_split_size, the setting. A slot of a device never used, or used
+ * only by memory_saver, read 0 there from outside, -1 or the setting inside;
+ * npa_stats_init writes the same value when the device starts. */
+static void fill_devices(npualloc_region *r)
+{
+    for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+        r->devices[d].max_split_size = g_max_split_size;
+}
+
 static npualloc_region *publish_region(int dir_fd, const char *name, const char *tmp);
 
 /* Creates, fills and publishes the file. */
@@ -228,6 +241,7 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
         return NULL;
     }
     fill_header(r);
+    fill_devices(r);
     g_file_ino = created.st_ino;
     if (renameat(dir_fd, tmp, dir_fd, name)) {
         warn_once("cannot publish", g_path, errno);
@@ -323,6 +337,7 @@ void npa_region_publish_config(const npa_allocator *a)
     npa_mutex_lock(&g_create_lock);
     npa_config_format(npa_get_config(a), canonical, sizeof canonical);
     copy_text(g_config, sizeof g_config, canonical);
+    g_max_split_size = npa_config_max_split_stat(npa_get_config(a)); /* not a run-time key: a region made later has it */
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (r) { /* readers see it whole or retry (npualloc_reader_config): the stats' seqlock protocol */
         npualloc_region_header *h = &r->header;

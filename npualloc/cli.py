@@ -109,8 +109,9 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
         header = region.header()
         in_use = region.devices_in_use()
         asked = [memory.device_index(device)] if device is not None else in_use
-        # A device the process never allocated on has no figures, not zeros (out of range stays an error).
-        unused = [d for d in asked if d not in in_use and 0 <= d < constants.NPUALLOC_MAX_DEVICES]
+        # A device the process never allocated on has no figures, not zeros (device_index refused one
+        # out of range).
+        unused = [d for d in asked if d not in in_use]
         return {
             "pid": pid,
             "command": _command_line(header),
@@ -391,7 +392,7 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", help="every process running under npualloc (cleans stale regions)")
     ls.add_argument("--json", action="store_true",
                     help="machine-readable output: one object per process and device (pid, device, allocated, "
-                    "reserved, command)")
+                    "reserved, state, command)")
     ls.set_defaults(run=cmd_ls)
 
     run = sub.add_parser("run", help="run a command (and its children) with npualloc preloaded, same pid: "

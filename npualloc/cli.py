@@ -211,11 +211,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_binary(path: str) -> bool:
+    """bash's test of a file the kernel refused (ENOEXEC): a NUL in its first
+    line makes it a program for another machine, not a script for sh."""
+    try:
+        with open(path, "rb") as f:
+            return b"\0" in f.read(80).split(b"\n", 1)[0]
+    except OSError:
+        return False
+
+
 def _exec(command: list[str], env: dict[str, str]) -> None:
     try:
         os.execvpe(command[0], command, env)
     except OSError as e:
-        if e.errno != errno.ENOEXEC:
+        if e.errno != errno.ENOEXEC or _is_binary(e.filename):
             raise
         # No "#!" line: a shell script to the shell and to execvp(3), which run it with sh.
         os.execve("/bin/sh", ["/bin/sh", e.filename, *command[1:]], env)

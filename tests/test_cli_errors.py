@@ -229,6 +229,18 @@ def test_run_command_not_found(tmp_path: Path) -> None:
                           f"cannot run {script}: the interpreter it names (#! line or ELF loader) is missing")
 
 
+def test_run_a_program_of_a_format_the_kernel_cannot_run_is_one_line(tmp_path: Path) -> None:
+    """The kernel's ENOEXEC for a program built for another machine (an
+    x86-64 ELF on an aarch64 host) is no script without "#!": handed to sh,
+    it came out as sh's syntax errors on its bytes, exit 2. bash tells the
+    two apart by a NUL in the first line, and says "Exec format error"."""
+    program = tmp_path / "train"
+    program.write_bytes(b"\x7fELF\x02\x01\x01\0" + bytes(8) + b"\x02\0\xff\xff'\"`(" + bytes(64))
+    program.chmod(0o755)
+    assert_one_line_error(run_cli(["run", "--", str(program)], tmp_path), 126,
+                          f"cannot run {program}: Exec format error")
+
+
 @pytest.mark.parametrize("directory", ["my npualloc", "npualloc:2"])
 def test_run_refuses_a_library_the_dynamic_linker_cannot_preload(tmp_path: Path, directory: str) -> None:
     """ld.so splits LD_PRELOAD at spaces and colons, so a package installed

@@ -231,6 +231,19 @@ def _exec(command: list[str], env: dict[str, str]) -> None:
         os.execve("/bin/sh", ["/bin/sh", e.filename, *command[1:]], env)
 
 
+def _is_script(path: str, info: os.stat_result) -> bool:
+    """A script ("#!" or none) runs with the caller's ids: Linux ignores its
+    set-ID bits. Only a set-ID file is read; one that cannot be (mode 4711,
+    as some sudo) is taken for the program it must be."""
+    if not info.st_mode & (stat.S_ISUID | stat.S_ISGID) or not stat.S_ISREG(info.st_mode):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) != b"\x7fELF"
+    except OSError:
+        return False
+
+
 def _warn_if_preload_ignored(program: str, env: dict[str, str]) -> None:
     """The dynamic linker ignores LD_PRELOAD (and drops it from the
     environment) in a program whose exec changes the process's ids, one
@@ -243,8 +256,9 @@ def _warn_if_preload_ignored(program: str, env: dict[str, str]) -> None:
         return  # exec says why
     if info is None:
         return
-    uid = info.st_uid if info.st_mode & stat.S_ISUID else os.geteuid()
-    gid = info.st_gid if info.st_mode & stat.S_ISGID else os.getegid()
+    set_ids = info.st_mode & (stat.S_ISUID | stat.S_ISGID) if not _is_script(path, info) else 0
+    uid = info.st_uid if set_ids & stat.S_ISUID else os.geteuid()
+    gid = info.st_gid if set_ids & stat.S_ISGID else os.getegid()
     if uid != os.getuid() or gid != os.getgid():
         sys.stderr.write(f"npualloc: {program} is set-user-ID or set-group-ID, and the dynamic linker "
                          "ignores LD_PRELOAD in it: it runs without npualloc\n")

@@ -408,6 +408,22 @@ def test_run_warns_that_a_set_user_id_program_runs_without_npualloc(tmp_path: Pa
                              "ignores LD_PRELOAD in it: it runs without npualloc\n")
 
 
+def test_run_does_not_warn_for_a_set_user_id_script(tmp_path: Path) -> None:
+    """Linux ignores the set-ID bits of a script ("#!" or none): it runs with
+    the caller's ids, under npualloc, and run said it ran without."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a set-user-ID script of another user")
+    env = cli_env(tmp_path)
+    for name, text in (("with-interpreter", "#!/bin/sh\nenv\n"), ("without", "env\n")):
+        script = tmp_path / name
+        script.write_text(text)
+        os.chown(script, pwd.getpwnam("nobody").pw_uid, -1)
+        script.chmod(0o4755)
+        done = _run(["--", str(script)], env)
+        assert (done.returncode, done.stderr) == (0, ""), name
+        assert f"LD_PRELOAD={npualloc.library_path()}" in done.stdout.splitlines(), name
+
+
 def test_run_runs_a_script_without_an_interpreter_line_with_sh(tmp_path: Path) -> None:
     """The kernel refuses a script without "#!" (ENOEXEC); the shell, env(1)
     and execvp(3) run it with /bin/sh, as run does now: it said "cannot run

@@ -222,13 +222,22 @@ def _is_binary(path: str) -> bool:
 
 
 def _exec(command: list[str], env: dict[str, str]) -> None:
-    try:
-        os.execvpe(command[0], command, env)
-    except OSError as e:
-        if e.errno != errno.ENOEXEC or _is_binary(e.filename):
-            raise
-        # No "#!" line: a shell script to the shell and to execvp(3), which run it with sh.
-        os.execve("/bin/sh", ["/bin/sh", e.filename, *command[1:]], env)
+    """Python's execvpe less its one difference from execvp(3): a file the
+    kernel refuses for want of a "#!" line is a shell script to the shell and
+    to execvp, which run it with sh, not a reason to try PATH's next directory."""
+    program = command[0]
+    paths = [program] if os.sep in program else [os.path.join(d, program) for d in os.get_exec_path(env)]
+    first_error: OSError | None = None
+    for path in paths:
+        try:
+            os.execve(path, command, env)
+        except OSError as e:
+            if e.errno == errno.ENOEXEC and not _is_binary(path):
+                os.execve("/bin/sh", ["/bin/sh", path, *command[1:]], env)
+            last_error = e
+            if first_error is None and not isinstance(e, (FileNotFoundError, NotADirectoryError)):
+                first_error = e
+    raise first_error or last_error
 
 
 def _is_script(path: str, info: os.stat_result) -> bool:

@@ -438,6 +438,23 @@ def test_run_runs_a_script_without_an_interpreter_line_with_sh(tmp_path: Path) -
     assert (done.returncode, done.stdout, done.stderr) == (3, f"a b|2|{npualloc.library_path()}\n", "")
 
 
+def test_run_runs_the_first_script_without_an_interpreter_line_on_path(tmp_path: Path) -> None:
+    """The shell, env(1) and execvp(3) run the first file of the name on PATH,
+    with sh if the kernel refuses it: Python's execvpe passed over it to a
+    later directory's program of the same name, and run ran that one."""
+    first, later = tmp_path / "first", tmp_path / "later"
+    for directory, text in ((first, "echo first\n"), (later, "#!/bin/sh\necho later\n")):
+        directory.mkdir()
+        (directory / "train-npu").write_text(text)
+        (directory / "train-npu").chmod(0o755)
+    env = cli_env(tmp_path)
+    env["PATH"] = f"{first}{os.pathsep}{later}{os.pathsep}{env['PATH']}"
+    direct = subprocess.run(["env", "train-npu"], env=env, capture_output=True, text=True)
+    assert direct.stdout == "first\n"
+    done = _run(["--", "train-npu"], env)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "first\n", "")
+
+
 def test_run_process_is_visible_to_stats(tmp_path: Path) -> None:
     env = cli_env(tmp_path)
     script = ("import acl, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(1 << 20, 0); "

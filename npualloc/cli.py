@@ -240,13 +240,19 @@ def _exec(command: list[str], env: dict[str, str]) -> None:
     raise first_error or last_error
 
 
-def _is_script(path: str, info: os.stat_result) -> bool:
-    """A script ("#!" or none) runs with the caller's ids: Linux ignores its
-    set-ID bits. Only a set-ID file is read; one that cannot be (mode 4711,
-    as some sudo) is taken for the program it must be."""
+def _set_ids_ignored(path: str, info: os.stat_result) -> bool:
+    """Linux ignores a file's set-ID bits on a script ("#!" or none), on a
+    nosuid mount and in a process with no_new_privs (a container's, systemd's
+    NoNewPrivileges): it runs with the caller's ids. Only a set-ID file is
+    looked at; one that cannot be read (mode 4711) is taken for a program."""
     if not info.st_mode & (stat.S_ISUID | stat.S_ISGID) or not stat.S_ISREG(info.st_mode):
         return False
     try:
+        if os.statvfs(path).f_flag & os.ST_NOSUID:
+            return True
+        with open("/proc/self/status") as status:
+            if "NoNewPrivs:\t1\n" in status.read():
+                return True
         with open(path, "rb") as f:
             return f.read(4) != b"\x7fELF"
     except OSError:
@@ -265,7 +271,7 @@ def _warn_if_preload_ignored(program: str, env: dict[str, str]) -> None:
         return  # exec says why
     if info is None:
         return
-    set_ids = info.st_mode & (stat.S_ISUID | stat.S_ISGID) if not _is_script(path, info) else 0
+    set_ids = info.st_mode & (stat.S_ISUID | stat.S_ISGID) if not _set_ids_ignored(path, info) else 0
     uid = info.st_uid if set_ids & stat.S_ISUID else os.geteuid()
     gid = info.st_gid if set_ids & stat.S_ISGID else os.getegid()
     if uid != os.getuid() or gid != os.getgid():

@@ -2,6 +2,7 @@
 commands that change a running process."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pwd
@@ -422,6 +423,41 @@ def test_run_does_not_warn_for_a_set_user_id_script(tmp_path: Path) -> None:
         done = _run(["--", str(script)], env)
         assert (done.returncode, done.stderr) == (0, ""), name
         assert f"LD_PRELOAD={npualloc.library_path()}" in done.stdout.splitlines(), name
+
+
+def _no_new_privs() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+@pytest.mark.parametrize("ignored_by", ["no_new_privs", "a nosuid mount"])
+def test_run_does_not_warn_where_the_kernel_ignores_set_id_bits(tmp_path: Path, ignored_by: str) -> None:
+    """On a nosuid mount and in a process with no_new_privs (a container's,
+    systemd's NoNewPrivileges) a set-user-ID program runs with the caller's
+    ids, under npualloc, and run said it ran without."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a set-user-ID program of another user")
+    directory = tmp_path / "bin"
+    directory.mkdir()
+    directory.chmod(0o755)
+    mounted = ignored_by == "a nosuid mount"
+    if mounted and subprocess.run(["mount", "-t", "tmpfs", "-o", "nosuid,size=4m", "tmpfs", str(directory)],
+                                  capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        tool = directory / "env"
+        shutil.copy("/usr/bin/env", tool)
+        os.chown(tool, pwd.getpwnam("nobody").pw_uid, -1)
+        tool.chmod(0o4755)
+        done = subprocess.run([sys.executable, "-m", "npualloc", "run", "--", str(tool)], env=cli_env(tmp_path),
+                              capture_output=True, text=True, timeout=60,
+                              preexec_fn=None if mounted else _no_new_privs)
+        assert (done.returncode, done.stderr) == (0, "")
+        assert f"LD_PRELOAD={npualloc.library_path()}" in done.stdout.splitlines()
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=True)
 
 
 def test_run_runs_a_script_without_an_interpreter_line_with_sh(tmp_path: Path) -> None:

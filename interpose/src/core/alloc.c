@@ -589,9 +589,11 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             /* torch hands back the frees whose events completed before its
              * one search of a malloc (process_events): the look before them
              * is taken back from the GC clock, and the next one counts. Put
-             * back as it was, not decremented: GC switched on at run time
-             * between the two reads of its threshold would take one back
-             * that was never counted, and wrap the clock below a block's age. */
+             * back as it was, not decremented: a decrement reads the GC
+             * threshold again, and GC switched on at run time between the
+             * reads took back a search never counted (one search lost; were
+             * it switched off again before the next look, the clock stayed
+             * below the ages of blocks cached at the count, which wrap). */
             pool->search_count = searches_before;
             npa_pending_flush(a, d);
             release_gone_freed(a, d);

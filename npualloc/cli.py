@@ -259,18 +259,17 @@ def _set_ids_ignored(path: str, info: os.stat_result) -> bool:
         return False
 
 
-def _warn_if_preload_ignored(program: str, env: dict[str, str]) -> None:
+def _warn_if_preload_ignored(program: str, path: str | None) -> None:
     """The dynamic linker ignores LD_PRELOAD (and drops it from the
     environment) in a program whose exec changes the process's ids, one
     set-user-ID or set-group-ID to someone else (sudo, su): it would run
-    without npualloc, silently."""
-    path = shutil.which(program, path=env.get("PATH", os.defpath))
+    without npualloc, silently. path: where PATH finds program, if anywhere."""
+    if path is None:
+        return  # exec says why
     try:
-        info = os.stat(path) if path is not None else None
+        info = os.stat(path)
     except OSError:
         return  # exec says why
-    if info is None:
-        return
     set_ids = info.st_mode & (stat.S_ISUID | stat.S_ISGID) if not _set_ids_ignored(path, info) else 0
     uid = info.st_uid if set_ids & stat.S_ISUID else os.geteuid()
     gid = info.st_gid if set_ids & stat.S_ISGID else os.getegid()
@@ -299,12 +298,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     # ignored: the command gets them at their defaults, as subprocess's children do.
     for ignored_by_python in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(ignored_by_python, signal.SIG_DFL)
-    _warn_if_preload_ignored(command[0], env)
+    found = shutil.which(command[0], path=env.get("PATH", os.defpath))
+    _warn_if_preload_ignored(command[0], found)
     try:
         _exec(command, env)  # same pid: `npualloc stats <pid>` names what the user started
     except FileNotFoundError:
         # Also the kernel's word for a file found whose interpreter is not.
-        if shutil.which(command[0], path=env.get("PATH", os.defpath)) is not None:
+        if found is not None:
             sys.stderr.write(f"npualloc: cannot run {command[0]}: the interpreter it names (#! line or ELF loader) "
                              "is missing\n")
         else:

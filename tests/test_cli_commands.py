@@ -385,6 +385,12 @@ def test_run_gives_the_command_the_signal_dispositions_it_was_started_with(tmp_p
     assert (proc.returncode, stderr) == (-signal.SIGPIPE, b"")
 
 
+def _set_user_id_of_nobody(path: Path) -> None:
+    """path becomes nobody's, set-user-ID: a program whose exec changes the ids of root, who runs the tests."""
+    os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+    path.chmod(0o4755)
+
+
 def test_run_warns_that_a_set_user_id_program_runs_without_npualloc(tmp_path: Path) -> None:
     """The dynamic linker ignores LD_PRELOAD in a program whose exec changes
     the process's ids and drops it from its environment (sudo, su): run
@@ -399,8 +405,7 @@ def test_run_warns_that_a_set_user_id_program_runs_without_npualloc(tmp_path: Pa
     env = cli_env(tmp_path)
     plain = _run(["--", str(tool)], env)
     assert plain.returncode == 0 and plain.stderr == "" and "LD_PRELOAD=" in plain.stdout
-    os.chown(tool, pwd.getpwnam("nobody").pw_uid, -1)
-    tool.chmod(0o4755)
+    _set_user_id_of_nobody(tool)
     setuid = _run(["--", str(tool)], env)
     if "LD_PRELOAD=" in setuid.stdout:
         pytest.skip(f"set-user-ID bits are not honoured under {tmp_path} (a nosuid mount)")
@@ -418,8 +423,7 @@ def test_run_does_not_warn_for_a_set_user_id_script(tmp_path: Path) -> None:
     for name, text in (("with-interpreter", "#!/bin/sh\nenv\n"), ("without", "env\n")):
         script = tmp_path / name
         script.write_text(text)
-        os.chown(script, pwd.getpwnam("nobody").pw_uid, -1)
-        script.chmod(0o4755)
+        _set_user_id_of_nobody(script)
         done = _run(["--", str(script)], env)
         assert (done.returncode, done.stderr) == (0, ""), name
         assert f"LD_PRELOAD={npualloc.library_path()}" in done.stdout.splitlines(), name
@@ -448,8 +452,7 @@ def test_run_does_not_warn_where_the_kernel_ignores_set_id_bits(tmp_path: Path, 
     try:
         tool = directory / "env"
         shutil.copy("/usr/bin/env", tool)
-        os.chown(tool, pwd.getpwnam("nobody").pw_uid, -1)
-        tool.chmod(0o4755)
+        _set_user_id_of_nobody(tool)
         done = subprocess.run([sys.executable, "-m", "npualloc", "run", "--", str(tool)], env=cli_env(tmp_path),
                               capture_output=True, text=True, timeout=60,
                               preexec_fn=None if mounted else _no_new_privs)

@@ -427,33 +427,25 @@ def test_each_snapshot_leaves_torchs_snapshot_event_in_later_traces(tmp_path: Pa
     assert actions.index("snapshot") == len(first["device_traces"][0])  # right after what the first listed
 
 
-def test_a_config_path_that_is_not_utf8_leaves_the_snapshot_readable(tmp_path: Path) -> None:
+def test_a_config_path_that_is_not_utf8_leaves_the_snapshot_and_get_config_readable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Linux path is bytes: an oom_snapshot path in another encoding (Latin-1
     here) went as it was into allocator_settings' config text, and pickle,
     which reads every string as UTF-8, refused the whole snapshot over it
-    (UnicodeDecodeError), the OOM snapshot too. Such bytes read as U+FFFD."""
+    (UnicodeDecodeError), the OOM snapshot too. get_config() in the process
+    decoded the same text strictly and raised, where get_config(pid=) read
+    the region's copy with U+FFFD. Such bytes read as U+FFFD in all three."""
     path = os.fsdecode(os.fsencode(tmp_path) + b"/r\xe9sum\xe9.pickle")
+    expected = "oom_snapshot:" + path.replace("\udce9", "\ufffd")
     out = tmp_path / "snap.pickle"
-    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
-        w.call(f"malloc({MiB})")
-        w.call(f"npualloc.dump_snapshot({str(out)!r})")
-    settings = pickle.loads(out.read_bytes())["allocator_settings"]
-    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == "oom_snapshot:" + path.replace("\udce9", "\ufffd")
-
-
-def test_a_config_path_that_is_not_utf8_reads_back_from_get_config(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """get_config() in the process decoded the library's config text strictly
-    and raised UnicodeDecodeError over a Latin-1 oom_snapshot path, where the
-    same text read from the region (get_config(pid=)) has such bytes as
-    U+FFFD: both now read the same."""
-    path = os.fsdecode(os.fsencode(tmp_path) + b"/r\xe9sum\xe9.pickle")
     monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
     with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{path}") as w:
         w.call(f"malloc({MiB})")
+        w.call(f"npualloc.dump_snapshot({str(out)!r})")
         inside = w.call("npualloc.get_config()")
         outside = npualloc.get_config(pid=w.pid)
-    expected = "oom_snapshot:" + path.replace("\udce9", "\ufffd")
+    settings = pickle.loads(out.read_bytes())["allocator_settings"]
+    assert settings["PYTORCH_CUDA_ALLOC_CONF"] == expected
     assert expected in inside.split(",")
     assert inside == outside
 

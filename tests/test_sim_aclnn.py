@@ -78,6 +78,26 @@ def test_repeatable_executor_lifecycle():
     assert "aclsim: double free of aclOpExecutor" in proc.stderr
 
 
+def test_a_refused_destroy_leaves_the_executor_live():
+    """aclDestroyAclOpExecutor failed on request: the code asked for, after
+    the parameter check, and nothing destroyed: the executor still launches,
+    and the next destroy is the one that destroys it."""
+    sim("""
+        dst, ws = dev(64), dev(WS)
+        n, ex, st = ops.fill_get_workspace_size(dst, 64, 9); ok(st)
+        ok(ops.set_repeatable(ex))
+        aclsim.fail_next_calls("aclDestroyAclOpExecutor", 1, 561103)
+        assert ops.destroy_executor(0) == 161001                # the NULL check comes first, and takes no failure
+        assert ops.destroy_executor(ex) == 561103
+        assert aclsim.executors_live() == 1 and aclsim.executors_destroyed() == 0
+        ok(ops.fill(ws, n, ex, 0)); ok(acl.rt.synchronize_stream(0))
+        assert read(dst, 64) == b"\\x09" * 64
+        ok(ops.destroy_executor(ex))
+        assert aclsim.executors_live() == 0 and aclsim.executors_destroyed() == 1
+        assert aclsim.injected_failures() == 1 and aclsim.call_count("aclDestroyAclOpExecutor") == 3
+    """)
+
+
 def test_destroying_a_repeatable_executor_with_queued_work_is_a_violation():
     proc = sim("""
         after, ret = acl.rt.create_event(); ok(ret)

@@ -59,8 +59,9 @@ void aclsim_fail_next_mallocs(uint32_t n);
 int aclsim_fail_release(const char *api, uint32_t skip, uint32_t n);
 /* Makes the next n calls of api fail with error, after their parameter
  * checks and without effect: "aclrtSetDevice" (the device cannot be entered),
- * "aclrtSynchronizeDevice", "aclrtSynchronizeStream", "aclrtRecordEvent".
- * n = 0 clears it. -1 for another name, or error 0 with n > 0. */
+ * "aclrtSynchronizeDevice", "aclrtSynchronizeStream", "aclrtRecordEvent",
+ * "aclDestroyAclOpExecutor" (the executor stays live; a destroyed one still
+ * aborts). n = 0 clears it. -1 for another name, or error 0 with n > 0. */
 int aclsim_fail_next_calls(const char *api, uint32_t n, int32_t error);
 /* Calls failed on purpose so far (all injection kinds). */
 uint64_t aclsim_injected_failures(void);

@@ -183,6 +183,11 @@ SIM_EXPORT aclnnStatus simrt_DestroyExecutor(aclOpExecutor *executor)
         return ACLNN_ERR_PARAM_NULLPTR;
     pthread_mutex_lock(&sim_lock);
     struct sim_executor *e = live_or_abort(executor, "aclDestroyAclOpExecutor");
+    aclnnStatus refused = sim_inject_call_failure_locked(SIM_API_aclDestroyAclOpExecutor);
+    if (refused != ACLNN_SUCCESS) {
+        pthread_mutex_unlock(&sim_lock);
+        return refused;
+    }
     if (e->inflight > 0) {
         sim_note_executor_violation();
         sim_report("aclDestroyAclOpExecutor(%p) while %d launch(es) of it are still queued",

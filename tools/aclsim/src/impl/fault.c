@@ -15,7 +15,11 @@
  *   (aclrtSynchronizeDevice, aclrtSynchronizeStream) or fenced
  *   (aclrtRecordEvent), with the code the test names (e.g. 207004
  *   ACL_ERROR_RT_NO_DEVICE for a device that is gone, 500000
- *   ACL_ERROR_INTERNAL_ERROR). */
+ *   ACL_ERROR_INTERNAL_ERROR).
+ * - A repeatable executor's destroy the runtime refuses
+ *   (aclDestroyAclOpExecutor, aclsim_fail_next_calls too): the reference
+ *   names no code for it, so the test names one (an aclnnStatus); the
+ *   executor stays live and may be destroyed again. */
 #include <stdatomic.h>
 
 #include "internal.h"
@@ -26,7 +30,8 @@ static int rng_seeded;
 static uint32_t forced_failures;
 static const enum sim_api failable_calls[] = {SIM_API_aclrtUnmapMem, SIM_API_aclrtFreePhysical,
                                               SIM_API_aclrtSetDevice, SIM_API_aclrtSynchronizeDevice,
-                                              SIM_API_aclrtSynchronizeStream, SIM_API_aclrtRecordEvent};
+                                              SIM_API_aclrtSynchronizeStream, SIM_API_aclrtRecordEvent,
+                                              SIM_API_aclDestroyAclOpExecutor};
 #define FAILABLE_CALLS (sizeof failable_calls / sizeof *failable_calls)
 #define RELEASES 2 /* the first entries: aclsim_fail_release's */
 static struct {

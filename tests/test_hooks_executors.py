@@ -359,3 +359,54 @@ emit(queued=queued, ret=ret, reached=aclsim.call_count("aclDestroyAclOpExecutor"
     assert proc.returncode == 0, proc.stderr
     assert out == {"queued": True, "ret": 0, "reached": 0, "violations": 0}
     assert proc.stderr.count("npualloc: cannot fence or synchronize device 0: an aclnn executor is kept") == 1
+
+
+def test_a_destroy_the_runtime_refuses_returns_its_error_and_can_be_retried():
+    """A repeatable executor's destroy forwarded at once (here after
+    aclFinalize, which waited for the work) that the runtime refuses: the
+    caller gets the runtime's error, as without npualloc, and the executor
+    is still known to be repeatable, so the retry reaches the runtime and
+    destroys it. It returned 0 and forgot the executor: the retry was
+    skipped as a second destroy, and the executor was never destroyed."""
+    out, proc = run("""
+buf, _ = acl.rt.malloc(1 << 16, 0)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+assert acl.rt.synchronize_stream(stream) == 0 and acl.rt.destroy_stream(stream) == 0
+assert acl.finalize() == 0
+aclsim.fail_next_calls("aclDestroyAclOpExecutor", 1, 561103)
+rets = [ops.destroy_executor(ex)]
+live = [aclsim.executors_live()]
+rets.append(ops.destroy_executor(ex))
+live.append(aclsim.executors_live())
+rets.append(ops.destroy_executor(ex))  # a third: skipped, not a double free
+emit(rets=rets, live=live, forwarded=aclsim.call_count("aclDestroyAclOpExecutor"))
+""", preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"rets": [561103, 0, 0], "live": [1, 0], "forwarded": 2}
+    assert proc.stderr == ""
+
+
+def test_a_deferred_destroy_the_runtime_refuses_is_warned_and_the_executor_kept_tracked():
+    """The runtime refuses a destroy npualloc deferred behind queued work:
+    the caller was told 0 long before, so npualloc says so on stderr, once,
+    and the executor, still live in the runtime, stays repeatable to it: a
+    later destroy of it reaches the runtime."""
+    out, proc = run("""
+aclsim.set_op_duration_us(0)
+buf, _ = acl.rt.malloc(1 << 16, 0)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+aclsim.fail_next_calls("aclDestroyAclOpExecutor", 1, 561103)
+assert ops.destroy_executor(ex) == 0  # deferred behind the fence
+assert acl.rt.synchronize_device() == 0
+acl.rt.malloc(512, 0)  # drains it: refused
+live = [aclsim.executors_live()]
+assert ops.destroy_executor(ex) == 0
+assert acl.rt.synchronize_device() == 0
+acl.rt.malloc(512, 0)
+live.append(aclsim.executors_live())
+emit(live=live, forwarded=aclsim.call_count("aclDestroyAclOpExecutor"))
+""", preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"live": [1, 0], "forwarded": 2}
+    assert proc.stderr.count("npualloc: ") == 1
+    assert "npualloc: the runtime refused a deferred aclnn executor destroy (error 561103)" in proc.stderr

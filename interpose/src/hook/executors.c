@@ -121,12 +121,27 @@ static void count(int device, npa_counter counter)
         npa_count(a, device, counter, 1, serving);
 }
 
-static void forward_destroy(aclOpExecutor *e, int device)
+static aclnnStatus forward_destroy(aclOpExecutor *e, int device)
 {
     __typeof__(&aclDestroyAclOpExecutor) destroy = NPA_REAL(aclDestroyAclOpExecutor);
-    if (destroy != NULL)
-        destroy(e);
+    aclnnStatus ret = destroy != NULL ? destroy(e) : npa_no_runtime_error(NPA_FN_aclDestroyAclOpExecutor);
     count(device, NPA_COUNTER_EXECUTOR_DESTROYS_FORWARDED);
+    return ret;
+}
+
+/* A destroy forwarded while the caller waits: the runtime's answer is the
+ * caller's. One it refused leaves the executor live there, and the caller,
+ * told so, may destroy it again: it stays repeatable to us, so that the
+ * retry reaches the runtime instead of being skipped as a second destroy. */
+static aclnnStatus destroy_now(aclOpExecutor *e, int device)
+{
+    aclnnStatus ret = forward_destroy(e, device);
+    if (ret != ACLNN_SUCCESS) {
+        npa_mutex_lock(&exec_lock);
+        set_insert(e);
+        npa_mutex_unlock(&exec_lock);
+    }
+    return ret;
 }
 
 /* Neither a fence nor a synchronize: a kernel in flight may still use the
@@ -146,6 +161,7 @@ void npa_exec_drain(npa_drain how)
         return; /* another thread is draining: the allocation path never waits here */
     }
     size_t kept = 0;
+    aclnnStatus refused = ACLNN_SUCCESS;
     for (size_t i = 0; i < npending; i++) {
         deferred *d = &pending[i];
         /* Forced: a synchronize stands in for the fence, but only one that
@@ -156,11 +172,21 @@ void npa_exec_drain(npa_drain how)
             continue;
         }
         npa_fence_release(NULL, d->fence);
-        forward_destroy(d->executor, d->device);
+        aclnnStatus ret = forward_destroy(d->executor, d->device);
+        if (ret != ACLNN_SUCCESS) {
+            /* Still live in the runtime: a later destroy of it goes there. */
+            set_insert(d->executor);
+            refused = ret;
+        }
     }
     npending = kept;
     npa_entry_work_mark(NPA_WORK_EXECUTORS, kept != 0);
     npa_mutex_unlock(&exec_lock);
+    /* Its caller was told 0 when the destroy was deferred. */
+    if (refused != ACLNN_SUCCESS)
+        npa_warn_once("the runtime refused a deferred aclnn executor destroy (error %d); the executor is left "
+                      "live, and its next destroy goes to the runtime again",
+                      refused);
 }
 
 NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
@@ -207,8 +233,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         /* Not serving, no device on this thread (nothing of its own
          * queued), or the fence synchronized the device instead: nothing
          * left to wait for. */
-        forward_destroy(executor, device);
-        return ACLNN_SUCCESS;
+        return destroy_now(executor, device);
     }
     npa_mutex_lock(&exec_lock);
     if (npending == cap_pending) {
@@ -221,8 +246,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
             npa_fence_release(NULL, fence);
             if (!done)
                 return keep(device);
-            forward_destroy(executor, device);
-            return ACLNN_SUCCESS;
+            return destroy_now(executor, device);
         }
         pending = np;
         cap_pending = ncap;

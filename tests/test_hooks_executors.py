@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import NPUALLOC_LIB, compile_shim, preload_env, run_python, sim_env
 
 PRELUDE = """
@@ -410,3 +412,113 @@ emit(live=live, forwarded=aclsim.call_count("aclDestroyAclOpExecutor"))
     assert out == {"live": [1, 0], "forwarded": 2}
     assert proc.stderr.count("npualloc: ") == 1
     assert "npualloc: the runtime refused a deferred aclnn executor destroy (error 561103)" in proc.stderr
+
+
+DESTROY_FROM_ANOTHER_THREAD = """
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+def destroy(executor):
+    if DESTROYER_DEVICE is not None:
+        assert acl.rt.set_device(DESTROYER_DEVICE) == 0
+    rets.append(ops.destroy_executor(executor))
+for retry in range(8):  # until the launch is seen still queued after its destroy
+    aclsim.set_op_duration_us(50_000 << retry)
+    ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+    assert acl.rt.record_event(after, stream) == 0
+    before = aclsim.call_count("aclDestroyAclOpExecutor")
+    violations_before = aclsim.executor_violations()
+    rets = []
+    thread = threading.Thread(target=destroy, args=(ex,))
+    thread.start(); thread.join()
+    reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
+    queued = acl.rt.query_event_status(after) == (0, 0)
+    assert acl.rt.synchronize_device() == 0
+    acl.rt.malloc(512, 0)  # drains the deferred destroy
+    if queued:
+        break
+emit(queued=queued, rets=rets, reached_at_once=reached_at_once,
+     reached=aclsim.call_count("aclDestroyAclOpExecutor") - before,
+     violations=aclsim.executor_violations() - violations_before, live=aclsim.executors_live())
+"""
+
+
+@pytest.mark.parametrize("destroyer_device", [None, 1], ids=["no-device", "another-device"])
+def test_repeatable_destroy_from_a_thread_off_its_device_waits_for_its_launch(destroyer_device):
+    """A repeatable executor made and launched on device 0, destroyed from
+    a thread with no device current or with device 1: the destroy waits for
+    the work queued on device 0, the device it was made repeatable on. It
+    went to the runtime at once (no device: nothing to fence) or behind a
+    fence of device 1, under the queued launch (the simulator counts a
+    violation)."""
+    out, proc = run(f"DESTROYER_DEVICE = {destroyer_device!r}\n" + DESTROY_FROM_ANOTHER_THREAD, preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "reached": 1, "violations": 0, "live": 0}
+    assert proc.stderr == ""
+
+
+def test_repeatable_destroy_after_the_last_reset_enters_no_device():
+    """The common teardown order: the device reset (its last reference,
+    which waits for its work), then the executors destroyed, on the thread
+    that reset it and from another with no device. Fencing the device the
+    executor was made on would enter it again, a full device init and
+    teardown on real hardware for each destroy: the destroys go to the
+    runtime at once, with no call to enter a device."""
+    out, proc = run('''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+aclsim.set_op_duration_us(20_000)
+mine, _ = launch_fill(buf, 4096, 7, repeatable=True)
+theirs, _ = launch_fill(buf, 4096, 8, repeatable=True)
+assert acl.rt.destroy_stream(stream) == 0 and acl.rt.reset_device(0) == 0
+names = ("aclrtSetDevice", "aclrtResetDevice", "aclrtSynchronizeDevice", "aclrtRecordEvent")
+before = {name: aclsim.call_count(name) for name in names}
+rets = [ops.destroy_executor(mine)]
+thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(theirs)))
+thread.start(); thread.join()
+emit(rets=rets, live=aclsim.executors_live(), violations=aclsim.executor_violations(),
+     calls={name: aclsim.call_count(name) - before[name] for name in names})
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"rets": [0, 0], "live": 0, "violations": 0,
+                   "calls": dict.fromkeys(("aclrtSetDevice", "aclrtResetDevice", "aclrtSynchronizeDevice",
+                                           "aclrtRecordEvent"), 0)}
+    assert proc.stderr == ""
+
+
+def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
+    """A worker thread launches a repeatable executor on device 0 and resets
+    the device, which the main thread still holds (not the last reference:
+    the runtime tears nothing down, and the launch runs on); a thread with
+    no device then destroys the executor. The reset synchronized the device
+    for the executors made on it, so the destroy may go to the runtime at
+    once: the launch is done. It went there under the queued launch."""
+    out, proc = run('''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+def worker(duration_us):
+    assert acl.rt.set_device(0) == 0
+    aclsim.set_op_duration_us(duration_us)
+    made.append(launch_fill(buf, 4096, 7, repeatable=True)[0])
+    assert acl.rt.record_event(after, stream) == 0
+    queued.append(acl.rt.query_event_status(after) == (0, 0))
+    assert acl.rt.reset_device(0) == 0
+for retry in range(8):  # until the launch is seen queued when the reset begins
+    made, queued, rets = [], [], []
+    thread = threading.Thread(target=worker, args=(50_000 << retry,))
+    thread.start(); thread.join()
+    before = aclsim.call_count("aclDestroyAclOpExecutor")
+    violations_before = aclsim.executor_violations()
+    thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(made[0])))
+    thread.start(); thread.join()
+    reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
+    assert acl.rt.synchronize_device() == 0
+    if queued[0]:
+        break
+emit(queued=queued[0], rets=rets, reached_at_once=reached_at_once,
+     violations=aclsim.executor_violations() - violations_before, live=aclsim.executors_live())
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "rets": [0], "reached_at_once": 1, "violations": 0, "live": 0}
+    assert proc.stderr == ""

@@ -5,7 +5,15 @@
  * destroy to exit. We remember which executors were made repeatable: a destroy
  * of any other (or a second destroy) is a no-op that succeeds, and a real one
  * is forwarded once, after the work queued before it has finished, because the
- * executor may still be in use by a kernel in flight. */
+ * executor may still be in use by a kernel in flight.
+ *
+ * That work is on the device the executor was made repeatable on, which we
+ * remember: a program may destroy it from a thread with no device or
+ * another one (a pool of threads, a deferred cleanup), and the destroying
+ * thread's device says nothing of its launches. Made repeatable between its
+ * phase 1 and its first launch, on the thread that launches it, the
+ * executor is taken to run on the device current there (how else it could
+ * be launched the reference does not say). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,8 +22,21 @@
 
 #define TOMBSTONE ((aclOpExecutor *)(uintptr_t)1)
 
+/* A repeatable executor and the device its launches run on: -1 when unknown
+ * (no device where it was made repeatable) or when a teardown settled it
+ * (npa_exec_settle): then the destroying thread's device is fenced, as
+ * that thread may have launched it since. */
+typedef struct repeatable {
+    aclOpExecutor *executor;
+    int device;
+} repeatable;
+
+/* The device ids a settle tells apart (bit per device); beyond them, as
+ * unknown. The runtime numbers a node's devices from 0. */
+#define SETTLED_DEVICES 64
+
 /* Open-addressing set of repeatable executors. */
-static aclOpExecutor **set_slots;
+static repeatable *set_slots;
 static size_t set_cap, set_used, set_live; /* used counts tombstones too */
 
 typedef struct deferred {
@@ -49,17 +70,17 @@ static int set_grow(void)
     size_t ncap = 64;
     while ((set_live + 1) * 4 > ncap)
         ncap *= 2;
-    aclOpExecutor **ns = calloc(ncap, sizeof(*ns));
+    repeatable *ns = calloc(ncap, sizeof(*ns));
     if (ns == NULL)
         return -1;
     for (size_t i = 0; i < set_cap; i++) {
-        aclOpExecutor *e = set_slots[i];
+        aclOpExecutor *e = set_slots[i].executor;
         if (e == NULL || e == TOMBSTONE)
             continue;
         size_t s = slot_of(e, ncap);
-        while (ns[s] != NULL)
+        while (ns[s].executor != NULL)
             s = (s + 1) & (ncap - 1);
-        ns[s] = e;
+        ns[s] = set_slots[i];
     }
     free(set_slots);
     set_slots = ns;
@@ -68,7 +89,7 @@ static int set_grow(void)
     return 0;
 }
 
-static void set_insert(aclOpExecutor *e)
+static void set_insert(aclOpExecutor *e, int device)
 {
     if ((set_used + 1) * 2 > set_cap && set_grow() != 0) {
         npa_warn_once("out of host memory tracking aclnn executors; destroying one will be skipped");
@@ -76,10 +97,12 @@ static void set_insert(aclOpExecutor *e)
     }
     size_t s = slot_of(e, set_cap);
     size_t tomb = SIZE_MAX;
-    for (; set_slots[s] != NULL; s = (s + 1) & (set_cap - 1)) {
-        if (set_slots[s] == e)
-            return; /* made repeatable twice: still one destroy to forward */
-        if (set_slots[s] == TOMBSTONE && tomb == SIZE_MAX)
+    for (; set_slots[s].executor != NULL; s = (s + 1) & (set_cap - 1)) {
+        if (set_slots[s].executor == e) {
+            set_slots[s].device = device; /* made repeatable twice: still one destroy to forward */
+            return;
+        }
+        if (set_slots[s].executor == TOMBSTONE && tomb == SIZE_MAX)
             tomb = s;
     }
     if (tomb != SIZE_MAX) {
@@ -87,17 +110,19 @@ static void set_insert(aclOpExecutor *e)
     } else {
         set_used++;
     }
-    set_slots[s] = e;
+    set_slots[s] = (repeatable){e, device};
     set_live++;
 }
 
-static int set_remove(aclOpExecutor *e)
+/* Whether e was repeatable; if so *device is its launches' device. */
+static int set_remove(aclOpExecutor *e, int *device)
 {
     if (set_cap == 0)
         return 0;
-    for (size_t s = slot_of(e, set_cap); set_slots[s] != NULL; s = (s + 1) & (set_cap - 1))
-        if (set_slots[s] == e) {
-            set_slots[s] = TOMBSTONE;
+    for (size_t s = slot_of(e, set_cap); set_slots[s].executor != NULL; s = (s + 1) & (set_cap - 1))
+        if (set_slots[s].executor == e) {
+            *device = set_slots[s].device;
+            set_slots[s].executor = TOMBSTONE;
             set_live--;
             return 1;
         }
@@ -138,7 +163,7 @@ static aclnnStatus destroy_now(aclOpExecutor *e, int device)
     aclnnStatus ret = forward_destroy(e, device);
     if (ret != ACLNN_SUCCESS) {
         npa_mutex_lock(&exec_lock);
-        set_insert(e);
+        set_insert(e, device);
         npa_mutex_unlock(&exec_lock);
     }
     return ret;
@@ -175,7 +200,7 @@ void npa_exec_drain(npa_drain how)
         aclnnStatus ret = forward_destroy(d->executor, d->device);
         if (ret != ACLNN_SUCCESS) {
             /* Still live in the runtime: a later destroy of it goes there. */
-            set_insert(d->executor);
+            set_insert(d->executor, d->device);
             refused = ret;
         }
     }
@@ -189,6 +214,28 @@ void npa_exec_drain(npa_drain how)
                       refused);
 }
 
+void npa_exec_settle(int device)
+{
+    npa_mutex_lock(&exec_lock);
+    uint64_t made_on = 0, settled = 0;
+    for (size_t i = 0; i < set_cap; i++) {
+        int d = set_slots[i].device;
+        aclOpExecutor *e = set_slots[i].executor;
+        if (e != NULL && e != TOMBSTONE && d >= 0 && (device < 0 || d == device))
+            made_on |= 1ull << d;
+    }
+    for (int d = 0; d < SETTLED_DEVICES; d++)
+        if ((made_on & (1ull << d)) && npa_hook_synchronize(d) == ACL_SUCCESS)
+            settled |= 1ull << d;
+    for (size_t i = 0; settled != 0 && i < set_cap; i++) {
+        int d = set_slots[i].device;
+        aclOpExecutor *e = set_slots[i].executor;
+        if (e != NULL && e != TOMBSTONE && d >= 0 && (settled & (1ull << d)))
+            set_slots[i].device = -1;
+    }
+    npa_mutex_unlock(&exec_lock);
+}
+
 NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
 {
     __typeof__(&aclSetAclOpExecutorRepeatable) real = NPA_REAL(aclSetAclOpExecutorRepeatable);
@@ -196,9 +243,11 @@ NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
         return npa_no_runtime_error(NPA_FN_aclSetAclOpExecutorRepeatable);
     aclnnStatus ret = real(executor);
     if (ret == ACLNN_SUCCESS && executor != NULL && !npa_hook_disabled()) {
+        /* As a destroy does: no runtime call of ours after aclFinalize. */
+        int device = npa_hook_allocator() != NULL ? npa_thread_device() : npa_tls_device;
         npa_hook_register_handlers();
         npa_mutex_lock(&exec_lock);
-        set_insert(executor);
+        set_insert(executor, device < SETTLED_DEVICES ? device : -1);
         npa_mutex_unlock(&exec_lock);
     }
     npa_exec_poll();
@@ -217,22 +266,26 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
      * of ours calls the runtime (not even to ask the device); nor when none
      * could be made, and then calls go to the runtime as without us. */
     bool serving = npa_hook_allocator() != NULL;
-    int device = serving ? npa_thread_device() : npa_tls_device;
+    int current = serving ? npa_thread_device() : npa_tls_device;
+    int device = -1;
     npa_mutex_lock(&exec_lock);
-    int repeatable = set_remove(executor);
+    int repeatable = set_remove(executor, &device);
     npa_mutex_unlock(&exec_lock);
     if (!repeatable) {
         /* Phase 2 destroyed it already, or this is a second destroy. */
-        count(device, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED);
+        count(current, NPA_COUNTER_EXECUTOR_DESTROYS_SKIPPED);
         return ACLNN_SUCCESS;
     }
+    if (device < 0)
+        device = current;
     void *fence = NULL;
     if (serving && device >= 0 && npa_fence_record_always(NULL, device, &fence) != ACL_SUCCESS)
         return keep(device);
     if (fence == NULL) {
-        /* Not serving, no device on this thread (nothing of its own
-         * queued), or the fence synchronized the device instead: nothing
-         * left to wait for. */
+        /* Not serving, no device known for its launches (none where it
+         * was made repeatable, or a teardown synchronized it, and none on
+         * this thread), or the fence synchronized the device instead:
+         * nothing left to wait for. */
         return destroy_now(executor, device);
     }
     npa_mutex_lock(&exec_lock);
@@ -287,7 +340,7 @@ void npa_exec_forget_after_fork(void)
     /* The parent owns its executors: the child must not destroy them. */
     if (set_slots != NULL)
         for (size_t i = 0; i < set_cap; i++)
-            set_slots[i] = NULL;
+            set_slots[i] = (repeatable){NULL, -1};
     set_used = set_live = 0;
     npending = 0;
     npa_entry_work_mark(NPA_WORK_EXECUTORS, false);

@@ -28,7 +28,8 @@
  *      Not taken by fork_prepare: the child re-initialises it.
  *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
- *      polls fences, synchronizes, and counts into a device's stats (5).
+ *      polls fences, synchronizes, and counts into a device's stats (5); a
+ *      settle synchronizes.
  *   3. command lock (region.c g_command_lock): one thread applies another
  *      process's command; under it empty_cache, resets, snapshots and a
  *      memory fraction take the device locks one at a time (5; a memory
@@ -365,6 +366,15 @@ static inline unsigned npa_entry_work_load(void)
  * rest (NPA_DRAIN_ALL). */
 typedef enum npa_drain { NPA_DRAIN_DONE, NPA_DRAIN_ALL } npa_drain;
 void npa_exec_drain(npa_drain how);
+/* Before the runtime may tear a device down (device < 0: every device; a
+ * reset, a context's destroy, aclFinalize): each device that repeatable
+ * executors were made on is synchronized, and they forget it. A destroy
+ * after the teardown must not enter the device again to fence their
+ * launches (on real hardware a full init and teardown of the device, for
+ * each destroy), and the synchronize proves those launches done, also
+ * where the reset was not the device's last reference. A device that
+ * cannot be synchronized keeps them: their destroys fence it. */
+void npa_exec_settle(int device);
 static inline void npa_exec_poll(void)
 {
     if (NPA_UNLIKELY(npa_entry_work_load() & NPA_WORK_EXECUTORS))

@@ -401,11 +401,13 @@ npa_allocator *npa_hook_allocator_any(void)
 }
 
 /* Give a device's cache back before the runtime tears it down: deferred
- * executor destroys first (they may still wait on that device's streams), then
- * pending frees and cached segments, then our idle events. */
+ * executor destroys first (they may still wait on that device's streams) and
+ * the repeatable executors made on it settled, then pending frees and cached
+ * segments, then our idle events. */
 void npa_hook_before_reset(int device)
 {
     npa_exec_drain(NPA_DRAIN_ALL);
+    npa_exec_settle(device);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a != NULL)
         npa_empty_cache(a, device);
@@ -421,8 +423,10 @@ void npa_hook_before_reset(int device)
  * a device's stats under its lock, which waited for a pause for good. */
 static void release_everything(npa_allocator *a, bool at_exit)
 {
-    if (!at_exit)
+    if (!at_exit) {
         npa_exec_drain(NPA_DRAIN_ALL);
+        npa_exec_settle(-1);
+    }
     if (a != NULL && !at_exit) {
         unsigned seen = npa_devices_seen();
         for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)

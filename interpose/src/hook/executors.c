@@ -13,7 +13,14 @@
  * thread's device says nothing of its launches. Made repeatable between its
  * phase 1 and its first launch, on the thread that launches it, the
  * executor is taken to run on the device current there (how else it could
- * be launched the reference does not say). */
+ * be launched the reference does not say).
+ *
+ * Executors are known by address, and phase 2 frees a plain one, whose
+ * address the runtime may give to the next executor: a late destroy of the
+ * plain one after that one was made repeatable names it, and is forwarded,
+ * as the runtime alone would take it. Telling the two apart needs every
+ * operator's phase 1 and 2, which we do not see, and the program's policy
+ * (a program that never destroys its plain executors owes no late destroy). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -44,6 +44,18 @@ class _Parser(argparse.ArgumentParser):
         sys.stderr.write(f"npualloc: {message} (see `npualloc --help`)\n")
         sys.exit(EXIT_USAGE)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # "--opt=--" gives the option the value "--", as Python 3.13's argparse
+        # reads it. Before 3.13 argparse took that "--" for the end of options,
+        # dropped it and gave the option [], which no type function sees: run
+        # --conf=-- exec'd a list (TypeError), replay --hbm=-- raised one, and
+        # replay --build=-- was ignored. Now the option's own check judges "--".
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
 
 def _displayable(text: str) -> str:
     """text with every character a terminal would act on (escape sequences,

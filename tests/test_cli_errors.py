@@ -229,6 +229,27 @@ def test_run_command_not_found(tmp_path: Path) -> None:
                           f"cannot run {script}: the interpreter it names (#! line or ELF loader) is missing")
 
 
+def test_an_options_value_of_two_dashes_is_that_value(tmp_path: Path) -> None:
+    """"--opt=--" is the option with the value "--", as Python 3.13 reads it.
+    Python 3.10 to 3.12 handed the option [] in its place: run --conf=-- ended
+    in a TypeError traceback from exec, replay --hbm=-- in another, replay
+    --build=-- ran with the package's tools as if it were not given, and
+    exporter --port=-- said it could not listen on port []. Each is now the
+    option's own answer to "--"."""
+    allocate = "import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)"
+    ran = run_cli(["run", "--conf=--", "--", sys.executable, "-c", allocate], tmp_path)
+    assert ran.returncode == 0 and ran.stdout == "", ran.stderr
+    assert ran.stderr == "npualloc: npualloc run --conf: '--' is not a key:value entry (default kept)\n"
+    tiny = str(ROOT / "tools" / "traces" / "tiny.pickle.gz")
+    assert_one_line_error(run_cli(["replay", tiny, "--hbm=--"], tmp_path), 1, "--hbm: not a size: '--'")
+    assert_one_line_error(run_cli(["replay", tiny, "--build=--"], tmp_path), 1,
+                          "--/tools/npualloc-replay is missing")
+    assert_one_line_error(run_cli(["replay", tiny, "--device=--"], tmp_path), 2, "invalid int value: '--'")
+    assert_one_line_error(run_cli(["exporter", "--port=--"], tmp_path), 2, "--port: needs a TCP port")
+    assert_one_line_error(run_cli(["stats", "1", "--device=--"], tmp_path), 2, "--device: needs a whole number")
+    assert_one_line_error(run_cli(["empty-cache", "1", "--timeout=--"], tmp_path), 2, "--timeout: needs a positive")
+
+
 def test_run_a_program_of_a_format_the_kernel_cannot_run_is_one_line(tmp_path: Path) -> None:
     """The kernel's ENOEXEC for a program built for another machine (an
     x86-64 ELF on an aarch64 host) is no script without "#!": handed to sh,

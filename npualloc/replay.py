@@ -11,8 +11,10 @@ then searched down to the smallest in which the trace still runs without an OOM.
 Event mapping: the replay follows the program's frees ("free_requested", or
 the old "free"; "free_completed" only where no request came first). A free of
 an address that is not live and an allocation at an address that is still live
-cannot be replayed faithfully; both are skipped and counted. "snapshot"
-entries mark iteration ends (tools/traces/record.py writes one per iteration).
+cannot be replayed faithfully; both are skipped and counted. An allocation
+of 0 bytes, which torch's allocator serves with no memory (and never
+records), is counted and not replayed, nor is its free. "snapshot" entries
+mark iteration ends (tools/traces/record.py writes one per iteration).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +104,7 @@ class EventFile:
     slot_count: int
     skipped_frees: int
     skipped_allocs: int
+    zero_size_allocs: int
 
 
 def busiest_device(snapshot: dict) -> int:
@@ -119,22 +123,39 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
     if not 0 <= device < len(snapshot["device_traces"]):
         raise ReplayError(f"the trace has no device {device}")
     live: dict[int, tuple[int, int]] = {}   # addr -> (slot, size)
+    # 0-byte allocs not yet freed, by address (a recorder may give them all
+    # one, 0). torch's allocator serves a 0-byte request with a null pointer,
+    # no block and no trace entry, and aclrtMalloc refuses size 0 (the
+    # replayer stopped at it, "aclError 100000"): such an alloc costs no
+    # memory, so it and its free are not replayed, only counted.
+    empty: Counter[int] = Counter()
     free_requested: set[int] = set()
     spare_slots: list[int] = []
     slot_count = 0
     records = bytearray()
-    allocs = frees = iterations = skipped_frees = skipped_allocs = 0
+    allocs = frees = iterations = skipped_frees = skipped_allocs = zero_size_allocs = 0
 
-    def free(addr: int) -> None:
+    def free(addr: int) -> bool:
+        """Frees what is live at addr; False when nothing is."""
         nonlocal frees
+        if empty[addr]:
+            empty[addr] -= 1
+            return True
+        if addr not in live:
+            return False
         slot, size = live.pop(addr)
         spare_slots.append(slot)
         records.extend(EVENT.pack(size, slot, OP_FREE))
         frees += 1
+        return True
 
     for entry in snapshot["device_traces"][device]:
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc":
+            if int(entry["size"]) == 0:
+                empty[addr] += 1
+                zero_size_allocs += 1
+                continue
             if addr in live:
                 skipped_allocs += 1
                 continue
@@ -146,17 +167,14 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
             records.extend(EVENT.pack(int(entry["size"]), slot, OP_ALLOC))
             allocs += 1
         elif action in ("free_requested", "free"):
-            if addr in live:
-                free(addr)
+            if free(addr):
                 free_requested.add(addr)
             else:
                 skipped_frees += 1
         elif action == "free_completed":
             if addr in free_requested:
                 free_requested.discard(addr)
-            elif addr in live:
-                free(addr)
-            else:
+            elif not free(addr):
                 skipped_frees += 1
         elif action == "snapshot":
             records.extend(EVENT.pack(0, 0, OP_ITERATION_END))
@@ -165,7 +183,8 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
     with open(out, "wb") as f:
         f.write(EVENT_FILE_HEADER.pack(EVENT_FILE_MAGIC, EVENT_FILE_VERSION, slot_count, events))
         f.write(records)
-    return EventFile(device, events, allocs, frees, iterations, slot_count, skipped_frees, skipped_allocs)
+    return EventFile(device, events, allocs, frees, iterations, slot_count, skipped_frees, skipped_allocs,
+                     zero_size_allocs)
 
 
 # ---------------------------------------------------------------- running the replayer
@@ -310,6 +329,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             "trace": str(args.trace), "device": written.device, "trace_events": written.events,
             "allocs": written.allocs, "frees": written.frees, "iterations": written.iterations,
             "skipped_frees": written.skipped_frees, "skipped_allocs": written.skipped_allocs,
+            "zero_size_allocs": written.zero_size_allocs,
             "conf": args.conf, "npualloc": not args.raw, "hbm_bytes": hbm // MIB * MIB,
             "replay": result, "fits": fits(result), "warnings": warnings,
         }
@@ -338,6 +358,9 @@ def render(report: dict[str, Any]) -> str:
     if report["skipped_frees"] or report["skipped_allocs"]:
         lines.append(f"skipped            {report['skipped_frees']} frees of addresses not live, "
                      f"{report['skipped_allocs']} allocs at addresses still live")
+    if report["zero_size_allocs"]:
+        lines.append(f"not replayed       {report['zero_size_allocs']} allocs of 0 bytes (torch's allocator gives "
+                     "them no memory)")
     if not report["npualloc"]:
         allocator = "none (the runtime alone)"
     elif report["conf"] is not None:

@@ -194,6 +194,32 @@ def test_event_file_skips_what_cannot_be_replayed(tmp_path):
     assert len(data) == replay.EVENT_FILE_HEADER.size + 5 * replay.EVENT.size
 
 
+def test_an_alloc_of_0_bytes_takes_no_memory_as_in_torch(tmp_path):
+    """torch's allocator serves a 0-byte request with a null pointer, no block
+    and no trace entry; the runtime refuses aclrtMalloc(0). A trace holding
+    one (another recorder's, one made by hand) stopped the replay with "the
+    replayer stopped at event 1: aclError 100000". Such allocs and their
+    frees are counted and not replayed, however many share an address."""
+    trace = tmp_path / "zero.pickle"
+    trace.write_bytes(pickle.dumps({"device_traces": [[
+        {"action": "alloc", "addr": 16, "size": 100},
+        {"action": "alloc", "addr": 0, "size": 0},
+        {"action": "alloc", "addr": 0, "size": 0},
+        {"action": "free_requested", "addr": 0, "size": 0},
+        {"action": "free_completed", "addr": 0, "size": 0},
+        {"action": "free_requested", "addr": 0, "size": 0},
+        {"action": "free_completed", "addr": 0, "size": 0},
+        {"action": "free_requested", "addr": 16, "size": 100},
+        {"action": "free_completed", "addr": 16, "size": 100},
+    ]]}))
+    report = replay_json(trace, "--no-search")
+    assert (report["allocs"], report["frees"], report["zero_size_allocs"]) == (1, 1, 2)
+    assert (report["skipped_allocs"], report["skipped_frees"]) == (0, 0)
+    assert report["fits"] and report["replay"]["events"] == 2 and report["replay"]["peak_requested_bytes"] == 100
+    text = run_replay(str(trace), "--build", str(BUILD), "--no-search").stdout
+    assert "not replayed       2 allocs of 0 bytes (torch's allocator gives them no memory)\n" in text
+
+
 @pytest.mark.parametrize("text,value", [("64G", 64 << 30), ("16GiB", 16 << 30), ("512M", 512 * MIB),
                                         ("1.5T", 3 << 39), ("4096", 4096), ("2mb", 2 * MIB)])
 def test_parse_size(text, value):

@@ -217,6 +217,17 @@ def dump_snapshot(filename: str | Path = "dump_snapshot.pickle", pid: int | None
     write_user_file(filename, snapshot_bytes(pid, timeout))
 
 
+def _check_option(name: str, value: object, valid: tuple[str, ...]) -> None:
+    """torch's check of record_memory_history's enabled, context and stacks
+    (checkOptionIn, a TORCH_CHECK): a string it does not know is a
+    RuntimeError; anything but a string is refused before, by its binding, as
+    a TypeError. None is allowed (stacks=None is npualloc's: no stacks)."""
+    if value is None or (isinstance(value, str) and value in valid):
+        return
+    message = f"{name} must be {', '.join(map(repr, valid))} or None, not {value!r}"
+    raise RuntimeError(message) if isinstance(value, str) else TypeError(message)
+
+
 def record_memory_history(enabled: str | bool | None = "all", context: str | None = "all", stacks: str | None = "all",
                           max_entries: int = DEFAULT_MAX_ENTRIES, pid: int | None = None,
                           timeout: float = COMMAND_TIMEOUT_S) -> None:
@@ -230,19 +241,17 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
     does (torch then keeps a trace of one entry beside the live blocks'
     stacks, but npualloc takes a live block's stack from its alloc event in
     the trace), and context is otherwise unused."""
-    if enabled is False:  # torch's legacy form: _record_memory_history(False) is off
-        enabled = None
-    if not (enabled is None or enabled is True or enabled in ("state", "all")):
-        raise ValueError(f"enabled must be 'state', 'all' or None, not {enabled!r}")
-    if context not in (None, "state", "alloc", "all"):
-        raise ValueError(f"context must be 'state', 'alloc', 'all' or None, not {context!r}")
+    if enabled is False or enabled is True:  # torch's legacy form: _record_memory_history(False) is off
+        enabled = None if enabled is False else "all"
+    _check_option("enabled", enabled, ("state", "all"))
+    _check_option("context", context, ("state", "alloc", "all"))
+    _check_option("stacks", stacks, ("python", "all"))
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-        raise ValueError(f"max_entries must be a non-negative int, not {max_entries!r}")
+        # torch's binding takes a size_t: anything else is its TypeError.
+        raise TypeError(f"max_entries must be a non-negative int, not {max_entries!r}")
     if enabled is not None and max_entries > constants.NPUALLOC_MAX_RECORD_HISTORY:
         raise ValueError(f"max_entries must be at most {constants.NPUALLOC_MAX_RECORD_HISTORY} per device, "
                          f"not {max_entries}")
-    if stacks not in ("python", "all", None):
-        raise ValueError(f"stacks must be 'python', 'all' or None, not {stacks!r}")
     entries = 0 if enabled is None else max_entries
     if _in_process(pid):
         with_stacks = enabled is not None and stacks is not None

@@ -1,7 +1,8 @@
 """The environment variables the library reads its config from, and how
 npualloc's commands hand a --conf to the program they start. The library
-parses it (interpose/src/hook/lifecycle.c: the first variable set wins) and
-warns on stderr about every key it refuses, so `run --conf` and
+parses it (interpose/src/hook/lifecycle.c: the first variable set to
+something wins; one set empty counts as unset, as MindTorch reads its own)
+and warns on stderr about every key it refuses, so `run --conf` and
 `replay --conf` share one parser and the same warnings."""
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ from collections.abc import Mapping
 CONF_VARIABLES = ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
+def configured(env: Mapping[str, str]) -> bool:
+    """Whether env sets the allocator's config (a variable set empty does not)."""
+    return any(env.get(name) for name in CONF_VARIABLES)
+
+
 def with_conf(env: Mapping[str, str], conf: str, command: str) -> dict[str, str]:
     """env with conf in the variable the library will read, and
     NPUALLOC_CONF_FROM naming the npualloc command, so the library's config
-    warnings say `npualloc <command> --conf` rather than a variable the user never set."""
+    warnings say `npualloc <command> --conf` rather than a variable the user
+    never set. An empty conf is no config: every variable goes, or the
+    library would read the next one set."""
     result = dict(env)
-    key = next((k for k in CONF_VARIABLES if k in result), CONF_VARIABLES[0])
-    result[key] = conf
+    if conf:
+        result[next((k for k in CONF_VARIABLES if result.get(k)), CONF_VARIABLES[0])] = conf
+    else:
+        for name in CONF_VARIABLES:
+            result.pop(name, None)
     result["NPUALLOC_CONF_FROM"] = command
     return result

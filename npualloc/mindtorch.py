@@ -20,7 +20,7 @@ from typing import Any
 
 from . import memory
 from ._ffi import ffi, loaded_library
-from .conf_env import CONF_VARIABLES
+from .conf_env import configured
 from .errors import NotUnderNpuallocError
 
 ALLOCATOR_MODULE = "mindtorch_v2._backends.npu.allocator"
@@ -178,9 +178,10 @@ def _expandable_by_default() -> None:
     with expandable segments (README, MindTorch bench), which also make the
     program pausable. npualloc's own default stays torch's (False); any
     config variable set, even to npualloc's defaults, is the user's choice
-    and is left alone. A runtime without the virtual memory API refuses
-    the key (the library warns once) and the program runs on plain segments."""
-    if any(name in os.environ for name in CONF_VARIABLES):
+    and is left alone (one set empty is unset, to MindTorch and the library
+    alike). A runtime without the virtual memory API refuses the key (the
+    library warns once) and the program runs on plain segments."""
+    if configured(os.environ):
         return
     try:
         memory.set_config("expandable_segments:True")

@@ -335,6 +335,20 @@ def test_run_preloads_into_children_and_keeps_ld_preload(tmp_path: Path) -> None
     assert done.stdout.splitlines()[2:] == ["None", "max_split_size_mb:128"]
 
 
+def test_run_conf_reads_an_empty_variable_as_unset(tmp_path: Path) -> None:
+    """The library skips a config variable set empty (MindTorch's reading):
+    --conf goes into the variable it will read, and an empty --conf is no
+    config at all, not an empty variable the library would look past."""
+    env = cli_env(tmp_path)
+    env.update(MINDTORCH_NPU_ALLOC_CONF="", PYTORCH_NPU_ALLOC_CONF="max_split_size_mb:64")
+    code = ("import acl, npualloc; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0); "
+            "print(npualloc.memory_stats(0)['max_split_size'])")
+    for conf, max_split in ((None, 64 << 20), ("max_split_size_mb:128", 128 << 20), ("", -1)):
+        done = _run([*(["--conf", conf] if conf is not None else []), "--", sys.executable, "-c", code], env)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout == f"{max_split}\n", conf
+
+
 def test_run_replaces_another_npualloc_in_ld_preload(tmp_path: Path) -> None:
     """A libnpualloc.so already in LD_PRELOAD under another path (the
     checkout's build/lib, another install) is not kept beside the package's:

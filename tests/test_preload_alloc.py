@@ -315,6 +315,29 @@ emit(max_split=npualloc.memory_stats(0)["max_split_size"])
     assert out["max_split"] == 60 << 20
 
 
+def test_a_config_variable_set_empty_counts_as_unset():
+    """MindTorch reads an empty MINDTORCH_NPU_ALLOC_CONF as unset (on to
+    PYTORCH_CUDA_ALLOC_CONF); the library read it as set, so `VAR= prog` or a
+    launcher's `export VAR=$UNSET` hid the config set further down, and kept
+    MindTorch programs off the expandable segments they get when nothing is
+    configured. Now the library, and npualloc's MindTorch default, skip it."""
+    code = """
+p, ret = acl.rt.malloc(1 << 20, 0); assert ret == 0
+import npualloc
+emit(max_split=npualloc.memory_stats(0)["max_split_size"])
+"""
+    out, proc = run(code, preload_env(MINDTORCH_NPU_ALLOC_CONF="", PYTORCH_NPU_ALLOC_CONF="max_split_size_mb:40"))
+    assert out["max_split"] == 40 << 20 and proc.stderr == ""
+    out, proc = run(code, preload_env(PYTORCH_NPU_ALLOC_CONF="", PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:60"))
+    assert out["max_split"] == 60 << 20 and proc.stderr == ""
+    out, proc = run("""
+import npualloc, npualloc.mindtorch
+npualloc.mindtorch._expandable_by_default()
+emit(config=npualloc.get_config())
+""", preload_env(MINDTORCH_NPU_ALLOC_CONF="", PYTORCH_NPU_ALLOC_CONF="", PYTORCH_CUDA_ALLOC_CONF=""))
+    assert out["config"] == "expandable_segments:True" and proc.stderr == ""
+
+
 def test_process_that_never_touches_the_npu_prints_nothing_and_leaves_no_file(tmp_path):
     env = preload_env(NPUALLOC_SHM_DIR=str(tmp_path))
     proc = run_python("import json, ctypes; print('hello'); ctypes.CDLL(None).strlen", env)

@@ -64,6 +64,10 @@ static const char *config_source(const char *var)
     return var;
 }
 
+/* The first of the variables set to something: one set empty counts as
+ * unset, as MindTorch reads its own (an empty MINDTORCH_NPU_ALLOC_CONF
+ * falls through to PYTORCH_CUDA_ALLOC_CONF there), so `VAR= prog` or a
+ * launcher's `export VAR=$UNSET` does not hide a config set further down. */
 static void load_config(void)
 {
     npa_config_defaults(&config);
@@ -71,7 +75,7 @@ static void load_config(void)
                                        "PYTORCH_CUDA_ALLOC_CONF"};
     for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
         const char *text = getenv(vars[i]);
-        if (text != NULL) {
+        if (text != NULL && text[0] != '\0') {
             config_var = config_source(vars[i]);
             npa_config_parse(&config, text, config_warn, NULL);
             npa_pystack_enable(config.record_stacks);

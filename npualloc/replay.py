@@ -316,6 +316,11 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         raise ReplayError(f"--hbm: {args.hbm} is under the simulator's 1 MiB granularity")
     if hbm > MAX_HBM:
         raise ReplayError(f"--hbm: {args.hbm} is past the {human_bytes(MAX_HBM)} the simulator models")
+    for option, directory in (("--build", args.build), ("--runtime", args.runtime)):
+        # Read as not given, an empty one (`--build "$BUILD"`, BUILD unset)
+        # replayed with other tools than named, and said nothing.
+        if directory == "":
+            raise ReplayError(f"{option}: an empty path names no directory")
     tools = find_toolchain(args.build, args.runtime)
     snapshot = load_snapshot(args.trace)
     with tempfile.TemporaryDirectory(prefix="npualloc-replay-") as tmp:

@@ -232,6 +232,15 @@ def test_missing_runtime_is_one_line_error(tmp_path):
     assert proc.stderr.startswith("npualloc: no simulated runtime found") and proc.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("option", ["--build", "--runtime"])
+def test_an_empty_directory_option_is_one_line_error(option):
+    """--build "" or --runtime "" (a script's unset variable) read as not
+    given: the replay ran with the package's tools or another runtime, exit 0."""
+    proc = run_replay(str(TINY), option, "", "--no-search", check=False)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr == f"npualloc: {option}: an empty path names no directory\n"
+
+
 def test_not_a_snapshot_is_one_line_error(tmp_path):
     bogus = tmp_path / "x.pickle"
     bogus.write_bytes(b"not a pickle")

@@ -26,6 +26,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,7 @@ def load_snapshot(path: str | Path) -> dict:
 @dataclass
 class EventFile:
     """What was written, and what of the trace could not be replayed."""
+    path: Path
     device: int
     events: int
     allocs: int
@@ -105,6 +107,10 @@ class EventFile:
     skipped_frees: int
     skipped_allocs: int
     zero_size_allocs: int
+    # Of each event, the index of its entry in the device's trace: the
+    # replayer numbers the events it wrote, which leave out the entries not
+    # replayed (free_completed after a request, segment_alloc, ...).
+    trace_entries: array
 
 
 def busiest_device(snapshot: dict) -> int:
@@ -133,7 +139,13 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
     spare_slots: list[int] = []
     slot_count = 0
     records = bytearray()
+    trace_entries = array("Q")
     allocs = frees = iterations = skipped_frees = skipped_allocs = zero_size_allocs = 0
+
+    def record(size: int, slot: int, op: int) -> None:
+        """One event, from the trace entry the loop below is at (index)."""
+        records.extend(EVENT.pack(size, slot, op))
+        trace_entries.append(index)
 
     def free(addr: int) -> bool:
         """Frees what is live at addr; False when nothing is."""
@@ -145,11 +157,11 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
             return False
         slot, size = live.pop(addr)
         spare_slots.append(slot)
-        records.extend(EVENT.pack(size, slot, OP_FREE))
+        record(size, slot, OP_FREE)
         frees += 1
         return True
 
-    for entry in snapshot["device_traces"][device]:
+    for index, entry in enumerate(snapshot["device_traces"][device]):
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc":
             if int(entry["size"]) == 0:
@@ -164,7 +176,7 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
             else:
                 slot, slot_count = slot_count, slot_count + 1
             live[addr] = (slot, int(entry["size"]))
-            records.extend(EVENT.pack(int(entry["size"]), slot, OP_ALLOC))
+            record(int(entry["size"]), slot, OP_ALLOC)
             allocs += 1
         elif action in ("free_requested", "free"):
             if free(addr):
@@ -177,14 +189,14 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
             elif not free(addr):
                 skipped_frees += 1
         elif action == "snapshot":
-            records.extend(EVENT.pack(0, 0, OP_ITERATION_END))
+            record(0, 0, OP_ITERATION_END)
             iterations += 1
     events = len(records) // EVENT.size
     with open(out, "wb") as f:
         f.write(EVENT_FILE_HEADER.pack(EVENT_FILE_MAGIC, EVENT_FILE_VERSION, slot_count, events))
         f.write(records)
-    return EventFile(device, events, allocs, frees, iterations, slot_count, skipped_frees, skipped_allocs,
-                     zero_size_allocs)
+    return EventFile(out, device, events, allocs, frees, iterations, slot_count, skipped_frees, skipped_allocs,
+                     zero_size_allocs, trace_entries)
 
 
 # ---------------------------------------------------------------- running the replayer
@@ -238,25 +250,31 @@ def replay_env(tools: Toolchain, hbm_bytes: int, conf: str | None, preload: bool
     return with_conf(env, conf, "replay") if conf is not None else env
 
 
-def run_replayer(tools: Toolchain, event_file: Path, env: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+def run_replayer(tools: Toolchain, written: EventFile, env: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
     """The replayer's result and the library's warnings (its `npualloc:` lines on stderr)."""
-    proc = subprocess.run([str(tools.replayer), str(event_file)], env=env, capture_output=True, text=True)
+    proc = subprocess.run([str(tools.replayer), str(written.path)], env=env, capture_output=True, text=True)
     try:
         result = json.loads(proc.stdout)
     except json.JSONDecodeError:
         reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise ReplayError(f"the replayer failed: {reason}") from None
     if result.get("acl_error") not in (None, ACL_ERROR_RT_MEMORY_ALLOCATION):
-        raise ReplayError(f"the replayer stopped at event {result['failed_event']}: "
-                          f"aclError {result['acl_error']}")
+        raise ReplayError(f"the replayer stopped at entry {failed_trace_entry(written, result)} of device "
+                          f"{written.device}'s trace ({human_bytes(result['failed_size'])}): aclError "
+                          f"{result['acl_error']}")
     return result, [line for line in proc.stderr.splitlines() if line.startswith("npualloc:")]
+
+
+def failed_trace_entry(written: EventFile, result: dict[str, Any]) -> int | None:
+    """The trace entry (index in the device's trace) whose event stopped the replay."""
+    return None if result["failed_event"] is None else written.trace_entries[result["failed_event"]]
 
 
 def fits(result: dict[str, Any]) -> bool:
     return bool(result["completed"]) and not result["oom"]
 
 
-def smallest_hbm(tools: Toolchain, event_file: Path, env: dict[str, str], peak_requested: int,
+def smallest_hbm(tools: Toolchain, written: EventFile, env: dict[str, str], peak_requested: int,
                  known_fit: int | None) -> tuple[int, int, int]:
     """Bisection over the simulator's HBM (in MiB): returns (smallest size
     that fitted, the resolution reached, number of replays). Below the peak
@@ -265,7 +283,7 @@ def smallest_hbm(tools: Toolchain, event_file: Path, env: dict[str, str], peak_r
         nonlocal runs
         runs += 1
         # Its warnings are the first replay's (same config); its OOMs are the search's own.
-        return fits(run_replayer(tools, event_file, dict(env, NPUSIM_HBM_MB=str(size // MIB)))[0])
+        return fits(run_replayer(tools, written, dict(env, NPUSIM_HBM_MB=str(size // MIB)))[0])
 
     runs = 0
     low = max(0, peak_requested // MIB - 1) * MIB     # does not fit
@@ -324,10 +342,9 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     tools = find_toolchain(args.build, args.runtime)
     snapshot = load_snapshot(args.trace)
     with tempfile.TemporaryDirectory(prefix="npualloc-replay-") as tmp:
-        event_file = Path(tmp) / "events.bin"
-        written = write_event_file(snapshot, event_file, args.device)
+        written = write_event_file(snapshot, Path(tmp) / "events.bin", args.device)
         env = replay_env(tools, hbm, args.conf, not args.raw, args.sim_latency)
-        result, warnings = run_replayer(tools, event_file, env)
+        result, warnings = run_replayer(tools, written, env)
         if not args.raw and not result["npualloc_loaded"]:
             raise ReplayError(f"{tools.library} was preloaded but its stats API is not visible")
         report: dict[str, Any] = {
@@ -335,6 +352,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             "allocs": written.allocs, "frees": written.frees, "iterations": written.iterations,
             "skipped_frees": written.skipped_frees, "skipped_allocs": written.skipped_allocs,
             "zero_size_allocs": written.zero_size_allocs,
+            "failed_trace_entry": failed_trace_entry(written, result),
             "conf": args.conf, "npualloc": not args.raw, "hbm_bytes": hbm // MIB * MIB,
             "replay": result, "fits": fits(result), "warnings": warnings,
         }
@@ -343,7 +361,7 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         report["reserved_over_requested"] = (peak_reserved / peak_requested
                                              if peak_reserved is not None and peak_requested else None)
         if not args.no_search:
-            smallest, resolution, runs = smallest_hbm(tools, event_file, env, peak_requested,
+            smallest, resolution, runs = smallest_hbm(tools, written, env, peak_requested,
                                                       report["hbm_bytes"] if report["fits"] else None)
             report.update(smallest_hbm_bytes=smallest, smallest_hbm_resolution_bytes=resolution,
                           search_replays=runs)
@@ -392,7 +410,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"OOMs / retries     {r['num_ooms']} / {r['num_alloc_retries']}")
     hbm = human_bytes(report["hbm_bytes"])
     lines.append(f"fits in {hbm:<10} " + ("yes" if report["fits"] else
-                                           f"no: OOM at event {r['failed_event']} ({human_bytes(r['failed_size'])})"))
+                                           f"no: OOM at trace entry {report['failed_trace_entry']} "
+                                           f"({human_bytes(r['failed_size'])})"))
     if "smallest_hbm_bytes" in report:
         lines.append(f"smallest HBM       {human_bytes(report['smallest_hbm_bytes'])} "
                      f"(to {human_bytes(report['smallest_hbm_resolution_bytes'])}, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,7 @@ def test_oom_stops_the_replay_and_is_reported():
     r = report["replay"]
     assert not report["fits"] and r["oom"] and not r["completed"]
     assert r["failed_event"] == 4 and r["failed_size"] == D
+    assert report["failed_trace_entry"] == 5   # entry 4 is a's free_completed, not replayed
     assert r["num_ooms"] == 1
     assert "smallest_hbm_bytes" not in report
 
@@ -220,6 +222,26 @@ def test_an_alloc_of_0_bytes_takes_no_memory_as_in_torch(tmp_path):
     assert "not replayed       2 allocs of 0 bytes (torch's allocator gives them no memory)\n" in text
 
 
+def test_a_replayer_error_names_the_trace_entry(tmp_path):
+    """The replayer numbers the events it was given, which leave out the
+    entries not replayed: "stopped at event 1" named the second replayed
+    event, entry 3 of this trace, where a reader of the trace looks at entry 1."""
+    written = replay.write_event_file({"device_traces": [[
+        {"action": "alloc", "addr": 16, "size": 100},
+        {"action": "segment_alloc", "addr": 0, "size": 2 * MIB},
+        {"action": "free_requested", "addr": 48, "size": 64},    # never allocated: skipped
+        {"action": "alloc", "addr": 32, "size": 300},
+    ]]}, tmp_path / "events.bin")
+    assert list(written.trace_entries) == [0, 3]
+    replayer = tmp_path / "replayer"
+    replayer.write_text("""#!/bin/sh\necho '{"acl_error": 100000, "failed_event": 1, "failed_size": 300}'\n""")
+    replayer.chmod(0o755)
+    tools = replay.Toolchain(replayer, tmp_path / "libnpualloc.so", tmp_path)
+    with pytest.raises(replay.ReplayError, match=re.escape(
+            "the replayer stopped at entry 3 of device 0's trace (300 B): aclError 100000")):
+        replay.run_replayer(tools, written, {})
+
+
 @pytest.mark.parametrize("text,value", [("64G", 64 << 30), ("16GiB", 16 << 30), ("512M", 512 * MIB),
                                         ("1.5T", 3 << 39), ("4096", 4096), ("2mb", 2 * MIB)])
 def test_parse_size(text, value):
@@ -304,7 +326,7 @@ def test_an_oom_nobody_searched_for_exits_non_zero():
     own and the report answers what fits: exit 0."""
     proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "39M", "--no-search", check=False)
     assert proc.returncode == replay.EXIT_DID_NOT_FIT, proc.stderr
-    assert "fits in 39.00 MiB  no: OOM at event 4" in proc.stdout
+    assert "fits in 39.00 MiB  no: OOM at trace entry 5 (16.00 MiB)" in proc.stdout
     proc = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "39M", "--no-search", "--json", check=False)
     assert proc.returncode == replay.EXIT_DID_NOT_FIT and not json.loads(proc.stdout)["fits"]
     searched = run_replay(str(TINY), "--build", str(BUILD), "--hbm", "39M", "--json")

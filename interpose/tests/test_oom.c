@@ -572,6 +572,39 @@ static void test_a_miss_that_looks_again_counts_one_search(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's malloc searches its pool once (get_free_block) and, after the OOM
+ * retry, asks the device only; npualloc looks in the pool once more there,
+ * a look torch has no search for, so it must not tick the GC clock. A has
+ * been cached since before an OOM (one whose synchronize failed, so the
+ * retry kept the cache), P since after it, and one hit of E came between
+ * them: torch's ages at the next miss are A 3, P 2, E 1, average 2, and A
+ * and P go in one pass. Counted, the look made A 4: the average (7/3) kept
+ * P, A alone met the target, and P stayed cached. */
+static void test_the_look_after_the_oom_retry_is_no_gc_search(void) {
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, NULL);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.9), 0); /* the clock runs; nothing to collect below 90 MiB */
+    void *a = alloc_exact(&fx, 0, 12 * MiB);
+    void *p = alloc_exact(&fx, 0, 14 * MiB);
+    void *e = alloc_exact(&fx, 0, 18 * MiB);
+    CHECK_EQ(npa_free(fx.a, a, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, e, 0, NULL), NPA_FREE_OK);
+    fx.fake.fail_next_syncs = 1;
+    char line[1024];
+    CHECK_EQ(malloc_reporting(&fx, 80 * MiB, line, sizeof line), NPA_ERR_OOM);
+    CHECK_EQ(stats_of(&fx, 0).num_alloc_retries, 1);
+    CHECK(still_cached(&fx, a)); /* the retry could not synchronize: the cache stayed */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK(alloc_exact(&fx, 0, 18 * MiB) == e);
+    CHECK_EQ(npa_free(fx.a, e, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.35), 0); /* limit 35 MiB; 44 reserved: target 9 */
+    alloc_exact(&fx, 0, 30 * MiB);
+    CHECK(!still_cached(&fx, a));
+    CHECK(!still_cached(&fx, p));
+    CHECK(still_cached(&fx, e));
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_oom_sequence);
     RUN(test_the_oom_retry_looks_again_among_the_frees_it_drained);
@@ -591,5 +624,6 @@ int main(void) {
     RUN(test_gc_threshold_set_at_run_time);
     RUN(test_blocks_cached_before_the_threshold_are_of_one_age);
     RUN(test_a_miss_that_looks_again_counts_one_search);
+    RUN(test_the_look_after_the_oom_retry_is_no_gc_search);
     return check_report();
 }

@@ -541,8 +541,10 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
  * start where torch, with the two merged, cuts at the held block's (the
  * layouts can differ by what the cache holds, 2 MiB a device at most;
  * README). Merging them first cost a malloc of a size the cache does not
- * hold a pool return each: 25% of the hot path's rate. */
-static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded) {
+ * hold a pool return each: 25% of the hot path's rate. ticks: the look is
+ * one of torch's searches (get_free_block), counted on the GC clock. */
+static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded,
+                                           bool ticks) {
     bool held = pool->is_small && d->recent.count;
     if (held) {
         npa_block *b = npa_recent_take(d, pool, rounded);
@@ -550,7 +552,7 @@ static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_
     }
     /* torch's GC clock: a search counts only while the threshold is set, so
      * what was cached before it is all of one age. */
-    if (npa_gc_threshold(a) > 0.0) pool->search_count++;
+    if (ticks && npa_gc_threshold(a) > 0.0) pool->search_count++;
     npa_block *b = best_fit(a, pool, rounded);
     if (!b && held) { /* best fit left the held blocks as they were */
         npa_recent_flush(d);
@@ -584,7 +586,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         if (!pair) pair = &d->plain;
         pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         uint64_t searches_before = pool->search_count;
-        b = take_cached_block(a, d, pool, rounded);
+        b = take_cached_block(a, d, pool, rounded, true);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             /* torch hands back the frees whose events completed before its
              * one search of a malloc (process_events): the look before them
@@ -597,14 +599,15 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             pool->search_count = searches_before;
             npa_pending_flush(a, d);
             release_gone_freed(a, d);
-            b = take_cached_block(a, d, pool, rounded);
+            b = take_cached_block(a, d, pool, rounded, true);
         }
         cache_hit = b != NULL;
         /* The OOM retry (in npa_grow) synchronized and handed back every
          * pending free, which torch, whose frees rarely wait, need not look
-         * at again; here every free may have been waiting, and one may fit. */
+         * at again; here every free may have been waiting, and one may fit.
+         * torch has no search there, so the GC clock does not tick. */
         if (!b && !(b = npa_grow(a, d, pool, rounded, &why)) && why.error == NPA_OK) {
-            b = take_cached_block(a, d, pool, rounded);
+            b = take_cached_block(a, d, pool, rounded, false);
             cache_hit = b != NULL;
         }
     }

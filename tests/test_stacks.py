@@ -51,8 +51,11 @@ def test_in_process_stacks_name_the_allocating_lines(tmp_path: Path) -> None:
     names = [(f["name"], f["line"]) for f in stacks[0] if f["name"] != "<listcomp>"]
     assert names == [("make_weight", 5), ("forward", 9), ("<module>", 12)], names
     assert all(f["filename"] == "<string>" for f in stacks[0])
-    segment_events = [e for e in snapshot["device_traces"][0] if e["action"].startswith("segment_")]
-    assert segment_events and all(e["frames"] == [] for e in segment_events)
+    # the segment the first malloc made carries its frames, as torch's (context_when_segment_allocated)
+    [segment_event] = [e for e in snapshot["device_traces"][0] if e["action"].startswith("segment_")]
+    assert segment_event["action"] == "segment_alloc" and segment_event["frames"] == stacks[0]
+    [segment] = snapshot["segments"]
+    assert segment["address"] == segment_event["addr"] and segment["frames"] == stacks[0]
 
 
 def test_free_events_carry_the_frames_of_the_alloc_they_free(tmp_path: Path) -> None:
@@ -80,6 +83,43 @@ def test_free_events_carry_the_frames_of_the_alloc_they_free(tmp_path: Path) -> 
             assert e["frames"] == latest[e["addr"]]
             freed_by.append(e["frames"][0]["name"])
     assert "make_weight" in freed_by and "other" in freed_by, freed_by
+
+
+def test_segment_events_carry_the_frames_of_the_call_they_happened_in(tmp_path: Path) -> None:
+    """As torch's: a segment's release carries the frames of the malloc that
+    made it when no call of the program's caused it (empty_cache asks none
+    under context="alloc"), those of the malloc whose OOM retry gave it back
+    otherwise, and that malloc's OOM event its own (never those of an
+    earlier call); a segment made later at the same address names its own
+    malloc."""
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, context='alloc', stacks='python')",
+                          after=f"""
+    for ptr in held:
+        acl.rt.free(ptr)
+    def small():
+        return acl.rt.malloc(512, 0)[0]
+    kept = small()  # the last malloc before empty_cache: its stack is its own only
+    npualloc.empty_cache()
+    def other():
+        ptr, ret = acl.rt.malloc(4 * MiB, 0)
+        return ptr
+    again = other()
+    acl.rt.free(again)
+    def too_big():
+        return acl.rt.malloc(70 * MiB, 0)[1]
+    print(json.dumps([again == held[0], too_big()]))
+    npualloc.dump_snapshot({str(out)!r})
+    """)
+    assert json.loads(run_python(code, preload_env(NPUSIM_HBM_MB="64")).stdout) == [True, 207001]
+    trace = pickle.loads(out.read_bytes())["device_traces"][0]
+    names = [(e["action"], [f["name"] for f in e["frames"] if f["name"] != "<listcomp>"]) for e in trace
+             if e["action"] not in ("alloc", "free_requested", "free_completed")]
+    made_by_forward = ["make_weight", "forward", "<module>"]
+    assert names == [("segment_alloc", made_by_forward), ("segment_alloc", ["small", "<module>"]),
+                     ("segment_free", made_by_forward),
+                     ("segment_alloc", ["other", "<module>"]), ("segment_free", ["too_big", "<module>"]),
+                     ("oom", ["too_big", "<module>"])], names
 
 
 def test_config_form_puts_stacks_in_the_oom_snapshot_memory_viz_shows_them(tmp_path: Path) -> None:

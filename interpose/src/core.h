@@ -89,11 +89,15 @@ typedef struct npa_backend {
     npa_error (*page_unmap)(void *ctx, int device, void *addr, size_t size, void *handle);
     npa_error (*va_release)(void *ctx, int device, void *base);
 
-    /* Stacks in history, optional, both or none. capture_stack names the
-     * calling thread's stack by an id (0: none: stacks off, or nothing to
-     * capture); the core calls it for each alloc event it records, under the
-     * device lock, so it must not call back into the allocator. visit_stack
-     * hands the frames of an id to visit, innermost first (snapshots). */
+    /* Stacks in history, optional, both or none. capture_stack names by an
+     * id the stack of the calling thread's call under way (0: none: stacks
+     * off, the backend took none for this call, or nothing to capture), the
+     * same id however often asked during that call; the core asks it for
+     * each event it records but a snapshot's (a malloc's segment, alloc and
+     * OOM events, and frees completed during it, share the malloc's stack,
+     * as torch's share its context), under the device lock, so it must not
+     * call back into the allocator. visit_stack hands the frames of an id
+     * to visit, innermost first (snapshots). */
     uint32_t (*capture_stack)(void *ctx);
     void (*visit_stack)(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
 

@@ -241,6 +241,61 @@ static void test_a_snapshot_leaves_its_event_in_the_trace(void) {
     fixture_destroy(&fx);
 }
 
+/* A backend that names the stack of the call under way call_stack, as the
+ * hook's pystack names the Python stack taken at the entry. */
+static uint32_t call_stack;
+
+static uint32_t capture_call_stack(void *ctx) {
+    (void)ctx;
+    return call_stack;
+}
+
+static void visit_no_frames(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg) {
+    (void)ctx, (void)stack, (void)visit, (void)arg;
+}
+
+/* Every event carries the stack of the call it happened in, as torch's
+ * carry the context of theirs: a malloc's segment, alloc and OOM events its
+ * own, a free's its own (none when the backend took none: the snapshot then
+ * falls back on the alloc's), a free completed during a later malloc that
+ * malloc's (torch's process_events), a segment given back by a malloc's
+ * OOM retry that malloc's (torch's release_cached_blocks); a snapshot's
+ * none. */
+static void test_events_carry_the_stack_of_their_call(void) {
+    npa_config c = history_config(100);
+    fixture fx;
+    fake_init(&fx.fake, 64 * MiB, false);
+    fx.fake.fences = true; /* reuse_policy safe: a free completes at a later malloc */
+    npa_backend backend = fake_iface(&fx.fake);
+    backend.capture_stack = capture_call_stack;
+    backend.visit_stack = visit_no_frames;
+    fx.a = npa_create(&backend, &c);
+    CHECK(fx.a != NULL);
+    call_stack = 7;
+    void *p = alloc_exact(&fx, 0, 4096);
+    call_stack = 0;
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    fake_complete_fences(&fx.fake);
+    call_stack = 9;
+    void *q = NULL;
+    CHECK_EQ(npa_malloc(fx.a, 0, 100 * MiB, NPA_ENTRY_EXACT, &q), NPA_ERR_OOM);
+    size_t size = 0;
+    free(npa_snapshot_pickle(fx.a, &c, &size));
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 7);
+    /* The OOM's retry gave the segment back: during that malloc too. */
+    static const npa_trace_action actions[] = {NPA_TRACE_SEGMENT_ALLOC, NPA_TRACE_ALLOC, NPA_TRACE_FREE_REQUESTED,
+                                               NPA_TRACE_FREE_COMPLETED, NPA_TRACE_SEGMENT_FREE, NPA_TRACE_OOM,
+                                               NPA_TRACE_SNAPSHOT};
+    static const uint32_t stacks[] = {7, 7, 0, 9, 9, 9, 0};
+    for (size_t i = 0; i < 7 && i < t.count; i++) {
+        CHECK_EQ(t.entries[i].action, actions[i]);
+        CHECK_EQ(t.entries[i].stack, stacks[i]);
+    }
+    call_stack = 0;
+    fixture_destroy(&fx);
+}
+
 /* Recording, snapshots and run-time switches from several threads at once
  * (run under ThreadSanitizer by make ctest-tsan). */
 typedef struct churn_arg {
@@ -297,6 +352,7 @@ int main(void) {
     RUN(test_oom_event_holds_free_bytes);
     RUN(test_snapshot_pickle_framing);
     RUN(test_a_snapshot_leaves_its_event_in_the_trace);
+    RUN(test_events_carry_the_stack_of_their_call);
     RUN(test_concurrent_recording_and_snapshots);
     return check_report();
 }

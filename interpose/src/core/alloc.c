@@ -212,6 +212,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     d->plain.small.largest_moved = d->plain.large.largest_moved = &d->largest_moved;
     d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) d->batches_tail[kind] = &d->batches[kind];
+    d->backend = &a->backend;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
     size_t free_bytes = 0, total_bytes = 0;
@@ -625,7 +626,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
     b->fence_own = b->pool->on_stream && (flags & NPA_STREAM_HOST_WRITES);
-    npa_history_note_alloc(a, d, b->pool, b->addr, size);
+    npa_history_note(d, b->pool, NPA_TRACE_ALLOC, b->addr, size);
     *ptr = (void *)b->addr;
     npa_lock_release(&d->lock);
     return NPA_OK;

@@ -14,9 +14,11 @@ static int64_t realtime_us(void) {
     return (int64_t)now.tv_sec * 1000000 + now.tv_nsec / 1000;
 }
 
-void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr, size_t size,
-                        uint32_t stack) {
+void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr, size_t size) {
     npa_history *h = &d->history;
+    /* torch records a snapshot with no context: it is no call of the program's. */
+    const npa_backend *b = d->backend;
+    uint32_t stack = b->capture_stack && action != NPA_TRACE_SNAPSHOT ? b->capture_stack(b->ctx) : 0;
     h->entries[h->next] = (npa_trace_entry){.addr = addr, .size = size, .time_us = realtime_us(),
                                             .stream = npa_pool_stream(pool), .action = action,
                                             .stack = stack};

@@ -215,14 +215,14 @@ struct npa_fence_batch {
 /* The two kinds of batch, each queued oldest first (pending.c). */
 enum { NPA_BATCH_PLAIN, NPA_BATCH_USES, NPA_BATCH_KINDS };
 
-/* One recorded allocator event (torch's TraceEntry without stack or stream). */
+/* One recorded allocator event (torch's TraceEntry). */
 typedef struct npa_trace_entry {
     uintptr_t addr;          /* for an OOM: the device's free bytes, as torch */
     size_t size;
     int64_t time_us;         /* CLOCK_REALTIME, as torch's time_us */
     uintptr_t stream;        /* the stream of the pool the event's block is in, 0: a plain pool */
     npa_trace_action action;
-    uint32_t stack;          /* backend's capture_stack id (alloc events), 0: none; in action's padding */
+    uint32_t stack;          /* backend's capture_stack id, 0: none; in action's padding */
 } npa_trace_entry;
 
 /* The last `capacity` events of a device, oldest at (next - count). */
@@ -298,6 +298,7 @@ typedef struct npa_device {
     size_t allowed_bytes;    /* the cap, else total_bytes: what GC measures against and a new range is sized by */
     npualloc_device_stats *stats; /* backend storage or local_stats */
     npualloc_device_stats local_stats;
+    const npa_backend *backend; /* the allocator's: its capture_stack names each recorded event's stack */
 } npa_device;
 
 struct npa_allocator {
@@ -366,7 +367,7 @@ void npa_recent_make_room(npa_device *d, size_t size);
  * free to the pool would count it: below, beside the stats helpers. Called
  * inside the free's stats section (npa_stats_begin): it opens none of its
  * own, which on the hit path would cost a nested begin and end per free. */
-static inline void npa_recent_put(npa_device *d, npa_block *b);
+static NPA_ALWAYS_INLINE void npa_recent_put(npa_device *d, npa_block *b);
 /* A held block of pool of exactly size bytes, out of the cache (still
  * counted inactive, as a block out of a pool), or NULL. */
 npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
@@ -560,21 +561,15 @@ bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void 
                                size_t *capacity);
 
 /* history.c: record_history's ring. Call with the device lock held. */
-void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr, size_t size,
-                        uint32_t stack);
+void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr, size_t size);
 /* With recording off this is the whole cost on the allocation paths: one
  * predictable branch on a field of the locked device. pool: the one the
- * event's block is in (its stream is the event's, as torch's), or NULL. */
+ * event's block is in (its stream is the event's, as torch's), or NULL.
+ * Each event but a snapshot's carries the stack of the call under way, as
+ * torch's carry its context (the backend's capture_stack). */
 static inline void npa_history_note(npa_device *d, const npa_pool *pool, npa_trace_action action, uintptr_t addr,
                                     size_t size) {
-    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, pool, action, addr, size, 0);
-}
-/* An alloc event also carries the allocating thread's stack, when the backend captures them. */
-static inline void npa_history_note_alloc(npa_allocator *a, npa_device *d, const npa_pool *pool, uintptr_t addr,
-                                          size_t size) {
-    if (__builtin_expect(d->history.capacity != 0, 0))
-        npa_history_record(d, pool, NPA_TRACE_ALLOC, addr, size,
-                           a->backend.capture_stack ? a->backend.capture_stack(a->backend.ctx) : 0);
+    if (__builtin_expect(d->history.capacity != 0, 0)) npa_history_record(d, pool, action, addr, size);
 }
 /* Empties the ring and gives it room for capacity events (0: off); false,
  * leaving recording off, when that memory cannot be had. */
@@ -584,8 +579,10 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
 
 /* recent.c's put, inline for both its callers (see there): the block's
  * allocation ends into the cache, counted as a free to the pool counts a
- * block that merged with nothing. */
-static inline void npa_recent_put(npa_device *d, npa_block *b) {
+ * block that merged with nothing. Always: LTO's growth limits otherwise
+ * left it out of line once unrelated code changed (the free's hit path
+ * then paid a call, 15 instructions a pair by callgrind). */
+static NPA_ALWAYS_INLINE void npa_recent_put(npa_device *d, npa_block *b) {
     npa_recent *r = &d->recent;
     if (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_recent_make_room(d, b->size);
 

@@ -177,9 +177,16 @@ static void frame_dict(const char *filename, int line, const char *name, void *a
     close_dict(b);
 }
 
-/* An alloc event's stack by address: blocks get the frames of the latest
- * recorded alloc at their address (history order breaks ties). */
+/* The stacks that events without one of their own fall back on, by
+ * address, as torch's fall back on a block's or a segment's context: the
+ * latest recorded alloc at an address (a block's), and the latest
+ * segment_alloc or segment_map there (a segment's; an expandable one's
+ * listed stretch takes the latest map at its start). History order breaks
+ * ties. */
+typedef enum stack_kind { STACK_OF_BLOCK, STACK_OF_SEGMENT } stack_kind;
+
 typedef struct addr_stack {
+    stack_kind kind;
     uintptr_t addr;
     size_t order;
     uint32_t stack;
@@ -189,7 +196,7 @@ typedef struct trace_writer {
     pickle_buffer *b;
     const npa_backend *backend;
     size_t active;           /* the active bytes of the segments written */
-    addr_stack *stacks;      /* sorted by (addr, order); NULL when none were recorded */
+    addr_stack *stacks;      /* sorted by (kind, addr, order); NULL when none were recorded */
     size_t stack_count, stack_capacity, seen;
     bool stacks_incomplete;  /* host memory ran out while collecting: stack_count is then 0 */
 } trace_writer;
@@ -203,41 +210,52 @@ static void frames_list(trace_writer *w, uint32_t stack) {
 static void collect_stack(const npa_trace_view *e, void *arg) {
     trace_writer *w = arg;
     size_t order = w->seen++;
-    if (e->action != NPA_TRACE_ALLOC) return; /* stackless ones too: a later one at the address wins */
+    stack_kind kind;
+    if (e->action == NPA_TRACE_ALLOC) kind = STACK_OF_BLOCK;
+    else if (e->action == NPA_TRACE_SEGMENT_ALLOC || e->action == NPA_TRACE_SEGMENT_MAP) kind = STACK_OF_SEGMENT;
+    else return; /* stackless ones too: a later one at the address wins */
     if (w->stack_count == w->stack_capacity) {
         size_t capacity = w->stack_capacity ? 2 * w->stack_capacity : 256;
         addr_stack *grown = realloc(w->stacks, capacity * sizeof *grown);
-        if (!grown) { /* an older alloc at the address would stand in for it: no frames at all */
+        if (!grown) { /* an older event at the address would stand in for it: no frames at all */
             w->stacks_incomplete = true;
             return;
         }
         w->stacks = grown, w->stack_capacity = capacity;
     }
-    w->stacks[w->stack_count++] = (addr_stack){.addr = e->addr, .order = order, .stack = e->stack};
+    w->stacks[w->stack_count++] = (addr_stack){.kind = kind, .addr = e->addr, .order = order, .stack = e->stack};
 }
 
-static int by_addr_then_order(const void *l, const void *r) {
+static bool precedes(const addr_stack *a, stack_kind kind, uintptr_t addr, size_t order) {
+    if (a->kind != kind) return a->kind < kind;
+    if (a->addr != addr) return a->addr < addr;
+    return a->order < order;
+}
+
+static int by_kind_addr_order(const void *l, const void *r) {
     const addr_stack *a = l, *b = r;
-    if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
-    return a->order < b->order ? -1 : a->order > b->order;
+    if (precedes(a, b->kind, b->addr, b->order)) return -1;
+    return precedes(b, a->kind, a->addr, a->order);
 }
 
-/* The stack of the latest alloc event at addr recorded before the event
+/* The stack of the latest event of kind at addr recorded before the event
  * numbered before (history order); SIZE_MAX: the latest of all. */
-static uint32_t alloc_stack(const trace_writer *w, uintptr_t addr, size_t before) {
-    size_t lo = 0, hi = w->stack_count; /* first entry past (addr, before - 1) */
+static uint32_t stack_at(const trace_writer *w, stack_kind kind, uintptr_t addr, size_t before) {
+    size_t lo = 0, hi = w->stack_count; /* the first entry not before (kind, addr, before) */
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        if (w->stacks[mid].addr < addr || (w->stacks[mid].addr == addr && w->stacks[mid].order < before)) lo = mid + 1;
+        if (precedes(&w->stacks[mid], kind, addr, before)) lo = mid + 1;
         else hi = mid;
     }
-    return lo > 0 && w->stacks[lo - 1].addr == addr ? w->stacks[lo - 1].stack : 0;
+    const addr_stack *last = lo > 0 ? &w->stacks[lo - 1] : NULL;
+    return last && last->kind == kind && last->addr == addr ? last->stack : 0;
 }
 
 /* torch's segment dict: the stream is that of the pools holding it (0 for
- * aclrtMalloc's, which carries none); no private pools ((0, 0)). A live
- * block's frames are those of its alloc event when history recorded one
- * with a stack, else []. */
+ * aclrtMalloc's, which carries none); no private pools ((0, 0)). Its frames
+ * are those of the malloc that made it (torch's
+ * context_when_segment_allocated), a live block's those of its alloc event,
+ * when history recorded them with a stack, else []. */
 static void segment_dict(const npa_segment_view *seg, void *arg) {
     trace_writer *w = arg;
     pickle_buffer *b = w->b;
@@ -253,7 +271,8 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
     str_value(b, "segment_type"), str_value(b, seg->is_small ? "small" : "large");
     str_value(b, "segment_pool_id"), int_value(b, 0), int_value(b, 0), op(b, OP_TUPLE2);
     str_value(b, "is_expandable"), bool_value(b, seg->is_expandable);
-    str_value(b, "frames"), empty_list(b);
+    str_value(b, "frames");
+    frames_list(w, stack_at(w, STACK_OF_SEGMENT, seg->address, SIZE_MAX));
     str_value(b, "blocks");
     open_list(b);
     for (size_t i = 0; i < seg->block_count; i++) {
@@ -264,20 +283,26 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
         str_value(b, "requested_size"), uint_value(b, block->requested_size);
         str_value(b, "state"), str_value(b, block_states[block->state]);
         str_value(b, "frames");
-        frames_list(w, block->state == NPA_BLOCK_INACTIVE ? 0 : alloc_stack(w, block->address, SIZE_MAX));
+        frames_list(w, block->state == NPA_BLOCK_INACTIVE ? 0 : stack_at(w, STACK_OF_BLOCK, block->address, SIZE_MAX));
         close_dict(b);
     }
     close_list(b);
     close_dict(b);
 }
 
-/* torch's trace entry; a free event carries the frames of the alloc it
- * frees, as torch's (its block's context_when_allocated). */
+/* torch's trace entry. An event recorded without a stack of its own falls
+ * back as torch's does: a free on the frames of the alloc it frees (its
+ * block's context_when_allocated), a segment's release or unmap on those of
+ * the malloc that made or mapped it (context_when_segment_allocated). */
 static void trace_dict(const npa_trace_view *e, void *arg) {
     trace_writer *w = arg;
     pickle_buffer *b = w->b;
     size_t order = w->seen++;
-    bool is_free = e->action == NPA_TRACE_FREE_REQUESTED || e->action == NPA_TRACE_FREE_COMPLETED;
+    uint32_t stack = e->stack;
+    if (stack == 0 && (e->action == NPA_TRACE_FREE_REQUESTED || e->action == NPA_TRACE_FREE_COMPLETED))
+        stack = stack_at(w, STACK_OF_BLOCK, e->addr, order);
+    else if (stack == 0 && (e->action == NPA_TRACE_SEGMENT_FREE || e->action == NPA_TRACE_SEGMENT_UNMAP))
+        stack = stack_at(w, STACK_OF_SEGMENT, e->addr, order);
     open_dict(b);
     str_value(b, "action"), str_value(b, trace_actions[e->action]);
     str_value(b, "addr"), uint_value(b, e->addr);
@@ -286,7 +311,7 @@ static void trace_dict(const npa_trace_view *e, void *arg) {
     str_value(b, "stream"), uint_value(b, e->stream);
     str_value(b, "time_us"), int_value(b, e->time_us);
     str_value(b, "frames");
-    frames_list(w, is_free && e->stack == 0 ? alloc_stack(w, e->addr, order) : e->stack);
+    frames_list(w, stack);
     close_dict(b);
 }
 
@@ -323,7 +348,7 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
     pickle_buffer segments = {0}, traces = {0}, out = {0};
     npa_block_view *scratch = NULL;
     size_t scratch_capacity = 0;
-    trace_writer stacks = {0}; /* the current device's (addr, stack) of alloc events */
+    trace_writer stacks = {0}; /* the current device's stacks to fall back on (addr_stack) */
     /* torch lists every device; we list up to the highest one in use (at
      * least one), so the lists after it are cut off at traces_end. */
     size_t traces_end = 0;
@@ -340,7 +365,7 @@ void *npa_snapshot_pickle(npa_allocator *a, const npa_config *config, size_t *si
             stacks.stacks_incomplete = false;
             npa_history_visit(d, collect_stack, &stacks);
             if (stacks.stacks_incomplete) stacks.stack_count = 0;
-            if (stacks.stack_count) qsort(stacks.stacks, stacks.stack_count, sizeof *stacks.stacks, by_addr_then_order);
+            if (stacks.stack_count) qsort(stacks.stacks, stacks.stack_count, sizeof *stacks.stacks, by_kind_addr_order);
         }
         trace_writer listed = {.b = &segments, .backend = &a->backend, .stacks = stacks.stacks,
                                .stack_count = stacks.stack_count};

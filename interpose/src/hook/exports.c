@@ -86,7 +86,10 @@ static __attribute__((noinline)) aclError malloc_setup(void **devPtr, size_t siz
             aclError served = ACL_SUCCESS;
             if (work != 0 && entry_work(work, device, size, devPtr, &served))
                 return served;
-            return cached_malloc(a, device, devPtr, size, entry, on);
+            aclError err = cached_malloc(a, device, devPtr, size, entry, on);
+            if (work & NPA_WORK_PYSTACK) /* the stack was this call's only (entry_work) */
+                npa_pystack_drop();
+            return err;
         }
         /* No device on this thread: the runtime reports that better than we can. */
     }

@@ -515,8 +515,10 @@ void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...) __attribute__((
 
 /* record_stacks: at a malloc entry, with no npualloc lock held, the
  * caller's Python stack is taken for the core's capture_stack (the backend's
- * capture_stack / visit_stack), when npa_entry_work says it is on. */
+ * capture_stack / visit_stack), when npa_entry_work says it is on; the
+ * entry drops it once the core returned, so no later call finds it. */
 void npa_pystack_take(void); /* NPA_WORK_PYSTACK set: record_stacks is on */
+void npa_pystack_drop(void);
 uint32_t npa_pystack_capture(void *ctx);
 void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
 void npa_pystack_enable(bool on);

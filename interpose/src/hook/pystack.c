@@ -6,7 +6,8 @@
  * that is not Python, or a thread Python does not know, records no stack
  * (id 0). The stack is taken at the malloc entry with no npualloc lock held
  * (npa_pystack_take) and handed to the core's capture_stack through a
- * thread-local. pyACL, ctypes and most extensions release the GIL around
+ * thread-local, for every event of that call, until the entry drops it
+ * (npa_pystack_drop). pyACL, ctypes and most extensions release the GIL around
  * the runtime call, so a Python thread without it takes it for the capture
  * (PyGILState_Ensure), as torch's allocator does for its stacks.
  *
@@ -76,7 +77,7 @@ typedef struct stack_entry {
     uint64_t hash;
 } stack_entry;
 
-static NPA_TLS uint32_t taken;    /* this thread's stack for its malloc under way */
+static NPA_TLS uint32_t taken;    /* this thread's stack for its call under way, 0 outside one */
 static pthread_once_t api_once = PTHREAD_ONCE_INIT;
 static bool api_found;           /* written once under api_once */
 static python_api py;
@@ -296,9 +297,12 @@ void npa_pystack_take(void)
 uint32_t npa_pystack_capture(void *ctx)
 {
     (void)ctx;
-    uint32_t stack = taken;
+    return taken;
+}
+
+void npa_pystack_drop(void)
+{
     taken = 0;
-    return stack;
 }
 
 void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg)

@@ -510,7 +510,7 @@ def get_config(pid: int | None = None) -> str:
 def set_config(config: str) -> None:
     """Applies the run-time keys of an npualloc/torch config string in this
     process (garbage_collection_threshold, record_history, record_stacks,
-    expandable_segments: how pools grow from now on, as torch's
+    record_context, expandable_segments: how pools grow from now on, as torch's
     _set_allocator_settings); for another process use set_gc_threshold(..., pid=...)."""
     rejected = _library().npualloc_set_config(c_string(config, "the config string"))
     if rejected:

@@ -13,8 +13,10 @@ region makes it write <region>.snapshot.<seq> at its next allocator call,
 which is read and removed here.
 
 Frames are recorded only with record_stacks:python (or stacks="python" here,
-in this process): the library then takes the allocating thread's Python
-frames (hook/pystack.c); otherwise every "frames" is [].
+in this process): the library then takes the Python frames of each malloc's
+caller, and with record_context:all (context="all" here) of each free's and
+empty_cache's, for the events of that call (hook/pystack.c); otherwise
+every "frames" is [].
 """
 from __future__ import annotations
 
@@ -235,12 +237,17 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
     anything else keeps the last max_entries events per device (the trace
     restarts either way). stacks="python" (or torch's default "all": there
     are no C++ frames to add) records the Python frames of each allocation in
-    this process; for another process (pid=) only history is switched, its
-    stacks follow its record_stacks config key. enabled and context take
-    torch's values, checked as torch checks them; "state" records as "all"
-    does (torch then keeps a trace of one entry beside the live blocks'
-    stacks, but npualloc takes a live block's stack from its alloc event in
-    the trace), and context is otherwise unused."""
+    this process, and with context="all" (torch's default) those of each free
+    and empty_cache too, which their events carry (record_context:all);
+    context="alloc" or "state" leaves a free's events the frames of its
+    alloc, and context=None records none. For another process (pid=) only
+    history is switched, its stacks follow its record_stacks and
+    record_context config keys. enabled and context take torch's values,
+    checked as torch checks them; enabled="state" records as "all" does
+    (torch then keeps a trace of one entry beside the live blocks' stacks,
+    but npualloc takes a live block's stack from its alloc event in the
+    trace), and so does context="state" as "alloc" (torch's trace entries
+    then carry no frames)."""
     if enabled is False or enabled is True:  # torch's legacy form: _record_memory_history(False) is off
         enabled = None if enabled is False else "all"
     _check_option("enabled", enabled, ("state", "all"))
@@ -254,8 +261,9 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
                          f"not {max_entries}")
     entries = 0 if enabled is None else max_entries
     if _in_process(pid):
-        with_stacks = enabled is not None and stacks is not None
-        set_config(f"record_history:{entries},record_stacks:{'python' if with_stacks else 'none'}")
+        with_stacks = enabled is not None and stacks is not None and context is not None
+        set_config(f"record_history:{entries},record_stacks:{'python' if with_stacks else 'none'},"
+                   f"record_context:{'all' if context == 'all' else 'alloc'}")
         return
     assert pid is not None
     with Region(pid, writable=True) as region:
@@ -295,8 +303,9 @@ def _record_memory_history_legacy(enabled: bool, record_context: bool = True, tr
         return
     # torch keeps the stacks of live blocks beside a trace of trace_alloc_max_entries
     # (1 by default); npualloc takes a live block's stack from its alloc event in the
-    # trace, so the trace keeps at least DEFAULT_MAX_ENTRIES.
-    record_memory_history("all", stacks="python" if record_context else None,
+    # trace, so the trace keeps at least DEFAULT_MAX_ENTRIES. The legacy form never
+    # takes a free's stack (torch: context "state" or "alloc").
+    record_memory_history("all", context="alloc" if record_context else None,
                           max_entries=max(trace_alloc_max_entries, DEFAULT_MAX_ENTRIES))
 
 
@@ -305,5 +314,4 @@ def _record_memory_history_impl(enabled: str | None = "all", context: str | None
                                 clear_history: bool = False, compile_context: bool = False,
                                 global_record_annotations: bool = False, skip_actions: list[str] | None = None) -> None:
     del device, clear_history, compile_context, global_record_annotations, skip_actions
-    # context=None: torch records no stacks.
-    record_memory_history(enabled, context, stacks if context is not None else None, max_entries)
+    record_memory_history(enabled, context, stacks, max_entries)

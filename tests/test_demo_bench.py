@@ -337,18 +337,21 @@ def test_pause_bench_section_measures_both_paths_and_renders(monkeypatch):
     assert "memory_saver.pause/resume" in table and "region command" in table
 
 
-def test_stacks_bench_section_measures_three_modes_and_renders():
+def test_stacks_bench_section_measures_four_modes_and_renders():
     import stacks as stacks_bench
     r = stacks_bench.measure(BUILD, pairs=200, repeats=1, rounds=2)
     assert r["pairs"] == 200 and r["rounds"] == 2
-    assert all(len(r[mode]) == 2 and min(r[mode]) > 0 for mode in ("off", "history", "stacks"))
+    assert all(len(r[mode]) == 2 and min(r[mode]) > 0 for mode in ("off", "history", "stacks", "freeing"))
     text = "\n".join(stacks_bench.markdown(r))
     assert "| record_history |" in text and "record_stacks:python (12 frames)" in text and "for the stack" in text
+    assert "record_context:all" in text and "for the free's stack" in text
     # What a mode adds is the difference within each round, not between the
     # modes' medians: rounds made up so that the two disagree (history adds
     # 100, 50, 150 in its rounds; its median minus off's is 150).
     made_up = {"pairs": 1, "repeats": 1, "rounds": 3, "off": [400.0, 1200.0, 800.0],
-               "history": [500.0, 1250.0, 950.0], "stacks": [520.0, 1270.0, 970.0]}
+               "history": [500.0, 1250.0, 950.0], "stacks": [520.0, 1270.0, 970.0],
+               "freeing": [530.0, 1290.0, 970.0]}
     rows = {line.split(" | ")[0].strip("| "): line for line in stacks_bench.markdown(made_up) if line.startswith("|")}
     assert rows["record_history"].endswith("| +100 [+50-+150] |"), rows
     assert "+20 [+20-+20] for the stack" in rows["+ record_stacks:python (12 frames)"], rows
+    assert "+10 [+0-+20] for the free's stack" in rows["+ record_context:all (the free's stack too)"], rows

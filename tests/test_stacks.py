@@ -59,11 +59,12 @@ def test_in_process_stacks_name_the_allocating_lines(tmp_path: Path) -> None:
 
 
 def test_free_events_carry_the_frames_of_the_alloc_they_free(tmp_path: Path) -> None:
-    """As torch (a block's context_when_allocated): a free event repeats the
-    frames of the latest alloc at its address before it, also when another
-    line allocated that address since."""
+    """As torch's under context="alloc" (a block's context_when_allocated): a
+    free event repeats the frames of the latest alloc at its address before
+    it, also when another line allocated that address since."""
     out = tmp_path / "snap.pickle"
-    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, stacks='python')", after=f"""
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, context='alloc', stacks='python')",
+                          after=f"""
     def other():
         ptr, ret = acl.rt.malloc(4 * MiB, 0)
         return ptr
@@ -83,6 +84,121 @@ def test_free_events_carry_the_frames_of_the_alloc_they_free(tmp_path: Path) -> 
             assert e["frames"] == latest[e["addr"]]
             freed_by.append(e["frames"][0]["name"])
     assert "make_weight" in freed_by and "other" in freed_by, freed_by
+
+
+def _names(frames: list[dict]) -> list[str]:
+    return [f["name"] for f in frames if f["name"] != "<listcomp>"]
+
+
+FREEING = """
+    def release(ptr):
+        assert acl.rt.free(ptr) == 0
+    def tidy():
+        npualloc.empty_cache()
+    def miss():
+        return acl.rt.malloc(8 * MiB, 0)[0]
+    release(held[0])
+    release(held[1])
+    tidy()
+    again = forward(1)
+    release(again[0])  # waits for its fence under reuse_policy:safe
+    kept = miss()  # a size the cache lacks: fences the open frees and looks again
+    npualloc.dump_snapshot({out!r})
+"""
+
+
+def _free_side(out: Path) -> list[tuple[str, list[str]]]:
+    trace = pickle.loads(out.read_bytes())["device_traces"][0]
+    return [(e["action"], _names(e["frames"])) for e in trace
+            if e["action"] in ("free_requested", "free_completed", "segment_free")]
+
+
+def test_free_events_carry_the_freeing_frames_under_context_all(tmp_path: Path) -> None:
+    """torch's default context="all" gathers the frames of each free and of
+    empty_cache, which the free's events and empty_cache's segment releases
+    carry. A free that waited for its fence completes in a later call, whose
+    frames it carries: empty_cache's synchronize (torch's
+    synchronize_and_free_events) or a malloc's look (process_events)."""
+    out = tmp_path / "snap.pickle"
+    freed = ["release", "<module>"]
+    tidied = ["empty_cache", "tidy", "<module>"]
+    at_once = [("free_requested", freed), ("free_completed", freed), ("free_requested", freed),
+               ("free_completed", freed), ("segment_free", tidied), ("free_requested", freed),
+               ("free_completed", freed)]
+    fenced = [("free_requested", freed), ("free_requested", freed), ("free_completed", tidied),
+              ("free_completed", tidied), ("segment_free", tidied), ("free_requested", freed),
+              ("free_completed", ["miss", "<module>"])]
+    for conf, expected in (("", at_once), ("reuse_policy:safe", fenced)):
+        code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100)",
+                              after=FREEING.format(out=str(out)))
+        run_python(code, preload_env(PYTORCH_NPU_ALLOC_CONF=conf))
+        assert _free_side(out) == expected, conf
+    # context="alloc": the free's events fall back on the alloc's frames, empty_cache's on the segment's malloc
+    made = ["make_weight", "forward", "<module>"]
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, context='alloc')",
+                          after=FREEING.format(out=str(out)))
+    run_python(code, preload_env())
+    assert _free_side(out) == [("free_requested", made), ("free_completed", made), ("free_requested", made),
+                               ("free_completed", made), ("segment_free", made), ("free_requested", made),
+                               ("free_completed", made)]
+
+
+def test_every_free_entry_takes_the_freeing_frames(tmp_path: Path) -> None:
+    """Under context="all" the freeing frames come from every free entry:
+    aclrtFreeWithDevSync and torch's caching_allocator_delete as aclrtFree."""
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100)", after=f"""
+    import ctypes
+    lib = ctypes.CDLL(None)  # the preloaded entry, as the program's own call finds it
+    lib.aclrtFreeWithDevSync.argtypes = [ctypes.c_void_p]
+    def sync_free(ptr):
+        assert lib.aclrtFreeWithDevSync(ptr) == 0
+    def torch_delete(ptr):
+        npualloc.caching_allocator_delete(ptr)
+    sync_free(held[0])
+    torch_delete(npualloc.caching_allocator_alloc(4 * MiB))
+    npualloc.dump_snapshot({str(out)!r})
+    """)
+    run_python(code, preload_env())
+    requested = [frames for action, frames in _free_side(out) if action == "free_requested"]
+    assert requested == [["sync_free", "<module>"], ["caching_allocator_delete", "torch_delete", "<module>"]]
+
+
+def test_record_context_key_and_the_legacy_form(tmp_path: Path) -> None:
+    """record_context:all is the config form of context="all" (in the
+    variable, or switched at run time, and shown by get_config); torch's
+    legacy _record_memory_history(True) never takes a free's stack; a value
+    npualloc does not offer is refused with one warning naming the key."""
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="", after=f"""
+    def release(ptr):
+        acl.rt.free(ptr)
+    config = npualloc.get_config()
+    release(held[0])
+    npualloc.set_config("record_context:alloc")
+    release(held[1])
+    print(json.dumps([config, npualloc.get_config()]))
+    npualloc.dump_snapshot({str(out)!r})
+    """)
+    proc = run_python(code, preload_env(PYTORCH_NPU_ALLOC_CONF="record_history:100,record_stacks:python,"
+                                                              "record_context:all"))
+    config, switched = json.loads(proc.stdout)
+    assert "record_context:all" in config and "record_context" not in switched, (config, switched)
+    made, freed = ["make_weight", "forward", "<module>"], ["release", "<module>"]
+    assert _free_side(out) == [("free_requested", freed), ("free_completed", freed), ("free_requested", made),
+                               ("free_completed", made)]
+
+    code = PROGRAM.format(setup="npualloc._record_memory_history(True)", after=f"""
+    for ptr in held:
+        acl.rt.free(ptr)
+    npualloc.dump_snapshot({str(out)!r})
+    """)
+    run_python(code, preload_env())
+    assert _free_side(out) == [("free_requested", made), ("free_completed", made)] * 2
+
+    proc = run_python(PROGRAM.format(setup="", after=""), preload_env(PYTORCH_NPU_ALLOC_CONF="record_context:state"))
+    [warning] = proc.stderr.splitlines()
+    assert warning.startswith("npualloc: ") and "record_context" in warning and "must be alloc or all" in warning
 
 
 def test_segment_events_carry_the_frames_of_the_call_they_happened_in(tmp_path: Path) -> None:

@@ -26,9 +26,9 @@ void npualloc_reset_accumulated_stats(int device);
 /* The config in force, canonical "key:value,..." text; returns its length. */
 size_t npualloc_get_config(char *buf, size_t len);
 /* Applies the keys that can change at run time (garbage_collection_threshold,
- * record_history, record_stacks, expandable_segments: how pools grow from
- * now on, the segments already made staying as they are); returns the number
- * of rejected keys (each warned once). */
+ * record_history, record_stacks, record_context, expandable_segments: how
+ * pools grow from now on, the segments already made staying as they are);
+ * returns the number of rejected keys (each warned once). */
 int npualloc_set_config(const char *text);
 /* garbage_collection_threshold at run time, 0 turning GC off (which a config
  * string cannot say: torch's parser refuses 0); returns 0, or -1 when refused

@@ -24,7 +24,8 @@ typedef struct npa_config {
     unsigned roundup_power2_divisions[NPA_ROUNDUP_INTERVALS]; /* 0 or 1: none */
     npa_reuse_policy reuse_policy;
     size_t record_history;          /* ring-buffer entries, 0: off */
-    bool record_stacks;             /* alloc events carry the Python frames of the caller */
+    bool record_stacks;             /* events carry the Python frames of the malloc under way */
+    bool record_context_all;        /* record_context:all: and of the free (or empty_cache) under way */
     char oom_snapshot[256];         /* path written on OOM, "" : none */
     bool expandable_segments;       /* never with max_split_size or a GC threshold (torch_npu's rule) */
     unsigned recent_blocks;         /* freed small blocks a device keeps whole for reuse, 0: none (torch) */

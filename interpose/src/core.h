@@ -296,9 +296,10 @@ const npa_config *npa_get_config(const npa_allocator *a);
  * for max_entries events (0 turns recording off). -1, with recording left
  * off everywhere, when host memory for the rings cannot be had. */
 int npa_set_record_history(npa_allocator *a, size_t max_entries);
-/* record_stacks at run time: the backend's capture_stack honours it; the
- * core keeps it for the config it reports. */
+/* record_stacks and record_context at run time: the backend's
+ * capture_stack honours them; the core keeps them for the config it reports. */
 void npa_set_record_stacks(npa_allocator *a, bool on);
+void npa_set_record_context(npa_allocator *a, bool all);
 
 /* Counters only the hook layer sees, added to a device's stats (under its
  * lock, like every other stat, so readers of the region see them too). A

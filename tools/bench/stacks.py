@@ -1,7 +1,9 @@
 """What record_stacks:python costs per allocation: a pyACL loop of
 acl.rt.malloc + acl.rt.free (cache hits, one size) under npualloc on the
-simulated runtime, with history off, history on, and history with Python
-stacks, each in its own process; ns per malloc+free pair, best of the
+simulated runtime, with history off, history on, history with the Python
+stacks of the mallocs (context="alloc") and with those of the frees too
+(context="all", torch's default), each in its own process; ns per
+malloc+free pair, best of the
 repeats within a process. The modes run in rounds, each mode once per round,
 a round's processes pinned to one CPU (the rounds take the CPUs in turn),
 and what history and the stacks add is taken within a round: on a shared
@@ -30,7 +32,8 @@ import acl, json, sys, time, npualloc
 pairs, repeats, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 acl.init(); acl.rt.set_device(0)
 if mode != "off":
-    npualloc.record_memory_history(max_entries=1000, stacks="python" if mode == "stacks" else None)
+    npualloc.record_memory_history(max_entries=1000, context="all" if mode == "freeing" else "alloc",
+                                   stacks=None if mode == "history" else "python")
 malloc, free = acl.rt.malloc, acl.rt.free
 def loop(n):
     for _ in range(n):
@@ -57,12 +60,13 @@ def measure_mode(mode: str, pairs: int, repeats: int, build: Path | None = None,
     return float(json.loads(proc.stdout))
 
 
-MODES = ("off", "history", "stacks")
+MODES = ("off", "history", "stacks", "freeing")
 
 
 def measure(build: Path | None = None, pairs: int = 20000, repeats: int = 5, rounds: int = 5) -> dict[str, Any]:
-    """ns per pair for history off, history on, history with stacks, one
-    list entry per round (`make bench`'s section 5)."""
+    """ns per pair for history off, history on, history with the mallocs'
+    stacks, with the frees' too, one list entry per round (`make bench`'s
+    section 5)."""
     runs: dict[str, list[float]] = {mode: [] for mode in MODES}
     for cpu in round_cpus(rounds):
         for mode in MODES:
@@ -73,6 +77,7 @@ def measure(build: Path | None = None, pairs: int = 20000, repeats: int = 5, rou
 def markdown(r: dict[str, Any]) -> list[str]:
     history_adds = spread([h - o for h, o in zip(r["history"], r["off"])])
     stack_adds = spread([s - h for s, h in zip(r["stacks"], r["history"])])
+    free_stack_adds = spread([f - s for f, s in zip(r["freeing"], r["stacks"])])
     return [
         "| pyACL malloc+free pair under npualloc | ns per pair: median [min-max of rounds] | added, within a round |",
         "|---|---:|---:|",
@@ -80,9 +85,11 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"| record_history | {fmt_spread(spread(r['history']), '.0f')} | {fmt_spread(history_adds, '+.0f')} |",
         f"| + record_stacks:python (12 frames) | {fmt_spread(spread(r['stacks']), '.0f')} | "
         f"{fmt_spread(stack_adds, '+.0f')} for the stack |",
+        f"| + record_context:all (the free's stack too) | {fmt_spread(spread(r['freeing']), '.0f')} | "
+        f"{fmt_spread(free_stack_adds, '+.0f')} for the free's stack |",
         "",
         f"{r['pairs']} pairs of acl.rt.malloc(4096)+free (cache hits), best of {r['repeats']} within each process, "
-        f"each mode in its own process, {r['rounds']} rounds of the three, a round pinned to one CPU "
+        f"each mode in its own process, {r['rounds']} rounds of the four, a round pinned to one CPU "
         "(tools/bench/stacks.py). With "
         "record_stacks off it adds nothing to the hit path: its flag shares the word an allocation already reads "
         "(npa_entry_work); section 1 compares with a build without it.",

@@ -259,6 +259,18 @@ static bool set_record_stacks(npa_config *c, span v, char *why) {
     return true;
 }
 
+/* torch's context= of _record_memory_history, for the stacks above: "all"
+ * also takes the frames of each free (and empty_cache), which its events
+ * carry; "alloc" (the default) takes a malloc's only, and the frees fall
+ * back on their alloc's. torch's "state" (no frames in the trace) is not
+ * offered. */
+static bool set_record_context(npa_config *c, span v, char *why) {
+    if (span_is(v, "all")) c->record_context_all = true;
+    else if (span_is(v, "alloc")) c->record_context_all = false;
+    else return snprintf(why, WHY_LEN, "must be alloc or all"), false;
+    return true;
+}
+
 /* Each setter returns false with the reason in why (WHY_LEN bytes). */
 typedef struct known_key {
     const char *name;
@@ -274,6 +286,7 @@ static const known_key known_keys[] = {
     {"reuse_policy", set_reuse_policy},
     {"record_history", set_record_history},
     {"record_stacks", set_record_stacks},
+    {"record_context", set_record_context},
     {"oom_snapshot", set_oom_snapshot},
     {"expandable_segments", set_expandable_segments},
     {"recent_blocks", set_recent_blocks},
@@ -484,6 +497,7 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     __atomic_load(&c->garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
     size_t record_history = __atomic_load_n(&c->record_history, __ATOMIC_RELAXED);
     bool record_stacks = __atomic_load_n(&c->record_stacks, __ATOMIC_RELAXED);
+    bool record_context_all = __atomic_load_n(&c->record_context_all, __ATOMIC_RELAXED);
     bool expandable = __atomic_load_n(&c->expandable_segments, __ATOMIC_RELAXED);
     /* Only what differs from the defaults, so the text parses back into the
      * same config. */
@@ -529,6 +543,10 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     }
     if (record_stacks) {
         out_printf(&o, "%srecord_stacks:python", sep);
+        sep = ",";
+    }
+    if (record_context_all) {
+        out_printf(&o, "%srecord_context:all", sep);
         sep = ",";
     }
     if (expandable) {

@@ -80,6 +80,10 @@ void npa_set_record_stacks(npa_allocator *a, bool on) {
     if (a) __atomic_store_n(&a->config.record_stacks, on, __ATOMIC_RELAXED);
 }
 
+void npa_set_record_context(npa_allocator *a, bool all) {
+    if (a) __atomic_store_n(&a->config.record_context_all, all, __ATOMIC_RELAXED);
+}
+
 typedef struct trace_visit {
     npa_trace_visitor visitor;
     void *arg;

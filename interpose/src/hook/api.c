@@ -39,8 +39,12 @@ NPA_EXPORT void npualloc_empty_cache(int device)
 {
     /* Only while serving: after aclFinalize the segments are the runtime's past. */
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
-    if (a != NULL)
-        npa_empty_cache(a, device);
+    if (a == NULL)
+        return;
+    bool stack = npa_pystack_take_for_free(); /* torch's emptyCache: its releases carry the caller's frames */
+    npa_empty_cache(a, device);
+    if (stack)
+        npa_pystack_drop();
 }
 
 NPA_EXPORT void npualloc_reset_peak_stats(int device)
@@ -81,6 +85,10 @@ static int apply_to_allocator(npa_allocator *a, const npa_config *parsed, npa_ru
         npa_set_record_stacks(a, parsed->record_stacks);
         return 0;
     }
+    if (key == NPA_KEY_RECORD_CONTEXT) {
+        npa_set_record_context(a, parsed->record_context_all);
+        return 0;
+    }
     if (npa_set_record_history(a, parsed->record_history) != 0) {
         npa_warn_once("npualloc_set_config: no host memory for %zu history entries per device; recording is off",
                       parsed->record_history);
@@ -95,8 +103,6 @@ static int apply_to_allocator(npa_allocator *a, const npa_config *parsed, npa_ru
  * (warned). */
 static int apply_runtime_key(npa_allocator *a, const npa_config *parsed, npa_runtime_key key)
 {
-    if (key == NPA_KEY_RECORD_STACKS)
-        npa_pystack_enable(parsed->record_stacks);
     if (a == NULL && npa_hook_preinit_config(parsed, key, set_config_warn, &a) != 0)
         return 1;
     if (a == NULL)
@@ -130,6 +136,7 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     } runtime_keys[] = {{"garbage_collection_threshold", NPA_KEY_GC_THRESHOLD},
                         {"record_history", NPA_KEY_RECORD_HISTORY},
                         {"record_stacks", NPA_KEY_RECORD_STACKS},
+                        {"record_context", NPA_KEY_RECORD_CONTEXT},
                         {"expandable_segments", NPA_KEY_EXPANDABLE_SEGMENTS}};
     int which = -1;
     for (size_t i = 0; i < sizeof(runtime_keys) / sizeof(runtime_keys[0]); i++)

@@ -44,7 +44,11 @@ NPA_EXPORT int npualloc_caching_allocator_delete(void *ptr)
     }
     /* No hint device: a pointer that is none of ours is the caller's error
      * here, not a free forwarded to the runtime (num_foreign_frees). */
-    if (npa_free(a, ptr, -1, NULL) == NPA_FREE_OK)
+    bool stack = npa_pystack_take_for_free();
+    npa_free_result freed = npa_free(a, ptr, -1, NULL);
+    if (stack)
+        npa_pystack_drop();
+    if (freed == NPA_FREE_OK)
         return ACL_SUCCESS;
     aclError err;
     if (npa_saver_free(ptr, &err)) /* allocated inside a memory_saver region */

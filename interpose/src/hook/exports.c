@@ -189,6 +189,17 @@ static NPA_ALWAYS_INLINE aclError free_through_cache(npa_allocator *a, void *dev
     return free_by_runtime(devPtr, fn);
 }
 
+/* free_through_cache with the caller's stack taken for the free's events
+ * under record_context:all. */
+static aclError free_with_stack(npa_allocator *a, void *devPtr, int device, npa_fn fn, const uintptr_t *stream)
+{
+    bool stack = a != NULL && devPtr != NULL && npa_pystack_take_for_free();
+    aclError err = free_through_cache(a, devPtr, device, fn, stream);
+    if (stack)
+        npa_pystack_drop();
+    return err;
+}
+
 /* A free entry in general: the region's command and the deferred executor
  * destroys first, then the cache. */
 static __attribute__((noinline)) aclError free_setup(void *devPtr, npa_fn fn, const uintptr_t *stream)
@@ -198,16 +209,17 @@ static __attribute__((noinline)) aclError free_setup(void *devPtr, npa_fn fn, co
         npa_region_poll(a);
         npa_exec_poll();
     }
-    return free_through_cache(a, devPtr, npa_tls_device, fn, stream);
+    return free_with_stack(a, devPtr, npa_tls_device, fn, stream);
 }
 
-/* aclrtFree and the stream-aware free: with the region steady and no
- * executor destroys waiting, straight to the cache (as malloc_entry). */
+/* aclrtFree and the stream-aware free: with the region steady, no executor
+ * destroys waiting and no stack to take, straight to the cache (as
+ * malloc_entry). */
 static NPA_ALWAYS_INLINE aclError free_entry(void *devPtr, npa_fn fn, const uintptr_t *stream)
 {
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (NPA_LIKELY(a != NULL && devPtr != NULL && npa_region_steady() &&
-                   !(npa_entry_work_load() & NPA_WORK_EXECUTORS)))
+                   !(npa_entry_work_load() & (NPA_WORK_EXECUTORS | NPA_WORK_FREE_PYSTACK))))
         return free_through_cache(a, devPtr, npa_tls_device, fn, stream);
     return free_setup(devPtr, fn, stream);
 }
@@ -237,7 +249,7 @@ NPA_EXPORT aclError aclrtFreeWithDevSync(void *devPtr)
                 return err;
         }
     }
-    return free_through_cache(a, devPtr, device, NPA_FN_aclrtFreeWithDevSync, NULL);
+    return free_with_stack(a, devPtr, device, NPA_FN_aclrtFreeWithDevSync, NULL);
 }
 
 /* npualloc.h's stream-aware entry: aclrtMalloc's contract (size rounding,

@@ -341,12 +341,14 @@ void npa_streams_unlock_after_fork(void);
  * that a program using none of it pays one relaxed load and one branch per
  * call (make bench section 1 measures it against a build without the
  * memory_saver and record_stacks tests): deferred executor destroys
- * (executors.c), record_stacks switched on (pystack.c), and how many threads
- * are inside a memory_saver region (saver.c, counted from bit 8). A bit may
- * read set when its work is already gone (the entry then finds nothing to
- * do); it never reads clear while its work is there. */
+ * (executors.c), record_stacks switched on (pystack.c: a malloc takes the
+ * caller's stack) and with record_context:all (a free takes it too), and
+ * how many threads are inside a memory_saver region (saver.c, counted from
+ * bit 8). A bit may read set when its work is already gone (the entry then
+ * finds nothing to do); it never reads clear while its work is there. */
 #define NPA_WORK_EXECUTORS 1u
 #define NPA_WORK_PYSTACK 2u
+#define NPA_WORK_FREE_PYSTACK 4u
 #define NPA_WORK_SAVER_REGION (1u << 8)
 extern atomic_uint npa_entry_work;
 static inline void npa_entry_work_mark(unsigned bit, bool on)
@@ -409,6 +411,7 @@ typedef enum npa_runtime_key {
     NPA_KEY_GC_THRESHOLD,
     NPA_KEY_RECORD_HISTORY,
     NPA_KEY_RECORD_STACKS,
+    NPA_KEY_RECORD_CONTEXT,
     NPA_KEY_EXPANDABLE_SEGMENTS,
 } npa_runtime_key;
 /* A run-time key set before the first allocation: the allocator is created
@@ -519,9 +522,21 @@ void npa_warn_once_at(npa_warn_site *site, const char *fmt, ...) __attribute__((
  * entry drops it once the core returned, so no later call finds it. */
 void npa_pystack_take(void); /* NPA_WORK_PYSTACK set: record_stacks is on */
 void npa_pystack_drop(void);
+/* A free-side entry (a free, empty_cache) under record_context:all takes
+ * the caller's stack for its events, as torch's free and emptyCache gather
+ * their context; true when it took one, which it drops once done. */
+static inline bool npa_pystack_take_for_free(void)
+{
+    if (!(npa_entry_work_load() & NPA_WORK_FREE_PYSTACK))
+        return false;
+    npa_pystack_take();
+    return true;
+}
 uint32_t npa_pystack_capture(void *ctx);
 void npa_pystack_visit(void *ctx, uint32_t stack, npa_frame_visitor visit, void *arg);
-void npa_pystack_enable(bool on);
+/* The entry work of record_stacks (at mallocs) and record_context:all (at
+ * frees too), from the config in force. */
+void npa_pystack_enable(const npa_config *config);
 void npa_pystack_lock_for_fork(void);
 void npa_pystack_unlock_after_fork(void);
 void npa_warn_lock_for_fork(void);

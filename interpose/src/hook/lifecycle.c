@@ -78,7 +78,7 @@ static void load_config(void)
         if (text != NULL && text[0] != '\0') {
             config_var = config_source(vars[i]);
             npa_config_parse(&config, text, config_warn, NULL);
-            npa_pystack_enable(config.record_stacks);
+            npa_pystack_enable(&config);
             break;
         }
     }
@@ -97,7 +97,9 @@ const char *npa_hook_config_source(void)
 }
 
 /* Under init_lock. Atomic stores: npualloc_get_config reads this config
- * without the lock before the allocator exists. */
+ * without the lock before the allocator exists. The entries' stack work
+ * follows the two stack keys together, under the lock, so two threads
+ * setting one each cannot leave it as neither config says. */
 static void store_key(const npa_config *parsed, npa_runtime_key key)
 {
     if (key == NPA_KEY_GC_THRESHOLD)
@@ -107,8 +109,12 @@ static void store_key(const npa_config *parsed, npa_runtime_key key)
         __atomic_store_n(&config.expandable_segments, parsed->expandable_segments, __ATOMIC_RELAXED);
     else if (key == NPA_KEY_RECORD_HISTORY)
         __atomic_store_n(&config.record_history, parsed->record_history, __ATOMIC_RELAXED);
+    else if (key == NPA_KEY_RECORD_CONTEXT)
+        __atomic_store_n(&config.record_context_all, parsed->record_context_all, __ATOMIC_RELAXED);
     else
         __atomic_store_n(&config.record_stacks, parsed->record_stacks, __ATOMIC_RELAXED);
+    if (key == NPA_KEY_RECORD_STACKS || key == NPA_KEY_RECORD_CONTEXT)
+        npa_pystack_enable(&config);
 }
 
 int npa_hook_preinit_config(const npa_config *parsed, npa_runtime_key key, npa_config_warn_fn warn,

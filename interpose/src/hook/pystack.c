@@ -93,9 +93,11 @@ static stack_entry *stacks;      /* MAX_STACKS; id = index + 1 */
 static uint32_t stack_count;
 static uint32_t *stack_index;    /* 2 * MAX_STACKS slots: stack id, 0 empty */
 
-void npa_pystack_enable(bool on)
+void npa_pystack_enable(const npa_config *config)
 {
+    bool on = __atomic_load_n(&config->record_stacks, __ATOMIC_RELAXED);
     npa_entry_work_mark(NPA_WORK_PYSTACK, on);
+    npa_entry_work_mark(NPA_WORK_FREE_PYSTACK, on && __atomic_load_n(&config->record_context_all, __ATOMIC_RELAXED));
 }
 
 static void look_up_api(void)

@@ -458,6 +458,26 @@ def test_a_config_path_that_is_not_utf8_leaves_the_snapshot_and_get_config_reada
     assert inside == outside
 
 
+def test_a_long_config_goes_whole_into_the_snapshot(tmp_path: Path) -> None:
+    """allocator_settings' config text was formatted into the region's 512
+    bytes: a config of many keys and a long oom_snapshot path (it comes last)
+    was cut inside the path, where get_config() gives it whole."""
+    path = tmp_path / ("d" * 150) / "oom.pickle"
+    path.parent.mkdir()
+    divisions = ",".join(f"{1 << i}:{1 << (i % 5)}" for i in range(15))
+    config = (f"max_split_size_mb:123456789,max_non_split_rounding_mb:123456789,"
+              f"garbage_collection_threshold:0.123456789012345,roundup_power2_divisions:[{divisions},>:1],"
+              f"per_process_memory_fraction:0.123456789012345,reuse_policy:eager,record_history:1000,"
+              f"record_stacks:python,recent_blocks:3,oom_snapshot:{path}")
+    out = tmp_path / "snap.pickle"
+    with Workload(tmp_path, PYTORCH_NPU_ALLOC_CONF=config) as w:
+        w.call(f"malloc({MiB})")
+        w.call(f"npualloc.dump_snapshot({str(out)!r})")
+        inside = w.call("npualloc.get_config()")
+    assert len(inside) > constants.NPUALLOC_CONFIG_LEN and inside.endswith(f"oom_snapshot:{path}")
+    assert pickle.loads(out.read_bytes())["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == inside
+
+
 def test_snapshot_before_the_first_allocation_is_empty(tmp_path: Path) -> None:
     with Workload(tmp_path) as w:
         snapshot = w.call("npualloc._snapshot()")

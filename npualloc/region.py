@@ -345,8 +345,9 @@ class Region:
 
     def header(self) -> RegionHeader:
         h = self._region.header
-        state, paused, backup = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-        reader_library().npualloc_reader_pause_state(self._region, state, paused, backup)
+        pause = ffi.new("npualloc_pause_state *")
+        self._read_seqlocked(lambda: reader_library().npualloc_reader_pause_state(self._region, SEQLOCK_ATTEMPTS, pause),
+                             "pause state")
         config = ffi.new("char[]", constants.NPUALLOC_CONFIG_LEN)
         self._read_seqlocked(lambda: reader_library().npualloc_reader_config(self._region, SEQLOCK_ATTEMPTS, config),
                              "the config text")
@@ -354,8 +355,8 @@ class Region:
                               cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
                               config=ffi.string(config).decode(errors="replace"),
                               device_count=h.device_count,
-                              state=PAUSE_STATES.get(state[0], f"state {state[0]}"),
-                              paused_bytes=int(paused[0]), backup_bytes=int(backup[0]))
+                              state=PAUSE_STATES.get(pause.state, f"state {pause.state}"),
+                              paused_bytes=int(pause.paused_bytes), backup_bytes=int(pause.backup_bytes))
         self._check_not_lost()
         return header
 

@@ -124,6 +124,28 @@ def test_writer_stuck_in_its_seqlock_is_reported(shm: Path, sleeper: int,
         npualloc.memory_stats(pid=sleeper)
 
 
+def test_the_pause_state_is_read_whole_under_its_seqlock(shm: Path, sleeper: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state and its byte counts are one copy (layout version 7): read
+    while the process is inside an update of them, they are waited for and
+    then an error, never one state paired with another's counts."""
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper), REGION_SIZE)
+    region.header.pause.seq = 4
+    region.header.pause.state = constants.NPUALLOC_PAUSED
+    region.header.pause.paused_bytes = 12 << 20
+    region.header.pause.backup_bytes = 5 << 20
+    path = write_region(shm, sleeper, bytes(ffi.buffer(region)))
+    with Region(sleeper) as opened:
+        header = opened.header()
+    assert (header.state, header.paused_bytes, header.backup_bytes) == ("paused", 12 << 20, 5 << 20)
+    region.header.pause.seq = 5
+    path.write_bytes(bytes(ffi.buffer(region)))
+    monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
+    with Region(sleeper) as opened, pytest.raises(CorruptRegionError, match="pause state stayed mid-update"):
+        opened.header()
+
+
 def test_a_stopped_writer_inside_its_seqlock_is_reported_as_stopped(shm: Path, sleeper: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A SIGSTOP may land inside a stats update of a busy process (a soak run

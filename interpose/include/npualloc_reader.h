@@ -84,6 +84,9 @@ int32_t npualloc_reader_saver_stats(const npualloc_region *region, int32_t devic
 /* The same for the header's config text, into out's NPUALLOC_CONFIG_LEN
  * bytes, NUL-terminated. */
 int32_t npualloc_reader_config(const npualloc_region *region, uint32_t attempts, char *out);
+/* The same for the header's pause state (NPUALLOC_RUNNING, ...) with the
+ * byte counts of that same state. */
+int32_t npualloc_reader_pause_state(const npualloc_region *region, uint32_t attempts, npualloc_pause_state *out);
 
 /* 1 once the region's file shrank under the mapping (its owner truncated it
  * after the checks): the access that found it read zeros instead of ending
@@ -108,11 +111,6 @@ int32_t npualloc_reader_withdraw(npualloc_region_file *file, uint64_t seq);
 /* 1 once the process acknowledged seq (ack_seq >= seq), *status then holds
  * its NPUALLOC_CMD_* answer; 0 while it has not. */
 int32_t npualloc_reader_acked(const npualloc_region *region, uint64_t seq, int32_t *status);
-/* The header's pause_state (NPUALLOC_RUNNING, ...) and its byte counts:
- * the state with acquire, then the counts, which are then at least as new
- * as that state (the process stores them before it, with release). */
-void npualloc_reader_pause_state(const npualloc_region *region, uint32_t *state, uint64_t *paused_bytes,
-                                 uint64_t *backup_bytes);
 /* cffi:end */
 #pragma GCC visibility pop
 

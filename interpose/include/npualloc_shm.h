@@ -9,7 +9,8 @@
  * (npualloc_device_stats.seq: odd while a writer is inside); copy, re-read seq,
  * retry when it changed or was odd, then npualloc_stats_from_region on the
  * copy (each stat's freed is implied in the region). The header's config
- * text, which a config change rewrites, has its own (header.config_seq).
+ * text, which a config change rewrites, has its own (header.config_seq), and
+ * so has the pause state with its byte counts (header.pause.seq).
  *
  * Bump NPUALLOC_SHM_VERSION on any change of layout or meaning of a field
  * below. A new command code needs no bump: a process that predates it
@@ -22,7 +23,7 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 6
+#define NPUALLOC_SHM_VERSION 7
 #define NPUALLOC_MAX_DEVICES 16
 #define NPUALLOC_CONFIG_LEN 512
 #define NPUALLOC_CMDLINE_LEN 256
@@ -55,7 +56,7 @@
 #define NPUALLOC_CMD_ENOTPAUSED 5       /* RESUME of a process that is not paused */
 #define NPUALLOC_CMD_EPAUSED 6          /* any other command while paused */
 #define NPUALLOC_CMD_WITHDRAWN 7        /* written by the requester that withdrew it, never applied */
-/* npualloc_region_header.pause_state */
+/* npualloc_pause_state.state */
 #define NPUALLOC_RUNNING 0
 #define NPUALLOC_PAUSING 1
 #define NPUALLOC_PAUSED 2
@@ -134,6 +135,19 @@ typedef struct npualloc_command {
     int32_t pad0;
 } npualloc_command;
 
+/* `npualloc pause`'s state of the process and what it released, one
+ * figure (version 7): a state read apart from its counts (versions 2 to 6
+ * kept the three bare in the header) could be paired with the next
+ * update's, "paused" with the 0 bytes of the resume that followed. Written
+ * by the thread applying the pause, under their own seqlock (same protocol). */
+typedef struct npualloc_pause_state {
+    uint64_t seq;
+    uint32_t state;          /* NPUALLOC_RUNNING, _PAUSING, _PAUSED, _RESUMING */
+    uint32_t pad0;
+    uint64_t paused_bytes;   /* device memory released by `npualloc pause` (memory_saver's included) */
+    uint64_t backup_bytes;   /* host memory holding the paused blocks */
+} npualloc_pause_state;
+
 typedef struct npualloc_region_header {
     uint64_t magic;
     uint32_t version;
@@ -146,9 +160,8 @@ typedef struct npualloc_region_header {
     char config[512];        /* the config in force, canonical key:value form */
     char cmdline[256];
     uint32_t device_count;   /* highest device index in use + 1 */
-    uint32_t pause_state;    /* NPUALLOC_RUNNING, _PAUSING, _PAUSED, _RESUMING (version 2) */
-    uint64_t paused_bytes;   /* device memory released by `npualloc pause` (memory_saver's included) */
-    uint64_t backup_bytes;   /* host memory holding the paused blocks */
+    uint32_t pad0;
+    npualloc_pause_state pause;
 } npualloc_region_header;
 
 /* npualloc.memory_saver's allocations on one device (version 3). They never

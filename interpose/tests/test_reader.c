@@ -13,7 +13,11 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/ptrace.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -232,16 +236,16 @@ static void test_regions_open_at_once_are_bounded(void) {
 static void test_pause_state(void) {
     npualloc_region r;
     region_template(&r);
-    r.header.pause_state = NPUALLOC_PAUSED;
-    r.header.paused_bytes = 3u << 20;
-    r.header.backup_bytes = 1u << 20;
+    r.header.pause = (npualloc_pause_state){.seq = 6, .state = NPUALLOC_PAUSED, .paused_bytes = 3 * MiB,
+                                            .backup_bytes = 1 * MiB};
     npualloc_region_file file;
     CHECK_EQ(open_path(write_file("region", &r, sizeof r), 0, &file), NPUALLOC_OPEN_OK);
-    uint32_t state = 0;
-    uint64_t paused = 0, backup = 0;
-    npualloc_reader_pause_state(file.region, &state, &paused, &backup);
-    CHECK(state == NPUALLOC_PAUSED && paused == 3u << 20 && backup == 1u << 20);
+    npualloc_pause_state out;
+    CHECK_EQ(npualloc_reader_pause_state(file.region, 1, &out), NPUALLOC_READ_OK);
+    CHECK(out.state == NPUALLOC_PAUSED && out.paused_bytes == 3 * MiB && out.backup_bytes == 1 * MiB);
     npualloc_reader_close(&file);
+    r.header.pause.seq = 7; /* the process inside an update, for good */
+    CHECK_EQ(npualloc_reader_pause_state(&r, 50, &out), NPUALLOC_READ_BUSY);
 }
 
 static void test_post_and_ack(void) {
@@ -478,6 +482,93 @@ static void test_snapshots_stay_consistent_under_a_writer(void) {
     free(race.region);
 }
 
+/* --- the pause state against the real writer, one instruction at a time --- */
+
+typedef struct pause_triple {
+    uint32_t state;
+    uint64_t paused, backup;
+} pause_triple;
+
+/* What npa_pause_command publishes over a pause, a failed resume and a
+ * resume (hook/pause.c), from the region's first state. */
+static const pause_triple pause_sequence[] = {
+    {NPUALLOC_RUNNING, 0, 0},          {NPUALLOC_PAUSING, 0, 0},          {NPUALLOC_PAUSED, 12 * MiB, 5 * MiB},
+    {NPUALLOC_RESUMING, 12 * MiB, 5 * MiB}, {NPUALLOC_PAUSED, 12 * MiB, 5 * MiB},
+    {NPUALLOC_RESUMING, 12 * MiB, 5 * MiB}, {NPUALLOC_RUNNING, 0, 0},
+};
+#define PAUSE_STEPS (sizeof pause_sequence / sizeof *pause_sequence)
+
+/* 0 when the reader met the writer inside its update. */
+static int read_pause(const npualloc_region *r, pause_triple *out) {
+    npualloc_pause_state copy;
+    if (npualloc_reader_pause_state(r, 1, &copy) != NPUALLOC_READ_OK) return 0;
+    *out = (pause_triple){copy.state, copy.paused_bytes, copy.backup_bytes};
+    return 1;
+}
+
+static int same_triple(pause_triple a, pause_triple b) {
+    return a.state == b.state && a.paused == b.paused && a.backup == b.backup;
+}
+
+/* A child publishes the sequence through the real writer, traced and
+ * single-stepped; between every two of its instructions the test reads the
+ * region as `npualloc stats` would. Every copy must be a triple the writer
+ * published, in its order, each one seen: a reader landing inside an
+ * update, wherever that is, must wait (BUSY), never pair one update's
+ * state with another's byte counts. Deterministic: every interleaving of
+ * the reader between the writer's instructions is tried, none left to
+ * timing. (qemu-user has no ptrace: skipped there, said so.) */
+static void test_pause_state_is_never_torn(void) {
+    npualloc_region *r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    CHECK(r != MAP_FAILED);
+    region_template(r);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        if (ptrace(PTRACE_TRACEME, 0, NULL, NULL) != 0) _exit(77);
+        raise(SIGSTOP);
+        for (size_t i = 1; i < PAUSE_STEPS; i++)
+            npa_region_publish_pause(r, pause_sequence[i].state, pause_sequence[i].paused, pause_sequence[i].backup);
+        _exit(0);
+    }
+    int status;
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+        fprintf(stderr, "test_pause_state_is_never_torn: skipped, ptrace is not available here\n");
+        munmap(r, sizeof *r);
+        return;
+    }
+    CHECK(WIFSTOPPED(status));
+    size_t seen = 0; /* the index in pause_sequence of the last copy */
+    long steps = 0, busy = 0, torn = 0;
+    while (seen < PAUSE_STEPS - 1 && steps < 1000000 && torn == 0) {
+        if (ptrace(PTRACE_SINGLESTEP, child, NULL, NULL) != 0 || waitpid(child, &status, 0) != child ||
+            !WIFSTOPPED(status))
+            break;
+        steps++;
+        pause_triple copy;
+        if (!read_pause(r, &copy)) {
+            busy++;
+        } else if (!same_triple(copy, pause_sequence[seen])) {
+            if (same_triple(copy, pause_sequence[seen + 1])) {
+                seen++;
+            } else {
+                torn++;
+                fprintf(stderr, "after step %ld: state %u with %llu paused and %llu backup bytes, published "
+                        "%u then %u\n", steps, copy.state, (unsigned long long)copy.paused,
+                        (unsigned long long)copy.backup, pause_sequence[seen].state, pause_sequence[seen + 1].state);
+            }
+        }
+    }
+    kill(child, SIGKILL);
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    fprintf(stderr, "pause state: %ld instructions stepped, the reader met the writer inside %ld times\n", steps, busy);
+    CHECK_EQ(torn, 0);
+    CHECK_EQ(seen, PAUSE_STEPS - 1);
+    CHECK(busy >= (long)PAUSE_STEPS - 1); /* each update was caught in the middle */
+    munmap(r, sizeof *r);
+}
+
 /* --- the command slot against a process-side thread --------------------- */
 
 #define COMMANDS 3000
@@ -545,6 +636,7 @@ int main(void) {
     RUN(test_post_and_ack);
     RUN(test_a_late_take_leaves_later_withdrawals_closed);
     RUN(test_snapshots_stay_consistent_under_a_writer);
+    RUN(test_pause_state_is_never_torn);
     RUN(test_commands_arrive_whole);
     char path[256];
     snprintf(path, sizeof path, "%s/region", dir);

@@ -7,20 +7,14 @@
  * memory is taken) is answered as failed and the process stays paused, its
  * backup kept, for the next resume. memory_saver's allocations are paused
  * with the rest (saver.c), backed up whatever their region asked. The
- * state and byte counts are in the region header, for stats and ls. */
+ * state and byte counts are in the region header, for stats and ls, under
+ * a seqlock of their own (npa_region_publish_pause). */
 #include <stdbool.h>
 #include <stdio.h>
 #include <time.h>
 
 #include "hook.h"
 #include "region/region.h"
-
-static void set_state(npualloc_region *r, uint32_t state, size_t paused, size_t backup)
-{
-    __atomic_store_n(&r->header.paused_bytes, (uint64_t)paused, __ATOMIC_RELAXED);
-    __atomic_store_n(&r->header.backup_bytes, (uint64_t)backup, __ATOMIC_RELAXED);
-    __atomic_store_n(&r->header.pause_state, state, __ATOMIC_RELEASE);
-}
 
 /* The next request after seq (the requester serialises with flock, so one at
  * a time). Polled 2 ms apart at first, then ever more slowly up to 50 ms: a
@@ -91,13 +85,13 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
     npa_paused *paused = NULL;
     size_t released, backup;
     bool held;
-    set_state(r, NPUALLOC_PAUSING, 0, 0);
+    npa_region_publish_pause(r, NPUALLOC_PAUSING, 0, 0);
     int32_t status = pause_all(a, &paused, &released, &backup, &held, why, sizeof why);
     if (!held) {
-        set_state(r, NPUALLOC_RUNNING, 0, 0);
+        npa_region_publish_pause(r, NPUALLOC_RUNNING, 0, 0);
         return status;
     }
-    set_state(r, NPUALLOC_PAUSED, released, backup);
+    npa_region_publish_pause(r, NPUALLOC_PAUSED, released, backup);
     npa_region_acknowledge(r, *seq, status);
     bool saver_back = false;
     for (;;) {
@@ -113,18 +107,18 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
             npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EPAUSED); /* the allocator is held: nothing else can run */
             continue;
         }
-        set_state(r, NPUALLOC_RESUMING, released, backup);
+        npa_region_publish_pause(r, NPUALLOC_RESUMING, released, backup);
         /* memory_saver's first: what it maps back stays mapped if the cache's
          * then finds no room, so a retry only does the rest. */
         saver_back = saver_back || npa_saver_command_resume(why, sizeof why) == ACL_SUCCESS;
         if (saver_back && npa_resume(a, paused, why, sizeof why) == NPA_OK) {
             npa_saver_command_done();
-            set_state(r, NPUALLOC_RUNNING, 0, 0);
+            npa_region_publish_pause(r, NPUALLOC_RUNNING, 0, 0);
             return NPUALLOC_CMD_OK; /* the caller acknowledges the resume */
         }
         npa_warn_once("resume failed, still paused: %s", why);
         npa_paused_sample_device_memory(a, paused); /* memory_saver's blocks may be back */
-        set_state(r, NPUALLOC_PAUSED, released, backup);
+        npa_region_publish_pause(r, NPUALLOC_PAUSED, released, backup);
         npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EFAILED);
     }
 }

@@ -68,11 +68,3 @@ int32_t npualloc_reader_acked(const npualloc_region *region, uint64_t seq, int32
     *status = __atomic_load_n(&region->command.ack_status, __ATOMIC_RELAXED);
     return 1;
 }
-
-void npualloc_reader_pause_state(const npualloc_region *region, uint32_t *state, uint64_t *paused_bytes,
-                                 uint64_t *backup_bytes)
-{
-    *state = __atomic_load_n(&region->header.pause_state, __ATOMIC_ACQUIRE);
-    *paused_bytes = __atomic_load_n(&region->header.paused_bytes, __ATOMIC_RELAXED);
-    *backup_bytes = __atomic_load_n(&region->header.backup_bytes, __ATOMIC_RELAXED);
-}

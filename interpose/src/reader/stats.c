@@ -1,7 +1,8 @@
 /* The reading side of the region's seqlocks: the device stats, whose
  * writer is npa_stats_begin/npa_stats_end (core/internal.h), the
- * memory_saver figures (hook/saver.c's publish) and the header's config text
- * (region/region.c's npa_region_publish_config). Each writer makes seq odd,
+ * memory_saver figures (hook/saver.c's publish), the header's config text
+ * (region/region.c's npa_region_publish_config) and its pause state
+ * (region/region.h's npa_region_publish_pause). Each writer makes seq odd,
  * fences (release), stores the figures, then makes seq even with a release
  * store. Here: seq with acquire, the copy, an acquire fence, seq again. The
  * acquire fence keeps the copy's loads before the second seq load; on
@@ -13,10 +14,13 @@
 #include <stddef.h>
 #include <string.h>
 
-_Static_assert(offsetof(npualloc_device_stats, seq) == 0 && offsetof(npualloc_saver_stats, seq) == 0,
+_Static_assert(offsetof(npualloc_device_stats, seq) == 0 && offsetof(npualloc_saver_stats, seq) == 0 &&
+                   offsetof(npualloc_pause_state, seq) == 0,
                "each seqlocked struct starts with its seq");
 _Static_assert(sizeof(npualloc_device_stats) % sizeof(uint64_t) == 0 &&
                    sizeof(npualloc_saver_stats) % sizeof(uint64_t) == 0 &&
+                   sizeof(npualloc_pause_state) % sizeof(uint64_t) == 0 &&
+                   offsetof(npualloc_region_header, pause) % sizeof(uint64_t) == 0 &&
                    offsetof(npualloc_region_header, config) % sizeof(uint64_t) == 0 &&
                    NPUALLOC_CONFIG_LEN % sizeof(uint64_t) == 0,
                "the copy moves whole words");
@@ -95,5 +99,12 @@ int32_t npualloc_reader_config(const npualloc_region *region, uint32_t attempts,
     const npualloc_region_header *h = &region->header;
     int32_t status = seqlock_copy(&h->config_seq, true, h->config, out, NPUALLOC_CONFIG_LEN, attempts);
     out[NPUALLOC_CONFIG_LEN - 1] = '\0'; /* a foreign region's text may have none */
+    return npualloc_reader_lost(region) ? NPUALLOC_READ_LOST : status;
+}
+
+int32_t npualloc_reader_pause_state(const npualloc_region *region, uint32_t attempts, npualloc_pause_state *out)
+{
+    const npualloc_pause_state *pause = &region->header.pause;
+    int32_t status = seqlock_copy(&pause->seq, false, pause, out, sizeof *out, attempts);
     return npualloc_reader_lost(region) ? NPUALLOC_READ_LOST : status;
 }

@@ -63,6 +63,22 @@ static inline void npa_region_acknowledge(npualloc_region *r, uint64_t seq, int3
     __atomic_store_n(&r->command.ack_seq, seq, __ATOMIC_RELEASE);
 }
 
+/* The pause state and its byte counts, which readers copy as one
+ * (npualloc_reader_pause_state): under their seqlock, odd while they change.
+ * Written only by the thread applying a pause (pause.c, under the command
+ * lock): one writer. */
+static inline void npa_region_publish_pause(npualloc_region *r, uint32_t state, uint64_t paused, uint64_t backup)
+{
+    npualloc_pause_state *p = &r->header.pause;
+    uint64_t seq = __atomic_load_n(&p->seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->seq, seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&p->state, state, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->paused_bytes, paused, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->backup_bytes, backup, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->seq, seq + 2, __ATOMIC_RELEASE);
+}
+
 /* NPUALLOC_CMD_PAUSE, applied by the thread that polls it (pause.c): the
  * process's device memory released, then waits for NPUALLOC_CMD_RESUME,
  * answering every other request itself; *seq becomes the resume's. */

@@ -517,7 +517,8 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
     """Every region file of the region directories of this user (of every
     user, for root) with its opened Region, or the error that kept it from
     opening. Files of dead pids and stale files of reused pids are removed
-    (only our own) and not yielded. An opened region is yielded once per pid: a user
+    (only our own, once their process dropped its lock: region_lock.h) and not
+    yielded. An opened region is yielded once per pid: a user
     may make region directories beside the first (region_dir.c) and copy a
     region into each. A refusal does not count, or a file planted for another
     user's pid in a directory listed first would hide that process's region.
@@ -543,7 +544,13 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
             except FileNotFoundError:
                 continue  # its process removed it at exit meanwhile
             except (NoSuchProcessError, NotUnderNpuallocError):
-                _remove_stale(dir_fd, name, inode)
+                # No process of ours has that pid, or another one has: the
+                # region's is gone, unless it still holds the file's lock. It
+                # then lives in another pid namespace sharing the directory
+                # (its pid names another process here, or none): neither
+                # removed nor listed under a pid that is not its own here.
+                if reader_library().npualloc_reader_locked(dir_fd, name.encode(), inode) == 0:
+                    _remove_stale(dir_fd, name, inode)
                 continue
             except NpuallocError as e:
                 yield entry, e

@@ -22,7 +22,7 @@ from npualloc.region import process_start_time
 # Evaluates one Python expression per stdin line and answers with one JSON line,
 # so a test can allocate, read its own stats, or churn in threads on demand.
 WORKLOAD = textwrap.dedent("""
-    import json, os, random, sys, threading, traceback
+    import json, os, random, sys, threading, time, traceback
     import acl
     import npualloc
 
@@ -114,6 +114,15 @@ WORKLOAD = textwrap.dedent("""
         os.close(read_end)
         os.waitpid(pid, 0)
         return [pid] + report
+
+    def fork_child_sleeps():
+        # A child that allocates nothing and sleeps on, whatever becomes of
+        # this process; the caller ends it.
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(600)
+            os._exit(0)
+        return pid
 
     print(json.dumps("ready"), flush=True)
     for line in sys.stdin:

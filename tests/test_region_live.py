@@ -3,14 +3,20 @@
 problems), what it publishes, and commands posted to it."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from region_helpers import Workload, region_file, wait_for_pending_command, write_region
+from conftest import preload_env
+from region_helpers import Workload, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
 from npualloc._ffi import constants, ffi
@@ -94,6 +100,69 @@ def test_exit_leaves_a_region_another_process_put_at_our_name(shm: Path) -> None
         replaced = path.stat().st_ino
         assert w.close() == 0
     assert path.exists() and path.stat().st_ino == replaced
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    return dead.pid
+
+
+def test_ls_leaves_the_region_of_a_live_process_whose_pid_names_none_here(shm: Path) -> None:
+    """A process in another pid namespace sharing the directory publishes
+    under a pid that names another process here, or none: its region was
+    removed by `ls` as a dead process's while it ran on. Its lock says it
+    lives: left alone (not listed, its pid meaning nothing here) until it
+    ends. The process's own file linked under a dead pid's name stands in
+    for it (the same file, held by the same lock)."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        elsewhere = region_file(shm, _dead_pid())
+        os.link(region_file(shm, w.pid), elsewhere)
+        listed = run_cli(["ls", "--json"], shm)
+        assert listed.returncode == 0 and [row["pid"] for row in json.loads(listed.stdout)] == [w.pid]
+        assert elsewhere.exists()
+        assert w.close() == 0
+    assert run_cli(["ls"], shm).stdout == "no process is running under npualloc\n"
+    assert not elsewhere.exists()  # its process gone, its lock with it
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1): a process in a pid namespace of its own")
+def test_ls_leaves_the_region_of_a_process_in_another_pid_namespace(shm: Path) -> None:
+    """The case itself: a process that is pid 1 of its own namespace
+    publishes npualloc.1, which `ls` here read as init's stale region."""
+    program = "import acl, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0); print(flush=True); sys.stdin.read()"
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", program],
+                             env=preload_env(NPUALLOC_SHM_DIR=str(shm)), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert inner.stdout is not None and inner.stdout.readline() == b"\n"
+        published = region_file(shm, 1)
+        assert published.exists()
+        assert run_cli(["ls"], shm).returncode == 0
+        assert published.exists()
+    finally:
+        inner.communicate(timeout=30)
+    assert inner.returncode == 0 and not published.exists()  # removed by its own exit
+
+
+def test_a_forked_child_does_not_keep_the_parents_region_alive(shm: Path) -> None:
+    """The child inherits the descriptor that holds the parent's lock: kept,
+    it would make the region of a parent killed before it look alive for as
+    long as the child lives. The child lets it go."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        child = w.call("fork_child_sleeps()")
+        try:
+            w.proc.kill()
+            w.proc.wait()
+            path = region_file(shm, w.pid)
+            assert path.exists()  # killed: no atexit
+            assert process_start_time(child) is not None  # still there, sleeping
+            assert run_cli(["ls"], shm).stdout == "no process is running under npualloc\n"
+            assert not path.exists()
+        finally:
+            os.kill(child, signal.SIGKILL)
 
 
 def test_leftover_region_with_our_pid_is_replaced(shm: Path) -> None:

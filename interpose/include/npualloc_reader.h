@@ -72,6 +72,12 @@ int32_t npualloc_reader_open(int32_t dir_fd, const char *name, uint32_t owner_ui
                              npualloc_region_file *file);
 /* Unmaps and closes; idempotent. */
 void npualloc_reader_close(npualloc_region_file *file);
+/* Whether the region file name in dir_fd, of that inode, is held by a
+ * living process (its lock, region_lock.h), in whatever pid namespace: 1
+ * held, 0 not (its process is gone, or it could take no lock), -1 when it
+ * cannot be told (no such file, another file, not a regular one). Opened as
+ * npualloc_reader_open opens. */
+int32_t npualloc_reader_locked(int32_t dir_fd, const char *name, uint64_t inode);
 
 /* A consistent copy of one device's stats: copied between two reads of an
  * even, unchanged seq, at most `attempts` times (a yield between two). BUSY

@@ -24,6 +24,7 @@
 #include "fake_backend.h"
 #include "npualloc_reader.h"
 #include "region/region.h"
+#include "region_lock.h"
 #include "test_util.h"
 
 static char dir[] = "/tmp/npualloc-test-reader.XXXXXX";
@@ -134,6 +135,33 @@ static void test_open_refuses_what_is_not_our_regular_file(void) {
     CHECK_EQ(file.uid, geteuid());
     close(dir_fd);
     unlink(target);
+}
+
+/* A region's lock tells whether its process lives (region_lock.h): held
+ * by another open file description, as the process holds it, it is seen;
+ * dropped with that description's last descriptor, it is gone. Only the
+ * inode asked about, and only a regular file, is answered for. */
+static void test_locked_tells_whether_the_region_is_held(void) {
+    npualloc_region r;
+    region_template(&r);
+    const char *path = write_file("region", &r, sizeof r);
+    struct stat info;
+    CHECK_EQ(stat(path, &info), 0);
+    int dir_fd = open(dir, O_RDONLY | O_DIRECTORY);
+    CHECK_EQ(npualloc_reader_locked(dir_fd, "region", info.st_ino), 0);
+    int holder = open(path, O_RDWR);
+    CHECK_EQ(npa_region_lock(holder), 0);
+    CHECK_EQ(npualloc_reader_locked(dir_fd, "region", info.st_ino), 1);
+    CHECK_EQ(npualloc_reader_locked(dir_fd, "region", info.st_ino + 1), -1);
+    close(holder);
+    CHECK_EQ(npualloc_reader_locked(dir_fd, "region", info.st_ino), 0);
+    CHECK_EQ(npualloc_reader_locked(dir_fd, "missing", info.st_ino), -1);
+    struct stat fifo;
+    CHECK_EQ(mkfifoat(dir_fd, "fifo", 0600), 0);
+    CHECK_EQ(fstatat(dir_fd, "fifo", &fifo, 0), 0);
+    CHECK_EQ(npualloc_reader_locked(dir_fd, "fifo", fifo.st_ino), -1); /* and no wait for a writer */
+    unlinkat(dir_fd, "fifo", 0);
+    close(dir_fd);
 }
 
 static void test_stats_copy_is_bounded(void) {
@@ -629,6 +657,7 @@ int main(void) {
     CHECK(mkdtemp(dir) != NULL);
     RUN(test_open_validates_in_order);
     RUN(test_open_refuses_what_is_not_our_regular_file);
+    RUN(test_locked_tells_whether_the_region_is_held);
     RUN(test_stats_copy_is_bounded);
     RUN(test_a_file_shrunk_under_the_mapping_is_reported_not_fatal);
     RUN(test_regions_open_at_once_are_bounded);

@@ -5,6 +5,7 @@
 #include "npualloc_reader.h"
 #include "guard.h"
 #include "nomount.h"
+#include "region_lock.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -115,4 +116,17 @@ void npualloc_reader_close(npualloc_region_file *file)
     if (file->fd >= 0)
         close(file->fd);
     file->fd = -1;
+}
+
+int32_t npualloc_reader_locked(int32_t dir_fd, const char *name, uint64_t inode)
+{
+    /* As npualloc_reader_open opens, read-only: a query takes no lock. */
+    int fd = npa_openat_no_mount(dir_fd, name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    struct stat info;
+    int32_t locked =
+        fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && info.st_ino == inode ? npa_region_locked(fd) : -1;
+    close(fd);
+    return locked;
 }

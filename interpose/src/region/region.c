@@ -6,7 +6,8 @@
  * name and renamed into place, so a reader never sees a half-written header and
  * a leftover of an earlier process with our pid is replaced atomically. It is
  * unlinked at exit; exits that skip atexit leave a file that `npualloc ls`
- * removes once its pid is dead.
+ * removes once its process is gone: its lock dropped (region_lock.h) and its
+ * pid dead.
  *
  * Nothing here may crash or block the host: every failure warns once on stderr
  * and leaves the process without a region (the core then keeps its stats in
@@ -14,6 +15,7 @@
 #define _GNU_SOURCE
 #include "region/region.h"
 #include "hook/hook.h"
+#include "region_lock.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -57,6 +59,10 @@ static char g_name[32];
  * (a process with our pid in another pid namespace sharing the directory
  * renames its region over ours), which our exit must leave alone. */
 static ino_t g_file_ino;
+/* The region file, kept open for life with its lock (region_lock.h): it
+ * tells readers this process lives, whatever pid namespace they are in.
+ * -1 when none (no lock could be taken). */
+static int g_file_fd = -1;
 static char g_config[NPUALLOC_CONFIG_LEN];
 /* memory_stats()'s max_split_size of the config in force, which a device
  * slot holds before any allocator starts on that device (see fill_devices). */
@@ -234,11 +240,17 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
                              : mmap(NULL, sizeof(npualloc_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (!err && r == MAP_FAILED)
         err = errno;
-    close(fd);
     if (err) {
+        close(fd);
         warn_once("cannot size or map", g_path, err);
         unlinkat(dir_fd, tmp, 0);
         return NULL;
+    }
+    /* Locked before it is published, so no reader sees it unlocked while
+     * we live; without a lock (an old kernel) readers go by the pid alone. */
+    if (npa_region_lock(fd) != 0) {
+        close(fd);
+        fd = -1;
     }
     fill_header(r);
     fill_devices(r);
@@ -247,8 +259,11 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
         warn_once("cannot publish", g_path, errno);
         munmap(r, sizeof(npualloc_region));
         unlinkat(dir_fd, tmp, 0);
+        if (fd >= 0)
+            close(fd);
         return NULL;
     }
+    g_file_fd = fd;
     return r;
 }
 
@@ -578,6 +593,13 @@ void npa_region_forget_after_fork(void)
         return; /* nothing inherited, or already forgotten */
     close(g_dir_fd); /* the parent's; the child's region opens its own */
     g_dir_fd = -1;
+    /* The parent's region file: held here, its lock would say the parent
+     * lives for as long as this child does. Only if the number still is
+     * that file: the program may have closed it and opened another. */
+    struct stat held;
+    if (g_file_fd >= 0 && fstat(g_file_fd, &held) == 0 && held.st_ino == g_file_ino && held.st_dev == g_dir_dev)
+        close(g_file_fd);
+    g_file_fd = -1;
     /* Replace the shared mapping with private zero pages instead of
      * unmapping it: nothing in the child may reach the parent's region, and a
      * stray pointer into it must not fault. The child's new allocator gets a

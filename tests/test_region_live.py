@@ -3,6 +3,7 @@
 problems), what it publishes, and commands posted to it."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import preload_env
-from region_helpers import Workload, region_file, run_cli, wait_for_pending_command, write_region
+from region_helpers import Workload, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
 from npualloc._ffi import constants, ffi
@@ -200,9 +201,71 @@ def test_forked_child_gets_its_own_region(shm: Path) -> None:
         assert child_had_region
         assert 12 * MiB <= child_allocated < 13 * MiB  # a fresh allocator: none of the parent's blocks
         assert npualloc.memory_stats(pid=w.pid) == before  # the child wrote nothing here
-        # The child left through _exit (no atexit): its file stays until `ls` cleans it.
+        # The child left through _exit (no atexit): its file stays until
+        # the next process of the user (or this one at its exit) or `ls` removes it.
         assert region_file(shm, child).exists()
         assert region_file(shm, w.pid).exists()
+
+
+def test_regions_of_children_that_left_through_exit_go_with_the_next_one_and_the_parent(shm: Path) -> None:
+    """Forked workers that allocate and end with os._exit (multiprocessing's
+    way) skip atexit: each left its region until someone ran `npualloc ls`.
+    Each child that creates its region removes those of the children gone
+    before it, and the parent what is left at its exit."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        children = [w.call(f"fork_child_allocates({MiB})")[0] for _ in range(3)]
+        assert [child for child in children if region_file(shm, child).exists()] == children[-1:]
+        assert w.close() == 0
+    assert os.listdir(region_file(shm, w.pid).parent) == []
+
+
+def test_the_next_process_removes_the_region_a_killed_one_left(shm: Path) -> None:
+    with Workload(shm) as killed:
+        killed.call("malloc(4096)")
+        killed.proc.kill()
+    left = region_file(shm, killed.pid)
+    assert left.exists()
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        assert not left.exists()
+
+
+def test_the_next_process_removes_only_the_regions_of_gone_processes_of_its_user(shm: Path, sleeper: int) -> None:
+    """Beside the region of a gone process, what it must leave: a region
+    whose process holds its lock (one alive in another pid namespace), a
+    link (never followed, its target neither), a FIFO (never waited on), a
+    region of another layout, one of a live pid, and (root) another user's
+    file. A region its lock kept goes once the lock is let go."""
+    dead = [_dead_pid() for _ in range(6)]
+    gone = write_region(shm, dead[0], region_bytes(dead[0]))
+    held = write_region(shm, dead[1], region_bytes(dead[1]))
+    directory = gone.parent
+    target = shm / "target"
+    target.write_bytes(region_bytes(dead[2]))
+    link = directory / f"npualloc.{dead[2]}"
+    link.symlink_to(target)
+    fifo = directory / f"npualloc.{dead[3]}"
+    os.mkfifo(fifo, 0o600)
+    older = write_region(shm, dead[4], region_bytes(dead[4], version=constants.NPUALLOC_SHM_VERSION - 1))
+    live = write_region(shm, sleeper, region_bytes(sleeper))
+    left = [held, link, target, fifo, older, live]
+    if os.geteuid() == 0:
+        theirs = write_region(shm, dead[5], region_bytes(dead[5]))
+        os.chown(theirs, 65534, 65534)
+        left.append(theirs)
+    with open(held, "rb") as holder:
+        fcntl.lockf(holder, fcntl.LOCK_SH)
+        with Workload(shm) as w:
+            w.call("malloc(4096)")
+            assert not gone.exists()
+            assert all(os.path.lexists(path) for path in left)
+            assert w.close() == 0
+        assert all(os.path.lexists(path) for path in left) and link.is_symlink()
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        assert not held.exists()
+        assert all(os.path.lexists(path) for path in left[1:])
 
 
 def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: int = -1, arg: float = 0.0) -> None:

@@ -5,9 +5,10 @@
  * /dev/shm/npualloc-<euid> by default). The file is filled under a temporary
  * name and renamed into place, so a reader never sees a half-written header and
  * a leftover of an earlier process with our pid is replaced atomically. It is
- * unlinked at exit; exits that skip atexit leave a file that `npualloc ls`
- * removes once its process is gone: its lock dropped (region_lock.h) and its
- * pid dead.
+ * unlinked at exit; exits that skip atexit leave a file that the next
+ * process of the user removes as it creates its region or exits (reap.c),
+ * as does `npualloc ls`, once its process is gone: its lock dropped
+ * (region_lock.h) and its pid dead.
  *
  * Nothing here may crash or block the host: every failure warns once on stderr
  * and leaves the process without a region (the core then keeps its stats in
@@ -87,26 +88,34 @@ static int stats_disabled(void)
            !strcasecmp(value, "no");
 }
 
-/* Field 22 of /proc/self/stat: start time in clock ticks since boot. Fields are
- * counted after the last ')' because the command name may contain spaces. */
-static uint64_t read_start_time(void)
+int npa_process_start_time(pid_t pid, uint64_t *start_time, char *state)
 {
-    char buf[1024];
-    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    char path[64], buf[1024];
+    if (pid == 0)
+        snprintf(path, sizeof path, "/proc/self/stat"); /* ours even where /proc is another pid namespace's */
+    else
+        snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return 0;
+        return errno;
     ssize_t n = read(fd, buf, sizeof buf - 1);
+    int err = n < 0 ? errno : 0;
     close(fd);
     if (n <= 0)
-        return 0;
+        return err ? err : EIO;
     buf[n] = '\0';
+    /* Fields counted after the last ')': the command name may hold spaces. */
     char *p = strrchr(buf, ')');
-    if (!p)
-        return 0;
+    if (!p || p[1] != ' ' || !p[2])
+        return EIO;
+    *state = p[2];
     p++;
     for (int field = 3; field < 22 && p; field++) /* p sits before field `field` */
         p = strchr(p + 1, ' ');
-    return p ? strtoull(p + 1, NULL, 10) : 0;
+    if (!p)
+        return EIO;
+    *start_time = strtoull(p + 1, NULL, 10);
+    return 0;
 }
 
 static void read_cmdline(char *out, size_t len)
@@ -164,7 +173,8 @@ static void fill_header(npualloc_region *r)
     h->size = sizeof(npualloc_region);
     h->pid = (int32_t)getpid();
     h->uid = (uint32_t)geteuid();
-    h->start_time = read_start_time();
+    char state;
+    (void)npa_process_start_time(0, &h->start_time, &state); /* left 0, unknown, when unreadable */
     h->created_unix_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
     copy_text(h->config, sizeof h->config, g_config);
     read_cmdline(h->cmdline, sizeof h->cmdline);
@@ -204,6 +214,7 @@ static npualloc_region *map_new_region(void)
         g_dir_dev = opened.st_dev;
         g_dir_ino = opened.st_ino;
         memcpy(g_name, name, sizeof g_name);
+        npa_region_reap(dir_fd);
     } else {
         close(dir_fd);
     }
@@ -574,6 +585,8 @@ void npa_region_remove(void)
         struct stat named;
         if (dir_fd >= 0 && fstatat(dir_fd, g_name, &named, AT_SYMLINK_NOFOLLOW) == 0 && named.st_ino == g_file_ino)
             unlinkat(dir_fd, g_name, 0);
+        if (dir_fd >= 0)
+            npa_region_reap(dir_fd); /* what children that left through _exit left */
         atomic_store_explicit(&g_state, REGION_REMOVED, memory_order_relaxed);
     } else if (state == REGION_UNTRIED || state == REGION_FORKED) {
         /* Exiting: an allocator call from a late destructor must not create a file. */

@@ -5,6 +5,7 @@
 #define NPUALLOC_REGION_H
 
 #include <stdatomic.h>
+#include <sys/types.h>
 
 #include "core.h"
 
@@ -110,6 +111,14 @@ static inline void npa_region_poll(npa_allocator *allocator)
 int npa_region_dir_open(char *path, size_t len);
 /* Where the users' region directories are: $NPUALLOC_SHM_DIR or /dev/shm. */
 const char *npa_region_base(void);
+/* Field 22 of /proc/<pid>/stat (pid 0: this process), the start time in
+ * clock ticks since boot, and field 3, the state letter ('Z': a zombie).
+ * 0, or the errno of the open (ENOENT: no such process) or EIO. */
+int npa_process_start_time(pid_t pid, uint64_t *start_time, char *state);
+/* Removes from the region directory dir_fd the regions of this user's
+ * processes that ended without removing theirs (os._exit, a crash,
+ * SIGKILL) (reap.c). */
+void npa_region_reap(int dir_fd);
 /* At exit: unlink the file, once a command being applied is acknowledged. */
 void npa_region_remove(void);
 /* In a forked child: forget the parent's region without touching its file. */

@@ -115,6 +115,27 @@ WORKLOAD = textwrap.dedent("""
         os.waitpid(pid, 0)
         return [pid] + report
 
+    def fork_child_after_reusing(number):
+        # The program puts a file of its own at descriptor number (closing
+        # what was there) and forks: whether the child still has that file.
+        mine = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(mine, number)
+        os.close(mine)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(write_end, b"1" if os.path.samestat(os.fstat(number), os.stat(os.devnull)) else b"0")
+            except OSError:
+                os.write(write_end, b"0")
+            os._exit(0)
+        os.close(write_end)
+        kept = os.read(read_end, 1) == b"1"
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        os.close(number)
+        return kept
+
     def fork_child_sleeps():
         # A child that allocates nothing and sleeps on, whatever becomes of
         # this process; the caller ends it.

@@ -207,6 +207,20 @@ def test_forked_child_gets_its_own_region(shm: Path) -> None:
         assert region_file(shm, w.pid).exists()
 
 
+@pytest.mark.parametrize("descriptor", ["directory", "file"])
+def test_a_forked_child_closes_only_descriptors_that_still_are_npualloc_s(shm: Path, descriptor: str) -> None:
+    """The program closed the region directory's (or file's) descriptor,
+    which it did not open, and put a file of its own at the number: the
+    child's fork handler closed the program's file."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        path = region_file(shm, w.pid)
+        ours = str(path.parent if descriptor == "directory" else path)
+        numbers = [int(fd) for fd in os.listdir(f"/proc/{w.pid}/fd") if os.readlink(f"/proc/{w.pid}/fd/{fd}") == ours]
+        assert len(numbers) == 1
+        assert w.call(f"fork_child_after_reusing({numbers[0]})")
+
+
 def test_regions_of_children_that_left_through_exit_go_with_the_next_one_and_the_parent(shm: Path) -> None:
     """Forked workers that allocate and end with os._exit (multiprocessing's
     way) skip atexit: each left its region until someone ran `npualloc ls`.

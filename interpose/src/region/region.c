@@ -381,15 +381,19 @@ static int device_in_use(const npualloc_region *r, int device)
     return __atomic_load_n(&r->devices[device].in_use, __ATOMIC_RELAXED) != 0;
 }
 
-/* g_dir_fd while it is still the region's directory, else -1: the program
- * may close descriptors it did not open, and the number may then name some
- * other directory, where nothing of ours may be written. */
-static int region_dir_fd(void)
+/* Whether descriptor fd still is the file (dev, ino) we opened: the program
+ * may close descriptors it did not open, and the number may then name a file
+ * of its own, which nothing of ours may write to or close. */
+static bool still_ours(int fd, dev_t dev, ino_t ino)
 {
     struct stat now;
-    return g_dir_fd >= 0 && fstat(g_dir_fd, &now) == 0 && now.st_dev == g_dir_dev && now.st_ino == g_dir_ino
-               ? g_dir_fd
-               : -1;
+    return fd >= 0 && fstat(fd, &now) == 0 && now.st_dev == dev && now.st_ino == ino;
+}
+
+/* g_dir_fd while it is still the region's directory, else -1. */
+static int region_dir_fd(void)
+{
+    return still_ours(g_dir_fd, g_dir_dev, g_dir_ino) ? g_dir_fd : -1;
 }
 
 /* The snapshot files written for requesters, oldest first (inode 0: none).
@@ -604,13 +608,14 @@ void npa_region_forget_after_fork(void)
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
     if (!r || g_owner_pid == getpid())
         return; /* nothing inherited, or already forgotten */
-    close(g_dir_fd); /* the parent's; the child's region opens its own */
+    /* The parent's descriptors, each closed only while its number still is
+     * that file: the directory (the child's region opens its own) and the
+     * region file (held here, its lock would say the parent lives for as
+     * long as this child does). */
+    if (still_ours(g_dir_fd, g_dir_dev, g_dir_ino))
+        close(g_dir_fd);
     g_dir_fd = -1;
-    /* The parent's region file: held here, its lock would say the parent
-     * lives for as long as this child does. Only if the number still is
-     * that file: the program may have closed it and opened another. */
-    struct stat held;
-    if (g_file_fd >= 0 && fstat(g_file_fd, &held) == 0 && held.st_ino == g_file_ino && held.st_dev == g_dir_dev)
+    if (still_ours(g_file_fd, g_dir_dev, g_file_ino))
         close(g_file_fd);
     g_file_fd = -1;
     /* Replace the shared mapping with private zero pages instead of

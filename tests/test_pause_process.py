@@ -238,6 +238,59 @@ def test_a_resume_without_memory_keeps_the_process_paused_and_can_be_retried():
             taker.kill()
 
 
+SAVER_AND_CACHE = PRELUDE + """\
+import sys, threading
+from npualloc import memory_saver as ms
+with ms.region("engine"):
+    engine = malloc(8 * MiB)
+cache = malloc(40 * MiB)
+def churn():                       # applies the pause, then waits in the allocator
+    ok(acl.rt.set_device(0))
+    while True:
+        ok(acl.rt.free(malloc(4096)))
+threading.Thread(target=churn, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_resume_that_maps_back_only_memory_savers_memory_says_what_stays_released():
+    """memory_saver's memory goes back first: a resume that then finds no
+    room for the cache's leaves the process paused with memory_saver's
+    mapped, and the header said its 8 MiB were released still (and backed
+    up) until the next resume."""
+    proc = subprocess.Popen([sys.executable, "-c", SAVER_AND_CACHE], env=_env(), text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    taker = None
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        _cli("pause", str(proc.pid), "--timeout", "60")
+        paused = _state(proc.pid)
+        assert paused["state"] == "paused" and paused["devices"]["0"]["npualloc.saver_paused_bytes"] == 8 * MiB
+        taker = subprocess.Popen([sys.executable, "-c", "import acl,sys\nassert acl.init()==0 and "
+                                  "acl.rt.set_device(0)==0\nprint(acl.rt.malloc(220<<20,0)[1],flush=True)\n"
+                                  "sys.stdin.readline()"], env=sim_env(NPUSIM_HBM_MB=HBM_MB), text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert taker.stdout.readline() == "0\n"  # room left for memory_saver's 8 MiB, not for the cache's
+        assert _cli("resume", str(proc.pid), check=False).returncode == 9
+        still = _state(proc.pid)
+        assert still["state"] == "paused" and still["devices"]["0"]["npualloc.saver_paused_bytes"] == 0
+        assert (still["paused_bytes"], still["backup_bytes"]) == (paused["paused_bytes"] - 8 * MiB,
+                                                                  paused["backup_bytes"] - 8 * MiB)
+        taker.stdin.close()
+        assert taker.wait() == 0
+        assert "resumed" in _cli("resume", str(proc.pid)).stdout
+        after = _state(proc.pid)
+        assert (after["state"], after["paused_bytes"], after["backup_bytes"]) == ("running", 0, 0)
+        _, err = proc.communicate("", timeout=120)
+        assert proc.returncode == 0, err
+    finally:
+        for started in (proc, taker):
+            if started and started.poll() is None:
+                started.kill()
+                started.wait()
+
+
 def test_a_pause_of_a_paused_process_is_refused_as_such():
     # Refused because the process is paused already (EPAUSED), it was told as a
     # pause that failed half way and could not get its memory back: the CLI

@@ -469,8 +469,12 @@ int npa_saver_free(void *ptr, aclError *err);
  * already is backed up and released, all or none; on success saver_lock
  * stays held (no saver call of any thread runs) until npa_saver_command_done.
  * Its resume maps back what the command released (retryable). */
-aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t *backup);
+aclError npa_saver_command_pause(char *why, size_t len);
 aclError npa_saver_command_resume(char *why, size_t len);
+/* saver_lock held (the command's): the bytes the command released that are
+ * released still, and their backup. A resume that failed may have mapped
+ * some back. */
+void npa_saver_command_paused_bytes(size_t *released, size_t *backup);
 void npa_saver_command_hold(void); /* saver_lock alone, for a pause that released nothing of ours */
 void npa_saver_command_done(void);
 void npa_saver_lock_for_fork(void);

@@ -44,11 +44,23 @@ static int32_t stay_paused(npa_allocator *a, npa_paused *paused, bool *held)
     return NPUALLOC_CMD_EFAILED;
 }
 
+/* The header's figures of a paused process (saver_lock held): what is
+ * released now, the cache's and memory_saver's. Not what the pause
+ * released: a resume that failed may have mapped memory_saver's back (it
+ * goes first), and that figure counted it released for as long as the
+ * process stayed paused. */
+static void publish_paused(npualloc_region *r, uint32_t state, const npa_paused *paused)
+{
+    size_t released, backup, saver_released, saver_backup;
+    npa_paused_bytes(paused, &released, &backup);
+    npa_saver_command_paused_bytes(&saver_released, &saver_backup);
+    npa_region_publish_pause(r, state, released + saver_released, backup + saver_backup);
+}
+
 /* The cache's memory first (npa_pause takes every allocator lock), then
  * memory_saver's (saver_lock, held too): all or none. *held: whether the
  * process is paused now (the locks held), whatever the status. */
-static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released, size_t *backup, bool *held,
-                         char *why, size_t len)
+static int32_t pause_all(npa_allocator *a, npa_paused **paused, bool *held, char *why, size_t len)
 {
     *held = false;
     *paused = NULL;
@@ -57,15 +69,11 @@ static int32_t pause_all(npa_allocator *a, npa_paused **paused, size_t *released
         npa_warn_once("pause refused, the process runs on: %s", why);
         return err == NPA_ERR_INVALID_PARAM ? NPUALLOC_CMD_ENOTPAUSABLE : NPUALLOC_CMD_EFAILED;
     }
-    npa_paused_bytes(*paused, released, backup);
     if (err != NPA_OK) { /* failed half way, and what it unmapped could not be mapped back */
         npa_warn_once("pause failed and the process stays paused, resume it: %s", why);
         return stay_paused(a, *paused, held);
     }
-    size_t saver_released, saver_backup;
-    if (npa_saver_command_pause(why, len, &saver_released, &saver_backup) == ACL_SUCCESS) {
-        *released += saver_released;
-        *backup += saver_backup;
+    if (npa_saver_command_pause(why, len) == ACL_SUCCESS) {
         *held = true;
         npa_paused_sample_device_memory(a, *paused);
         return NPUALLOC_CMD_OK;
@@ -83,15 +91,14 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
 {
     char why[256];
     npa_paused *paused = NULL;
-    size_t released, backup;
     bool held;
     npa_region_publish_pause(r, NPUALLOC_PAUSING, 0, 0);
-    int32_t status = pause_all(a, &paused, &released, &backup, &held, why, sizeof why);
+    int32_t status = pause_all(a, &paused, &held, why, sizeof why);
     if (!held) {
         npa_region_publish_pause(r, NPUALLOC_RUNNING, 0, 0);
         return status;
     }
-    npa_region_publish_pause(r, NPUALLOC_PAUSED, released, backup);
+    publish_paused(r, NPUALLOC_PAUSED, paused);
     npa_region_acknowledge(r, *seq, status);
     bool saver_back = false;
     for (;;) {
@@ -107,7 +114,7 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
             npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EPAUSED); /* the allocator is held: nothing else can run */
             continue;
         }
-        npa_region_publish_pause(r, NPUALLOC_RESUMING, released, backup);
+        publish_paused(r, NPUALLOC_RESUMING, paused);
         /* memory_saver's first: what it maps back stays mapped if the cache's
          * then finds no room, so a retry only does the rest. */
         saver_back = saver_back || npa_saver_command_resume(why, sizeof why) == ACL_SUCCESS;
@@ -118,7 +125,7 @@ int32_t npa_pause_command(npa_allocator *a, npualloc_region *r, uint64_t *seq)
         }
         npa_warn_once("resume failed, still paused: %s", why);
         npa_paused_sample_device_memory(a, paused); /* memory_saver's blocks may be back */
-        npa_region_publish_pause(r, NPUALLOC_PAUSED, released, backup);
+        publish_paused(r, NPUALLOC_PAUSED, paused);
         npa_region_acknowledge(r, *seq, NPUALLOC_CMD_EFAILED);
     }
 }

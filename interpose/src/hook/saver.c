@@ -335,11 +335,10 @@ static aclError restore(saver_block *b)
 
 /* saver_lock held. The selected blocks that are mapped: synchronize their
  * devices, back up, then unmap; all or none. For the command every block
- * is backed up and marked by_command. *released / *backup: the bytes. */
-static aclError pause_blocks(saver_selection which, bool for_command, char *why, size_t len, size_t *released, size_t *backup)
+ * is backed up and marked by_command. */
+static aclError pause_blocks(saver_selection which, bool for_command, char *why, size_t len)
 {
     aclError err = ACL_SUCCESS;
-    *released = *backup = 0;
     for (int device = 0; device < NPUALLOC_MAX_DEVICES && err == ACL_SUCCESS; device++) {
         bool any = false;
         for (saver_block *b = blocks; b && !any; b = b->next)
@@ -395,11 +394,8 @@ static aclError pause_blocks(saver_selection which, bool for_command, char *why,
             free(b->host);
             b->host = NULL;
         }
-        if (err == ACL_SUCCESS && b->unmapped) {
+        if (err == ACL_SUCCESS && b->unmapped)
             b->by_command = for_command;
-            *released += b->size;
-            *backup += b->host != NULL ? b->size : 0;
-        }
         b->unmapped = false;
     }
     publish_all();
@@ -429,8 +425,7 @@ static aclError resume_blocks(saver_selection which, char *why, size_t len)
 NPA_EXPORT int npualloc_saver_pause(const char *tag, char *why, size_t why_len)
 {
     npa_mutex_lock(&saver_lock);
-    size_t released, backup;
-    aclError err = pause_blocks((saver_selection){.tag = tag}, false, why, why_len, &released, &backup);
+    aclError err = pause_blocks((saver_selection){.tag = tag}, false, why, why_len);
     npa_mutex_unlock(&saver_lock);
     resample_device_memory(-1);
     return err;
@@ -445,10 +440,10 @@ NPA_EXPORT int npualloc_saver_resume(const char *tag, char *why, size_t why_len)
     return err;
 }
 
-aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t *backup)
+aclError npa_saver_command_pause(char *why, size_t len)
 {
     npa_mutex_lock(&saver_lock);
-    aclError err = pause_blocks((saver_selection){.tag = NULL}, true, why, len, released, backup);
+    aclError err = pause_blocks((saver_selection){.tag = NULL}, true, why, len);
     if (err != ACL_SUCCESS)
         npa_mutex_unlock(&saver_lock);
     return err; /* on success saver_lock stays held, until npa_saver_command_done */
@@ -457,6 +452,16 @@ aclError npa_saver_command_pause(char *why, size_t len, size_t *released, size_t
 aclError npa_saver_command_resume(char *why, size_t len)
 {
     return resume_blocks((saver_selection){.by_command = true}, why, len);
+}
+
+void npa_saver_command_paused_bytes(size_t *released, size_t *backup)
+{
+    *released = *backup = 0;
+    for (saver_block *b = blocks; b; b = b->next)
+        if (selected(b, (saver_selection){.by_command = true}) && b->physical == NULL) {
+            *released += b->size;
+            *backup += b->host != NULL ? b->size : 0;
+        }
 }
 
 void npa_saver_command_hold(void)

@@ -60,10 +60,16 @@ lib: $(NPA_LIB) $(call NPA_PACKAGE_LIBS,$(NPA_LIB)) $(NPA_PY_HEADERS)
 NPA_CTEST_SRCS := $(sort $(wildcard interpose/tests/test_*.c))
 NPA_CTEST_BINS := $(NPA_CTEST_SRCS:interpose/tests/%.c=$(BUILD)/ctest/%)
 NPA_CTEST_SUPPORT := $(filter-out $(NPA_CTEST_SRCS),$(wildcard interpose/tests/*.c))
+# Each test and its support compile to objects of their own (the pattern rule
+# above), so each gets the dependency file that rebuilds it when a header it
+# includes changes.
+NPA_CTEST_OBJS := $(NPA_CTEST_SRCS:%.c=$(BUILD)/obj/%.o)
+NPA_CTEST_SUPPORT_OBJS := $(NPA_CTEST_SUPPORT:%.c=$(BUILD)/obj/%.o)
+$(NPA_CTEST_OBJS) $(NPA_CTEST_SUPPORT_OBJS): NPA_CFLAGS += -Iinterpose/tests
 
-$(BUILD)/ctest/%: interpose/tests/%.c $(NPA_CTEST_SUPPORT) $(NPA_CORE_OBJS)
+$(NPA_CTEST_BINS): $(BUILD)/ctest/%: $(BUILD)/obj/interpose/tests/%.o $(NPA_CTEST_SUPPORT_OBJS) $(NPA_CORE_OBJS)
 	@mkdir -p $(dir $@)
-	$(CC) $(NPA_CFLAGS) -Iinterpose/tests -o $@ $^ $(LDFLAGS_BASE) -lm
+	$(CC) $(NPA_CFLAGS) -o $@ $^ $(LDFLAGS_BASE) -lm
 
 # CTEST_RUNNER runs each binary: empty here, qemu-aarch64 for a cross-built
 # tree (interpose/aarch64.mk).
@@ -76,7 +82,8 @@ ctest-core: $(NPA_CTEST_BINS)
 # In a sanitizer tree SANLIB names the sanitizer runtime, which must come
 # first in LD_PRELOAD (ASan refuses to start otherwise).
 NPA_EXPORTS_STRESS := $(BUILD)/ctest/preload/exports_stress
-$(NPA_EXPORTS_STRESS): interpose/tests/preload/exports_stress.c $(SIM_LIB64)/libascendcl.so
+NPA_EXPORTS_STRESS_OBJ := $(BUILD)/obj/interpose/tests/preload/exports_stress.o
+$(NPA_EXPORTS_STRESS): $(NPA_EXPORTS_STRESS_OBJ) $(SIM_LIB64)/libascendcl.so
 	@mkdir -p $(dir $@)
 	$(CC) $(NPA_CFLAGS) -o $@ $< -L$(SIM_LIB64) -lascendcl -Wl,-rpath,$(abspath $(SIM_LIB64)) -ldl $(LDFLAGS_BASE)
 
@@ -108,4 +115,5 @@ ctest-tsan:
 
 .PHONY: ctest-core ctest-asan ctest-tsan exports-stress
 
--include $(NPA_CORE_OBJS:.o=.d) $(NPA_HOOK_OBJS:.o=.d)
+-include $(patsubst %.o,%.d,$(NPA_CORE_OBJS) $(NPA_HOOK_OBJS) $(NPA_CTEST_OBJS) $(NPA_CTEST_SUPPORT_OBJS) \
+                               $(NPA_EXPORTS_STRESS_OBJ))

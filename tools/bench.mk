@@ -15,10 +15,15 @@ BENCH_HOTPATH := $(BENCH_OUT)/npualloc-bench-hotpath
 # rpath finds it beside the binary's build tree, LD_PRELOAD adds npualloc.
 # The core's objects are linked in too, for --allocator core: their symbols
 # are hidden in libnpualloc.so, so the preloaded library keeps its own.
-$(BENCH_HOTPATH): tools/bench/hotpath.c $(NPA_CORE_OBJS) $(SIM_IMPL) $(SIM_FRONTS) interpose/include/npualloc.h \
-                  interpose/include/npualloc_shm.h
+BENCH_HOTPATH_OBJ := $(BENCH_OUT)/hotpath.o
+$(BENCH_HOTPATH_OBJ): tools/bench/hotpath.c
 	@mkdir -p $(dir $@)
-	$(CC) $(NPA_CFLAGS) -Itools/aclsim/include -o $@ tools/bench/hotpath.c $(NPA_CORE_OBJS) -L$(SIM_LIB64) \
+	$(CC) $(NPA_CFLAGS) -Itools/aclsim/include -MMD -MP -c $< -o $@
+-include $(BENCH_HOTPATH_OBJ:.o=.d)
+
+$(BENCH_HOTPATH): $(BENCH_HOTPATH_OBJ) $(NPA_CORE_OBJS) $(SIM_IMPL) $(SIM_FRONTS)
+	@mkdir -p $(dir $@)
+	$(CC) $(NPA_CFLAGS) -o $@ $(BENCH_HOTPATH_OBJ) $(NPA_CORE_OBJS) -L$(SIM_LIB64) \
 	    -Wl,-rpath,'$$ORIGIN/../aclsim/lib64' -lascendcl -laclsim $(SANFLAGS) $(LDFLAGS_BASE) -ldl
 
 # libnpualloc.so without the two tests every aclrtMalloc makes for features

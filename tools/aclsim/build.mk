@@ -126,11 +126,14 @@ sim: $(SIM_SITE_ACL) $(SIM_PRELOADED) $(SIM_DIR)/opp
 # caught 3 of 3 each (the destroy 4 of 4); 11 s on the ASan build.
 SIM_RACE_ROUNDS ?= $(if $(findstring address,$(SANFLAGS)),200000,5000)
 SIM_STREAM_RACE := $(BUILD)/ctest/aclsim/stream_race
-$(SIM_STREAM_RACE): tools/aclsim/tests/stream_race.c $(SIM_LIB64)/libascendcl.so $(SIM_LIB64)/libnnopbase.so \
+SIM_STREAM_RACE_OBJ := $(SIM_OBJ)/tests/stream_race.o
+$(SIM_STREAM_RACE): $(SIM_STREAM_RACE_OBJ) $(SIM_LIB64)/libascendcl.so $(SIM_LIB64)/libnnopbase.so \
                     $(SIM_LIB64)/libopapi.so
 	@mkdir -p $(dir $@)
 	$(CC) $(SIM_CFLAGS) -o $@ $< -L$(SIM_LIB64) -lascendcl -lnnopbase -lopapi -Wl,-rpath,$(abspath $(SIM_LIB64)) \
 	    $(SANFLAGS) $(LDFLAGS_BASE)
+
+-include $(SIM_STREAM_RACE_OBJ:.o=.d)
 
 sim-stream-race: $(SIM_STREAM_RACE)
 	$(CTEST_RUNNER) $(SIM_STREAM_RACE) $(SIM_RACE_ROUNDS)

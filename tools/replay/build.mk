@@ -5,10 +5,16 @@
 
 REPLAY_BIN := $(BUILD)/tools/npualloc-replay
 
-$(REPLAY_BIN): tools/replay/replay.c tools/replay/replay_format.h interpose/include/npualloc.h \
-               interpose/include/npualloc_shm.h
+REPLAY_OBJ := $(BUILD)/obj/tools/replay/replay.o
+
+$(REPLAY_OBJ): tools/replay/replay.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -o $@ tools/replay/replay.c $(LDFLAGS_BASE) -ldl
+	$(CC) $(CFLAGS_BASE) -MMD -MP -c $< -o $@
+-include $(REPLAY_OBJ:.o=.d)
+
+$(REPLAY_BIN): $(REPLAY_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -o $@ $< $(LDFLAGS_BASE) -ldl
 
 npualloc/lib/npualloc-replay: $(REPLAY_BIN)
 	@mkdir -p $(dir $@)

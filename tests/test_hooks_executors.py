@@ -522,3 +522,44 @@ emit(queued=queued[0], rets=rets, reached_at_once=reached_at_once,
     assert proc.returncode == 0, proc.stderr
     assert out == {"queued": True, "rets": [0], "reached_at_once": 1, "violations": 0, "live": 0}
     assert proc.stderr == ""
+
+
+def test_a_reset_waits_for_its_device_without_holding_the_executor_lock():
+    """A reset synchronizes the device for the repeatable executors made on
+    it (npa_exec_settle). It did so holding the lock that making an executor
+    repeatable, or destroying one, takes: a thread doing either while the
+    device ran its queued work waited for all of it, and a host callback
+    that the synchronize waits for (on real CANN) would wait for good. Here
+    a thread makes an executor repeatable once the reset's synchronize has
+    begun; it returns while the launch before the reset is still queued."""
+    out, proc = run('''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+def worker(duration_us):
+    assert acl.rt.set_device(0) == 0
+    aclsim.set_op_duration_us(duration_us)
+    launch_fill(buf, 4096, 7, repeatable=True)
+    assert acl.rt.record_event(after, stream) == 0
+    assert acl.rt.reset_device(0) == 0  # not the last reference: the main thread holds device 0
+def make_repeatable(synchronizes_before):
+    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
+        pass
+    results.append(ops.set_repeatable(other))
+    results.append(acl.rt.query_event_status(after) == (0, 0))
+for retry in range(8):  # until the launch is seen still queued when the thread returns
+    other, st = ops.fill_get_workspace_size(buf, 4096, 8)[1:]
+    assert st == 0
+    results = []
+    maker = threading.Thread(target=make_repeatable, args=(aclsim.call_count("aclrtSynchronizeDevice"),))
+    maker.start()
+    thread = threading.Thread(target=worker, args=(50_000 << retry,))
+    thread.start(); thread.join(); maker.join()
+    assert acl.rt.synchronize_device() == 0 and ops.destroy_executor(other) == 0
+    if results[1]:
+        break
+emit(ret=results[0], queued=results[1], violations=aclsim.executor_violations())
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"ret": 0, "queued": True, "violations": 0}
+    assert proc.stderr == ""

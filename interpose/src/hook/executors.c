@@ -32,10 +32,12 @@
 /* A repeatable executor and the device its launches run on: -1 when unknown
  * (no device where it was made repeatable) or when a teardown settled it
  * (npa_exec_settle): then the destroying thread's device is fenced, as
- * that thread may have launched it since. */
+ * that thread may have launched it since. made_at orders it against a
+ * settle's synchronize, which runs without exec_lock. */
 typedef struct repeatable {
     aclOpExecutor *executor;
     int device;
+    uint64_t made_at;
 } repeatable;
 
 /* The device ids a settle tells apart (bit per device); beyond them, as
@@ -45,6 +47,7 @@ typedef struct repeatable {
 /* Open-addressing set of repeatable executors. */
 static repeatable *set_slots;
 static size_t set_cap, set_used, set_live; /* used counts tombstones too */
+static uint64_t set_generation;            /* the last made_at given */
 
 typedef struct deferred {
     aclOpExecutor *executor;
@@ -98,6 +101,8 @@ static int set_grow(void)
 
 static void set_insert(aclOpExecutor *e, int device)
 {
+    if (device >= SETTLED_DEVICES)
+        device = -1;
     if ((set_used + 1) * 2 > set_cap && set_grow() != 0) {
         npa_warn_once("out of host memory tracking aclnn executors; destroying one will be skipped");
         return;
@@ -106,7 +111,9 @@ static void set_insert(aclOpExecutor *e, int device)
     size_t tomb = SIZE_MAX;
     for (; set_slots[s].executor != NULL; s = (s + 1) & (set_cap - 1)) {
         if (set_slots[s].executor == e) {
-            set_slots[s].device = device; /* made repeatable twice: still one destroy to forward */
+            /* made repeatable twice: still one destroy to forward */
+            set_slots[s].device = device;
+            set_slots[s].made_at = ++set_generation;
             return;
         }
         if (set_slots[s].executor == TOMBSTONE && tomb == SIZE_MAX)
@@ -117,7 +124,7 @@ static void set_insert(aclOpExecutor *e, int device)
     } else {
         set_used++;
     }
-    set_slots[s] = (repeatable){e, device};
+    set_slots[s] = (repeatable){e, device, ++set_generation};
     set_live++;
 }
 
@@ -221,23 +228,31 @@ void npa_exec_drain(npa_drain how)
                       refused);
 }
 
+/* The synchronizes run without exec_lock: a host callback the device waits
+ * for may make an executor repeatable or destroy one, which takes the lock,
+ * and would wait for it for good. An executor made repeatable meanwhile
+ * keeps its device: its launch may have come after the synchronize began. */
 void npa_exec_settle(int device)
 {
     npa_mutex_lock(&exec_lock);
-    uint64_t made_on = 0, settled = 0;
+    uint64_t made_on = 0, settled = 0, made_before = set_generation;
     for (size_t i = 0; i < set_cap; i++) {
         int d = set_slots[i].device;
         aclOpExecutor *e = set_slots[i].executor;
         if (e != NULL && e != TOMBSTONE && d >= 0 && (device < 0 || d == device))
             made_on |= 1ull << d;
     }
+    npa_mutex_unlock(&exec_lock);
     for (int d = 0; d < SETTLED_DEVICES; d++)
         if ((made_on & (1ull << d)) && npa_hook_synchronize(d) == ACL_SUCCESS)
             settled |= 1ull << d;
-    for (size_t i = 0; settled != 0 && i < set_cap; i++) {
+    if (settled == 0)
+        return;
+    npa_mutex_lock(&exec_lock);
+    for (size_t i = 0; i < set_cap; i++) {
         int d = set_slots[i].device;
         aclOpExecutor *e = set_slots[i].executor;
-        if (e != NULL && e != TOMBSTONE && d >= 0 && (settled & (1ull << d)))
+        if (e != NULL && e != TOMBSTONE && d >= 0 && (settled & (1ull << d)) && set_slots[i].made_at <= made_before)
             set_slots[i].device = -1;
     }
     npa_mutex_unlock(&exec_lock);
@@ -254,7 +269,7 @@ NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
         int device = npa_hook_allocator() != NULL ? npa_thread_device() : npa_tls_device;
         npa_hook_register_handlers();
         npa_mutex_lock(&exec_lock);
-        set_insert(executor, device < SETTLED_DEVICES ? device : -1);
+        set_insert(executor, device);
         npa_mutex_unlock(&exec_lock);
     }
     npa_exec_poll();
@@ -347,7 +362,7 @@ void npa_exec_forget_after_fork(void)
     /* The parent owns its executors: the child must not destroy them. */
     if (set_slots != NULL)
         for (size_t i = 0; i < set_cap; i++)
-            set_slots[i] = (repeatable){NULL, -1};
+            set_slots[i] = (repeatable){NULL, -1, 0};
     set_used = set_live = 0;
     npending = 0;
     npa_entry_work_mark(NPA_WORK_EXECUTORS, false);

@@ -28,8 +28,8 @@
  *      Not taken by fork_prepare: the child re-initialises it.
  *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
- *      polls fences, synchronizes, and counts into a device's stats (5); a
- *      settle synchronizes.
+ *      polls fences, synchronizes, and counts into a device's stats (5). A
+ *      settle synchronizes between two holds of it, not under it.
  *   3. command lock (region.c g_command_lock): one thread applies another
  *      process's command; under it empty_cache, resets, snapshots and a
  *      memory fraction take the device locks one at a time (5; a memory

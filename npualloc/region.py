@@ -37,8 +37,10 @@ REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # What else a process leaves beside its region: snapshot files posted for a
 # requester that gave up waiting, and temporaries of a process that died while
 # writing (the region's own, and a snapshot's: .tmp.<pid>.<8 hex>, or .tmp.<pid>
-# as an npualloc before 2026-11-25 named it).
-LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.tmp|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
+# as an npualloc before 2026-11-25 named it), and a gone process's region that
+# a process killed while removing it had moved aside (.npualloc.<pid>.reap:
+# interpose/src/unlink_checked.h).
+LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|reap)|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy
 # tries SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat

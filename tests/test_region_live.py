@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import preload_env
+from conftest import compile_shim, preload_env, run_python
 from region_helpers import Workload, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
@@ -280,6 +280,71 @@ def test_the_next_process_removes_only_the_regions_of_gone_processes_of_its_user
         w.call("malloc(4096)")
         assert not held.exists()
         assert all(os.path.lexists(path) for path in left[1:])
+
+
+# Stands for a process with the same pid number (reused, or in another pid
+# namespace sharing the directory) renaming its fresh region over a leftover
+# at the one moment that matters: after the reaper's last look at the name,
+# before what it does to it. The first unlinkat or rename of $SWAP_NAME first
+# renames $SWAP_FROM over it.
+SWAP_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static void swap_once(int dir_fd, const char *name)
+{
+    static int done;
+    const char *swap_name = getenv("SWAP_NAME"), *swap_from = getenv("SWAP_FROM");
+    if (done || !swap_name || !swap_from || strcmp(name, swap_name) != 0)
+        return;
+    done = 1;
+    syscall(SYS_renameat2, dir_fd, swap_from, dir_fd, name, 0);
+}
+
+int unlinkat(int dir_fd, const char *name, int flags)
+{
+    swap_once(dir_fd, name);
+    return syscall(SYS_unlinkat, dir_fd, name, flags);
+}
+
+int renameat(int from_fd, const char *from, int to_fd, const char *to)
+{
+    swap_once(from_fd, from);
+    return syscall(SYS_renameat2, from_fd, from, to_fd, to, 0);
+}
+
+int renameat2(int from_fd, const char *from, int to_fd, const char *to, unsigned flags)
+{
+    swap_once(from_fd, from);
+    return syscall(SYS_renameat2, from_fd, from, to_fd, to, flags);
+}
+"""
+
+
+def test_the_reaper_removes_the_leftover_it_checked_not_a_region_renamed_over_it(shm: Path, tmp_path: Path) -> None:
+    """The name of a gone process's region is taken over by a live one (a
+    process with that pid number publishing) between the reaper's checks and
+    its removal: the live region was unlinked, its process running on
+    unseen. The reaper removes the inode it checked or nothing."""
+    dead = _dead_pid()
+    left = write_region(shm, dead, region_bytes(dead))
+    fresh = left.parent / ".fresh"
+    fresh.write_bytes(region_bytes(dead))
+    shim = compile_shim(tmp_path, "swap", SWAP_SHIM)
+    env = preload_env(NPUALLOC_SHM_DIR=str(shm), SWAP_NAME=left.name, SWAP_FROM=fresh.name)
+    env["LD_PRELOAD"] += f":{shim}"
+    with open(fresh, "rb") as holder:
+        fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives
+        live = os.fstat(holder.fileno()).st_ino
+        run_python("import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)", env)
+        assert not fresh.exists()  # it was renamed into place
+        assert left.exists() and left.stat().st_ino == live
+        assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []
 
 
 def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: int = -1, arg: float = 0.0) -> None:

@@ -12,12 +12,14 @@
  * layout whose process is gone twice over: its lock is free (region_lock.h:
  * it lives in no pid namespace) and its pid names no process here, a zombie,
  * or one started at another time (a region whose lock could not be taken
- * goes by the pid alone, as `ls` removes it). What is unlinked is that inode:
- * a process that reused the pid may have renamed its fresh region over it. */
+ * goes by the pid alone, as `ls` removes it). What is unlinked is that inode
+ * (unlink_checked.h): a process that reused the pid may have renamed its
+ * fresh region over it. */
 #define _GNU_SOURCE
 #include "region/region.h"
 #include "nomount.h"
 #include "region_lock.h"
+#include "unlink_checked.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -70,10 +72,8 @@ static void reap_one(int dir_fd, const char *name, pid_t pid)
                 pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h && h.magic == NPUALLOC_SHM_MAGIC &&
                 h.version == NPUALLOC_SHM_VERSION && h.pid == pid && ended(&h);
     close(fd);
-    struct stat named;
-    if (gone && npa_lstatat_no_mount(dir_fd, name, &named) == 0 && named.st_ino == opened.st_ino &&
-        named.st_dev == opened.st_dev)
-        unlinkat(dir_fd, name, 0);
+    if (gone)
+        (void)npa_unlink_checked(dir_fd, name, opened.st_dev, opened.st_ino);
 }
 
 void npa_region_reap(int dir_fd)

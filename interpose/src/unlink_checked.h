@@ -1,0 +1,38 @@
+/* Removing a name in a region directory only while it is the very file that
+ * was checked. The name can change hands at any moment: a process with the
+ * same pid number (reused, or in another pid namespace sharing the
+ * directory) renames its fresh region over a leftover, and an unlink by
+ * name after the last look removed that live region instead, its process
+ * running on unseen. There is no "unlink if this inode": the name is moved
+ * aside to one of this process's own (.npualloc.<pid>.reap, never replacing
+ * one) and what was moved is looked at: the checked inode is unlinked,
+ * anything else goes back (never over what took the name meanwhile). A
+ * process killed in between leaves the aside name, which `npualloc ls`
+ * removes once that pid is gone. Header-only: the interposer and the reader
+ * library both use it. */
+#ifndef NPA_UNLINK_CHECKED_H
+#define NPA_UNLINK_CHECKED_H
+
+#include "nomount.h"
+
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* 0 when name, still the file (dev, ino), was removed; -1 otherwise. */
+static inline int npa_unlink_checked(int dir_fd, const char *name, dev_t dev, ino_t ino)
+{
+    struct stat seen;
+    if (npa_lstatat_no_mount(dir_fd, name, &seen) != 0 || seen.st_dev != dev || seen.st_ino != ino)
+        return -1; /* it changed hands during the checks: nothing to move */
+    char aside[40];
+    snprintf(aside, sizeof aside, ".npualloc.%d.reap", (int)getpid());
+    if (renameat2(dir_fd, name, dir_fd, aside, RENAME_NOREPLACE) != 0)
+        return -1;
+    if (npa_lstatat_no_mount(dir_fd, aside, &seen) == 0 && seen.st_dev == dev && seen.st_ino == ino)
+        return unlinkat(dir_fd, aside, 0);
+    (void)renameat2(dir_fd, aside, dir_fd, name, RENAME_NOREPLACE);
+    return -1;
+}
+
+#endif

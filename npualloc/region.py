@@ -605,8 +605,10 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
 def _remove_stale(dir_fd: int, name: str, inode: int) -> None:
     try:
         info = lstat_no_mount(name, dir_fd)
-        # Same inode: not a fresh region a new process with this pid just renamed into place.
-        if info.st_ino == inode and info.st_uid == os.geteuid():
-            os.unlink(name, dir_fd=dir_fd)
     except OSError:
-        pass  # gone already, or not ours to remove
+        return  # gone already
+    # Same inode: not a fresh region a new process with this pid just renamed
+    # into place, neither now nor later, as it was unlinked by name
+    # (interpose/src/unlink_checked.h).
+    if info.st_ino == inode and info.st_uid == os.geteuid():
+        reader_library().npualloc_reader_unlink_checked(dir_fd, name.encode(), info.st_dev, inode)

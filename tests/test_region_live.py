@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compile_shim, preload_env, run_python
-from region_helpers import Workload, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
+from region_helpers import Workload, cli_env, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
 from npualloc._ffi import constants, ffi
@@ -326,6 +326,14 @@ int renameat2(int from_fd, const char *from, int to_fd, const char *to, unsigned
 """
 
 
+def _swapping(env: dict[str, str], tmp_path: Path, name: Path, fresh: Path) -> dict[str, str]:
+    """env with SWAP_SHIM preloaded last, to rename fresh over name."""
+    shim = compile_shim(tmp_path, "swap", SWAP_SHIM)
+    preloaded = env.get("LD_PRELOAD")
+    return dict(env, LD_PRELOAD=f"{preloaded}:{shim}" if preloaded else str(shim), SWAP_NAME=name.name,
+                SWAP_FROM=fresh.name)
+
+
 def test_the_reaper_removes_the_leftover_it_checked_not_a_region_renamed_over_it(shm: Path, tmp_path: Path) -> None:
     """The name of a gone process's region is taken over by a live one (a
     process with that pid number publishing) between the reaper's checks and
@@ -335,13 +343,29 @@ def test_the_reaper_removes_the_leftover_it_checked_not_a_region_renamed_over_it
     left = write_region(shm, dead, region_bytes(dead))
     fresh = left.parent / ".fresh"
     fresh.write_bytes(region_bytes(dead))
-    shim = compile_shim(tmp_path, "swap", SWAP_SHIM)
-    env = preload_env(NPUALLOC_SHM_DIR=str(shm), SWAP_NAME=left.name, SWAP_FROM=fresh.name)
-    env["LD_PRELOAD"] += f":{shim}"
+    env = _swapping(preload_env(NPUALLOC_SHM_DIR=str(shm)), tmp_path, left, fresh)
     with open(fresh, "rb") as holder:
         fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives
         live = os.fstat(holder.fileno()).st_ino
         run_python("import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)", env)
+        assert not fresh.exists()  # it was renamed into place
+        assert left.exists() and left.stat().st_ino == live
+        assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []
+
+
+def test_ls_removes_the_stale_region_it_checked_not_a_region_renamed_over_it(shm: Path, tmp_path: Path) -> None:
+    """The same moment for `ls`: its check of a dead pid's region (the
+    inode, the lock) and its removal by name."""
+    dead = _dead_pid()
+    left = write_region(shm, dead, region_bytes(dead))
+    fresh = left.parent / ".fresh"
+    fresh.write_bytes(region_bytes(dead))
+    with open(fresh, "rb") as holder:
+        fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives
+        live = os.fstat(holder.fileno()).st_ino
+        listed = subprocess.run([sys.executable, "-m", "npualloc", "ls"], capture_output=True, text=True, timeout=60,
+                                env=_swapping(cli_env(shm), tmp_path, left, fresh))
+        assert listed.returncode == 0, listed.stderr
         assert not fresh.exists()  # it was renamed into place
         assert left.exists() and left.stat().st_ino == live
         assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []

@@ -78,6 +78,10 @@ void npualloc_reader_close(npualloc_region_file *file);
  * cannot be told (no such file, another file, not a regular one). Opened as
  * npualloc_reader_open opens. */
 int32_t npualloc_reader_locked(int32_t dir_fd, const char *name, uint64_t inode);
+/* Removes the name in dir_fd while it is the file (device, inode) the
+ * caller checked, never one renamed over it since (unlink_checked.h): 0
+ * removed, -1 not (gone, another file now, or no rename without replace). */
+int32_t npualloc_reader_unlink_checked(int32_t dir_fd, const char *name, uint64_t device, uint64_t inode);
 
 /* A consistent copy of one device's stats: copied between two reads of an
  * even, unchanged seq, at most `attempts` times (a yield between two). BUSY

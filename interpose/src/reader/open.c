@@ -1,11 +1,12 @@
 /* Opening another process's region file without trusting it: the descriptor
  * is checked before a byte is read, the header before the mapping is handed
  * out, and nothing here can block on what another user planted at the name. */
-#define _GNU_SOURCE /* O_PATH (nomount.h) */
+#define _GNU_SOURCE /* O_PATH (nomount.h), renameat2 (unlink_checked.h) */
 #include "npualloc_reader.h"
 #include "guard.h"
 #include "nomount.h"
 #include "region_lock.h"
+#include "unlink_checked.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -129,4 +130,9 @@ int32_t npualloc_reader_locked(int32_t dir_fd, const char *name, uint64_t inode)
         fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && info.st_ino == inode ? npa_region_locked(fd) : -1;
     close(fd);
     return locked;
+}
+
+int32_t npualloc_reader_unlink_checked(int32_t dir_fd, const char *name, uint64_t device, uint64_t inode)
+{
+    return npa_unlink_checked(dir_fd, name, (dev_t)device, (ino_t)inode);
 }

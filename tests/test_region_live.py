@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import compile_shim, preload_env, run_python
+from conftest import SIM_LIB, compile_c, compile_shim, preload_env, run_python
 from region_helpers import Workload, cli_env, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
@@ -369,6 +369,72 @@ def test_ls_removes_the_stale_region_it_checked_not_a_region_renamed_over_it(shm
         assert not fresh.exists()  # it was renamed into place
         assert left.exists() and left.stat().st_ino == live
         assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []
+
+
+# A C service whose SIGTERM handler is libc's exit, the signal landing while
+# the thread is inside malloc: exit then runs the atexit handlers on that
+# thread with malloc's lock held. Its own malloc stands for glibc's, whose
+# arena lock a large request (above the thread cache's sizes) takes.
+EXIT_IN_MALLOC = r"""
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+extern void *__libc_malloc(size_t);
+static pthread_mutex_t malloc_lock = PTHREAD_MUTEX_INITIALIZER;
+static volatile int interrupt_next;
+
+void *malloc(size_t size)
+{
+    pthread_mutex_lock(&malloc_lock);
+    if (interrupt_next) {
+        interrupt_next = 0;
+        raise(SIGTERM);
+    }
+    void *p = __libc_malloc(size);
+    pthread_mutex_unlock(&malloc_lock);
+    return p;
+}
+
+int main(int argc, char **argv)
+{
+    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (!runtime)
+        return 2;
+    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
+    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
+    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
+    void *p = NULL;
+    if (init(NULL) != 0 || set_device(0) != 0 || npu_malloc(&p, 1 << 20, 0) != 0)
+        return 3;
+    signal(SIGTERM, (void (*)(int))exit);
+    interrupt_next = 1;
+    static void *volatile kept; /* a call the compiler cannot leave out */
+    kept = malloc(64 << 10);
+    return 4;
+}
+"""
+
+
+def test_exit_from_a_signal_handler_that_interrupted_malloc_ends_the_process(
+        shm: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The reaper at exit read the directory through opendir, whose buffer
+    is malloc'ed: on a thread interrupted inside malloc it waited for
+    malloc's lock, held by that same thread, for ever."""
+    program = compile_c(tmp_path_factory, "exit_in_malloc", EXIT_IN_MALLOC)
+    proc = subprocess.Popen([str(program), str(SIM_LIB / "libascendcl.so")],
+                            env=preload_env(NPUALLOC_SHM_DIR=str(shm)), stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the process never ended: {err}")
+    assert proc.returncode == 15, err  # exit(SIGTERM's number), from the handler
+    assert os.listdir(region_file(shm, proc.pid).parent) == []
 
 
 def _post_and_trigger(w: Workload, shm: Path, code: int, trigger: str, device: int = -1, arg: float = 0.0) -> None:

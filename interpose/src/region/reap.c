@@ -21,14 +21,15 @@
 #include "region_lock.h"
 #include "unlink_checked.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* The pid a region's name gives, npualloc.<pid> as the kernel writes pids
@@ -76,21 +77,36 @@ static void reap_one(int dir_fd, const char *name, pid_t pid)
         (void)npa_unlink_checked(dir_fd, name, opened.st_dev, opened.st_ino);
 }
 
+/* What getdents64 writes, one entry after another (the kernel's struct). */
+typedef struct dir_entry {
+    uint64_t ino;
+    int64_t next_offset;
+    unsigned short length;
+    unsigned char type;
+    char name[];
+} dir_entry;
+
 void npa_region_reap(int dir_fd)
 {
-    /* Its own description: readdir moves the offset, shared by a dup. */
+    /* Its own description: reading moves the offset, shared by a dup. Read
+     * with getdents64 into the stack, not readdir, whose DIR opendir
+     * mallocs: this runs at exit, also in an exit() called by a signal
+     * handler on a thread the signal caught inside malloc, which then
+     * waited for the lock that thread holds, for ever. */
     int list_fd = openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    DIR *dir = list_fd < 0 ? NULL : fdopendir(list_fd);
-    if (!dir) {
-        if (list_fd >= 0)
-            close(list_fd);
+    if (list_fd < 0)
         return;
-    }
     pid_t self = getpid();
-    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
-        pid_t pid = region_pid(e->d_name);
-        if (pid > 0 && pid != self)
-            reap_one(dir_fd, e->d_name, pid);
+    _Alignas(dir_entry) char entries[2048];
+    for (long n; (n = syscall(SYS_getdents64, list_fd, entries, sizeof entries)) > 0;) {
+        unsigned short length;
+        for (long at = 0; at < n; at += length) {
+            memcpy(&length, entries + at + offsetof(dir_entry, length), sizeof length);
+            const char *name = entries + at + offsetof(dir_entry, name);
+            pid_t pid = region_pid(name);
+            if (pid > 0 && pid != self)
+                reap_one(dir_fd, name, pid);
+        }
     }
-    closedir(dir);
+    close(list_fd);
 }

@@ -286,10 +286,12 @@ def test_the_next_process_removes_only_the_regions_of_gone_processes_of_its_user
 # namespace sharing the directory) renaming its fresh region over a leftover
 # at the one moment that matters: after the reaper's last look at the name,
 # before what it does to it. The first unlinkat or rename of $SWAP_NAME first
-# renames $SWAP_FROM over it.
+# renames $SWAP_FROM over it. With $NO_RENAME_NOREPLACE, renameat2 refuses
+# RENAME_NOREPLACE, as NFS does.
 SWAP_SHIM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -320,18 +322,26 @@ int renameat(int from_fd, const char *from, int to_fd, const char *to)
 
 int renameat2(int from_fd, const char *from, int to_fd, const char *to, unsigned flags)
 {
+    if ((flags & RENAME_NOREPLACE) && getenv("NO_RENAME_NOREPLACE")) { /* a file system without it */
+        errno = EINVAL;
+        return -1;
+    }
     swap_once(from_fd, from);
     return syscall(SYS_renameat2, from_fd, from, to_fd, to, flags);
 }
 """
 
 
-def _swapping(env: dict[str, str], tmp_path: Path, name: Path, fresh: Path) -> dict[str, str]:
-    """env with SWAP_SHIM preloaded last, to rename fresh over name."""
+def _with_shim(env: dict[str, str], tmp_path: Path, **settings: str) -> dict[str, str]:
+    """env with SWAP_SHIM preloaded last, set as settings say."""
     shim = compile_shim(tmp_path, "swap", SWAP_SHIM)
     preloaded = env.get("LD_PRELOAD")
-    return dict(env, LD_PRELOAD=f"{preloaded}:{shim}" if preloaded else str(shim), SWAP_NAME=name.name,
-                SWAP_FROM=fresh.name)
+    return dict(env, LD_PRELOAD=f"{preloaded}:{shim}" if preloaded else str(shim), **settings)
+
+
+def _swapping(env: dict[str, str], tmp_path: Path, name: Path, fresh: Path) -> dict[str, str]:
+    """env with SWAP_SHIM preloaded last, to rename fresh over name."""
+    return _with_shim(env, tmp_path, SWAP_NAME=name.name, SWAP_FROM=fresh.name)
 
 
 def test_the_reaper_removes_the_leftover_it_checked_not_a_region_renamed_over_it(shm: Path, tmp_path: Path) -> None:
@@ -351,6 +361,21 @@ def test_the_reaper_removes_the_leftover_it_checked_not_a_region_renamed_over_it
         assert not fresh.exists()  # it was renamed into place
         assert left.exists() and left.stat().st_ino == live
         assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []
+
+
+def test_stale_regions_go_where_the_file_system_cannot_rename_without_replacing(shm: Path, tmp_path: Path) -> None:
+    """Where renameat2 refuses RENAME_NOREPLACE (NFS), the reaper and `ls`
+    remove a gone process's region by name, as before, rather than never."""
+    dead = _dead_pid()
+    left = write_region(shm, dead, region_bytes(dead))
+    env = _with_shim(preload_env(NPUALLOC_SHM_DIR=str(shm)), tmp_path, NO_RENAME_NOREPLACE="1")
+    run_python("import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)", env)
+    assert not left.exists()
+    write_region(shm, dead, region_bytes(dead))
+    listed = subprocess.run([sys.executable, "-m", "npualloc", "ls"], capture_output=True, text=True, timeout=60,
+                            env=_with_shim(cli_env(shm), tmp_path, NO_RENAME_NOREPLACE="1"))
+    assert listed.returncode == 0, listed.stderr
+    assert not left.exists()
 
 
 def test_ls_removes_the_stale_region_it_checked_not_a_region_renamed_over_it(shm: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@
 
 #include "nomount.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -28,7 +29,9 @@ static inline int npa_unlink_checked(int dir_fd, const char *name, dev_t dev, in
     char aside[40];
     snprintf(aside, sizeof aside, ".npualloc.%d.reap", (int)getpid());
     if (renameat2(dir_fd, name, dir_fd, aside, RENAME_NOREPLACE) != 0)
-        return -1;
+        /* A file system without it (EINVAL: NFS; ENOSYS: Linux before
+         * 3.15): by name, as before, rather than never. */
+        return errno == EINVAL || errno == ENOSYS ? unlinkat(dir_fd, name, 0) : -1;
     if (npa_lstatat_no_mount(dir_fd, aside, &seen) == 0 && seen.st_dev == dev && seen.st_ino == ino)
         return unlinkat(dir_fd, aside, 0);
     (void)renameat2(dir_fd, aside, dir_fd, name, RENAME_NOREPLACE);

@@ -8,6 +8,7 @@ import select
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -157,7 +158,12 @@ WORKLOAD = textwrap.dedent("""
 
 class Workload:
     """A pyACL program under the simulator, npualloc preloaded unless told
-    otherwise; call() evaluates an expression in it."""
+    otherwise; call() evaluates an expression in it. A workload that gives
+    no line for ANSWER_LIMIT_S is killed, so a hung one fails its test (as
+    one that died) instead of holding the whole suite: no answer here takes
+    more than a second."""
+
+    ANSWER_LIMIT_S = 120
 
     def __init__(self, shm_dir: Path, preload: bool = True, **env: str):
         make_env = preload_env if preload else sim_env
@@ -165,7 +171,7 @@ class Workload:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
         self.stderr_text = ""
-        ready = self.proc.stdout.readline() if self.proc.stdout else ""
+        ready = self._line()
         if ready.strip() != '"ready"':
             self.close()
             raise AssertionError(f"workload did not start: {ready!r} {self.stderr()}")
@@ -174,13 +180,24 @@ class Workload:
         assert self.proc.stdin and self.proc.stdout
         self.proc.stdin.write(expression + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+        line = self._line()
         if not line:
             raise AssertionError(f"workload died on {expression!r}: {self.stderr()}")
         reply = json.loads(line)
         if "error" in reply:
             raise AssertionError(f"{expression!r} failed in the workload: {reply['error']}")
         return reply["value"]
+
+    def _line(self) -> str:
+        """The workload's next line; "" once it ended, or was killed for
+        giving none in time."""
+        assert self.proc.stdout
+        watchdog = threading.Timer(self.ANSWER_LIMIT_S, self.proc.kill)
+        watchdog.start()
+        try:
+            return self.proc.stdout.readline()
+        finally:
+            watchdog.cancel()
 
     def stderr(self) -> str:
         self.close()

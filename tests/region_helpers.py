@@ -156,6 +156,25 @@ WORKLOAD = textwrap.dedent("""
 """)
 
 
+# The start of a C program's main (dlfcn.h and stddef.h included before it):
+# the runtime library argv[1] names is loaded, and 1 MiB allocated through
+# the global lookup, which finds the preloaded npualloc first, as the
+# program's own call would. Exit 2: no runtime; 3: the allocation failed.
+MAIN_HOLDING_1_MIB = r"""
+int main(int argc, char **argv)
+{
+    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (!runtime)
+        return 2;
+    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
+    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
+    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
+    void *p = NULL;
+    if (init(NULL) != 0 || set_device(0) != 0 || npu_malloc(&p, 1 << 20, 0) != 0)
+        return 3;
+"""
+
+
 class Workload:
     """A pyACL program under the simulator, npualloc preloaded unless told
     otherwise; call() evaluates an expression in it. A workload that gives

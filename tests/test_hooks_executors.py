@@ -486,14 +486,11 @@ emit(rets=rets, live=aclsim.executors_live(), violations=aclsim.executor_violati
     assert proc.stderr == ""
 
 
-def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
-    """A worker thread launches a repeatable executor on device 0 and resets
-    the device, which the main thread still holds (not the last reference:
-    the runtime tears nothing down, and the launch runs on); a thread with
-    no device then destroys the executor. The reset synchronized the device
-    for the executors made on it, so the destroy may go to the runtime at
-    once: the launch is done. It went there under the queued launch."""
-    out, proc = run('''
+# A worker thread launches a repeatable executor on device 0 (into made),
+# records `after` behind it (whether it was still queued: into queued) and
+# resets the device, which the main thread still holds: not the last
+# reference, so the runtime tears nothing down and the launch runs on.
+RESET_BY_A_WORKER = '''
 import threading
 buf, _ = acl.rt.malloc(1 << 16, 0)
 after, _ = acl.rt.create_event()
@@ -504,6 +501,17 @@ def worker(duration_us):
     assert acl.rt.record_event(after, stream) == 0
     queued.append(acl.rt.query_event_status(after) == (0, 0))
     assert acl.rt.reset_device(0) == 0
+'''
+
+
+def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
+    """A worker thread launches a repeatable executor on device 0 and resets
+    the device, which the main thread still holds (not the last reference:
+    the runtime tears nothing down, and the launch runs on); a thread with
+    no device then destroys the executor. The reset synchronized the device
+    for the executors made on it, so the destroy may go to the runtime at
+    once: the launch is done. It went there under the queued launch."""
+    out, proc = run(RESET_BY_A_WORKER + '''
 for retry in range(8):  # until the launch is seen queued when the reset begins
     made, queued, rets = [], [], []
     thread = threading.Thread(target=worker, args=(50_000 << retry,))
@@ -532,16 +540,7 @@ def test_a_reset_waits_for_its_device_without_holding_the_executor_lock():
     that the synchronize waits for (on real CANN) would wait for good. Here
     a thread makes an executor repeatable once the reset's synchronize has
     begun; it returns while the launch before the reset is still queued."""
-    out, proc = run('''
-import threading
-buf, _ = acl.rt.malloc(1 << 16, 0)
-after, _ = acl.rt.create_event()
-def worker(duration_us):
-    assert acl.rt.set_device(0) == 0
-    aclsim.set_op_duration_us(duration_us)
-    launch_fill(buf, 4096, 7, repeatable=True)
-    assert acl.rt.record_event(after, stream) == 0
-    assert acl.rt.reset_device(0) == 0  # not the last reference: the main thread holds device 0
+    out, proc = run(RESET_BY_A_WORKER + '''
 def make_repeatable(synchronizes_before):
     while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
         pass
@@ -550,7 +549,7 @@ def make_repeatable(synchronizes_before):
 for retry in range(8):  # until the launch is seen still queued when the thread returns
     other, st = ops.fill_get_workspace_size(buf, 4096, 8)[1:]
     assert st == 0
-    results = []
+    made, queued, results = [], [], []
     maker = threading.Thread(target=make_repeatable, args=(aclsim.call_count("aclrtSynchronizeDevice"),))
     maker.start()
     thread = threading.Thread(target=worker, args=(50_000 << retry,))

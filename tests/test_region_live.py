@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SIM_LIB, compile_c, compile_shim, preload_env, run_python
-from region_helpers import Workload, cli_env, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
+from region_helpers import MAIN_HOLDING_1_MIB, Workload, cli_env, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
 from npualloc._ffi import constants, ffi
@@ -424,17 +424,7 @@ void *malloc(size_t size)
     return p;
 }
 
-int main(int argc, char **argv)
-{
-    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
-    if (!runtime)
-        return 2;
-    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
-    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
-    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
-    void *p = NULL;
-    if (init(NULL) != 0 || set_device(0) != 0 || npu_malloc(&p, 1 << 20, 0) != 0)
-        return 3;
+""" + MAIN_HOLDING_1_MIB + r"""
     signal(SIGTERM, (void (*)(int))exit);
     interrupt_next = 1;
     static void *volatile kept; /* a call the compiler cannot leave out */

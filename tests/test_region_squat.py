@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 from conftest import SIM_LIB, preload_env
-from region_helpers import Workload, assert_one_line_error, region_bytes, run_cli
+from region_helpers import MAIN_HOLDING_1_MIB, Workload, assert_one_line_error, region_bytes, run_cli
 
 import npualloc
 from npualloc.region import Region
@@ -164,18 +164,7 @@ VICTIM = r"""
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdio.h>
-int main(int argc, char **argv)
-{
-    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
-    if (!runtime)
-        return 2;
-    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
-    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
-    /* The global lookup finds the preloaded npualloc first, as a program's own call would. */
-    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
-    void *p = NULL;
-    if (init(NULL) != 0 || set_device(0) != 0 || npu_malloc(&p, 1 << 20, 0) != 0)
-        return 3;
+""" + MAIN_HOLDING_1_MIB + r"""
     printf("ready\n");
     fflush(stdout);
     getchar(); /* held until the test is done */

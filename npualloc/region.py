@@ -39,7 +39,7 @@ REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # writing (the region's own, and a snapshot's: .tmp.<pid>.<8 hex>, or .tmp.<pid>
 # as an npualloc before 2026-11-25 named it), and a gone process's region that
 # a process killed while removing it had moved aside (.npualloc.<pid>.reap:
-# interpose/src/unlink_checked.h).
+# interpose/src/unlink_checked.h; a live region there goes back instead).
 LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|reap)|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy
@@ -588,7 +588,7 @@ def read_live_regions(read: Callable[[int, Region], T],
 
 def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
     match = LEFTOVER_NAME.fullmatch(name)
-    if match is None:
+    if match is None or (name.endswith(".reap") and _put_back_if_held(dir_fd, name)):
         return
     pid = int(match.group(1) or match.group(2))
     try:
@@ -600,6 +600,43 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
             _remove_stale(dir_fd, name, lstat_no_mount(name, dir_fd).st_ino)
         except OSError:
             pass  # gone already
+
+
+def _put_back_if_held(dir_fd: int, name: str) -> bool:
+    """Whether name, a reaper's aside name, holds a region whose process
+    lives (its lock is held), which is then never removed: a reaper moves a
+    name aside before it looks at what it moved, and a live region renamed
+    over a leftover at that moment stays there when the reaper is killed
+    before it puts it back, or finds its name taken. Ours goes back under
+    its own name, npualloc.<pid>, unless another file took that."""
+    try:
+        info = lstat_no_mount(name, dir_fd)
+    except OSError:
+        return False  # gone already
+    if info.st_uid != os.geteuid():
+        return True  # another user's, in a directory root lists: theirs, never opened nor removed
+    if reader_library().npualloc_reader_locked(dir_fd, name.encode(), info.st_ino) != 1:
+        return False
+    try:
+        fd = open_no_mount(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd)
+    except OSError:
+        return True
+    try:
+        same = os.fstat(fd).st_ino == info.st_ino
+        data = bytearray(os.pread(fd, ffi.sizeof("npualloc_region_header"), 0))
+    finally:
+        os.close(fd)
+    if not same or len(data) != ffi.sizeof("npualloc_region_header"):
+        return True
+    header = ffi.from_buffer("npualloc_region_header *", data)
+    if header.magic != constants.NPUALLOC_SHM_MAGIC or header.version != constants.NPUALLOC_SHM_VERSION or header.pid <= 0:
+        return True  # held, yet not a region of this layout: where it goes is not ours to tell
+    try:
+        os.link(name, f"npualloc.{header.pid}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return True  # the name is taken (or the link refused): left aside, never removed
+    reader_library().npualloc_reader_unlink_checked(dir_fd, name.encode(), info.st_dev, info.st_ino)
+    return True
 
 
 def _remove_stale(dir_fd: int, name: str, inode: int) -> None:

@@ -396,6 +396,30 @@ def test_ls_removes_the_stale_region_it_checked_not_a_region_renamed_over_it(shm
         assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []
 
 
+
+@pytest.mark.parametrize("aside_of", ["gone", "live"])
+def test_ls_puts_back_a_live_region_left_under_a_reapers_aside_name(shm: Path, aside_of: str) -> None:
+    """A reaper moves a name aside (.npualloc.<pid>.reap) before it looks at
+    what it moved, so a live region renamed over a leftover at that moment
+    sits there until it is put back; a reaper killed in between (gone), or
+    whose put-back found the name taken (live), leaves it there. `ls` then
+    removed it as the dead reaper's leftover (the process ran on unseen, its
+    file gone) or left it hidden from every listing. A region whose lock is
+    held goes back under its own name instead."""
+    reaper = _dead_pid() if aside_of == "gone" else os.getpid()
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        path = region_file(shm, w.pid)
+        inode = path.stat().st_ino
+        path.rename(path.parent / f".npualloc.{reaper}.reap")
+        assert run_cli(["ls"], shm).returncode == 0
+        assert path.exists() and path.stat().st_ino == inode
+        assert [name for name in os.listdir(path.parent) if name.startswith(".")] == []
+        rows = json.loads(run_cli(["ls", "--json"], shm).stdout)
+        assert [row["pid"] for row in rows] == [w.pid]
+        assert w.close() == 0
+    assert os.listdir(path.parent) == []
+
 # A C service whose SIGTERM handler is libc's exit, the signal landing while
 # the thread is inside malloc: exit then runs the atexit handlers on that
 # thread with malloc's lock held. Its own malloc stands for glibc's, whose

@@ -562,3 +562,80 @@ emit(ret=results[0], queued=results[1], violations=aclsim.executor_violations())
     assert proc.returncode == 0, proc.stderr
     assert out == {"ret": 0, "queued": True, "violations": 0}
     assert proc.stderr == ""
+
+
+def test_a_destroy_refused_during_a_resets_synchronize_leaves_the_executor_settled():
+    """A destroy of a repeatable executor made on device 0 comes while a
+    reset of device 0 synchronizes it (npa_exec_settle, outside the lock),
+    and the runtime refuses it: the executor, still live there, is tracked
+    again. It was so under its device 0 and a new generation, which the
+    settle's second look took for one made after its synchronize began (or
+    missed, the destroy being deferred and refused later), so a thread on
+    device 1 launching it after the reset then destroyed it behind a fence
+    on device 0, under the queued launch on device 1."""
+    out, proc = run('''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+def worker(duration_us):
+    assert acl.rt.set_device(0) == 0
+    aclsim.set_op_duration_us(duration_us)
+    made.append(launch_fill(buf, 4096, 7, repeatable=True)[0])
+    assert acl.rt.record_event(after, stream) == 0
+    assert acl.rt.reset_device(0) == 0  # not the last reference: the main thread holds device 0
+def refused_destroy(synchronizes_before):
+    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before or not made:
+        pass
+    aclsim.fail_next_calls("aclDestroyAclOpExecutor", 1, 561103)
+    rets.append(ops.destroy_executor(made[0]))
+    queued.append(acl.rt.query_event_status(after) == (0, 0))
+for retry in range(8):  # until the destroy is seen inside the reset's synchronize
+    made, queued, rets = [], [], []
+    destroyer = threading.Thread(target=refused_destroy, args=(aclsim.call_count("aclrtSynchronizeDevice"),))
+    destroyer.start()
+    thread = threading.Thread(target=worker, args=(50_000 << retry,))
+    thread.start(); thread.join(); destroyer.join()
+    if queued[0]:
+        break
+assert acl.rt.synchronize_device() == 0
+acl.rt.malloc(512, 0)  # drains the deferred destroy: refused
+live = aclsim.executors_live()
+def relaunch_and_destroy():
+    assert acl.rt.set_device(1) == 0
+    other, _ = acl.rt.create_stream()
+    ws, _ = acl.rt.malloc(1 << 16, 0)
+    aclsim.set_op_duration_us(200_000)
+    assert ops.fill(ws, 1 << 16, made[0], other) == 0
+    rets.append(ops.destroy_executor(made[0]))
+    assert acl.rt.synchronize_stream(other) == 0
+    acl.rt.malloc(512, 0)
+violations_before = aclsim.executor_violations()
+thread = threading.Thread(target=relaunch_and_destroy)
+thread.start(); thread.join()
+emit(queued=queued[0], rets=rets, live=[live, aclsim.executors_live()],
+     violations=aclsim.executor_violations() - violations_before)
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "rets": [0, 0], "live": [1, 0], "violations": 0}
+
+
+def test_a_context_destroy_after_the_last_reset_enters_no_device():
+    """A repeatable executor made on device 0, the device then reset for
+    good (settled), and a context destroyed on device 1, which settles every
+    device: device 0 is not synchronized again (entered again, on real
+    hardware), as no executor made on it is left unsettled."""
+    out, proc = run('''
+buf, _ = acl.rt.malloc(1 << 16, 0)
+aclsim.set_op_duration_us(0)
+made, _ = launch_fill(buf, 4096, 7, repeatable=True)
+assert acl.rt.destroy_stream(stream) == 0 and acl.rt.reset_device(0) == 0
+names = ("aclrtSynchronizeDevice",)
+before = {name: aclsim.call_count(name) for name in names}
+context, ret = acl.rt.create_context(1); assert ret == 0
+assert acl.rt.destroy_context(context) == 0
+emit(calls={name: aclsim.call_count(name) - before[name] for name in names}, ret=ops.destroy_executor(made),
+     live=aclsim.executors_live())
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"calls": {"aclrtSynchronizeDevice": 0}, "ret": 0, "live": 0}
+    assert proc.stderr == ""

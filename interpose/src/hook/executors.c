@@ -30,10 +30,11 @@
 #define TOMBSTONE ((aclOpExecutor *)(uintptr_t)1)
 
 /* A repeatable executor and the device its launches run on: -1 when unknown
- * (no device where it was made repeatable) or when a teardown settled it
- * (npa_exec_settle): then the destroying thread's device is fenced, as
- * that thread may have launched it since. made_at orders it against a
- * settle's synchronize, which runs without exec_lock. */
+ * (no device where it was made repeatable). made_at orders it against a
+ * teardown's synchronize of that device (npa_exec_settle), which runs
+ * without exec_lock: one made before it began is settled, and then the
+ * destroying thread's device is fenced, as that thread may have launched
+ * it since. */
 typedef struct repeatable {
     aclOpExecutor *executor;
     int device;
@@ -48,11 +49,17 @@ typedef struct repeatable {
 static repeatable *set_slots;
 static size_t set_cap, set_used, set_live; /* used counts tombstones too */
 static uint64_t set_generation;            /* the last made_at given */
+/* Per device, the last made_at a settle's synchronize covered. Kept apart
+ * from the entries: a destroy between a settle's two holds takes its entry
+ * out, and one the runtime refuses puts it back (made_at unchanged) after
+ * the settle may have looked. */
+static uint64_t settled_through[SETTLED_DEVICES];
 
 typedef struct deferred {
     aclOpExecutor *executor;
     void *fence;
     int device;
+    uint64_t made_at;
 } deferred;
 static deferred *pending;
 static size_t npending, cap_pending;
@@ -99,10 +106,13 @@ static int set_grow(void)
     return 0;
 }
 
-static void set_insert(aclOpExecutor *e, int device)
+/* made_at 0: made repeatable now; else the executor's own, given back. */
+static void set_insert(aclOpExecutor *e, int device, uint64_t made_at)
 {
     if (device >= SETTLED_DEVICES)
         device = -1;
+    if (made_at == 0)
+        made_at = ++set_generation;
     if ((set_used + 1) * 2 > set_cap && set_grow() != 0) {
         npa_warn_once("out of host memory tracking aclnn executors; destroying one will be skipped");
         return;
@@ -111,9 +121,10 @@ static void set_insert(aclOpExecutor *e, int device)
     size_t tomb = SIZE_MAX;
     for (; set_slots[s].executor != NULL; s = (s + 1) & (set_cap - 1)) {
         if (set_slots[s].executor == e) {
-            /* made repeatable twice: still one destroy to forward */
-            set_slots[s].device = device;
-            set_slots[s].made_at = ++set_generation;
+            /* made repeatable twice: still one destroy to forward, and
+             * its launches on the device of the later making */
+            if (made_at > set_slots[s].made_at)
+                set_slots[s] = (repeatable){e, device, made_at};
             return;
         }
         if (set_slots[s].executor == TOMBSTONE && tomb == SIZE_MAX)
@@ -124,18 +135,21 @@ static void set_insert(aclOpExecutor *e, int device)
     } else {
         set_used++;
     }
-    set_slots[s] = (repeatable){e, device, ++set_generation};
+    set_slots[s] = (repeatable){e, device, made_at};
     set_live++;
 }
 
-/* Whether e was repeatable; if so *device is its launches' device. */
-static int set_remove(aclOpExecutor *e, int *device)
+/* Whether e was repeatable; if so *device is its launches' device, -1
+ * once a settle covered them, and *made_at its generation. */
+static int set_remove(aclOpExecutor *e, int *device, uint64_t *made_at)
 {
     if (set_cap == 0)
         return 0;
     for (size_t s = slot_of(e, set_cap); set_slots[s].executor != NULL; s = (s + 1) & (set_cap - 1))
         if (set_slots[s].executor == e) {
-            *device = set_slots[s].device;
+            int d = set_slots[s].device;
+            *made_at = set_slots[s].made_at;
+            *device = d >= 0 && *made_at <= settled_through[d] ? -1 : d;
             set_slots[s].executor = TOMBSTONE;
             set_live--;
             return 1;
@@ -172,12 +186,12 @@ static aclnnStatus forward_destroy(aclOpExecutor *e, int device)
  * caller's. One it refused leaves the executor live there, and the caller,
  * told so, may destroy it again: it stays repeatable to us, so that the
  * retry reaches the runtime instead of being skipped as a second destroy. */
-static aclnnStatus destroy_now(aclOpExecutor *e, int device)
+static aclnnStatus destroy_now(aclOpExecutor *e, int device, uint64_t made_at)
 {
     aclnnStatus ret = forward_destroy(e, device);
     if (ret != ACLNN_SUCCESS) {
         npa_mutex_lock(&exec_lock);
-        set_insert(e, device);
+        set_insert(e, device, made_at);
         npa_mutex_unlock(&exec_lock);
     }
     return ret;
@@ -214,7 +228,7 @@ void npa_exec_drain(npa_drain how)
         aclnnStatus ret = forward_destroy(d->executor, d->device);
         if (ret != ACLNN_SUCCESS) {
             /* Still live in the runtime: a later destroy of it goes there. */
-            set_insert(d->executor, d->device);
+            set_insert(d->executor, d->device, d->made_at);
             refused = ret;
         }
     }
@@ -239,7 +253,10 @@ void npa_exec_settle(int device)
     for (size_t i = 0; i < set_cap; i++) {
         int d = set_slots[i].device;
         aclOpExecutor *e = set_slots[i].executor;
-        if (e != NULL && e != TOMBSTONE && d >= 0 && (device < 0 || d == device))
+        /* One a settle covered already may be on a device reset for good:
+         * its synchronize would enter the device again. */
+        if (e != NULL && e != TOMBSTONE && d >= 0 && set_slots[i].made_at > settled_through[d] &&
+            (device < 0 || d == device))
             made_on |= 1ull << d;
     }
     npa_mutex_unlock(&exec_lock);
@@ -249,12 +266,9 @@ void npa_exec_settle(int device)
     if (settled == 0)
         return;
     npa_mutex_lock(&exec_lock);
-    for (size_t i = 0; i < set_cap; i++) {
-        int d = set_slots[i].device;
-        aclOpExecutor *e = set_slots[i].executor;
-        if (e != NULL && e != TOMBSTONE && d >= 0 && (settled & (1ull << d)) && set_slots[i].made_at <= made_before)
-            set_slots[i].device = -1;
-    }
+    for (int d = 0; d < SETTLED_DEVICES; d++)
+        if ((settled & (1ull << d)) && settled_through[d] < made_before)
+            settled_through[d] = made_before;
     npa_mutex_unlock(&exec_lock);
 }
 
@@ -269,7 +283,7 @@ NPA_EXPORT aclnnStatus aclSetAclOpExecutorRepeatable(aclOpExecutor *executor)
         int device = npa_hook_allocator() != NULL ? npa_thread_device() : npa_tls_device;
         npa_hook_register_handlers();
         npa_mutex_lock(&exec_lock);
-        set_insert(executor, device);
+        set_insert(executor, device, 0);
         npa_mutex_unlock(&exec_lock);
     }
     npa_exec_poll();
@@ -290,8 +304,9 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
     bool serving = npa_hook_allocator() != NULL;
     int current = serving ? npa_thread_device() : npa_tls_device;
     int device = -1;
+    uint64_t made_at = 0;
     npa_mutex_lock(&exec_lock);
-    int repeatable = set_remove(executor, &device);
+    int repeatable = set_remove(executor, &device, &made_at);
     npa_mutex_unlock(&exec_lock);
     if (!repeatable) {
         /* Phase 2 destroyed it already, or this is a second destroy. */
@@ -308,7 +323,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
          * was made repeatable, or a teardown synchronized it, and none on
          * this thread), or the fence synchronized the device instead:
          * nothing left to wait for. */
-        return destroy_now(executor, device);
+        return destroy_now(executor, device, made_at);
     }
     npa_mutex_lock(&exec_lock);
     if (npending == cap_pending) {
@@ -321,12 +336,12 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
             npa_fence_release(NULL, fence);
             if (!done)
                 return keep(device);
-            return destroy_now(executor, device);
+            return destroy_now(executor, device, made_at);
         }
         pending = np;
         cap_pending = ncap;
     }
-    pending[npending++] = (deferred){executor, fence, device};
+    pending[npending++] = (deferred){executor, fence, device, made_at};
     npa_entry_work_mark(NPA_WORK_EXECUTORS, true);
     npa_mutex_unlock(&exec_lock);
     npa_exec_poll();

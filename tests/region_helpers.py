@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import textwrap
@@ -180,14 +181,16 @@ class Workload:
     otherwise; call() evaluates an expression in it. A workload that gives
     no line for ANSWER_LIMIT_S is killed, so a hung one fails its test (as
     one that died) instead of holding the whole suite: no answer here takes
-    more than a second."""
+    more than a second. It leads a process group of its own, which the kill
+    ends whole: a child it forked holds its stdout too."""
 
     ANSWER_LIMIT_S = 120
 
     def __init__(self, shm_dir: Path, preload: bool = True, **env: str):
         make_env = preload_env if preload else sim_env
         self.proc = subprocess.Popen([sys.executable, "-c", WORKLOAD], env=make_env(NPUALLOC_SHM_DIR=str(shm_dir), **env),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         self.pid = self.proc.pid
         self.stderr_text = ""
         ready = self._line()
@@ -211,12 +214,19 @@ class Workload:
         """The workload's next line; "" once it ended, or was killed for
         giving none in time."""
         assert self.proc.stdout
-        watchdog = threading.Timer(self.ANSWER_LIMIT_S, self.proc.kill)
+        watchdog = threading.Timer(self.ANSWER_LIMIT_S, self._kill_group)
         watchdog.start()
         try:
             return self.proc.stdout.readline()
         finally:
             watchdog.cancel()
+
+    def _kill_group(self) -> None:
+        """The workload and what it forked (the group outlives its leader
+        while a member is left). Once the workload was reaped, its number
+        may be another's: nothing is signalled then."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def stderr(self) -> str:
         self.close()

@@ -56,6 +56,24 @@ def test_created_at_first_allocation_private_and_removed_at_exit(shm: Path) -> N
     assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
 
 
+
+def test_a_long_config_reads_whole_from_another_process(shm: Path) -> None:
+    """The region's config text was 512 bytes: get_config(pid=) gave a
+    config of many keys with a long oom_snapshot path (it comes last) cut at
+    511 bytes, inside the path, where get_config() in the process gives it
+    whole (613 bytes here; 836 at most: test_config.c)."""
+    path = shm / ("d" * 150) / "oom.pickle"
+    divisions = ",".join(f"{1 << i}:{1 << (i % 5)}" for i in range(15))
+    config = (f"max_split_size_mb:123456789,max_non_split_rounding_mb:123456789,"
+              f"garbage_collection_threshold:0.123456789012345,roundup_power2_divisions:[{divisions},>:1],"
+              f"per_process_memory_fraction:0.123456789012345,reuse_policy:eager,record_history:1000,"
+              f"record_stacks:python,recent_blocks:3,oom_snapshot:{path}")
+    with Workload(shm, PYTORCH_NPU_ALLOC_CONF=config) as w:
+        w.call(f"malloc({MiB})")
+        inside = w.call("npualloc.get_config()")
+        assert len(inside) > 512 and inside.endswith(f"oom_snapshot:{path}")
+        assert npualloc.get_config(pid=w.pid) == inside
+
 def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
     with Workload(shm) as w:
         for size in (512, 300_000, MiB, 12 * MiB, 40 * MiB):

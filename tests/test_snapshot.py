@@ -474,7 +474,7 @@ def test_a_long_config_goes_whole_into_the_snapshot(tmp_path: Path) -> None:
         w.call(f"malloc({MiB})")
         w.call(f"npualloc.dump_snapshot({str(out)!r})")
         inside = w.call("npualloc.get_config()")
-    assert len(inside) > constants.NPUALLOC_CONFIG_LEN and inside.endswith(f"oom_snapshot:{path}")
+    assert len(inside) > 512 and inside.endswith(f"oom_snapshot:{path}")
     assert pickle.loads(out.read_bytes())["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == inside
 
 

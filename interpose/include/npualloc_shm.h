@@ -25,7 +25,7 @@
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
 #define NPUALLOC_SHM_VERSION 7
 #define NPUALLOC_MAX_DEVICES 16
-#define NPUALLOC_CONFIG_LEN 512
+#define NPUALLOC_CONFIG_LEN 1024 /* the longest config text, every key at its longest, is 836 */
 #define NPUALLOC_CMDLINE_LEN 256
 
 /* Pool index of every per-pool stat, as torch's "all", "small_pool", "large_pool". */
@@ -157,7 +157,7 @@ typedef struct npualloc_region_header {
     uint32_t uid;
     uint64_t start_time;     /* /proc/<pid>/stat field 22: tells a reused pid apart */
     uint64_t created_unix_ns;
-    char config[512];        /* the config in force, canonical key:value form */
+    char config[1024];       /* the config in force, canonical key:value form, whole (512 before version 7) */
     char cmdline[256];
     uint32_t device_count;   /* highest device index in use + 1 */
     uint32_t pad0;

@@ -317,6 +317,35 @@ static void test_fuzz(void) {
     CHECK_EQ(multi_line_warnings, 0);
 }
 
+/* Every key at its longest (the list form of roundup_power2_divisions with
+ * each interval at the largest divisions, the doubles needing 17 digits and
+ * an exponent, a path as long as oom_snapshot holds) still fits the
+ * region's config text (836 bytes of its 1024): readers of another process see it whole, as
+ * get_config() in the process does. */
+static void test_longest_text_fits_the_region(void) {
+    char text[4096];
+    int n = snprintf(text, sizeof text,
+                     "max_split_size_mb:%zu,max_non_split_rounding_mb:%zu,"
+                     "garbage_collection_threshold:1.0000000000000002e-300,"
+                     "per_process_memory_fraction:1.0000000000000002e-300,reuse_policy:eager,record_history:%llu,"
+                     "record_stacks:python,record_context:all,recent_blocks:10,roundup_power2_divisions:[",
+                     SIZE_MAX / MiB, SIZE_MAX / MiB, (unsigned long long)NPUALLOC_MAX_RECORD_HISTORY);
+    for (int i = 0; i < NPA_ROUNDUP_INTERVALS; i++)
+        n += snprintf(text + n, sizeof text - (size_t)n, "%s%zu:%u", i ? "," : "", (size_t)1 << i, 1u << (31 - i % 2));
+    n += snprintf(text + n, sizeof text - (size_t)n, "],oom_snapshot:/");
+    npa_config c;
+    memset(text + n, 'p', sizeof c.oom_snapshot - 2);
+    text[n + sizeof c.oom_snapshot - 2] = '\0';
+    warnings w;
+    CHECK_EQ(parse(text, &c, &w), 0);
+    c.expandable_segments = true; /* refused beside max_split_size, but a run-time key: the struct may hold both */
+    char big[4096];
+    size_t length = npa_config_format(&c, big, sizeof big);
+    CHECK_EQ(length, strlen(big));
+    CHECK(length >= 700); /* every key there */
+    CHECK(length < NPUALLOC_CONFIG_LEN);
+}
+
 int main(void) {
     RUN(test_valid_keys);
     RUN(test_syntax_variants);
@@ -326,6 +355,7 @@ int main(void) {
     RUN(test_expandable_segments);
     RUN(test_many_bad_entries_warn_a_few_then_a_count);
     RUN(test_format_round_trip);
+    RUN(test_longest_text_fits_the_region);
     RUN(test_fuzz);
     return check_report();
 }

@@ -315,13 +315,8 @@ static void trace_dict(const npa_trace_view *e, void *arg) {
     close_dict(b);
 }
 
-/* Room for the whole config text, every key at its longest (some 800
- * bytes): the region's NPUALLOC_CONFIG_LEN cuts the longest, inside the
- * oom_snapshot path that ends it. */
-#define SETTINGS_TEXT_LEN (2 * NPUALLOC_CONFIG_LEN)
-
 static void allocator_settings(pickle_buffer *b, const npa_config *config, double gc_threshold) {
-    char text[SETTINGS_TEXT_LEN];
+    char text[NPUALLOC_CONFIG_LEN]; /* the whole config text, as the region holds it (test_config) */
     npa_config_format(config, text, sizeof text);
     open_dict(b);
     str_value(b, "PYTORCH_CUDA_ALLOC_CONF"), str_value(b, text);

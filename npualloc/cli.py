@@ -120,9 +120,9 @@ def _snapshot(pid: int, device: int | None) -> dict[str, Any]:
     with Region(pid) as region:
         header = region.header()
         in_use = region.devices_in_use()
-        asked = [memory.device_index(device)] if device is not None else in_use
-        # A device the process never allocated on has no figures, not zeros (device_index refused one
-        # out of range).
+        asked = [memory.region_device(region, device)] if device is not None else in_use
+        # A device the process never allocated on has no figures, not zeros (region_device refused one
+        # out of range or past the devices its runtime sees).
         unused = [d for d in asked if d not in in_use]
         return {
             "pid": pid,
@@ -332,7 +332,7 @@ def cmd_empty_cache(args: argparse.Namespace) -> int:
         memory.empty_cache(pid=args.pid, timeout=args.timeout)
     else:  # one device: post the command directly, memory.empty_cache is torch's all-devices call
         with Region(args.pid, writable=True) as region:
-            region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, memory.device_index(args.device),
+            region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, memory.region_device(region, args.device),
                                 timeout=args.timeout)
     sys.stdout.write(f"process {args.pid}: cache emptied\n")
     return 0
@@ -376,8 +376,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_reset_peak(args: argparse.Namespace) -> int:
     # Without --device every device in use (-1), as its help says: memory.reset_peak_memory_stats's
     # default is one device, torch's current one.
-    device = -1 if args.device is None else memory.device_index(args.device)
     with Region(args.pid, writable=True) as region:
+        device = -1 if args.device is None else memory.region_device(region, args.device)
         region.post_command(constants.NPUALLOC_CMD_RESET_PEAK, device, timeout=args.timeout)
     sys.stdout.write(f"process {args.pid}: peak stats reset\n")
     return 0

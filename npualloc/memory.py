@@ -98,10 +98,13 @@ def _own_device(lib: Any, device: object) -> int:
     """device_index() of a device of this process, refused past the devices
     the runtime sees, as torch refuses them: their stats read all zeros."""
     index = device_index(device)
-    count = lib.npualloc_device_count()
+    _check_device_count(device, index, lib.npualloc_device_count())
+    return index
+
+
+def _check_device_count(device: object, index: int, count: int) -> None:
     if 0 <= count <= index:
         raise ValueError(f"invalid device {device!r}: the runtime sees {count} device(s)")
-    return index
 
 
 def parse_decimal(text: str) -> int | None:
@@ -151,11 +154,18 @@ def device_index(device: object, current: int | None = None) -> int:
     return index
 
 
-def _region_device(region: Region, device: object) -> int:
-    """Outside the process its current device is unknown: default to the first
-    device it allocated on."""
+def region_device(region: Region, device: object) -> int:
+    """device_index() of a device of the region's process, refused past the
+    devices its runtime sees, as _own_device refuses them in the process
+    (not checked where the process did not record the count). Outside the
+    process its current device is unknown: default to the first device it
+    allocated on."""
     in_use = region.devices_in_use()
-    return device_index(device, current=in_use[0] if in_use else 0)
+    index = device_index(device, current=in_use[0] if in_use else 0)
+    count = region.runtime_device_count()
+    if count:
+        _check_device_count(device, index, count)
+    return index
 
 
 def _raw_stats(device: object, pid: int | None, saver: bool = False) -> tuple[Any, Any, int]:
@@ -172,7 +182,7 @@ def _raw_stats(device: object, pid: int | None, saver: bool = False) -> tuple[An
         return out, saved, index
     assert pid is not None
     with Region(pid) as region:
-        index = _region_device(region, device)
+        index = region_device(region, device)
         return region.read_device_stats(index), region.read_saver_stats(index) if saver else None, index
 
 
@@ -259,7 +269,7 @@ def _reset(code: int, c_function: str, device: object, pid: int | None, timeout:
         return
     assert pid is not None
     with Region(pid) as region:
-        index = _region_device(region, device)
+        index = region_device(region, device)
     _post(code, index, 0.0, pid, timeout)
 
 
@@ -326,7 +336,7 @@ def _set_memory_fraction(fraction: object, device: object, pid: int | None, time
         return index
     assert pid is not None
     with Region(pid) as region:
-        index = _region_device(region, device)
+        index = region_device(region, device)
         # Checked here only against a size the process knows: a device it has
         # not used yet, or one whose size its runtime could not tell (0), is
         # the process's to check, as it asks its runtime again.

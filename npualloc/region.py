@@ -227,6 +227,7 @@ class RegionHeader:
     cmdline: str
     config: str
     device_count: int
+    runtime_device_count: int  # the devices its runtime sees, 0: not known
     state: str          # running, pausing, paused, resuming (npualloc pause/resume)
     paused_bytes: int   # device memory the pause released
     backup_bytes: int   # host memory holding the paused blocks
@@ -356,11 +357,17 @@ class Region:
         header = RegionHeader(pid=h.pid, uid=h.uid, start_time=h.start_time, created_unix_ns=h.created_unix_ns,
                               cmdline=ffi.string(h.cmdline, len(h.cmdline)).decode(errors="replace"),
                               config=ffi.string(config).decode(errors="replace"),
-                              device_count=h.device_count,
+                              device_count=h.device_count, runtime_device_count=h.runtime_device_count,
                               state=PAUSE_STATES.get(pause.state, f"state {pause.state}"),
                               paused_bytes=int(pause.paused_bytes), backup_bytes=int(pause.backup_bytes))
         self._check_not_lost()
         return header
+
+    def runtime_device_count(self) -> int:
+        """The devices the process's runtime sees; 0 when it did not say."""
+        count = int(self._region.header.runtime_device_count)
+        self._check_not_lost()
+        return count
 
     def devices_in_use(self) -> list[int]:
         """Devices that allocated through npualloc: from its cache or with memory_saver."""

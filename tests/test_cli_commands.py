@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from region_helpers import (Workload, assert_shows_command, cli_env, cli_with_trigger, region_bytes, region_file,
-                            run_cli, stuck_region_bytes, write_region)
+from region_helpers import (Workload, assert_one_line_error, assert_shows_command, cli_env, cli_with_trigger,
+                            region_bytes, region_file, run_cli, stuck_region_bytes, write_region)
 
 import pytest
 
@@ -62,6 +62,19 @@ def test_stats_of_a_device_the_process_never_used_says_so(tmp_path: Path) -> Non
         both = json.loads(run_cli(["stats", str(w.pid), "--json"], tmp_path).stdout)
         assert list(both["devices"]) == ["0"] and both["unused_devices"] == []
 
+
+
+def test_a_device_past_the_runtime_devices_is_a_bad_device(tmp_path: Path) -> None:
+    """As in the process: it read as an unused device (stats) or took a command
+    for a device that does not exist."""
+    with Workload(tmp_path, NPUSIM_DEVICE_COUNT="2") as w:
+        w.call("malloc(4096)")
+        pid = str(w.pid)
+        for args in (["stats", pid, "--device", "7"], ["stats", pid, "--device", "2", "--json"],
+                     ["empty-cache", pid, "--device", "7"], ["reset-peak", pid, "--device", "2"],
+                     ["set-memory-fraction", pid, "0.5", "--device", "7"]):
+            assert_one_line_error(run_cli(args, tmp_path), 2, "the runtime sees 2 device(s)")
+        assert run_cli(["stats", pid, "--device", "1"], tmp_path).returncode == 0  # exists, unused
 
 def _watching(tmp_path: Path, pid: int) -> subprocess.Popen:
     """`stats <pid> --watch 0.05`, once it has shown a frame: the process is being watched."""

@@ -338,7 +338,7 @@ def test_a_command_line_is_shown_without_terminal_controls() -> None:
     gone = 2**22 + 1  # above pid_max's ceiling: no such process
     for uid in (os.geteuid(), os.geteuid() + 1):
         header = RegionHeader(pid=gone, uid=uid, start_time=0, created_unix_ns=0, cmdline=f"python -c {HOSTILE}",
-                              config="", device_count=0, state="running", paused_bytes=0, backup_bytes=0)
+                              config="", device_count=0, runtime_device_count=0, state="running", paused_bytes=0, backup_bytes=0)
         assert cli._command_line(header) == "python -c ?]0;pwned??[2J?1m"
 
 

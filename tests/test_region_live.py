@@ -74,6 +74,25 @@ def test_a_long_config_reads_whole_from_another_process(shm: Path) -> None:
         assert len(inside) > 512 and inside.endswith(f"oom_snapshot:{path}")
         assert npualloc.get_config(pid=w.pid) == inside
 
+
+def test_a_device_past_the_runtime_devices_is_refused_from_outside_too(shm: Path) -> None:
+    """The header's device_count is the highest device in use + 1, so a reader
+    could not tell an unused device from one that does not exist: device 7
+    of a process whose runtime sees 2 read all zeros from outside, where the
+    process's own calls refuse it. The header now holds the runtime's count."""
+    with Workload(shm, NPUSIM_DEVICE_COUNT="2") as w:
+        w.call(f"malloc({MiB})")
+        with Region(w.pid) as region:
+            assert region.header().runtime_device_count == 2
+        refusal = r"invalid device (7|'npu:2'|2): the runtime sees 2 device\(s\)"
+        for call in (lambda: npualloc.memory_stats(7, pid=w.pid), lambda: npualloc.memory_allocated("npu:2", pid=w.pid),
+                     lambda: npualloc.memory_summary(7, pid=w.pid), lambda: npualloc.reset_peak_memory_stats(7, pid=w.pid),
+                     lambda: npualloc.set_per_process_memory_fraction(0.5, 2, pid=w.pid)):
+            with pytest.raises(ValueError, match=refusal):
+                call()
+        assert npualloc.memory_allocated(0, pid=w.pid) >= MiB
+        assert npualloc.memory_allocated(1, pid=w.pid) == 0  # a device that exists, unused
+
 def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
     with Workload(shm) as w:
         for size in (512, 300_000, MiB, 12 * MiB, 40 * MiB):

@@ -31,6 +31,20 @@ def shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 
+
+@pytest.mark.parametrize("runtime_devices", [0, 2, 8])
+def test_a_device_is_refused_only_past_a_runtime_count_the_process_recorded(shm: Path, sleeper: int,
+                                                                          runtime_devices: int) -> None:
+    """0: the process did not say how many devices its runtime sees (it could
+    not ask), so every device is read as one it never used."""
+    write_region(shm, sleeper, region_bytes(sleeper, device_count=1, runtime_device_count=runtime_devices))
+    if runtime_devices == 2:
+        with pytest.raises(ValueError, match=r"invalid device 7: the runtime sees 2 device\(s\)"):
+            npualloc.memory_stats(7, pid=sleeper)
+    else:
+        assert npualloc.memory_allocated(7, pid=sleeper) == 0
+    assert npualloc.memory_allocated(1, pid=sleeper) == 0
+
 def test_well_formed_region_is_read(shm: Path, sleeper: int) -> None:
     region = ffi.new("npualloc_region *")
     ffi.memmove(region, region_bytes(sleeper, device_count=2), REGION_SIZE)

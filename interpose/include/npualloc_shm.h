@@ -160,7 +160,7 @@ typedef struct npualloc_region_header {
     char config[1024];       /* the config in force, canonical key:value form, whole (512 before version 7) */
     char cmdline[256];
     uint32_t device_count;   /* highest device index in use + 1 */
-    uint32_t pad0;
+    uint32_t runtime_device_count; /* the devices the runtime sees (aclrtGetDeviceCount), 0: not known (version 7) */
     npualloc_pause_state pause;
 } npualloc_region_header;
 

@@ -256,11 +256,7 @@ NPA_EXPORT int npualloc_mem_get_info(int device, size_t *free_bytes, size_t *tot
 
 NPA_EXPORT int npualloc_device_count(void)
 {
-    __typeof__(&aclrtGetDeviceCount) real = npa_real_optional(NPA_FN_aclrtGetDeviceCount);
-    uint32_t count = 0;
-    if (real == NULL || real(&count) != ACL_SUCCESS || count > INT32_MAX)
-        return -1;
-    return (int)count;
+    return npa_runtime_device_count();
 }
 
 NPA_EXPORT int npualloc_current_device(void)

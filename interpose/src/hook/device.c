@@ -26,6 +26,15 @@ unsigned npa_devices_seen(void)
     return atomic_load_explicit(&devices_seen, memory_order_seq_cst);
 }
 
+int npa_runtime_device_count(void)
+{
+    __typeof__(&aclrtGetDeviceCount) real = npa_real_optional(NPA_FN_aclrtGetDeviceCount);
+    uint32_t count = 0;
+    if (real == NULL || real(&count) != ACL_SUCCESS || count > INT32_MAX)
+        return -1;
+    return (int)count;
+}
+
 int npa_thread_device_slow(void)
 {
     __typeof__(&aclrtGetDevice) get = NPA_REAL(aclrtGetDevice);

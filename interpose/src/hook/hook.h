@@ -257,6 +257,8 @@ void npa_device_set_current(int device); /* after a successful SetDevice */
 void npa_device_forget_current(void);    /* after ResetDevice */
 /* Devices that have been current on some thread (bit per device). */
 unsigned npa_devices_seen(void);
+/* The devices the runtime sees (aclrtGetDeviceCount); -1 when it cannot say. */
+int npa_runtime_device_count(void);
 
 /* Making `device` current for one runtime call and restoring afterwards.
  * keep: the leave leaves the device's reference in place (a guard's). */

@@ -386,6 +386,9 @@ npa_allocator *npa_hook_init(void)
         npa_backend b = backend_for(c);
         a = npa_create(&b, c);
         npa_region_publish_config(a); /* what the core put in force (none without an allocator) */
+        /* For readers in other processes, which refuse a device past it
+         * as the process's own calls do (memory.py _own_device). */
+        npa_region_publish_device_count(npa_runtime_device_count());
         /* Made once the config is known, so a reader that finds the file
          * never sees it without one (backend_for's lookups took long enough
          * for exports_stress's reader to copy an empty config), and before

@@ -65,6 +65,7 @@ static ino_t g_file_ino;
  * -1 when none (no lock could be taken). */
 static int g_file_fd = -1;
 static char g_config[NPUALLOC_CONFIG_LEN];
+static uint32_t g_runtime_device_count; /* 0: not known */
 /* memory_stats()'s max_split_size of the config in force, which a device
  * slot holds before any allocator starts on that device (see fill_devices). */
 static int64_t g_max_split_size = -1;
@@ -177,6 +178,7 @@ static void fill_header(npualloc_region *r)
     (void)npa_process_start_time(0, &h->start_time, &state); /* left 0, unknown, when unreadable */
     h->created_unix_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
     copy_text(h->config, sizeof h->config, g_config);
+    h->runtime_device_count = g_runtime_device_count;
     read_cmdline(h->cmdline, sizeof h->cmdline);
     h->magic = NPUALLOC_SHM_MAGIC;
 }
@@ -373,6 +375,18 @@ void npa_region_publish_config(const npa_allocator *a)
         store_config(h, g_config);
         __atomic_store_n(&h->config_seq, seq + 2, __ATOMIC_RELEASE);
     }
+    npa_mutex_unlock(&g_create_lock);
+}
+
+void npa_region_publish_device_count(int count)
+{
+    if (count <= 0)
+        return;
+    npa_mutex_lock(&g_create_lock);
+    g_runtime_device_count = (uint32_t)count;
+    npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_relaxed);
+    if (r) /* a lone word: a reader sees 0 (not known) or the count */
+        __atomic_store_n(&r->header.runtime_device_count, g_runtime_device_count, __ATOMIC_RELAXED);
     npa_mutex_unlock(&g_create_lock);
 }
 

@@ -19,6 +19,9 @@ npualloc_saver_stats *npa_region_saver_stats(int device);
 /* Records the config in force in a (its canonical text) in the header;
  * every change of it (creation, set_config, a command) comes here. */
 void npa_region_publish_config(const npa_allocator *a);
+/* Records the devices the runtime sees (count < 0: not known, left 0) in
+ * the header, now or when the region is made. */
+void npa_region_publish_device_count(int count);
 /* The region once created; NULL before, after a fork, or when there is none. */
 extern npualloc_region *_Atomic npa_region_current;
 

@@ -792,3 +792,180 @@ def test_reader_hammering_a_process_allocating_in_4_threads(shm: Path) -> None:
         assert changes >= 50 and progress >= 2000, (reads, changes, progress)
         _assert_consistent(npualloc.memory_stats(pid=w.pid))
         assert npualloc.memory_stats(pid=w.pid) == w.call("npualloc.memory_stats()")
+
+
+# A fork by another thread while the first allocation makes the region: the
+# shim holds the region's publishing rename (renameat of .npualloc.<pid>.tmp)
+# until the forking thread has either forked or is waiting inside fork, for a
+# lock (a futex wait, read in /proc/self/task/<tid>/syscall).
+FORK_WINDOW_SHIM = r"""
+#define _GNU_SOURCE
+#include <semaphore.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static sem_t window;
+static _Atomic pid_t forker;
+static atomic_int woke, forked, held;
+
+__attribute__((constructor)) static void setup(void) { sem_init(&window, 0, 0); }
+
+/* The forking thread: waits for the window, then forks. */
+void shim_forker_waits(void)
+{
+    atomic_store(&forker, (pid_t)syscall(SYS_gettid));
+    sem_wait(&window);
+    atomic_store(&woke, 1);
+}
+
+void shim_forked(void) { atomic_store(&forked, 1); }
+
+static int waiting_in_futex(pid_t tid)
+{
+    char path[64], text[64] = "";
+    snprintf(path, sizeof path, "/proc/self/task/%d/syscall", (int)tid);
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "shim: cannot read %s\n", path);
+        _exit(77);
+    }
+    if (!fgets(text, sizeof text, f))
+        text[0] = '\0';
+    fclose(f);
+    return atoi(text) == SYS_futex && text[0] != 'r';
+}
+
+int renameat(int from_fd, const char *from, int to_fd, const char *to)
+{
+    size_t n = strlen(from);
+    if (strncmp(from, ".npualloc.", 10) == 0 && n > 4 && strcmp(from + n - 4, ".tmp") == 0 &&
+        atomic_exchange(&held, 1) == 0) {
+        struct timespec tick = {0, 1000000};
+        while (atomic_load(&forker) == 0)
+            nanosleep(&tick, NULL);
+        sem_post(&window);
+        while (!atomic_load(&woke))
+            nanosleep(&tick, NULL);
+        while (!atomic_load(&forked) && !waiting_in_futex(atomic_load(&forker)))
+            nanosleep(&tick, NULL);
+    }
+    return syscall(SYS_renameat2, from_fd, from, to_fd, to, 0);
+}
+"""
+
+FORK_WHILE_CREATING = r"""
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef int (*malloc_fn)(void **, size_t, int);
+static int (*set_device)(int);
+static malloc_fn npu_malloc;
+
+/* The child: whether it holds a descriptor of the parent's region (its
+ * directory or its file), then whether it can allocate. */
+static void child(void)
+{
+    alarm(20); /* a child that hangs fails the test (before its parent's alarm) */
+    int leaked = 0;
+    DIR *fds = opendir("/proc/self/fd");
+    struct dirent *e;
+    while (fds && (e = readdir(fds)) != NULL) {
+        char link[64], target[4096];
+        snprintf(link, sizeof link, "/proc/self/fd/%s", e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n > 0) {
+            target[n] = '\0';
+            if (strstr(target, "/npualloc-") != NULL) {
+                printf("child holds %s\n", target);
+                leaked = 1;
+            }
+        }
+    }
+    if (fds)
+        closedir(fds);
+    fflush(stdout);
+    void *p = NULL;
+    int err = npu_malloc(&p, 1 << 20, 0);
+    printf("child malloc %d\n", err);
+    fflush(stdout);
+    _exit(leaked || err != 0);
+}
+
+static void *forker(void *arg)
+{
+    (void)arg;
+    set_device(0);
+    ((void (*)(void))dlsym(RTLD_DEFAULT, "shim_forker_waits"))();
+    pid_t pid = fork();
+    if (pid == 0)
+        child();
+    ((void (*)(void))dlsym(RTLD_DEFAULT, "shim_forked"))();
+    int status = -1;
+    waitpid(pid, &status, 0);
+    return (void *)(long)status;
+}
+
+int main(int argc, char **argv)
+{
+    alarm(30); /* a parent that hangs fails the test */
+    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (!runtime)
+        return 2;
+    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
+    set_device = (int (*)(int))dlsym(RTLD_DEFAULT, "aclrtSetDevice");
+    npu_malloc = (malloc_fn)dlsym(RTLD_DEFAULT, "aclrtMalloc");
+    if (init(NULL) != 0 || set_device(0) != 0)
+        return 3;
+    if (strcmp(argv[2], "stream") == 0) { /* the program's first stream comes before its first allocation */
+        void *stream = NULL;
+        if (((int (*)(void **))dlsym(RTLD_DEFAULT, "aclrtCreateStream"))(&stream) != 0)
+            return 4;
+    }
+    pthread_t thread;
+    pthread_create(&thread, NULL, forker, NULL);
+    void *p = NULL;
+    if (npu_malloc(&p, 1 << 20, 0) != 0)
+        return 5;
+    void *status;
+    pthread_join(thread, &status);
+    printf("child status %ld\n", (long)status);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("first", ["malloc", "stream"])
+def test_a_fork_while_the_region_is_made_leaves_the_child_nothing_of_it(
+        shm: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, first: str) -> None:
+    """A thread forking while another made the region at the process's first
+    allocation: with no stream made before, npualloc's fork handlers were
+    registered only after that first allocation, so the child kept the
+    parent's region directory and its locked file (the parent looked alive
+    while the child lived) and the init lock the making thread held (its
+    first allocation waited for good). With a stream made before (the
+    handlers registered), the fork waits for that lock; the making thread
+    registered the region's own fork handler under it, which on glibc 2.28
+    to 2.35 (their atfork lock held across prepare handlers) waited for the
+    fork: this case passes on a glibc that lets that lock go (2.36 here)."""
+    shim = compile_shim(tmp_path, "forkwindow", FORK_WINDOW_SHIM)
+    program = compile_c(tmp_path_factory, "fork_while_creating", FORK_WHILE_CREATING)
+    env = preload_env(NPUALLOC_SHM_DIR=str(shm))
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{shim}"
+    proc = subprocess.run([str(program), str(SIM_LIB / "libascendcl.so"), first], env=env, capture_output=True,
+                          text=True, timeout=120)
+    if proc.returncode == 77:
+        pytest.skip(f"no /proc/<pid>/task/<tid>/syscall here: {proc.stderr}")
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.splitlines() == ["child malloc 0", "child status 0"], proc.stdout

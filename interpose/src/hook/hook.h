@@ -26,7 +26,8 @@
  *      synchronizes the devices in use; under it only 7, warn.c's seen_lock
  *      and the runtime.
  *      Not taken by fork_prepare: the child re-initialises it.
- *   1. init_lock (lifecycle.c): lazy init, finalize, exit, fork_prepare.
+ *   1. init_lock (lifecycle.c): lazy init (the region is made only there:
+ *      8 under it), finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
  *      polls fences, synchronizes, and counts into a device's stats (5). A
  *      settle synchronizes between two holds of it, not under it.
@@ -87,7 +88,11 @@
  * copied (a fork during `npualloc pause` waits for the resume, 6b being
  * held); it leaves out 3, 4, 5 and g_create_lock, which the child never
  * takes from the parent's state (it builds a new allocator, and region.c
- * re-initialises its locks in the child). */
+ * re-initialises its locks in the child). A region is never half made at
+ * fork: it is made under 1, and the handlers are registered before the
+ * first init takes 1 (npa_hook_init). Nothing of ours calls pthread_atfork
+ * with one of these held: a glibc that holds its atfork lock across the
+ * prepare handlers would never give it to us while a fork waits there. */
 #ifndef NPUALLOC_HOOK_H
 #define NPUALLOC_HOOK_H
 

@@ -379,6 +379,11 @@ npa_allocator *npa_hook_init(void)
 {
     if (npa_hook_disabled())
         return NULL;
+    /* Before the first init, not after: a thread forking during it (the
+     * region made, its directory and locked file open, init_lock held)
+     * must wait in fork_prepare, else its child kept those descriptors
+     * and a held init_lock, its first allocation waiting for good. */
+    npa_hook_register_handlers();
     npa_mutex_lock(&init_lock);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a == NULL && state == ST_UNINIT) {
@@ -403,8 +408,6 @@ npa_allocator *npa_hook_init(void)
         }
     }
     npa_mutex_unlock(&init_lock);
-    if (a != NULL)
-        npa_hook_register_handlers();
     return a;
 }
 

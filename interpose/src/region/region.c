@@ -285,11 +285,6 @@ static void remove_at_exit(void)
     npa_region_remove();
 }
 
-static void forget_in_child(void)
-{
-    npa_region_forget_after_fork();
-}
-
 npualloc_region *npa_region_get(void)
 {
     npualloc_region *r = atomic_load_explicit(&npa_region_current, memory_order_acquire);
@@ -310,10 +305,18 @@ npualloc_region *npa_region_get(void)
             g_owner_pid = getpid();
             if (!g_hooks_registered) {
                 /* Inherited by forked children, so registered once per image.
-                 * The hook layer may call the same functions: both are idempotent. */
+                 * The hook layer's at_exit may call it too: idempotent. No
+                 * fork handler here: the region is made only by the hook's
+                 * first init, under init_lock, after the hook registered
+                 * its fork handlers (lifecycle.c), whose fork_prepare takes
+                 * init_lock, so no fork copies a region half made, and
+                 * whose child handler forgets the region. (pthread_atfork
+                 * here, under init_lock, would wait for the atfork lock
+                 * that glibc 2.28 to 2.35 hold across the prepare handlers,
+                 * sourceware bug 24595, held by a fork waiting in
+                 * fork_prepare for init_lock: neither would go on.) */
                 g_hooks_registered = 1;
                 atexit(remove_at_exit);
-                pthread_atfork(NULL, NULL, forget_in_child);
             }
             atomic_store_explicit(&g_state, REGION_LIVE, memory_order_relaxed);
             atomic_store_explicit(&npa_region_current, r, memory_order_release);

@@ -639,3 +639,82 @@ emit(calls={name: aclsim.call_count(name) - before[name] for name in names}, ret
     assert proc.returncode == 0, proc.stderr
     assert out == {"calls": {"aclrtSynchronizeDevice": 0}, "ret": 0, "live": 0}
     assert proc.stderr == ""
+
+
+def test_repeatable_destroy_after_another_devices_context_is_destroyed_waits_for_its_launch():
+    """A repeatable executor made on device 0; a helper thread creates and
+    destroys a context on device 1; the executor is launched again, then
+    destroyed from a thread with no device. The context's destroy settled
+    every device (the hook did not know the context's device), so the
+    executor forgot device 0, was fenced nowhere and went to the runtime
+    under its queued launch. The destroy settles device 1 only now, and the
+    executor's destroy waits for device 0."""
+    out, proc = run('''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+aclsim.set_op_duration_us(20_000)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+def helper():
+    ctx, ret = acl.rt.create_context(1); assert ret == 0
+    assert acl.rt.destroy_context(ctx) == 0
+thread = threading.Thread(target=helper); thread.start(); thread.join()
+for retry in range(6):  # until the launch is seen queued before the destroy
+    aclsim.set_op_duration_us(50_000 << retry)
+    assert ops.fill(ws, 4096, ex, stream) == 0
+    assert acl.rt.record_event(after, stream) == 0
+    if acl.rt.query_event_status(after) == (0, 0):
+        break
+queued = acl.rt.query_event_status(after) == (0, 0)
+before = aclsim.call_count("aclDestroyAclOpExecutor")
+violations_before = aclsim.executor_violations()
+rets = []
+thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(ex))); thread.start(); thread.join()
+reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
+assert acl.rt.synchronize_device() == 0
+acl.rt.malloc(512, 0)  # drains the deferred destroy
+emit(queued=queued, rets=rets, reached_at_once=reached_at_once,
+     violations=aclsim.executor_violations() - violations_before, live=aclsim.executors_live())
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("created_by", ["program", "runtime"])
+def test_repeatable_destroy_after_its_devices_last_context_is_destroyed_enters_no_device(created_by):
+    """A context on device 1, the device's only reference, with a repeatable
+    executor made and launched in it; the context destroyed (the device torn
+    down), then the executor. Its destroy goes to the runtime at once with
+    no call to enter a device: the context's destroy settled device 1, the
+    device its creation named, or every device for a context the hook never
+    saw created (made here by the simulator's own entry, past npualloc)."""
+    out, proc = run(f"CREATED_BY = {created_by!r}\n" + '''
+sim = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libaclsim.so"))
+sim.simrt_CreateContext.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32]
+held, ret = acl.rt.malloc(512, 0); assert ret == 0  # device 0's state, where a destroy with no device counts
+if CREATED_BY == "program":
+    ctx, ret = acl.rt.create_context(1); assert ret == 0
+else:
+    handle = ctypes.c_void_p()
+    assert sim.simrt_CreateContext(ctypes.byref(handle), 1) == 0
+    ctx = handle.value
+    acl.rt.set_context(ctx)  # through npualloc, which asks the runtime for the device now current
+buf, ret = acl.rt.malloc(1 << 16, 0); assert ret == 0
+aclsim.set_op_duration_us(20_000)
+ws_size, ex, st = ops.fill_get_workspace_size(buf, 4096, 7); assert st == 0
+ws, ret = acl.rt.malloc(ws_size, 0); assert ret == 0
+assert ops.set_repeatable(ex) == 0
+assert ops.fill(ws, ws_size, ex, 0) == 0  # device 1's default stream
+assert acl.rt.destroy_context(ctx) == 0
+names = ("aclrtSetDevice", "aclrtResetDevice", "aclrtSynchronizeDevice", "aclrtRecordEvent")
+before = {name: aclsim.call_count(name) for name in names}
+rets = [ops.destroy_executor(ex)]
+emit(rets=rets, live=aclsim.executors_live(), violations=aclsim.executor_violations(),
+     calls={name: aclsim.call_count(name) - before[name] for name in names})
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"rets": [0], "live": 0, "violations": 0,
+                   "calls": dict.fromkeys(("aclrtSetDevice", "aclrtResetDevice", "aclrtSynchronizeDevice",
+                                           "aclrtRecordEvent"), 0)}
+    assert proc.stderr == ""

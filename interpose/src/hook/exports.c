@@ -377,7 +377,10 @@ NPA_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
     __typeof__(&aclrtCreateContext) real = NPA_REAL(aclrtCreateContext);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtCreateContext);
-    return note_context_device(real(context, deviceId));
+    aclError err = real(context, deviceId);
+    if (err == ACL_SUCCESS && !npa_hook_disabled())
+        npa_context_created(*context, deviceId);
+    return note_context_device(err);
 }
 
 NPA_EXPORT aclError aclrtSetCurrentContext(aclrtContext context)
@@ -391,18 +394,23 @@ NPA_EXPORT aclError aclrtSetCurrentContext(aclrtContext context)
 /* A context holds a reference on its device, and destroying the last one
  * resets the device, freeing every segment of ours on it: cached ones would
  * be handed out again after it. Which device a context is on the runtime
- * does not say without making it current, so every device's cache is given
- * back first, as at aclFinalize (live blocks stay the program's, as at
- * aclrtResetDevice). Contexts are destroyed at teardown, rarely: the cost is
- * the segments mallocs made again. */
+ * does not say without making it current, and the one its creation named
+ * (contexts.c) settles only that device's repeatable executors; every
+ * device's cache is still given back first, as at aclFinalize (live blocks
+ * stay the program's, as at aclrtResetDevice): a context we misjudged
+ * would leave dead segments in the cache. Contexts are destroyed at
+ * teardown, rarely: the cost is the segments mallocs made again. */
 NPA_EXPORT aclError aclrtDestroyContext(aclrtContext context)
 {
     __typeof__(&aclrtDestroyContext) real = NPA_REAL(aclrtDestroyContext);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtDestroyContext);
-    if (!npa_hook_disabled())
-        npa_hook_before_context_destroy();
+    bool ours = !npa_hook_disabled();
+    if (ours)
+        npa_hook_before_context_destroy(npa_context_device(context));
     aclError err = real(context);
+    if (ours && err == ACL_SUCCESS)
+        npa_context_destroyed(context);
     npa_device_forget_current(); /* the current context may have been this one */
     return err;
 }

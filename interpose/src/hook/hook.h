@@ -3,6 +3,7 @@
  *   realacl.c   finding the real runtime's functions (never our own)
  *   dlsym.c     the exported dlsym that hands out our functions for handle lookups
  *   device.c    the device current on each thread, and switching to another one
+ *   contexts.c  the device each context the program created is on
  *   streams.c   live streams per device and the event fences of stream-safe reuse
  *   executors.c aclnn executor destroys: skip double frees, defer the real ones
  *   lifecycle.c lazy init, the backend, reset/finalize, exit and fork
@@ -81,11 +82,13 @@
  *      runtime's call, never across it (its drain may wait for a host
  *      callback that calls us); taken under any of the others (the core's
  *      switches of device run under many), and under it only the runtime.
+ *  10. context_lock (contexts.c): the device of each context created; a
+ *      leaf, under it nothing, not even the runtime.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
- * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 7b, seen_lock and 9,
- * in that order, so no thread is inside those sections when the address space is
- * copied (a fork during `npualloc pause` waits for the resume, 6b being
+ * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 7b, seen_lock, 9 and
+ * 10, in that order, so no thread is inside those sections when the address
+ * space is copied (a fork during `npualloc pause` waits for the resume, 6b being
  * held); it leaves out 3, 4, 5 and g_create_lock, which the child never
  * takes from the parent's state (it builds a new allocator, and region.c
  * re-initialises its locks in the child). A region is never half made at
@@ -264,6 +267,17 @@ void npa_device_forget_current(void);    /* after ResetDevice */
 unsigned npa_devices_seen(void);
 /* The devices the runtime sees (aclrtGetDeviceCount); -1 when it cannot say. */
 int npa_runtime_device_count(void);
+
+/* ---- contexts.c ----------------------------------------------------------- */
+
+/* After the program's aclrtCreateContext: the context is on device. */
+void npa_context_created(aclrtContext context, int device);
+/* The device of a context created through us, else -1. */
+int npa_context_device(aclrtContext context);
+void npa_context_destroyed(aclrtContext context); /* after its destroy succeeded */
+void npa_contexts_forget(void);                   /* at aclFinalize */
+void npa_contexts_lock_for_fork(void);
+void npa_contexts_unlock_after_fork(void);
 
 /* Making `device` current for one runtime call and restoring afterwards.
  * keep: the leave leaves the device's reference in place (a guard's). */
@@ -444,7 +458,10 @@ npa_error npa_hook_mem_get_info(int device, size_t *free_bytes, size_t *total_by
  * cap below the smallest segment. */
 int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, const char **why);
 void npa_hook_before_reset(int device);
-void npa_hook_before_context_destroy(void); /* every device's cache back, under init_lock (1) */
+/* The repeatable executors made on the context's device settled (device < 0,
+ * a context we do not know: every device's), then every device's cache
+ * given back, under init_lock (1). */
+void npa_hook_before_context_destroy(int device);
 void npa_hook_before_finalize(void);
 void npa_hook_after_init(void);
 /* atexit and pthread_atfork, registered once the process uses the NPU

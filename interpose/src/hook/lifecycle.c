@@ -416,14 +416,22 @@ npa_allocator *npa_hook_allocator_any(void)
     return atomic_load_explicit(&any_allocator, memory_order_acquire);
 }
 
+/* Before the runtime may tear a device down (device < 0: any): the deferred
+ * executor destroys forwarded, and the repeatable executors made on it
+ * settled. */
+static void settle_executors(int device)
+{
+    npa_exec_drain(NPA_DRAIN_ALL);
+    npa_exec_settle(device);
+}
+
 /* Give a device's cache back before the runtime tears it down: deferred
  * executor destroys first (they may still wait on that device's streams) and
  * the repeatable executors made on it settled, then pending frees and cached
  * segments, then our idle events. */
 void npa_hook_before_reset(int device)
 {
-    npa_exec_drain(NPA_DRAIN_ALL);
-    npa_exec_settle(device);
+    settle_executors(device);
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a != NULL)
         npa_empty_cache(a, device);
@@ -439,10 +447,6 @@ void npa_hook_before_reset(int device)
  * a device's stats under its lock, which waited for a pause for good. */
 static void release_everything(npa_allocator *a, bool at_exit)
 {
-    if (!at_exit) {
-        npa_exec_drain(NPA_DRAIN_ALL);
-        npa_exec_settle(-1);
-    }
     if (a != NULL && !at_exit) {
         unsigned seen = npa_devices_seen();
         for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
@@ -457,11 +461,13 @@ static void release_everything(npa_allocator *a, bool at_exit)
     npa_streams_destroy_events(-1, at_exit);
 }
 
-void npa_hook_before_context_destroy(void)
+void npa_hook_before_context_destroy(int device)
 {
     npa_mutex_lock(&init_lock);
-    if (state == ST_ACTIVE || state == ST_UNINIT)
+    if (state == ST_ACTIVE || state == ST_UNINIT) {
+        settle_executors(device);
         release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire), false);
+    }
     npa_mutex_unlock(&init_lock);
 }
 
@@ -474,7 +480,9 @@ void npa_hook_before_finalize(void)
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     int live = state != ST_FINALIZED;
     if (live) {
+        settle_executors(-1);
         release_everything(a, false);
+        npa_contexts_forget();
         atomic_store_explicit(&npa_serving, NULL, memory_order_release);
         /* The next session's allocator writes the region's stats from its
          * first call on; this one (still reached by npa_hook_allocator_any
@@ -534,10 +542,12 @@ static void fork_prepare(void)
     npa_pystack_lock_for_fork();
     npa_warn_lock_for_fork();
     npa_device_lock_for_fork();
+    npa_contexts_lock_for_fork();
 }
 
 static void fork_parent(void)
 {
+    npa_contexts_unlock_after_fork();
     npa_device_unlock_after_fork();
     npa_warn_unlock_after_fork();
     npa_pystack_unlock_after_fork();

@@ -1,0 +1,91 @@
+/* Which device each context the program created is on. A context's destroy
+ * may tear its device down (its last reference), so the repeatable
+ * executors made on that device are settled first (npa_exec_settle); the
+ * runtime does not say which device a context is on without making it
+ * current, but aclrtCreateContext names it. Settling every device instead
+ * made executors on the others forget theirs, so one launched again after
+ * a helper context elsewhere was destroyed was fenced nowhere.
+ *
+ * A context we did not see created (a device's default one, handed out by
+ * aclrtGetCurrentContext) stays unknown: its destroy settles every device.
+ * Contexts are few and made at set-up: a list searched end to end. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "hook.h"
+
+typedef struct known_context {
+    aclrtContext context;
+    int device;
+} known_context;
+
+static known_context *known;
+static size_t nknown, cap_known;
+/* A leaf in the lock order (hook.h): nothing is taken or called under it. */
+static pthread_mutex_t context_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* context_lock held: its index, or nknown. */
+static size_t find(aclrtContext context)
+{
+    size_t i = 0;
+    while (i < nknown && known[i].context != context)
+        i++;
+    return i;
+}
+
+void npa_context_created(aclrtContext context, int device)
+{
+    npa_mutex_lock(&context_lock);
+    size_t i = find(context); /* a destroyed context's address given again */
+    if (i == nknown && nknown == cap_known) {
+        size_t ncap = cap_known ? cap_known * 2 : 8;
+        known_context *nk = realloc(known, ncap * sizeof(*nk));
+        if (nk != NULL) {
+            known = nk;
+            cap_known = ncap;
+        }
+    }
+    if (i < cap_known) { /* no room: left unknown, its destroy settles every device */
+        known[i] = (known_context){context, device};
+        if (i == nknown)
+            nknown++;
+    }
+    npa_mutex_unlock(&context_lock);
+}
+
+int npa_context_device(aclrtContext context)
+{
+    npa_mutex_lock(&context_lock);
+    size_t i = find(context);
+    int device = i < nknown ? known[i].device : -1;
+    npa_mutex_unlock(&context_lock);
+    return device;
+}
+
+void npa_context_destroyed(aclrtContext context)
+{
+    npa_mutex_lock(&context_lock);
+    size_t i = find(context);
+    if (i < nknown)
+        known[i] = known[--nknown];
+    npa_mutex_unlock(&context_lock);
+}
+
+/* aclFinalize ends every context: an address the next session hands out
+ * (its default contexts' too) names none of them. */
+void npa_contexts_forget(void)
+{
+    npa_mutex_lock(&context_lock);
+    nknown = 0;
+    npa_mutex_unlock(&context_lock);
+}
+
+void npa_contexts_lock_for_fork(void)
+{
+    npa_mutex_lock(&context_lock);
+}
+
+void npa_contexts_unlock_after_fork(void)
+{
+    npa_mutex_unlock(&context_lock);
+}

@@ -486,70 +486,86 @@ emit(rets=rets, live=aclsim.executors_live(), violations=aclsim.executor_violati
     assert proc.stderr == ""
 
 
-# A worker thread launches a repeatable executor on device 0 (into made),
-# records `after` behind it (whether it was still queued: into queued) and
-# resets the device, which the main thread still holds: not the last
-# reference, so the runtime tears nothing down and the launch runs on.
-RESET_BY_A_WORKER = '''
+def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
+    """A repeatable executor made and launched on device 0; a worker thread
+    sets device 0 and resets it, which the main thread still holds (not the
+    last reference: the runtime tears nothing down); the executor is
+    launched again, then destroyed from a thread with no device. The reset
+    made the executor forget device 0, as if the device were gone, so the
+    destroy was fenced nowhere and went to the runtime under the queued
+    launch. npualloc counts the device's references now: a reset that
+    leaves one keeps the executor on its device, and the destroy waits."""
+    out, proc = run('''
 import threading
 buf, _ = acl.rt.malloc(1 << 16, 0)
 after, _ = acl.rt.create_event()
-def worker(duration_us):
-    assert acl.rt.set_device(0) == 0
-    aclsim.set_op_duration_us(duration_us)
-    made.append(launch_fill(buf, 4096, 7, repeatable=True)[0])
+aclsim.set_op_duration_us(20_000)
+ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
+def worker():
+    assert acl.rt.set_device(0) == 0 and acl.rt.reset_device(0) == 0
+thread = threading.Thread(target=worker); thread.start(); thread.join()
+for retry in range(6):  # until the launch is seen queued before the destroy
+    aclsim.set_op_duration_us(50_000 << retry)
+    assert ops.fill(ws, 4096, ex, stream) == 0
     assert acl.rt.record_event(after, stream) == 0
-    queued.append(acl.rt.query_event_status(after) == (0, 0))
-    assert acl.rt.reset_device(0) == 0
-'''
-
-
-def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
-    """A worker thread launches a repeatable executor on device 0 and resets
-    the device, which the main thread still holds (not the last reference:
-    the runtime tears nothing down, and the launch runs on); a thread with
-    no device then destroys the executor. The reset synchronized the device
-    for the executors made on it, so the destroy may go to the runtime at
-    once: the launch is done. It went there under the queued launch."""
-    out, proc = run(RESET_BY_A_WORKER + '''
-for retry in range(8):  # until the launch is seen queued when the reset begins
-    made, queued, rets = [], [], []
-    thread = threading.Thread(target=worker, args=(50_000 << retry,))
-    thread.start(); thread.join()
-    before = aclsim.call_count("aclDestroyAclOpExecutor")
-    violations_before = aclsim.executor_violations()
-    thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(made[0])))
-    thread.start(); thread.join()
-    reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
-    assert acl.rt.synchronize_device() == 0
-    if queued[0]:
+    if acl.rt.query_event_status(after) == (0, 0):
         break
-emit(queued=queued[0], rets=rets, reached_at_once=reached_at_once,
+queued = acl.rt.query_event_status(after) == (0, 0)
+before = aclsim.call_count("aclDestroyAclOpExecutor")
+violations_before = aclsim.executor_violations()
+rets = []
+thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(ex))); thread.start(); thread.join()
+reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
+assert acl.rt.synchronize_device() == 0
+acl.rt.malloc(512, 0)  # drains the deferred destroy
+emit(queued=queued, rets=rets, reached_at_once=reached_at_once,
      violations=aclsim.executor_violations() - violations_before, live=aclsim.executors_live())
 ''', preload_env())
     assert proc.returncode == 0, proc.stderr
-    assert out == {"queued": True, "rets": [0], "reached_at_once": 1, "violations": 0, "live": 0}
+    assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
     assert proc.stderr == ""
 
 
+# A worker thread sets device 1, which only it holds, makes a repeatable
+# executor there and launches it (into made), records an event behind it
+# (into after) and resets the device: its last reference, so the reset
+# synchronizes device 1 for the executor (npa_exec_settle).
+LAST_RESET_BY_A_WORKER = '''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+def worker(duration_us):
+    assert acl.rt.set_device(1) == 0
+    aclsim.set_op_duration_us(duration_us)
+    dst, ret = acl.rt.malloc(1 << 16, 0); assert ret == 0
+    ws_size, ex, st = ops.fill_get_workspace_size(dst, 4096, 7); assert st == 0
+    ws, ret = acl.rt.malloc(ws_size, 0); assert ret == 0
+    assert ops.set_repeatable(ex) == 0 and ops.fill(ws, ws_size, ex, 0) == 0
+    made.append(ex)
+    after.append(acl.rt.create_event()[0])
+    assert acl.rt.record_event(after[0], 0) == 0
+    assert acl.rt.reset_device(1) == 0
+'''
+
+
 def test_a_reset_waits_for_its_device_without_holding_the_executor_lock():
-    """A reset synchronizes the device for the repeatable executors made on
-    it (npa_exec_settle). It did so holding the lock that making an executor
-    repeatable, or destroying one, takes: a thread doing either while the
-    device ran its queued work waited for all of it, and a host callback
-    that the synchronize waits for (on real CANN) would wait for good. Here
-    a thread makes an executor repeatable once the reset's synchronize has
-    begun; it returns while the launch before the reset is still queued."""
-    out, proc = run(RESET_BY_A_WORKER + '''
+    """The last reset of a device synchronizes it for the repeatable
+    executors made on it (npa_exec_settle). It did so holding the lock that
+    making an executor repeatable, or destroying one, takes: a thread doing
+    either while the device ran its queued work waited for all of it, and a
+    host callback that the synchronize waits for (on real CANN) would wait
+    for good. Here a worker launches on device 1, which only it holds, and
+    resets it; a thread makes an executor repeatable once the reset's
+    synchronize has begun, and returns while the launch is still queued."""
+    out, proc = run(LAST_RESET_BY_A_WORKER + '''
 def make_repeatable(synchronizes_before):
     while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
         pass
     results.append(ops.set_repeatable(other))
-    results.append(acl.rt.query_event_status(after) == (0, 0))
+    results.append(acl.rt.query_event_status(after[0]) == (0, 0))
 for retry in range(8):  # until the launch is seen still queued when the thread returns
     other, st = ops.fill_get_workspace_size(buf, 4096, 8)[1:]
     assert st == 0
-    made, queued, results = [], [], []
+    made, after, results = [], [], []
     maker = threading.Thread(target=make_repeatable, args=(aclsim.call_count("aclrtSynchronizeDevice"),))
     maker.start()
     thread = threading.Thread(target=worker, args=(50_000 << retry,))
@@ -564,44 +580,36 @@ emit(ret=results[0], queued=results[1], violations=aclsim.executor_violations())
     assert proc.stderr == ""
 
 
+
+
 def test_a_destroy_refused_during_a_resets_synchronize_leaves_the_executor_settled():
-    """A destroy of a repeatable executor made on device 0 comes while a
-    reset of device 0 synchronizes it (npa_exec_settle, outside the lock),
-    and the runtime refuses it: the executor, still live there, is tracked
-    again. It was so under its device 0 and a new generation, which the
-    settle's second look took for one made after its synchronize began (or
-    missed, the destroy being deferred and refused later), so a thread on
-    device 1 launching it after the reset then destroyed it behind a fence
-    on device 0, under the queued launch on device 1."""
-    out, proc = run('''
-import threading
-buf, _ = acl.rt.malloc(1 << 16, 0)
-after, _ = acl.rt.create_event()
-def worker(duration_us):
-    assert acl.rt.set_device(0) == 0
-    aclsim.set_op_duration_us(duration_us)
-    made.append(launch_fill(buf, 4096, 7, repeatable=True)[0])
-    assert acl.rt.record_event(after, stream) == 0
-    assert acl.rt.reset_device(0) == 0  # not the last reference: the main thread holds device 0
+    """A destroy of a repeatable executor made on device 1 comes while the
+    last reset of device 1 synchronizes it (npa_exec_settle, outside the
+    lock), and the runtime refuses it: the executor, still live there, is
+    tracked again. It was so under its device 1 and a new generation, which
+    the settle's second look took for one made after its synchronize began
+    (or missed, the destroy being deferred and refused later), so a thread
+    on device 0 launching it after the reset then destroyed it behind a
+    fence on device 1, under the queued launch on device 0."""
+    out, proc = run(LAST_RESET_BY_A_WORKER + '''
 def refused_destroy(synchronizes_before):
-    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before or not made:
+    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before or not after:
         pass
     aclsim.fail_next_calls("aclDestroyAclOpExecutor", 1, 561103)
     rets.append(ops.destroy_executor(made[0]))
-    queued.append(acl.rt.query_event_status(after) == (0, 0))
+    queued.append(acl.rt.query_event_status(after[0]) == (0, 0))
 for retry in range(8):  # until the destroy is seen inside the reset's synchronize
-    made, queued, rets = [], [], []
+    made, after, queued, rets = [], [], [], []
     destroyer = threading.Thread(target=refused_destroy, args=(aclsim.call_count("aclrtSynchronizeDevice"),))
     destroyer.start()
     thread = threading.Thread(target=worker, args=(50_000 << retry,))
     thread.start(); thread.join(); destroyer.join()
     if queued[0]:
         break
-assert acl.rt.synchronize_device() == 0
 acl.rt.malloc(512, 0)  # drains the deferred destroy: refused
 live = aclsim.executors_live()
 def relaunch_and_destroy():
-    assert acl.rt.set_device(1) == 0
+    assert acl.rt.set_device(0) == 0
     other, _ = acl.rt.create_stream()
     ws, _ = acl.rt.malloc(1 << 16, 0)
     aclsim.set_op_duration_us(200_000)
@@ -641,22 +649,27 @@ emit(calls={name: aclsim.call_count(name) - before[name] for name in names}, ret
     assert proc.stderr == ""
 
 
-def test_repeatable_destroy_after_another_devices_context_is_destroyed_waits_for_its_launch():
+
+
+@pytest.mark.parametrize("helper_device", [1, 0], ids=["another-device", "same-device"])
+def test_repeatable_destroy_after_a_helper_context_is_destroyed_waits_for_its_launch(helper_device):
     """A repeatable executor made on device 0; a helper thread creates and
-    destroys a context on device 1; the executor is launched again, then
-    destroyed from a thread with no device. The context's destroy settled
-    every device (the hook did not know the context's device), so the
-    executor forgot device 0, was fenced nowhere and went to the runtime
-    under its queued launch. The destroy settles device 1 only now, and the
-    executor's destroy waits for device 0."""
-    out, proc = run('''
+    destroys a context on device 1 (another-device) or on device 0, which
+    the main thread holds too (same-device: not its last reference); the
+    executor is launched again, then destroyed from a thread with no device.
+    The context's destroy settled every device (the hook did not know the
+    context's device), so the executor forgot device 0, was fenced nowhere
+    and went to the runtime under its queued launch. The destroy settles
+    only its device now, and only where it may be the last reference, and
+    the executor's destroy waits for device 0."""
+    out, proc = run(f"HELPER_DEVICE = {helper_device}\n" + '''
 import threading
 buf, _ = acl.rt.malloc(1 << 16, 0)
 after, _ = acl.rt.create_event()
 aclsim.set_op_duration_us(20_000)
 ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
 def helper():
-    ctx, ret = acl.rt.create_context(1); assert ret == 0
+    ctx, ret = acl.rt.create_context(HELPER_DEVICE); assert ret == 0
     assert acl.rt.destroy_context(ctx) == 0
 thread = threading.Thread(target=helper); thread.start(); thread.join()
 for retry in range(6):  # until the launch is seen queued before the destroy

@@ -85,9 +85,60 @@ void npa_device_forget_current(void)
 static pthread_mutex_t ref_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Devices a guard set and kept its reference on (bit per device). */
 static unsigned devices_kept; /* ref_lock */
+/* The references the runtime holds on each device by the calls we saw take
+ * and drop them (the program's SetDevice, ResetDevice and contexts, our
+ * switches): a teardown whose device holds more than one cannot release
+ * it (npa_devices_at_last_reference). A reference taken where we cannot
+ * see it (inside the runtime) makes this count low, and a teardown then
+ * counts as perhaps the last, as it did before anything was counted; one
+ * dropped where we cannot see it (a context outlived by a force reset, a
+ * reset more than the device's references) makes it high, and a destroy
+ * then fences a device that was released, which costs a device init.
+ * Atomic, not under ref_lock: the program's SetDevice counts its reference
+ * and must not wait for our switches, which hold ref_lock across runtime
+ * calls. Relaxed: a count read as a hint, publishing nothing. */
+static atomic_uint refs[NPUALLOC_MAX_DEVICES];
 /* Force resets per device: begun, and of those, not yet returned. */
 static unsigned force_resets_begun[NPUALLOC_MAX_DEVICES];   /* ref_lock */
 static unsigned force_resets_running[NPUALLOC_MAX_DEVICES]; /* ref_lock */
+
+/* A reset more than the device's references is tolerated by the runtime:
+ * the count stays at 0. */
+void npa_device_ref_count(int device, int delta)
+{
+    if (!npa_device_in_range(device))
+        return;
+    if (delta > 0) {
+        atomic_fetch_add_explicit(&refs[device], 1, memory_order_relaxed);
+        return;
+    }
+    unsigned n = atomic_load_explicit(&refs[device], memory_order_relaxed);
+    while (n > 0 && !atomic_compare_exchange_weak_explicit(&refs[device], &n, n - 1, memory_order_relaxed,
+                                                           memory_order_relaxed))
+        ;
+}
+
+static void count_released(int device)
+{
+    atomic_store_explicit(&refs[device], 0, memory_order_relaxed);
+}
+
+uint64_t npa_devices_at_last_reference(int device)
+{
+    uint64_t last = ~0ull << NPUALLOC_MAX_DEVICES; /* not counted: perhaps */
+    for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+        if (atomic_load_explicit(&refs[d], memory_order_relaxed) <= 1)
+            last |= 1ull << d;
+    if (device < 0)
+        return last;
+    return device < 64 ? last & (1ull << device) : 0;
+}
+
+void npa_devices_released(void)
+{
+    for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
+        count_released(d);
+}
 
 static bool force_reset_running(int device)
 {
@@ -122,6 +173,7 @@ static aclError enter(int device, npa_devswitch *s, bool keep_first)
     npa_mutex_lock(&ref_lock);
     aclError err = set(device);
     if (err == ACL_SUCCESS) {
+        npa_device_ref_count(device, 1);
         s->switched = 1;
         s->force_resets = npa_device_in_range(device) ? force_resets_begun[device] : 0;
         s->force_reset_running = force_reset_running(device);
@@ -147,13 +199,16 @@ void npa_device_leave(npa_devswitch *s)
         __typeof__(&aclrtResetDevice) reset = NPA_REAL(aclrtResetDevice);
         __typeof__(&aclrtSetDevice) set = NPA_REAL(aclrtSetDevice);
         npa_mutex_lock(&ref_lock);
-        if (!s->keep && !reference_maybe_dropped(s))
-            reset(s->device);
+        if (!s->keep && !reference_maybe_dropped(s) && reset(s->device) == ACL_SUCCESS)
+            npa_device_ref_count(s->device, -1);
         /* The way back takes a reference on the previous device and drops
          * one: with a force reset of that device under way, the one dropped
          * might be another's, taken after the release. */
-        if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS && !force_reset_running(s->prev))
-            reset(s->prev);
+        if (s->prev >= 0 && set(s->prev) == ACL_SUCCESS) {
+            npa_device_ref_count(s->prev, 1);
+            if (!force_reset_running(s->prev) && reset(s->prev) == ACL_SUCCESS)
+                npa_device_ref_count(s->prev, -1);
+        }
         npa_mutex_unlock(&ref_lock);
     }
     npa_cancel_on();
@@ -191,8 +246,13 @@ aclError npa_device_reset(aclError (*real)(int32_t), int32_t device, bool force)
     npa_mutex_lock(&ref_lock);
     if (counted)
         force_resets_running[device]--;
-    if (err == ACL_SUCCESS && npa_device_in_range(device))
+    if (err == ACL_SUCCESS && npa_device_in_range(device)) {
         devices_kept &= ~(1u << device);
+        if (force)
+            count_released(device);
+        else
+            npa_device_ref_count(device, -1);
+    }
     npa_mutex_unlock(&ref_lock);
     return err;
 }

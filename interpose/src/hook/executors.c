@@ -246,7 +246,7 @@ void npa_exec_drain(npa_drain how)
  * for may make an executor repeatable or destroy one, which takes the lock,
  * and would wait for it for good. An executor made repeatable meanwhile
  * keeps its device: its launch may have come after the synchronize began. */
-void npa_exec_settle(int device)
+void npa_exec_settle(uint64_t devices)
 {
     npa_mutex_lock(&exec_lock);
     uint64_t made_on = 0, settled = 0, made_before = set_generation;
@@ -256,7 +256,7 @@ void npa_exec_settle(int device)
         /* One a settle covered already may be on a device reset for good:
          * its synchronize would enter the device again. */
         if (e != NULL && e != TOMBSTONE && d >= 0 && set_slots[i].made_at > settled_through[d] &&
-            (device < 0 || d == device))
+            (devices & (1ull << d)))
             made_on |= 1ull << d;
     }
     npa_mutex_unlock(&exec_lock);

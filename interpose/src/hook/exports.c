@@ -320,9 +320,13 @@ NPA_EXPORT aclError aclrtSetDevice(int32_t deviceId)
     __typeof__(&aclrtSetDevice) real = NPA_REAL(aclrtSetDevice);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtSetDevice);
+    /* Counted before the call: a reset meanwhile must not take it for the last. */
+    npa_device_ref_count(deviceId, 1);
     aclError err = real(deviceId);
     if (err == ACL_SUCCESS)
         npa_device_set_current(deviceId);
+    else
+        npa_device_ref_count(deviceId, -1);
     return err;
 }
 
@@ -333,7 +337,7 @@ static aclError reset_device(aclError (*real)(int32_t), enum npa_fn fn, int32_t 
     if (real == NULL)
         return npa_no_runtime_error(fn);
     if (!npa_hook_disabled())
-        npa_hook_before_reset(deviceId);
+        npa_hook_before_reset(deviceId, fn == NPA_FN_aclrtResetDeviceForce);
     aclError err = npa_device_reset(real, deviceId, fn == NPA_FN_aclrtResetDeviceForce);
     /* The device may or may not still be current (SetDevice is counted): ask
      * the runtime again on this thread's next allocation. */
@@ -377,8 +381,11 @@ NPA_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
     __typeof__(&aclrtCreateContext) real = NPA_REAL(aclrtCreateContext);
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtCreateContext);
+    npa_device_ref_count(deviceId, 1); /* a context holds a reference on its device */
     aclError err = real(context, deviceId);
-    if (err == ACL_SUCCESS && !npa_hook_disabled())
+    if (err != ACL_SUCCESS)
+        npa_device_ref_count(deviceId, -1);
+    else if (!npa_hook_disabled())
         npa_context_created(*context, deviceId);
     return note_context_device(err);
 }
@@ -406,11 +413,14 @@ NPA_EXPORT aclError aclrtDestroyContext(aclrtContext context)
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtDestroyContext);
     bool ours = !npa_hook_disabled();
+    int device = ours ? npa_context_device(context) : -1;
     if (ours)
-        npa_hook_before_context_destroy(npa_context_device(context));
+        npa_hook_before_context_destroy(device);
     aclError err = real(context);
-    if (ours && err == ACL_SUCCESS)
+    if (ours && err == ACL_SUCCESS) {
         npa_context_destroyed(context);
+        npa_device_ref_count(device, -1);
+    }
     npa_device_forget_current(); /* the current context may have been this one */
     return err;
 }

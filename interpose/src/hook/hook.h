@@ -267,6 +267,15 @@ void npa_device_forget_current(void);    /* after ResetDevice */
 unsigned npa_devices_seen(void);
 /* The devices the runtime sees (aclrtGetDeviceCount); -1 when it cannot say. */
 int npa_runtime_device_count(void);
+/* A reference on device taken (delta 1: before the program's SetDevice or
+ * CreateContext, undone with -1 when it failed) or dropped (-1: after a
+ * context's destroy) where device.c does not see the runtime's call. */
+void npa_device_ref_count(int device, int delta);
+/* The devices (bit per device, 64) that a reference dropped now may
+ * release: those holding at most one by the calls npualloc saw, and those
+ * beyond the ones it counts; device >= 0: that device's bit alone. */
+uint64_t npa_devices_at_last_reference(int device);
+void npa_devices_released(void); /* at aclFinalize: no reference is left */
 
 /* ---- contexts.c ----------------------------------------------------------- */
 
@@ -389,15 +398,16 @@ static inline unsigned npa_entry_work_load(void)
  * rest (NPA_DRAIN_ALL). */
 typedef enum npa_drain { NPA_DRAIN_DONE, NPA_DRAIN_ALL } npa_drain;
 void npa_exec_drain(npa_drain how);
-/* Before the runtime may tear a device down (device < 0: every device; a
- * reset, a context's destroy, aclFinalize): each device that repeatable
- * executors were made on is synchronized, and they forget it. A destroy
- * after the teardown must not enter the device again to fence their
- * launches (on real hardware a full init and teardown of the device, for
- * each destroy), and the synchronize proves those launches done, also
- * where the reset was not the device's last reference. A device that
- * cannot be synchronized keeps them: their destroys fence it. */
-void npa_exec_settle(int device);
+/* Before the runtime may tear devices down (a reset, a context's destroy,
+ * aclFinalize; devices: bit per device, those the teardown may release):
+ * each of them that repeatable executors were made on is synchronized, and
+ * they forget it. A destroy after the teardown must not enter the device
+ * again to fence their launches (on real hardware a full init and teardown
+ * of the device, for each destroy). A device that cannot be synchronized
+ * keeps them: their destroys fence it. A device the teardown leaves up
+ * (not its last reference) is left out: its executors may be launched
+ * again, and their destroys fence it. */
+void npa_exec_settle(uint64_t devices);
 static inline void npa_exec_poll(void)
 {
     if (NPA_UNLIKELY(npa_entry_work_load() & NPA_WORK_EXECUTORS))
@@ -457,10 +467,13 @@ npa_error npa_hook_mem_get_info(int device, size_t *free_bytes, size_t *total_by
  * a bad device or one the runtime cannot tell the size of, no allocator, a
  * cap below the smallest segment. */
 int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, const char **why);
-void npa_hook_before_reset(int device);
-/* The repeatable executors made on the context's device settled (device < 0,
- * a context we do not know: every device's), then every device's cache
- * given back, under init_lock (1). */
+/* force: aclrtResetDeviceForce, which releases the device whatever its
+ * references; a plain reset settles its executors only where it may be
+ * the device's last (npa_devices_at_last_reference). */
+void npa_hook_before_reset(int device, bool force);
+/* The repeatable executors settled on the context's device (device < 0, a
+ * context we do not know: on every device) where the destroy may drop its
+ * last reference, then every device's cache given back, under init_lock (1). */
 void npa_hook_before_context_destroy(int device);
 void npa_hook_before_finalize(void);
 void npa_hook_after_init(void);

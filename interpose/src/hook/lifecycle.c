@@ -416,22 +416,22 @@ npa_allocator *npa_hook_allocator_any(void)
     return atomic_load_explicit(&any_allocator, memory_order_acquire);
 }
 
-/* Before the runtime may tear a device down (device < 0: any): the deferred
- * executor destroys forwarded, and the repeatable executors made on it
+/* Before the runtime may tear devices down (bit per device): the deferred
+ * executor destroys forwarded, and the repeatable executors made on them
  * settled. */
-static void settle_executors(int device)
+static void settle_executors(uint64_t devices)
 {
     npa_exec_drain(NPA_DRAIN_ALL);
-    npa_exec_settle(device);
+    npa_exec_settle(devices);
 }
 
 /* Give a device's cache back before the runtime tears it down: deferred
  * executor destroys first (they may still wait on that device's streams) and
  * the repeatable executors made on it settled, then pending frees and cached
  * segments, then our idle events. */
-void npa_hook_before_reset(int device)
+void npa_hook_before_reset(int device, bool force)
 {
-    settle_executors(device);
+    settle_executors(force && device >= 0 && device < 64 ? 1ull << device : npa_devices_at_last_reference(device));
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a != NULL)
         npa_empty_cache(a, device);
@@ -465,7 +465,7 @@ void npa_hook_before_context_destroy(int device)
 {
     npa_mutex_lock(&init_lock);
     if (state == ST_ACTIVE || state == ST_UNINIT) {
-        settle_executors(device);
+        settle_executors(npa_devices_at_last_reference(device));
         release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire), false);
     }
     npa_mutex_unlock(&init_lock);
@@ -480,9 +480,10 @@ void npa_hook_before_finalize(void)
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     int live = state != ST_FINALIZED;
     if (live) {
-        settle_executors(-1);
+        settle_executors(~0ull);
         release_everything(a, false);
         npa_contexts_forget();
+        npa_devices_released();
         atomic_store_explicit(&npa_serving, NULL, memory_order_release);
         /* The next session's allocator writes the region's stats from its
          * first call on; this one (still reached by npa_hook_allocator_any

@@ -486,24 +486,16 @@ emit(rets=rets, live=aclsim.executors_live(), violations=aclsim.executor_violati
     assert proc.stderr == ""
 
 
-def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
-    """A repeatable executor made and launched on device 0; a worker thread
-    sets device 0 and resets it, which the main thread still holds (not the
-    last reference: the runtime tears nothing down); the executor is
-    launched again, then destroyed from a thread with no device. The reset
-    made the executor forget device 0, as if the device were gone, so the
-    destroy was fenced nowhere and went to the runtime under the queued
-    launch. npualloc counts the device's references now: a reset that
-    leaves one keeps the executor on its device, and the destroy waits."""
-    out, proc = run('''
+# A repeatable executor made and launched on device 0; teardown() (the
+# caller's) runs on a helper thread; the executor is launched again until
+# seen queued, then destroyed from a thread with no device.
+RELAUNCH_AFTER_A_TEARDOWN = '''
 import threading
 buf, _ = acl.rt.malloc(1 << 16, 0)
 after, _ = acl.rt.create_event()
 aclsim.set_op_duration_us(20_000)
 ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
-def worker():
-    assert acl.rt.set_device(0) == 0 and acl.rt.reset_device(0) == 0
-thread = threading.Thread(target=worker); thread.start(); thread.join()
+thread = threading.Thread(target=teardown); thread.start(); thread.join()
 for retry in range(6):  # until the launch is seen queued before the destroy
     aclsim.set_op_duration_us(50_000 << retry)
     assert ops.fill(ws, 4096, ex, stream) == 0
@@ -520,7 +512,22 @@ assert acl.rt.synchronize_device() == 0
 acl.rt.malloc(512, 0)  # drains the deferred destroy
 emit(queued=queued, rets=rets, reached_at_once=reached_at_once,
      violations=aclsim.executor_violations() - violations_before, live=aclsim.executors_live())
-''', preload_env())
+'''
+
+
+def test_repeatable_destroy_after_a_reset_that_was_not_the_last_waits_for_its_launch():
+    """A repeatable executor made and launched on device 0; a worker thread
+    sets device 0 and resets it, which the main thread still holds (not the
+    last reference: the runtime tears nothing down); the executor is
+    launched again, then destroyed from a thread with no device. The reset
+    made the executor forget device 0, as if the device were gone, so the
+    destroy was fenced nowhere and went to the runtime under the queued
+    launch. npualloc counts the device's references now: a reset that
+    leaves one keeps the executor on its device, and the destroy waits."""
+    out, proc = run('''
+def teardown():
+    assert acl.rt.set_device(0) == 0 and acl.rt.reset_device(0) == 0
+''' + RELAUNCH_AFTER_A_TEARDOWN, preload_env())
     assert proc.returncode == 0, proc.stderr
     assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
     assert proc.stderr == ""
@@ -662,33 +669,11 @@ def test_repeatable_destroy_after_a_helper_context_is_destroyed_waits_for_its_la
     and went to the runtime under its queued launch. The destroy settles
     only its device now, and only where it may be the last reference, and
     the executor's destroy waits for device 0."""
-    out, proc = run(f"HELPER_DEVICE = {helper_device}\n" + '''
-import threading
-buf, _ = acl.rt.malloc(1 << 16, 0)
-after, _ = acl.rt.create_event()
-aclsim.set_op_duration_us(20_000)
-ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
-def helper():
-    ctx, ret = acl.rt.create_context(HELPER_DEVICE); assert ret == 0
+    out, proc = run(f'''
+def teardown():
+    ctx, ret = acl.rt.create_context({helper_device}); assert ret == 0
     assert acl.rt.destroy_context(ctx) == 0
-thread = threading.Thread(target=helper); thread.start(); thread.join()
-for retry in range(6):  # until the launch is seen queued before the destroy
-    aclsim.set_op_duration_us(50_000 << retry)
-    assert ops.fill(ws, 4096, ex, stream) == 0
-    assert acl.rt.record_event(after, stream) == 0
-    if acl.rt.query_event_status(after) == (0, 0):
-        break
-queued = acl.rt.query_event_status(after) == (0, 0)
-before = aclsim.call_count("aclDestroyAclOpExecutor")
-violations_before = aclsim.executor_violations()
-rets = []
-thread = threading.Thread(target=lambda: rets.append(ops.destroy_executor(ex))); thread.start(); thread.join()
-reached_at_once = aclsim.call_count("aclDestroyAclOpExecutor") - before
-assert acl.rt.synchronize_device() == 0
-acl.rt.malloc(512, 0)  # drains the deferred destroy
-emit(queued=queued, rets=rets, reached_at_once=reached_at_once,
-     violations=aclsim.executor_violations() - violations_before, live=aclsim.executors_live())
-''', preload_env())
+''' + RELAUNCH_AFTER_A_TEARDOWN, preload_env())
     assert proc.returncode == 0, proc.stderr
     assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
     assert proc.stderr == ""

@@ -5,8 +5,8 @@ calls go to the loaded library; with pid=... they read (or command) another
 process through its shared-memory stats region.
 """
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError,
-                     IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError, NpuallocError,
-                     OtherUserError, ProcessStoppedError)
+                     IncompatibleRegionError, InvalidDeviceError, NoSuchProcessError, NotUnderNpuallocError,
+                     NpuallocError, OtherUserError, ProcessStoppedError)
 from .memory import (caching_allocator_alloc, caching_allocator_delete, empty_cache, get_config, is_active,
                      library_path, list_gpu_processes, max_memory_allocated, max_memory_cached, max_memory_reserved,
                      mem_get_info, memory_allocated, memory_cached, memory_reserved, memory_stats,
@@ -23,7 +23,8 @@ from .snapshot import torch_snapshot as _snapshot
 
 __all__ = [
     "CommandInterruptedError", "CommandRejectedError", "CommandTimeoutError", "CorruptRegionError", "IncompatibleRegionError",
-    "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError", "ProcessStoppedError",
+    "InvalidDeviceError", "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError",
+    "ProcessStoppedError",
     "caching_allocator_alloc", "caching_allocator_delete", "dump_snapshot", "empty_cache", "get_config",
     "is_active", "library_path", "list_gpu_processes",
     "max_memory_allocated", "max_memory_cached", "max_memory_reserved", "mem_get_info", "memory_allocated",

@@ -58,6 +58,12 @@ class ProcessStoppedError(NpuallocError):
     exit_code = 10
 
 
+class InvalidDeviceError(RuntimeError, ValueError):
+    """A device index past the devices the runtime sees. torch's check of it
+    raises RuntimeError ("Invalid device argument"), and npualloc raised
+    ValueError before: code written for either catches it."""
+
+
 class CommandInterruptedError(KeyboardInterrupt):
     """Ctrl-C while waiting for the process to acknowledge a command: withdrawn
     unless the process took it already (the message says which). A KeyboardInterrupt, not an

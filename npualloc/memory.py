@@ -14,7 +14,7 @@ from typing import Any
 
 from ._ffi import (ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_MEMORY_FREE, ACL_HBM_MEM, PACKAGE_DIR, c_string,
                    constants, ffi, loaded_library, runtime_library)
-from .errors import NotUnderNpuallocError, NpuallocError
+from .errors import InvalidDeviceError, NotUnderNpuallocError, NpuallocError
 from .region import COMMAND_TIMEOUT_S, Region, read_live_regions
 from .summary import format_summary
 
@@ -104,7 +104,7 @@ def _own_device(lib: Any, device: object) -> int:
 
 def _check_device_count(device: object, index: int, count: int) -> None:
     if 0 <= count <= index:
-        raise ValueError(f"invalid device {device!r}: the runtime sees {count} device(s)")
+        raise InvalidDeviceError(f"invalid device {device!r}: the runtime sees {count} device(s)")
 
 
 def parse_decimal(text: str) -> int | None:

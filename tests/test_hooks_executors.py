@@ -28,6 +28,14 @@ def launch_fill(dst, nbytes, value, repeatable=False, times=1):
     for _ in range(times):
         assert ops.fill(ws, ws_size, ex, stream) == 0
     return ex, ws
+# A repeatable fill launched behind ops of 50 ms << retry, `after` recorded
+# behind it: still queued when looked at, unless the machine stalled that
+# long (the caller tries again with a longer op).
+def launch_queued(buf, after, retry):
+    aclsim.set_op_duration_us(50_000 << retry)
+    ex, _ = launch_fill(buf, 4096, 7, repeatable=True)
+    assert acl.rt.record_event(after, stream) == 0
+    return ex
 """
 
 
@@ -343,9 +351,7 @@ shim = ctypes.CDLL({str(shim)!r})
 buf, _ = acl.rt.malloc(1 << 16, 0)
 after, _ = acl.rt.create_event()
 for retry in range(8):  # until the launch is seen still queued after its destroy
-    aclsim.set_op_duration_us(50_000 << retry)
-    ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
-    assert acl.rt.record_event(after, stream) == 0
+    ex = launch_queued(buf, after, retry)
     before = aclsim.call_count("aclDestroyAclOpExecutor")
     violations_before = aclsim.executor_violations()
     shim.refuse_next_growth()
@@ -423,9 +429,7 @@ def destroy(executor):
         assert acl.rt.set_device(DESTROYER_DEVICE) == 0
     rets.append(ops.destroy_executor(executor))
 for retry in range(8):  # until the launch is seen still queued after its destroy
-    aclsim.set_op_duration_us(50_000 << retry)
-    ex, ws = launch_fill(buf, 4096, 7, repeatable=True)
-    assert acl.rt.record_event(after, stream) == 0
+    ex = launch_queued(buf, after, retry)
     before = aclsim.call_count("aclDestroyAclOpExecutor")
     violations_before = aclsim.executor_violations()
     rets = []

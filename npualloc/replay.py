@@ -164,7 +164,8 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
     for index, entry in enumerate(snapshot["device_traces"][device]):
         action, addr = entry.get("action"), entry.get("addr")
         if action == "alloc":
-            if int(entry["size"]) == 0:
+            size = int(entry["size"])
+            if size == 0:
                 empty[addr] += 1
                 zero_size_allocs += 1
                 continue
@@ -175,8 +176,8 @@ def write_event_file(snapshot: dict, out: Path, device: int | None = None) -> Ev
                 slot = spare_slots.pop()
             else:
                 slot, slot_count = slot_count, slot_count + 1
-            live[addr] = (slot, int(entry["size"]))
-            record(int(entry["size"]), slot, OP_ALLOC)
+            live[addr] = (slot, size)
+            record(size, slot, OP_ALLOC)
             allocs += 1
         elif action in ("free_requested", "free"):
             if free(addr):

@@ -290,11 +290,39 @@ def _warn_if_preload_ignored(program: str, path: str | None) -> None:
                          "ignores LD_PRELOAD in it: it runs without npualloc\n")
 
 
+# The values PEP 538's locale coercion gives LC_CTYPE.
+_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
+
+
+def _environment_given() -> dict[str, str]:
+    """os.environ less Python's own change to it: a C or POSIX locale is
+    coerced at start-up (PEP 538) by setting LC_CTYPE in the interpreter's
+    environment, for its children too, so a command run would get an
+    LC_CTYPE nobody gave it (or C.UTF-8 for the C given). LC_CTYPE is taken
+    back to its value in /proc/self/environ, the environment exec gave this
+    process, when it now holds a coerced value it did not have there."""
+    env = dict(os.environ)
+    if env.get("LC_CTYPE") not in _COERCED_LC_CTYPE:
+        return env
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return env  # no /proc: what Python holds is all there is to go by
+    started = next((os.fsdecode(e[len(b"LC_CTYPE="):]) for e in entries if e.startswith(b"LC_CTYPE=")), None)
+    if started is None:
+        del env["LC_CTYPE"]
+    else:
+        env["LC_CTYPE"] = started
+    return env
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         _Parser(prog="npualloc").error("run: no command given (npualloc run [--sim] [--conf STR] -- CMD ...)")
-    env = simulator.simulated_env(simulator.find_home(), os.environ) if args.sim else dict(os.environ)
+    given = _environment_given()
+    env = simulator.simulated_env(simulator.find_home(), given) if args.sim else given
     library = memory.library_path()
     if any(separator in library for separator in " :"):
         raise NpuallocError(f"cannot preload {library}: the dynamic linker splits LD_PRELOAD at spaces and colons; "

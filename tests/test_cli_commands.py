@@ -413,6 +413,21 @@ def test_run_gives_the_command_the_signal_dispositions_it_was_started_with(tmp_p
     assert (proc.returncode, stderr) == (-signal.SIGPIPE, b"")
 
 
+def test_run_gives_the_command_the_environment_it_was_given(tmp_path: Path) -> None:
+    """Python coerces a C or POSIX locale to C.UTF-8 at start-up (PEP 538) by
+    setting LC_CTYPE in its own environment: the command inherited an
+    LC_CTYPE=C.UTF-8 nobody gave it, or had the LC_CTYPE=C it was given
+    changed. It gets what it was given, plus LD_PRELOAD (env(1) prints it
+    unchanged, being no Python)."""
+    given = {k: v for k, v in cli_env(tmp_path).items() if k != "LANG" and not k.startswith("LC_")}
+    for locale in ({}, {"LC_CTYPE": "C"}):
+        env = given | locale
+        done = _run(["--", "env", "-0"], env)
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        got = dict(entry.split("=", 1) for entry in done.stdout.split("\0") if entry)
+        assert got == env | {"LD_PRELOAD": npualloc.library_path()}, locale
+
+
 def _set_user_id_of_nobody(path: Path) -> None:
     """path becomes nobody's, set-user-ID: a program whose exec changes the ids of root, who runs the tests."""
     os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)

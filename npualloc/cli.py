@@ -321,6 +321,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         _Parser(prog="npualloc").error("run: no command given (npualloc run [--sim] [--conf STR] -- CMD ...)")
+    if not command[0]:
+        # A shell's answer to '' (Python's execve refuses an empty argv[0] with a ValueError).
+        sys.stderr.write("npualloc: '': command not found\n")
+        return 127
     given = _environment_given()
     env = simulator.simulated_env(simulator.find_home(), given) if args.sim else given
     library = memory.library_path()

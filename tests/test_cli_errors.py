@@ -221,6 +221,9 @@ def test_memory_fraction_on_a_device_of_unknown_size_goes_to_the_process(tmp_pat
 
 def test_run_command_not_found(tmp_path: Path) -> None:
     assert_one_line_error(run_cli(["run", "--", "no-such-command-npualloc"], tmp_path), 127, "command not found")
+    # An empty name is no command to a shell either (exit 127), where Python's execve refused it: exit 2,
+    # "execve: argv first element cannot be empty".
+    assert_one_line_error(run_cli(["run", "--", "", "x"], tmp_path), 127, "npualloc: '': command not found")
     # The kernel's ENOENT for a script whose "#!" interpreter is missing was "command not found" too.
     script = tmp_path / "train.sh"
     script.write_text("#!/no/such/interpreter-npualloc\n")

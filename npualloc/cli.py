@@ -337,7 +337,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     name = os.path.basename(library)
     env["LD_PRELOAD"] = ":".join([library] + [p for p in preloaded if os.path.basename(p) != name])
     if args.conf is not None:
-        env = with_conf(env, args.conf, "run")
+        env = with_conf(env, args.conf, "run", keep_users=True)
     # Python ignores these two for itself, and exec keeps an ignored signal
     # ignored: the command gets them at their defaults, as subprocess's children do.
     for ignored_by_python in (signal.SIGPIPE, signal.SIGXFSZ):

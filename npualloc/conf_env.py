@@ -17,17 +17,25 @@ def configured(env: Mapping[str, str]) -> bool:
     return any(env.get(name) for name in CONF_VARIABLES)
 
 
-def with_conf(env: Mapping[str, str], conf: str, command: str) -> dict[str, str]:
+def with_conf(env: Mapping[str, str], conf: str, command: str, keep_users: bool = False) -> dict[str, str]:
     """env with conf in the variable the library will read, and
     NPUALLOC_CONF_FROM naming the npualloc command, so the library's config
     warnings say `npualloc <command> --conf` rather than a variable the user
-    never set. An empty conf is no config: every variable goes, or the
-    library would read the next one set."""
+    never set. keep_users (run's): conf goes after the keys the variable
+    already holds, so theirs stay and conf's win for a key in both (the
+    later of a repeated key wins, in torch's parser and the library's), and
+    the warnings name both (NPUALLOC_CONF_FROM=<command>+variable). An empty
+    conf is no config: every variable goes, or the library would read the
+    next one set."""
     result = dict(env)
+    result["NPUALLOC_CONF_FROM"] = command
     if conf:
-        result[next((k for k in CONF_VARIABLES if result.get(k)), CONF_VARIABLES[0])] = conf
+        variable = next((k for k in CONF_VARIABLES if result.get(k)), None)
+        if variable is not None and keep_users:
+            conf = f"{result[variable]},{conf}"
+            result["NPUALLOC_CONF_FROM"] = f"{command}+variable"
+        result[variable or CONF_VARIABLES[0]] = conf
     else:
         for name in CONF_VARIABLES:
             result.pop(name, None)
-    result["NPUALLOC_CONF_FROM"] = command
     return result

@@ -344,9 +344,27 @@ def test_run_preloads_into_children_and_keeps_ld_preload(tmp_path: Path) -> None
     assert mapped == "True"
     assert (mindtorch_conf, torch_npu_conf) == ("garbage_collection_threshold:0.6", "None")
 
-    env["PYTORCH_NPU_ALLOC_CONF"] = "max_split_size_mb:64"  # the key the user already uses wins
+    env["PYTORCH_NPU_ALLOC_CONF"] = "max_split_size_mb:64"  # the variable the user already uses, --conf after
     done = _run(["--conf", "max_split_size_mb:128", "--", sys.executable, "-c", PRINT_CHILD_ENV], env)
-    assert done.stdout.splitlines()[2:] == ["None", "max_split_size_mb:128"]
+    assert done.stdout.splitlines()[2:] == ["None", "max_split_size_mb:64,max_split_size_mb:128"]
+
+
+def test_run_conf_adds_its_keys_to_the_users_config(tmp_path: Path) -> None:
+    """--conf went into the config variable in place of what the user had
+    set there, silently dropping their keys. It is added after them: the
+    user's keys stay, and for a key in both --conf's wins, as the later of
+    a repeated key does in torch's parser (and the library's). A bad entry's
+    warning names both places it may come from."""
+    env = cli_env(tmp_path)
+    code = "import acl, npualloc; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0); print(npualloc.get_config())"
+    for variable in ("MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        users = {variable: "max_split_size_mb:64,garbage_collection_threshold:0.5,frobnicate:1"}
+        done = _run(["--conf", "roundup_power2_divisions:4,max_split_size_mb:128", "--", sys.executable, "-c", code],
+                    env | users)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "max_split_size_mb:128,garbage_collection_threshold:0.5,roundup_power2_divisions:4\n"
+        assert done.stderr == (f"npualloc: {variable} and npualloc run --conf: unknown key 'frobnicate' "
+                               "(default kept)\n"), done.stderr
 
 
 def test_run_conf_reads_an_empty_variable_as_unset(tmp_path: Path) -> None:

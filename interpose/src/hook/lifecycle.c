@@ -6,6 +6,7 @@
  * (or the first stream, executor or caching_allocator_delete), so a process
  * that never touches the NPU pays nothing and leaves nothing behind. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
@@ -53,12 +54,19 @@ static void config_warn(void *arg, const char *message)
 }
 
 /* `npualloc run --conf` and `npualloc replay --conf` set the variable and
- * say so (NPUALLOC_CONF_FROM=run|replay): warnings name what the user typed. */
+ * say so (NPUALLOC_CONF_FROM=run|replay): warnings name what the user typed.
+ * run+variable: run added its --conf after the keys the user had set in
+ * var, so a bad entry may be in either. Called once (config_once). */
 static const char *config_source(const char *var)
 {
+    static char both[64];
     const char *from = getenv("NPUALLOC_CONF_FROM");
     if (from != NULL && strcmp(from, "run") == 0)
         return "npualloc run --conf";
+    if (from != NULL && strcmp(from, "run+variable") == 0) {
+        snprintf(both, sizeof both, "%s and npualloc run --conf", var);
+        return both;
+    }
     if (from != NULL && strcmp(from, "replay") == 0)
         return "npualloc replay --conf";
     return var;

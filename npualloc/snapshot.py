@@ -16,7 +16,8 @@ Frames are recorded only with record_stacks:python (or stacks="python" here,
 in this process): the library then takes the Python frames of each malloc's
 caller, and with record_context:all (context="all" here) of each free's and
 empty_cache's, for the events of that call (hook/pystack.c); otherwise
-every "frames" is [].
+every "frames" is []. With record_context:state (context="state") only the
+live blocks and the segments show them, no trace entry.
 """
 from __future__ import annotations
 
@@ -239,15 +240,15 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
     are no C++ frames to add) records the Python frames of each allocation in
     this process, and with context="all" (torch's default) those of each free
     and empty_cache too, which their events carry (record_context:all);
-    context="alloc" or "state" leaves a free's events the frames of its
-    alloc, and context=None records none. For another process (pid=) only
-    history is switched, its stacks follow its record_stacks and
-    record_context config keys. enabled and context take torch's values,
-    checked as torch checks them; enabled="state" records as "all" does
-    (torch then keeps a trace of one entry beside the live blocks' stacks,
-    but npualloc takes a live block's stack from its alloc event in the
-    trace), and so does context="state" as "alloc" (torch's trace entries
-    then carry no frames)."""
+    context="alloc" leaves a free's events the frames of its alloc,
+    context="state" keeps frames for the live blocks and segments only, no
+    trace entry carrying any (as torch), and context=None records none. For
+    another process (pid=) only history is switched, its stacks follow its
+    record_stacks and record_context config keys. enabled and context take
+    torch's values, checked as torch checks them; enabled="state" records as
+    "all" does (torch then keeps a trace of one entry beside the live blocks'
+    stacks, but npualloc takes a live block's stack from its alloc event in
+    the trace)."""
     if enabled is False or enabled is True:  # torch's legacy form: _record_memory_history(False) is off
         enabled = None if enabled is False else "all"
     _check_option("enabled", enabled, ("state", "all"))
@@ -263,7 +264,7 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
     if _in_process(pid):
         with_stacks = enabled is not None and stacks is not None and context is not None
         set_config(f"record_history:{entries},record_stacks:{'python' if with_stacks else 'none'},"
-                   f"record_context:{'all' if context == 'all' else 'alloc'}")
+                   f"record_context:{context or 'alloc'}")
         return
     assert pid is not None
     with Region(pid, writable=True) as region:
@@ -296,17 +297,17 @@ def _record_memory_history_legacy(enabled: bool, record_context: bool = True, tr
                                   record_context_cpp: bool = False, clear_history: bool = False,
                                   compile_context: bool = False, global_record_annotations: bool = False,
                                   skip_actions: list[str] | None = None) -> None:
-    del trace_alloc_record_context, device, record_context_cpp, clear_history, compile_context
-    del global_record_annotations, skip_actions
+    del device, record_context_cpp, clear_history, compile_context, global_record_annotations, skip_actions
     if not enabled:
         record_memory_history(None)
         return
     # torch keeps the stacks of live blocks beside a trace of trace_alloc_max_entries
     # (1 by default); npualloc takes a live block's stack from its alloc event in the
-    # trace, so the trace keeps at least DEFAULT_MAX_ENTRIES. The legacy form never
-    # takes a free's stack (torch: context "state" or "alloc").
-    record_memory_history("all", context="alloc" if record_context else None,
-                          max_entries=max(trace_alloc_max_entries, DEFAULT_MAX_ENTRIES))
+    # trace, so the trace keeps at least DEFAULT_MAX_ENTRIES. torch's context: "alloc"
+    # with trace_alloc_record_context, else "state" with record_context, else none;
+    # the legacy form never takes a free's stack.
+    context = "alloc" if trace_alloc_record_context else "state" if record_context else None
+    record_memory_history("all", context=context, max_entries=max(trace_alloc_max_entries, DEFAULT_MAX_ENTRIES))
 
 
 def _record_memory_history_impl(enabled: str | None = "all", context: str | None = "all", stacks: str = "all",

@@ -58,6 +58,30 @@ def test_in_process_stacks_name_the_allocating_lines(tmp_path: Path) -> None:
     assert segment["address"] == segment_event["addr"] and segment["frames"] == stacks[0]
 
 
+def test_context_state_keeps_frames_for_live_blocks_and_segments_only(tmp_path: Path) -> None:
+    """torch's context="state": stacks are kept for what the snapshot's
+    segments hold (a live block's alloc, a segment's malloc) and no trace
+    entry carries frames (torch's record_trace keeps a context from "alloc"
+    up). It was recorded as "alloc": every alloc and free entry had frames."""
+    out = tmp_path / "snap.pickle"
+    code = PROGRAM.format(setup="npualloc.record_memory_history(max_entries=100, context='state')", after=f"""
+    assert acl.rt.free(held[0]) == 0
+    print(npualloc.get_config())
+    npualloc.dump_snapshot({str(out)!r})
+    """)
+    proc = run_python(code, preload_env())
+    assert "record_context:state" in proc.stdout, proc.stdout
+    snapshot = pickle.loads(out.read_bytes())
+    trace = snapshot["device_traces"][0]
+    assert [e["action"] for e in trace] == ["segment_alloc", "alloc", "alloc", "free_requested", "free_completed"]
+    assert all(e["frames"] == [] for e in trace), trace
+    made = ["make_weight", "forward", "<module>"]
+    [segment] = snapshot["segments"]
+    assert _names(segment["frames"]) == made
+    assert [(b["state"], _names(b["frames"])) for b in segment["blocks"]] == \
+        [("inactive", []), ("active_allocated", made), ("inactive", [])]
+
+
 def test_free_events_carry_the_frames_of_the_alloc_they_free(tmp_path: Path) -> None:
     """As torch's under context="alloc" (a block's context_when_allocated): a
     free event repeats the frames of the latest alloc at its address before
@@ -167,8 +191,10 @@ def test_every_free_entry_takes_the_freeing_frames(tmp_path: Path) -> None:
 def test_record_context_key_and_the_legacy_form(tmp_path: Path) -> None:
     """record_context:all is the config form of context="all" (in the
     variable, or switched at run time, and shown by get_config); torch's
-    legacy _record_memory_history(True) never takes a free's stack; a value
-    npualloc does not offer is refused with one warning naming the key."""
+    legacy _record_memory_history(True) is context "state" (no frames in
+    the trace: it gave the frees their alloc's), "alloc" with
+    trace_alloc_record_context; a value npualloc does not offer is refused
+    with one warning naming the key."""
     out = tmp_path / "snap.pickle"
     code = PROGRAM.format(setup="", after=f"""
     def release(ptr):
@@ -188,17 +214,18 @@ def test_record_context_key_and_the_legacy_form(tmp_path: Path) -> None:
     assert _free_side(out) == [("free_requested", freed), ("free_completed", freed), ("free_requested", made),
                                ("free_completed", made)]
 
-    code = PROGRAM.format(setup="npualloc._record_memory_history(True)", after=f"""
+    for legacy, frames in (("True", []), ("True, trace_alloc_record_context=True", made)):
+        code = PROGRAM.format(setup=f"npualloc._record_memory_history({legacy})", after=f"""
     for ptr in held:
         acl.rt.free(ptr)
     npualloc.dump_snapshot({str(out)!r})
     """)
-    run_python(code, preload_env())
-    assert _free_side(out) == [("free_requested", made), ("free_completed", made)] * 2
+        run_python(code, preload_env())
+        assert _free_side(out) == [("free_requested", frames), ("free_completed", frames)] * 2, legacy
 
-    proc = run_python(PROGRAM.format(setup="", after=""), preload_env(PYTORCH_NPU_ALLOC_CONF="record_context:state"))
+    proc = run_python(PROGRAM.format(setup="", after=""), preload_env(PYTORCH_NPU_ALLOC_CONF="record_context:never"))
     [warning] = proc.stderr.splitlines()
-    assert warning.startswith("npualloc: ") and "record_context" in warning and "must be alloc or all" in warning
+    assert warning.startswith("npualloc: ") and "record_context" in warning and "must be state, alloc or all" in warning
 
 
 def test_segment_events_carry_the_frames_of_the_call_they_happened_in(tmp_path: Path) -> None:

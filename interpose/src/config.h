@@ -16,6 +16,14 @@ typedef enum npa_reuse_policy {
     NPA_REUSE_SAFE = 2,
 } npa_reuse_policy;
 
+/* torch's context= of _record_memory_history (its RecordContext; NEVER is
+ * record_stacks:none): whose frames events carry once stacks are recorded. */
+typedef enum npa_record_context {
+    NPA_CONTEXT_ALLOC = 0,   /* a malloc's: its events carry them, a free's fall back on its alloc's */
+    NPA_CONTEXT_STATE = 1,   /* a malloc's, for the live blocks and segments only: no trace entry shows them */
+    NPA_CONTEXT_ALL = 2,     /* and a free's (or empty_cache's) for the events of that call */
+} npa_record_context;
+
 typedef struct npa_config {
     size_t max_split_size;          /* SIZE_MAX: unlimited */
     size_t max_non_split_rounding;  /* default 20 MiB */
@@ -25,7 +33,7 @@ typedef struct npa_config {
     npa_reuse_policy reuse_policy;
     size_t record_history;          /* ring-buffer entries, 0: off */
     bool record_stacks;             /* events carry the Python frames of the malloc under way */
-    bool record_context_all;        /* record_context:all: and of the free (or empty_cache) under way */
+    npa_record_context record_context;
     char oom_snapshot[256];         /* path written on OOM, "" : none */
     bool expandable_segments;       /* never with max_split_size or a GC threshold (torch_npu's rule) */
     unsigned recent_blocks;         /* freed small blocks a device keeps whole for reuse, 0: none (torch) */

@@ -178,6 +178,7 @@ typedef struct npa_trace_view {
     int64_t time_us;         /* microseconds since the Unix epoch, as torch */
     uintptr_t stream;        /* the stream of the pool the block is in (npa_malloc_stream's), 0: none */
     uint32_t stack;          /* the backend's capture_stack id, 0: none */
+    bool stack_in_trace;     /* false: recorded under record_context:state, for blocks and segments only */
 } npa_trace_view;
 
 typedef void (*npa_trace_visitor)(const npa_trace_view *entry, void *arg);
@@ -299,7 +300,7 @@ int npa_set_record_history(npa_allocator *a, size_t max_entries);
 /* record_stacks and record_context at run time: the backend's
  * capture_stack honours them; the core keeps them for the config it reports. */
 void npa_set_record_stacks(npa_allocator *a, bool on);
-void npa_set_record_context(npa_allocator *a, bool all);
+void npa_set_record_context(npa_allocator *a, npa_record_context context);
 
 /* Counters only the hook layer sees, added to a device's stats (under its
  * lock, like every other stat, so readers of the region see them too). A

@@ -119,7 +119,7 @@ static void test_invalid_values_warn_once_and_keep_default(void) {
     expect_rejected("roundup_power2_divisions:[256]", "roundup_power2_divisions");
     expect_rejected("reuse_policy:sometimes", "reuse_policy");
     expect_rejected("record_history:many", "record_history");
-    expect_rejected("record_context:state", "record_context"); /* torch's, not offered: no frames in the trace */
+    expect_rejected("record_context:never", "record_context"); /* torch's NEVER is record_stacks:none */
     expect_rejected("recent_blocks:17", "recent_blocks");
     expect_rejected("recent_blocks:-1", "recent_blocks");
     expect_rejected("unknown_key:1", "unknown_key");
@@ -228,6 +228,7 @@ static void test_format_round_trip(void) {
         "expandable_segments:True,per_process_memory_fraction:0.5",
         "recent_blocks:0,reuse_policy:eager",
         "record_stacks:python,record_context:all,record_history:5",
+        "record_stacks:python,record_context:state",
     };
     for (size_t i = 0; i < sizeof inputs / sizeof *inputs; i++) {
         CHECK_EQ(parse(inputs[i], &c, &w), 0);
@@ -245,6 +246,9 @@ static void test_format_round_trip(void) {
     CHECK(strcmp(tiny, "max_spl") == 0);
     CHECK_EQ(parse("record_context:all,record_context:alloc", &c, &w), 0); /* alloc: the default, not shown */
     CHECK_EQ(npa_config_format(&c, text, sizeof text), 0);
+    CHECK_EQ(parse("record_context:state", &c, &w), 0);
+    npa_config_format(&c, text, sizeof text);
+    CHECK(strcmp(text, "record_context:state") == 0);
 }
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;

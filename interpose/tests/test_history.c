@@ -296,6 +296,36 @@ static void test_events_carry_the_stack_of_their_call(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's record_trace keeps an event's context only under ALLOC or ALL:
+ * one recorded under record_context:state keeps its stack for the
+ * snapshot's blocks and segments, and the trace shows none; the context in
+ * force when each event was recorded decides, as in torch's entries. */
+static void test_state_context_keeps_stacks_out_of_the_trace(void) {
+    npa_config c = history_config(100);
+    c.record_context = NPA_CONTEXT_STATE;
+    fixture fx;
+    fake_init(&fx.fake, 64 * MiB, false);
+    npa_backend backend = fake_iface(&fx.fake);
+    backend.capture_stack = capture_call_stack;
+    backend.visit_stack = visit_no_frames;
+    fx.a = npa_create(&backend, &c);
+    CHECK(fx.a != NULL);
+    call_stack = 7;
+    void *p = alloc_exact(&fx, 0, 4096);
+    npa_set_record_context(fx.a, NPA_CONTEXT_ALLOC);
+    void *q = alloc_exact(&fx, 0, 4096);
+    call_stack = 0;
+    seen_trace t = trace_of(&fx, 0);
+    CHECK_EQ(t.count, 3); /* segment_alloc and alloc under state, alloc under alloc */
+    for (size_t i = 0; i < 3 && i < t.count; i++) {
+        CHECK_EQ(t.entries[i].stack, 7);
+        CHECK_EQ(t.entries[i].stack_in_trace, i == 2);
+    }
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 /* Recording, snapshots and run-time switches from several threads at once
  * (run under ThreadSanitizer by make ctest-tsan). */
 typedef struct churn_arg {
@@ -353,6 +383,7 @@ int main(void) {
     RUN(test_snapshot_pickle_framing);
     RUN(test_a_snapshot_leaves_its_event_in_the_trace);
     RUN(test_events_carry_the_stack_of_their_call);
+    RUN(test_state_context_keeps_stacks_out_of_the_trace);
     RUN(test_concurrent_recording_and_snapshots);
     return check_report();
 }

@@ -213,6 +213,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) d->batches_tail[kind] = &d->batches[kind];
     d->backend = &a->backend;
+    d->config = &a->config;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
     size_t free_bytes = 0, total_bytes = 0;

@@ -262,12 +262,13 @@ static bool set_record_stacks(npa_config *c, span v, char *why) {
 /* torch's context= of _record_memory_history, for the stacks above: "all"
  * also takes the frames of each free (and empty_cache), which its events
  * carry; "alloc" (the default) takes a malloc's only, and the frees fall
- * back on their alloc's. torch's "state" (no frames in the trace) is not
- * offered. */
+ * back on their alloc's; "state" takes a malloc's for the snapshot's live
+ * blocks and segments, and no trace entry carries frames. */
 static bool set_record_context(npa_config *c, span v, char *why) {
-    if (span_is(v, "all")) c->record_context_all = true;
-    else if (span_is(v, "alloc")) c->record_context_all = false;
-    else return snprintf(why, WHY_LEN, "must be alloc or all"), false;
+    if (span_is(v, "all")) c->record_context = NPA_CONTEXT_ALL;
+    else if (span_is(v, "alloc")) c->record_context = NPA_CONTEXT_ALLOC;
+    else if (span_is(v, "state")) c->record_context = NPA_CONTEXT_STATE;
+    else return snprintf(why, WHY_LEN, "must be state, alloc or all"), false;
     return true;
 }
 
@@ -400,6 +401,7 @@ void npa_config_defaults(npa_config *config) {
     config->garbage_collection_threshold = 0.0;
     config->per_process_memory_fraction = 1.0;
     config->reuse_policy = NPA_REUSE_AUTO;
+    config->record_context = NPA_CONTEXT_ALLOC;
     config->recent_blocks = NPA_RECENT_MAX;
 }
 
@@ -497,7 +499,7 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
     __atomic_load(&c->garbage_collection_threshold, &threshold, __ATOMIC_RELAXED);
     size_t record_history = __atomic_load_n(&c->record_history, __ATOMIC_RELAXED);
     bool record_stacks = __atomic_load_n(&c->record_stacks, __ATOMIC_RELAXED);
-    bool record_context_all = __atomic_load_n(&c->record_context_all, __ATOMIC_RELAXED);
+    npa_record_context record_context = __atomic_load_n(&c->record_context, __ATOMIC_RELAXED);
     bool expandable = __atomic_load_n(&c->expandable_segments, __ATOMIC_RELAXED);
     /* Only what differs from the defaults, so the text parses back into the
      * same config. */
@@ -545,8 +547,8 @@ size_t npa_config_format(const npa_config *c, char *buf, size_t len) {
         out_printf(&o, "%srecord_stacks:python", sep);
         sep = ",";
     }
-    if (record_context_all) {
-        out_printf(&o, "%srecord_context:all", sep);
+    if (record_context != d.record_context) {
+        out_printf(&o, "%srecord_context:%s", sep, record_context == NPA_CONTEXT_ALL ? "all" : "state");
         sep = ",";
     }
     if (expandable) {

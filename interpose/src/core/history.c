@@ -19,9 +19,12 @@ void npa_history_record(npa_device *d, const npa_pool *pool, npa_trace_action ac
     /* torch records a snapshot with no context: it is no call of the program's. */
     const npa_backend *b = d->backend;
     uint32_t stack = b->capture_stack && action != NPA_TRACE_SNAPSHOT ? b->capture_stack(b->ctx) : 0;
+    /* torch's record_trace keeps the context in the entry only from ALLOC
+     * up; under STATE the stack serves the snapshot's blocks and segments. */
+    bool in_trace = __atomic_load_n(&d->config->record_context, __ATOMIC_RELAXED) != NPA_CONTEXT_STATE;
     h->entries[h->next] = (npa_trace_entry){.addr = addr, .size = size, .time_us = realtime_us(),
-                                            .stream = npa_pool_stream(pool), .action = action,
-                                            .stack = stack};
+                                            .stream = npa_pool_stream(pool), .action = (uint8_t)action,
+                                            .stack_in_trace = in_trace, .stack = stack};
     h->next = h->next + 1 == h->capacity ? 0 : h->next + 1;
     if (h->count < h->capacity) h->count++;
 }
@@ -43,7 +46,8 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
     for (size_t i = 0; i < h->count; i++) {
         const npa_trace_entry *e = &h->entries[index];
         npa_trace_view view = {.device = d->id, .action = e->action, .addr = e->addr, .size = e->size,
-                               .time_us = e->time_us, .stream = e->stream, .stack = e->stack};
+                               .time_us = e->time_us, .stream = e->stream, .stack = e->stack,
+                               .stack_in_trace = e->stack_in_trace};
         visitor(&view, arg);
         index = index + 1 == h->capacity ? 0 : index + 1;
     }
@@ -80,8 +84,8 @@ void npa_set_record_stacks(npa_allocator *a, bool on) {
     if (a) __atomic_store_n(&a->config.record_stacks, on, __ATOMIC_RELAXED);
 }
 
-void npa_set_record_context(npa_allocator *a, bool all) {
-    if (a) __atomic_store_n(&a->config.record_context_all, all, __ATOMIC_RELAXED);
+void npa_set_record_context(npa_allocator *a, npa_record_context context) {
+    if (a) __atomic_store_n(&a->config.record_context, context, __ATOMIC_RELAXED);
 }
 
 typedef struct trace_visit {

@@ -221,8 +221,9 @@ typedef struct npa_trace_entry {
     size_t size;
     int64_t time_us;         /* CLOCK_REALTIME, as torch's time_us */
     uintptr_t stream;        /* the stream of the pool the event's block is in, 0: a plain pool */
-    npa_trace_action action;
-    uint32_t stack;          /* backend's capture_stack id, 0: none; in action's padding */
+    uint8_t action;          /* npa_trace_action */
+    bool stack_in_trace;     /* recorded under a record_context other than state: the trace entry shows the stack */
+    uint32_t stack;          /* backend's capture_stack id, 0: none; with the two above in 8 bytes */
 } npa_trace_entry;
 
 /* The last `capacity` events of a device, oldest at (next - count). */
@@ -299,6 +300,7 @@ typedef struct npa_device {
     npualloc_device_stats *stats; /* backend storage or local_stats */
     npualloc_device_stats local_stats;
     const npa_backend *backend; /* the allocator's: its capture_stack names each recorded event's stack */
+    const npa_config *config;   /* the allocator's: its record_context says whether the trace shows that stack */
 } npa_device;
 
 struct npa_allocator {

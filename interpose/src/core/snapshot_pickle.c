@@ -293,13 +293,15 @@ static void segment_dict(const npa_segment_view *seg, void *arg) {
 /* torch's trace entry. An event recorded without a stack of its own falls
  * back as torch's does: a free on the frames of the alloc it frees (its
  * block's context_when_allocated), a segment's release or unmap on those of
- * the malloc that made or mapped it (context_when_segment_allocated). */
+ * the malloc that made or mapped it (context_when_segment_allocated). One
+ * recorded under record_context:state shows none. */
 static void trace_dict(const npa_trace_view *e, void *arg) {
     trace_writer *w = arg;
     pickle_buffer *b = w->b;
     size_t order = w->seen++;
     uint32_t stack = e->stack;
-    if (stack == 0 && (e->action == NPA_TRACE_FREE_REQUESTED || e->action == NPA_TRACE_FREE_COMPLETED))
+    if (!e->stack_in_trace) stack = 0;
+    else if (stack == 0 && (e->action == NPA_TRACE_FREE_REQUESTED || e->action == NPA_TRACE_FREE_COMPLETED))
         stack = stack_at(w, STACK_OF_BLOCK, e->addr, order);
     else if (stack == 0 && (e->action == NPA_TRACE_SEGMENT_FREE || e->action == NPA_TRACE_SEGMENT_UNMAP))
         stack = stack_at(w, STACK_OF_SEGMENT, e->addr, order);

@@ -86,7 +86,7 @@ static int apply_to_allocator(npa_allocator *a, const npa_config *parsed, npa_ru
         return 0;
     }
     if (key == NPA_KEY_RECORD_CONTEXT) {
-        npa_set_record_context(a, parsed->record_context_all);
+        npa_set_record_context(a, parsed->record_context);
         return 0;
     }
     if (npa_set_record_history(a, parsed->record_history) != 0) {

@@ -118,7 +118,7 @@ static void store_key(const npa_config *parsed, npa_runtime_key key)
     else if (key == NPA_KEY_RECORD_HISTORY)
         __atomic_store_n(&config.record_history, parsed->record_history, __ATOMIC_RELAXED);
     else if (key == NPA_KEY_RECORD_CONTEXT)
-        __atomic_store_n(&config.record_context_all, parsed->record_context_all, __ATOMIC_RELAXED);
+        __atomic_store_n(&config.record_context, parsed->record_context, __ATOMIC_RELAXED);
     else
         __atomic_store_n(&config.record_stacks, parsed->record_stacks, __ATOMIC_RELAXED);
     if (key == NPA_KEY_RECORD_STACKS || key == NPA_KEY_RECORD_CONTEXT)

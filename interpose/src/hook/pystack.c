@@ -97,7 +97,8 @@ void npa_pystack_enable(const npa_config *config)
 {
     bool on = __atomic_load_n(&config->record_stacks, __ATOMIC_RELAXED);
     npa_entry_work_mark(NPA_WORK_PYSTACK, on);
-    npa_entry_work_mark(NPA_WORK_FREE_PYSTACK, on && __atomic_load_n(&config->record_context_all, __ATOMIC_RELAXED));
+    npa_entry_work_mark(NPA_WORK_FREE_PYSTACK,
+                        on && __atomic_load_n(&config->record_context, __ATOMIC_RELAXED) == NPA_CONTEXT_ALL);
 }
 
 static void look_up_api(void)

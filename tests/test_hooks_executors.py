@@ -720,3 +720,26 @@ emit(rets=rets, live=aclsim.executors_live(), violations=aclsim.executor_violati
                    "calls": dict.fromkeys(("aclrtSetDevice", "aclrtResetDevice", "aclrtSynchronizeDevice",
                                            "aclrtRecordEvent"), 0)}
     assert proc.stderr == ""
+
+
+def test_a_context_outlived_by_a_force_reset_drops_no_reference_at_its_destroy():
+    """A context on device 0, the device force-reset (every reference
+    dropped, the context's with them), set again by the main thread, and
+    the stale context destroyed: the runtime drops nothing then. npualloc
+    dropped the context's reference a second time, so it counted none left
+    on device 0 while the main thread held one, a worker's set-and-reset
+    of device 0 counted as perhaps the last and settled the repeatable
+    executor, and its destroy after a relaunch went to the runtime under
+    the queued launch."""
+    out, proc = run('''
+stale, ret = acl.rt.create_context(0); assert ret == 0
+assert acl.rt.reset_device_force(0) == 0
+assert acl.rt.set_device(0) == 0
+assert acl.rt.destroy_context(stale) == 0
+stream, ret = acl.rt.create_stream(); assert ret == 0
+def teardown():
+    assert acl.rt.set_device(0) == 0 and acl.rt.reset_device(0) == 0
+''' + RELAUNCH_AFTER_A_TEARDOWN, preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
+    assert proc.stderr == ""

@@ -14,9 +14,13 @@
 
 #include "hook.h"
 
+/* force_resets: its device's force resets begun before its creation. One
+ * begun since dropped the context's reference with the device's others,
+ * and its destroy then drops none (device.c's count). */
 typedef struct known_context {
     aclrtContext context;
     int device;
+    unsigned force_resets;
 } known_context;
 
 static known_context *known;
@@ -33,7 +37,7 @@ static size_t find(aclrtContext context)
     return i;
 }
 
-void npa_context_created(aclrtContext context, int device)
+void npa_context_created(aclrtContext context, int device, unsigned force_resets)
 {
     npa_mutex_lock(&context_lock);
     size_t i = find(context); /* a destroyed context's address given again */
@@ -46,18 +50,19 @@ void npa_context_created(aclrtContext context, int device)
         }
     }
     if (i < cap_known) { /* no room: left unknown, its destroy settles every device */
-        known[i] = (known_context){context, device};
+        known[i] = (known_context){context, device, force_resets};
         if (i == nknown)
             nknown++;
     }
     npa_mutex_unlock(&context_lock);
 }
 
-int npa_context_device(aclrtContext context)
+int npa_context_device(aclrtContext context, unsigned *force_resets)
 {
     npa_mutex_lock(&context_lock);
     size_t i = find(context);
     int device = i < nknown ? known[i].device : -1;
+    *force_resets = i < nknown ? known[i].force_resets : 0;
     npa_mutex_unlock(&context_lock);
     return device;
 }

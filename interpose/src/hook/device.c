@@ -140,6 +140,18 @@ void npa_devices_released(void)
         count_released(d);
 }
 
+/* The force resets of the device begun so far: a context created before
+ * one lost its reference to it (aclrtDestroyContext, exports.c). */
+unsigned npa_device_force_resets(int device)
+{
+    if (!npa_device_in_range(device))
+        return 0;
+    npa_mutex_lock(&ref_lock);
+    unsigned n = force_resets_begun[device];
+    npa_mutex_unlock(&ref_lock);
+    return n;
+}
+
 static bool force_reset_running(int device)
 {
     return npa_device_in_range(device) && force_resets_running[device] != 0;

@@ -382,11 +382,12 @@ NPA_EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtCreateContext);
     npa_device_ref_count(deviceId, 1); /* a context holds a reference on its device */
+    unsigned force_resets = npa_device_force_resets(deviceId);
     aclError err = real(context, deviceId);
     if (err != ACL_SUCCESS)
         npa_device_ref_count(deviceId, -1);
     else if (!npa_hook_disabled())
-        npa_context_created(*context, deviceId);
+        npa_context_created(*context, deviceId, force_resets);
     return note_context_device(err);
 }
 
@@ -413,13 +414,18 @@ NPA_EXPORT aclError aclrtDestroyContext(aclrtContext context)
     if (real == NULL)
         return npa_no_runtime_error(NPA_FN_aclrtDestroyContext);
     bool ours = !npa_hook_disabled();
-    int device = ours ? npa_context_device(context) : -1;
+    unsigned force_resets = 0;
+    int device = ours ? npa_context_device(context, &force_resets) : -1;
     if (ours)
         npa_hook_before_context_destroy(device);
     aclError err = real(context);
     if (ours && err == ACL_SUCCESS) {
         npa_context_destroyed(context);
-        npa_device_ref_count(device, -1);
+        /* A force reset since its creation dropped its reference already:
+         * dropped again, the count fell below what the program holds, and
+         * its next teardown there counted as perhaps the last. */
+        if (npa_device_force_resets(device) == force_resets)
+            npa_device_ref_count(device, -1);
     }
     npa_device_forget_current(); /* the current context may have been this one */
     return err;

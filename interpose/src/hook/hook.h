@@ -276,13 +276,16 @@ void npa_device_ref_count(int device, int delta);
  * beyond the ones it counts; device >= 0: that device's bit alone. */
 uint64_t npa_devices_at_last_reference(int device);
 void npa_devices_released(void); /* at aclFinalize: no reference is left */
+unsigned npa_device_force_resets(int device); /* aclrtResetDeviceForce calls begun on it */
 
 /* ---- contexts.c ----------------------------------------------------------- */
 
-/* After the program's aclrtCreateContext: the context is on device. */
-void npa_context_created(aclrtContext context, int device);
-/* The device of a context created through us, else -1. */
-int npa_context_device(aclrtContext context);
+/* After the program's aclrtCreateContext: the context is on device, whose
+ * force resets begun before the call were force_resets. */
+void npa_context_created(aclrtContext context, int device, unsigned force_resets);
+/* The device of a context created through us (and *force_resets, as
+ * given), else -1. */
+int npa_context_device(aclrtContext context, unsigned *force_resets);
 void npa_context_destroyed(aclrtContext context); /* after its destroy succeeded */
 void npa_contexts_forget(void);                   /* at aclFinalize */
 void npa_contexts_lock_for_fork(void);

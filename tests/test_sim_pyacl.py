@@ -153,3 +153,38 @@ assert acl.finalize() == 0
 
 def test_pyacl_calls_mindtorch_makes():
     run_python(MINDTORCH_CALLS, sim_env())
+
+
+DEFAULT_CONTEXT = """
+import threading, acl, aclsim
+assert acl.init() == 0
+assert acl.rt.get_context()[1] == 107002                     # no device on the thread: no context
+assert acl.rt.set_device(0) == 0
+default, ret = acl.rt.get_context(); assert default and ret == 0
+assert acl.rt.destroy_context(default) == 107000             # CANN destroys only a context it created
+assert acl.rt.get_device() == (0, 0)                         # and the device stays the thread's
+ctx, ret = acl.rt.create_context(1); assert ret == 0
+assert acl.rt.get_context() == (ctx, 0)                      # a created context is current
+assert acl.rt.set_context(default) == 0 and acl.rt.get_device() == (0, 0)
+assert acl.rt.get_context() == (default, 0)                  # the default set again
+other = []
+def on_device_0():
+    assert acl.rt.set_device(0) == 0
+    other.append(acl.rt.get_context())
+thread = threading.Thread(target=on_device_0); thread.start(); thread.join()
+assert other == [(default, 0)]                               # one default context per device
+assert acl.rt.destroy_context(ctx) == 0
+assert acl.rt.reset_device(0) == 0 and acl.rt.reset_device(0) == 0
+assert acl.rt.set_context(default) == 107002                 # its device was reset under it
+assert aclsim.call_count("aclrtGetCurrentContext") == 5
+assert acl.finalize() == 0
+"""
+
+
+def test_a_devices_default_context_is_handed_out_and_never_destroyed():
+    """aclrtGetCurrentContext answers the thread's current context: one it
+    created or set, else its device's default context, which
+    aclrtDestroyContext refuses (CANN's aclrtDestroyContext and
+    aclrtSetCurrentContext docs: only a context aclrtCreateContext made can
+    be destroyed; the default one is not)."""
+    run_python(DEFAULT_CONTEXT, sim_env())

@@ -152,6 +152,10 @@ aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uin
 aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId);
 aclError aclrtDestroyContext(aclrtContext context);
 aclError aclrtSetCurrentContext(aclrtContext context);
+/* The thread's current context: one it created or set, else its device's
+ * default context, which aclrtDestroyContext refuses (only a context
+ * aclrtCreateContext made can be destroyed). */
+aclError aclrtGetCurrentContext(aclrtContext *context);
 
 /* Page-locked host memory. */
 aclError aclrtMallocHost(void **hostPtr, size_t size);

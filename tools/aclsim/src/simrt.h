@@ -53,6 +53,7 @@ SIMRT_EXPORT aclError simrt_CreateStreamWithConfig(aclrtStream *stream, uint32_t
 SIMRT_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId);
 SIMRT_EXPORT aclError simrt_DestroyContext(aclrtContext context);
 SIMRT_EXPORT aclError simrt_SetCurrentContext(aclrtContext context);
+SIMRT_EXPORT aclError simrt_GetCurrentContext(aclrtContext *context);
 SIMRT_EXPORT aclError simrt_MallocHost(void **hostPtr, size_t size);
 SIMRT_EXPORT aclError simrt_FreeHost(void *hostPtr);
 SIMRT_EXPORT const char *simrt_GetSocName(void);

@@ -68,6 +68,7 @@ EXPORT aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
 }
 EXPORT aclError aclrtDestroyContext(aclrtContext context) { return simrt_DestroyContext(context); }
 EXPORT aclError aclrtSetCurrentContext(aclrtContext context) { return simrt_SetCurrentContext(context); }
+EXPORT aclError aclrtGetCurrentContext(aclrtContext *context) { return simrt_GetCurrentContext(context); }
 EXPORT aclError aclrtMallocHost(void **hostPtr, size_t size) { return simrt_MallocHost(hostPtr, size); }
 EXPORT aclError aclrtFreeHost(void *hostPtr) { return simrt_FreeHost(hostPtr); }
 EXPORT const char *aclrtGetSocName(void) { return simrt_GetSocName(); }

@@ -9,7 +9,7 @@
     X(aclrtCreateEvent) X(aclrtCreateEventWithFlag) X(aclrtRecordEvent) X(aclrtQueryEventStatus)               \
     X(aclrtQueryEvent) X(aclrtSynchronizeEvent) X(aclrtStreamWaitEvent) X(aclrtDestroyEvent)     \
     X(aclrtCreateEventExWithFlag) X(aclrtEventElapsedTime) X(aclrtCreateContext) X(aclrtDestroyContext)       \
-    X(aclrtSetCurrentContext) X(aclrtMallocHost) X(aclrtFreeHost) X(aclrtGetSocName) X(aclopSetModelDir)                   \
+    X(aclrtSetCurrentContext) X(aclrtGetCurrentContext) X(aclrtMallocHost) X(aclrtFreeHost) X(aclrtGetSocName) X(aclopSetModelDir)                   \
     X(aclrtReserveMemAddress) X(aclrtReleaseMemAddress) X(aclrtMallocPhysical) X(aclrtFreePhysical)            \
     X(aclrtMapMem) X(aclrtUnmapMem) X(aclrtMemGetAllocationGranularity)                                        \
     X(aclnnInit) X(aclnnFinalize) X(aclSetAclOpExecutorRepeatable) X(aclDestroyAclOpExecutor)                 \

@@ -4,22 +4,43 @@
  * fail with ACL_ERROR_RT_CONTEXT_NULL. aclrtSetDevice is reference-counted
  * against aclrtResetDevice; the first reference creates the default stream,
  * the last reset drains and destroys the device's streams. */
+#include <stdbool.h>
 #include <stdlib.h>
 
 #include "internal.h"
 
 static struct sim_device *devices;
+static struct sim_context *default_contexts; /* one per device, aclrtGetCurrentContext's */
 static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
+
+/* A context is a device reference with an identity: created with one
+ * attach, destroyed with one detach, and current for a thread through
+ * aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never
+ * freed) so a stale handle is reported instead of read after free. A
+ * device's default context is no reference of its own (aclrtSetDevice's
+ * are): CANN destroys only a context aclrtCreateContext made. */
+#define CONTEXT_LIVE 0x43545854u
+#define CONTEXT_DEFAULT 0x44465458u
+#define CONTEXT_DEAD 0xdeadc7c7u
+struct sim_context {
+    uint32_t magic;
+    int32_t device;
+    uint64_t generation;
+};
 
 /* The thread's context: a device and the generation of that device it was
  * set in, so a context outlived by a full reset is recognised as gone. */
 static __thread int32_t current_device = -1;
 static __thread uint64_t current_generation;
+/* The context aclrtCreateContext or aclrtSetCurrentContext made current on
+ * the thread; NULL: its device's default context (aclrtSetDevice's). */
+static __thread struct sim_context *current_context;
 
 static void allocate_devices(void)
 {
     devices = calloc((size_t)sim_config()->device_count, sizeof *devices);
-    if (devices == NULL)
+    default_contexts = calloc((size_t)sim_config()->device_count, sizeof *default_contexts);
+    if (devices == NULL || default_contexts == NULL)
         sim_fatal("out of host memory for %d devices", sim_config()->device_count);
 }
 
@@ -56,6 +77,7 @@ aclError sim_current_device(int32_t *id)
 void sim_forget_current_device(void)
 {
     current_device = -1;
+    current_context = NULL;
 }
 
 /* The arena spans twice the capacity: accounting, not address space, decides
@@ -87,6 +109,7 @@ static aclError attach_device(struct sim_device *d, int32_t deviceId)
     d->refcount++;
     current_device = deviceId;
     current_generation = d->generation;
+    current_context = NULL;
     return ACL_SUCCESS;
 }
 
@@ -163,18 +186,6 @@ SIM_EXPORT aclError simrt_ResetDeviceForce(int32_t deviceId)
     return reset(SIM_API_aclrtResetDeviceForce, deviceId, 1);
 }
 
-/* A context is a device reference with an identity: created with one
- * attach, destroyed with one detach, and current for a thread through
- * aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never
- * freed) so a stale handle is reported instead of read after free. */
-#define CONTEXT_LIVE 0x43545854u
-#define CONTEXT_DEAD 0xdeadc7c7u
-struct sim_context {
-    uint32_t magic;
-    int32_t device;
-    uint64_t generation;
-};
-
 SIM_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId)
 {
     struct sim_device *d;
@@ -189,6 +200,8 @@ SIM_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId)
     pthread_mutex_lock(&sim_lock);
     ret = attach_device(d, deviceId);
     *c = (struct sim_context){.magic = CONTEXT_LIVE, .device = deviceId, .generation = d->generation};
+    if (ret == ACL_SUCCESS)
+        current_context = c;
     pthread_mutex_unlock(&sim_lock);
     if (ret != ACL_SUCCESS) {
         free(c);
@@ -198,8 +211,9 @@ SIM_EXPORT aclError simrt_CreateContext(aclrtContext *context, int32_t deviceId)
     return ACL_SUCCESS;
 }
 
-/* Counts api; after aclInit and for a live context, returns with the lock held. */
-static aclError lock_live_context(enum sim_api api, aclrtContext context, struct sim_context **c)
+/* Counts api; after aclInit and for a live context (a default one too where
+ * default_ok), returns with the lock held. */
+static aclError lock_live_context(enum sim_api api, aclrtContext context, bool default_ok, struct sim_context **c)
 {
     sim_count(api);
     aclError ret = sim_require_init();
@@ -209,7 +223,7 @@ static aclError lock_live_context(enum sim_api api, aclrtContext context, struct
         return ACL_ERROR_INVALID_PARAM;
     pthread_mutex_lock(&sim_lock);
     *c = context;
-    if ((*c)->magic != CONTEXT_LIVE) {
+    if ((*c)->magic != CONTEXT_LIVE && !(default_ok && (*c)->magic == CONTEXT_DEFAULT)) {
         pthread_mutex_unlock(&sim_lock);
         return ACL_ERROR_RT_PARAM_INVALID;
     }
@@ -219,10 +233,12 @@ static aclError lock_live_context(enum sim_api api, aclrtContext context, struct
 SIM_EXPORT aclError simrt_DestroyContext(aclrtContext context)
 {
     struct sim_context *c;
-    aclError ret = lock_live_context(SIM_API_aclrtDestroyContext, context, &c);
+    aclError ret = lock_live_context(SIM_API_aclrtDestroyContext, context, false, &c);
     if (ret != ACL_SUCCESS)
         return ret;
     c->magic = CONTEXT_DEAD;
+    if (current_context == c)
+        current_context = NULL;
     struct sim_device *d = sim_device(c->device);
     if (d->generation == c->generation)
         detach_device(d, c->device);
@@ -233,7 +249,7 @@ SIM_EXPORT aclError simrt_DestroyContext(aclrtContext context)
 SIM_EXPORT aclError simrt_SetCurrentContext(aclrtContext context)
 {
     struct sim_context *c;
-    aclError ret = lock_live_context(SIM_API_aclrtSetCurrentContext, context, &c);
+    aclError ret = lock_live_context(SIM_API_aclrtSetCurrentContext, context, true, &c);
     if (ret != ACL_SUCCESS)
         return ret;
     struct sim_device *d = sim_device(c->device);
@@ -242,6 +258,29 @@ SIM_EXPORT aclError simrt_SetCurrentContext(aclrtContext context)
     else {
         current_device = c->device;
         current_generation = c->generation;
+        current_context = c->magic == CONTEXT_DEFAULT ? NULL : c;
+    }
+    pthread_mutex_unlock(&sim_lock);
+    return ret;
+}
+
+/* The thread's current context: one it created or set, else its device's
+ * default context (the same handle for every thread, for the device's
+ * present generation). */
+SIM_EXPORT aclError simrt_GetCurrentContext(aclrtContext *context)
+{
+    sim_count(SIM_API_aclrtGetCurrentContext);
+    if (context == NULL)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&sim_lock);
+    int32_t id;
+    aclError ret = sim_current_device_locked(&id);
+    if (ret == ACL_SUCCESS && current_context != NULL) {
+        *context = current_context;
+    } else if (ret == ACL_SUCCESS) {
+        struct sim_context *c = &default_contexts[id];
+        *c = (struct sim_context){.magic = CONTEXT_DEFAULT, .device = id, .generation = sim_device(id)->generation};
+        *context = c;
     }
     pthread_mutex_unlock(&sim_lock);
     return ret;

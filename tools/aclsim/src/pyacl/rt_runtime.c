@@ -178,6 +178,15 @@ static PyObject *py_create_context(PyObject *self, PyObject *args)
     return Py_BuildValue("(Ni)", PyLong_FromVoidPtr(context), ret);
 }
 
+static PyObject *py_get_context(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    aclrtContext context = NULL;
+    aclError ret = aclrtGetCurrentContext(&context);
+    return Py_BuildValue("(Ni)", PyLong_FromVoidPtr(context), ret);
+}
+
 ONE_HANDLE(py_destroy_context, aclrtDestroyContext)
 ONE_HANDLE(py_set_context, aclrtSetCurrentContext)
 
@@ -210,5 +219,6 @@ PyMethodDef pyacl_rt_runtime_methods[] = {
     {"create_context", py_create_context, METH_VARARGS, "context, ret = acl.rt.create_context(device_id)"},
     {"destroy_context", py_destroy_context, METH_VARARGS, "ret = acl.rt.destroy_context(context)"},
     {"set_context", py_set_context, METH_VARARGS, "ret = acl.rt.set_context(context)"},
+    {"get_context", py_get_context, METH_NOARGS, "context, ret = acl.rt.get_context()"},
     {NULL, NULL, 0, NULL},
 };

@@ -69,6 +69,7 @@ def test_ctypes_handle_lookups_without_npualloc_reach_the_runtime():
 # to NPA_FN_INTERPOSED_COUNT), by the library that defines it.
 INTERPOSED = {"libascendcl.so": ["aclInit", "aclFinalize", "aclrtSetDevice", "aclrtResetDevice",
                                  "aclrtResetDeviceForce", "aclrtCreateContext", "aclrtSetCurrentContext", "aclrtDestroyContext",
+                                 "aclrtGetCurrentContext",
                                  "aclrtMalloc", "aclrtMallocAlign32", "aclrtMallocCached", "aclrtFree",
                                  "aclrtFreeWithDevSync", "aclrtCreateStream", "aclrtDestroyStream",
                                  "aclrtDestroyStreamForce", "aclrtCreateStreamWithConfig"],

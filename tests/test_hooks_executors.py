@@ -743,3 +743,21 @@ def teardown():
     assert proc.returncode == 0, proc.stderr
     assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
     assert proc.stderr == ""
+
+
+def test_repeatable_destroy_after_a_default_contexts_refused_destroy_waits_for_its_launch():
+    """A program destroys its device's default context (from
+    aclrtGetCurrentContext), which the runtime refuses: nothing is torn
+    down. npualloc did not know the context, took its destroy for perhaps
+    the last reference of every device holding at most one, and settled
+    the repeatable executor made on device 0, so after a relaunch its
+    destroy from a thread with no device went to the runtime under the
+    queued launch. A default context's destroy settles nothing now."""
+    out, proc = run('''
+default, ret = acl.rt.get_context(); assert ret == 0
+def teardown():
+    assert acl.rt.destroy_context(default) == 107000
+''' + RELAUNCH_AFTER_A_TEARDOWN, preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
+    assert proc.stderr == ""

@@ -6,17 +6,21 @@
  * made executors on the others forget theirs, so one launched again after
  * a helper context elsewhere was destroyed was fenced nowhere.
  *
- * A context we did not see created (a device's default one, handed out by
- * aclrtGetCurrentContext) stays unknown: its destroy settles every device.
- * Contexts are few and made at set-up: a list searched end to end. */
+ * A context aclrtGetCurrentContext hands out that we did not see created
+ * is a device's default one, which the runtime does not destroy (CANN
+ * destroys only a context aclrtCreateContext made): its destroy settles
+ * nothing. One we never saw at all (made past us) stays unknown: its
+ * destroy settles every device. Contexts are few (the defaults one per
+ * device): a list searched end to end. */
 #include <pthread.h>
 #include <stdlib.h>
 
 #include "hook.h"
 
-/* force_resets: its device's force resets begun before its creation. One
- * begun since dropped the context's reference with the device's others,
- * and its destroy then drops none (device.c's count). */
+/* device: NPA_CONTEXT_DEFAULT for a default context. force_resets: its
+ * device's force resets begun before its creation. One begun since dropped
+ * the context's reference with the device's others, and its destroy then
+ * drops none (device.c's count). */
 typedef struct known_context {
     aclrtContext context;
     int device;
@@ -37,10 +41,12 @@ static size_t find(aclrtContext context)
     return i;
 }
 
-void npa_context_created(aclrtContext context, int device, unsigned force_resets)
+/* context_lock held: k recorded (replace: over an entry of its context). */
+static void remember(known_context k, bool replace)
 {
-    npa_mutex_lock(&context_lock);
-    size_t i = find(context); /* a destroyed context's address given again */
+    size_t i = find(k.context);
+    if (i < nknown && !replace)
+        return;
     if (i == nknown && nknown == cap_known) {
         size_t ncap = cap_known ? cap_known * 2 : 8;
         known_context *nk = realloc(known, ncap * sizeof(*nk));
@@ -50,10 +56,24 @@ void npa_context_created(aclrtContext context, int device, unsigned force_resets
         }
     }
     if (i < cap_known) { /* no room: left unknown, its destroy settles every device */
-        known[i] = (known_context){context, device, force_resets};
+        known[i] = k;
         if (i == nknown)
             nknown++;
     }
+}
+
+void npa_context_created(aclrtContext context, int device, unsigned force_resets)
+{
+    npa_mutex_lock(&context_lock);
+    remember((known_context){context, device, force_resets}, true); /* a destroyed one's address given again */
+    npa_mutex_unlock(&context_lock);
+}
+
+/* A context created through us stays what it is when made current. */
+void npa_context_handed_out(aclrtContext context)
+{
+    npa_mutex_lock(&context_lock);
+    remember((known_context){context, NPA_CONTEXT_DEFAULT, 0}, false);
     npa_mutex_unlock(&context_lock);
 }
 

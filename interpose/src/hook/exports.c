@@ -399,6 +399,20 @@ NPA_EXPORT aclError aclrtSetCurrentContext(aclrtContext context)
     return note_context_device(real(context));
 }
 
+/* Passed through, noting a default context handed out: the program may
+ * destroy it, which the runtime refuses, and which must not be taken for
+ * a teardown (contexts.c). */
+NPA_EXPORT aclError aclrtGetCurrentContext(aclrtContext *context)
+{
+    __typeof__(&aclrtGetCurrentContext) real = NPA_REAL(aclrtGetCurrentContext);
+    if (real == NULL)
+        return npa_no_runtime_error(NPA_FN_aclrtGetCurrentContext);
+    aclError err = real(context);
+    if (err == ACL_SUCCESS && context != NULL && *context != NULL && !npa_hook_disabled())
+        npa_context_handed_out(*context);
+    return err;
+}
+
 /* A context holds a reference on its device, and destroying the last one
  * resets the device, freeing every segment of ours on it: cached ones would
  * be handed out again after it. Which device a context is on the runtime
@@ -521,7 +535,7 @@ NPA_EXPORT aclError aclrtDestroyStreamForce(aclrtStream stream)
 #define SELF(n) extern __typeof__(n) npa_self_##n __attribute__((alias(#n), visibility("hidden")));
 SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce)
 SELF(aclrtCreateContext)
-SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
+SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtGetCurrentContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
 SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtDestroyStreamForce) SELF(aclrtCreateStreamWithConfig)
 #undef SELF

@@ -82,8 +82,9 @@
  *      runtime's call, never across it (its drain may wait for a host
  *      callback that calls us); taken under any of the others (the core's
  *      switches of device run under many), and under it only the runtime.
- *  10. context_lock (contexts.c): the device of each context created; a
- *      leaf, under it nothing, not even the runtime.
+ *  10. context_lock (contexts.c): the device of each context created, and
+ *      the default contexts handed out; a leaf, under it nothing, not even
+ *      the runtime.
  * The runtime's own locks come after all of ours: it is called with 5 and 6
  * held and never calls back into the allocator.
  * fork_prepare takes 1, 2, every 6 (ascending), 6b, 7, 7b, seen_lock, 9 and
@@ -185,6 +186,7 @@ typedef enum npa_fn {
     NPA_FN_aclrtCreateContext,
     NPA_FN_aclrtSetCurrentContext,
     NPA_FN_aclrtDestroyContext,
+    NPA_FN_aclrtGetCurrentContext,
     NPA_FN_aclrtMalloc,
     NPA_FN_aclrtMallocAlign32,
     NPA_FN_aclrtMallocCached,
@@ -283,8 +285,13 @@ unsigned npa_device_force_resets(int device); /* aclrtResetDeviceForce calls beg
 /* After the program's aclrtCreateContext: the context is on device, whose
  * force resets begun before the call were force_resets. */
 void npa_context_created(aclrtContext context, int device, unsigned force_resets);
+/* After the program's aclrtGetCurrentContext: one not created through us
+ * is its device's default context. */
+void npa_context_handed_out(aclrtContext context);
+/* npa_context_device's answer for a default context. */
+#define NPA_CONTEXT_DEFAULT (-2)
 /* The device of a context created through us (and *force_resets, as
- * given), else -1. */
+ * given), NPA_CONTEXT_DEFAULT for a default one, else -1. */
 int npa_context_device(aclrtContext context, unsigned *force_resets);
 void npa_context_destroyed(aclrtContext context); /* after its destroy succeeded */
 void npa_contexts_forget(void);                   /* at aclFinalize */
@@ -474,9 +481,10 @@ int npa_hook_set_memory_fraction(npa_allocator *a, int device, double fraction, 
  * references; a plain reset settles its executors only where it may be
  * the device's last (npa_devices_at_last_reference). */
 void npa_hook_before_reset(int device, bool force);
-/* The repeatable executors settled on the context's device (device < 0, a
- * context we do not know: on every device) where the destroy may drop its
- * last reference, then every device's cache given back, under init_lock (1). */
+/* The repeatable executors settled on the context's device (-1, a context
+ * we do not know: on every device; none for NPA_CONTEXT_DEFAULT) where the
+ * destroy may drop its last reference, then every device's cache given
+ * back, under init_lock (1). */
 void npa_hook_before_context_destroy(int device);
 void npa_hook_before_finalize(void);
 void npa_hook_after_init(void);

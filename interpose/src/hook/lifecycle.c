@@ -473,7 +473,10 @@ void npa_hook_before_context_destroy(int device)
 {
     npa_mutex_lock(&init_lock);
     if (state == ST_ACTIVE || state == ST_UNINIT) {
-        settle_executors(npa_devices_at_last_reference(device));
+        /* A default context's destroy the runtime refuses: settled, the
+         * executors forgot a device still running their launches. Its cache
+         * is given back all the same, in case a runtime took it down. */
+        settle_executors(device == NPA_CONTEXT_DEFAULT ? 0 : npa_devices_at_last_reference(device));
         release_everything(atomic_load_explicit(&npa_serving, memory_order_acquire), false);
     }
     npa_mutex_unlock(&init_lock);

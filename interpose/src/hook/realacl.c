@@ -34,7 +34,7 @@ static const struct {
 #define NNOP(n) [NPA_FN_##n] = {#n, LIB_NNOP}
     ACL(aclInit), ACL(aclFinalize), ACL(aclrtSetDevice), ACL(aclrtResetDevice), ACL(aclrtResetDeviceForce),
     ACL(aclrtCreateContext),
-    ACL(aclrtSetCurrentContext), ACL(aclrtDestroyContext), ACL(aclrtMalloc),
+    ACL(aclrtSetCurrentContext), ACL(aclrtDestroyContext), ACL(aclrtGetCurrentContext), ACL(aclrtMalloc),
     ACL(aclrtMallocAlign32), ACL(aclrtMallocCached), ACL(aclrtFree), ACL(aclrtFreeWithDevSync),
     ACL(aclrtCreateStream), ACL(aclrtDestroyStream), ACL(aclrtDestroyStreamForce), ACL(aclrtCreateStreamWithConfig),
     NNOP(aclnnFinalize), NNOP(aclSetAclOpExecutorRepeatable),
@@ -51,7 +51,7 @@ static const struct {
 #define SELF(n) extern __typeof__(n) npa_self_##n NPA_HIDDEN;
 SELF(aclInit) SELF(aclFinalize) SELF(aclrtSetDevice) SELF(aclrtResetDevice) SELF(aclrtResetDeviceForce)
 SELF(aclrtCreateContext)
-SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtMalloc)
+SELF(aclrtSetCurrentContext) SELF(aclrtDestroyContext) SELF(aclrtGetCurrentContext) SELF(aclrtMalloc)
 SELF(aclrtMallocAlign32) SELF(aclrtMallocCached) SELF(aclrtFree) SELF(aclrtFreeWithDevSync)
 SELF(aclrtCreateStream) SELF(aclrtDestroyStream) SELF(aclrtDestroyStreamForce) SELF(aclrtCreateStreamWithConfig)
 SELF(aclnnFinalize)
@@ -62,7 +62,7 @@ static void *const self_fns[NPA_FN_INTERPOSED_COUNT] = {
 #define SELF(n) [NPA_FN_##n] = (void *)npa_self_##n
     SELF(aclInit), SELF(aclFinalize), SELF(aclrtSetDevice), SELF(aclrtResetDevice), SELF(aclrtResetDeviceForce),
     SELF(aclrtCreateContext),
-    SELF(aclrtSetCurrentContext), SELF(aclrtDestroyContext), SELF(aclrtMalloc),
+    SELF(aclrtSetCurrentContext), SELF(aclrtDestroyContext), SELF(aclrtGetCurrentContext), SELF(aclrtMalloc),
     SELF(aclrtMallocAlign32), SELF(aclrtMallocCached), SELF(aclrtFree), SELF(aclrtFreeWithDevSync),
     SELF(aclrtCreateStream), SELF(aclrtDestroyStream), SELF(aclrtDestroyStreamForce), SELF(aclrtCreateStreamWithConfig),
     SELF(aclnnFinalize),

@@ -540,3 +540,50 @@ def test_a_child_forked_before_the_first_allocation_counts_no_thread_of_the_pare
         done.set(); ended(waiting)
         assert threads_in_regions() == 0
     """)
+
+
+def test_another_threads_free_does_not_wait_for_a_saver_frees_synchronize():
+    """Freeing a pausable allocation synchronizes its device (its physical
+    memory goes back at once). It did so holding saver_lock, which every
+    free of a pointer the cache does not own takes, to ask the saver: a
+    thread freeing such a pointer (a runtime allocation made past npualloc)
+    waited for all the device's queued work. Here that thread frees once
+    the saver free's synchronize has begun, and returns while the launch
+    it waits for is still queued."""
+    saver("""
+        import ctypes, threading
+        sim = ctypes.CDLL(os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64", "libaclsim.so"))
+        sim.simrt_Malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
+        ops = aclsim.Ops()
+        stream, ret = acl.rt.create_stream(); ok(ret)
+        dst = malloc(1 << 16)
+        after, ret = acl.rt.create_event(); ok(ret)
+        def free_foreign(foreign, synchronizes_before, results):
+            ok(acl.rt.set_device(0))
+            while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
+                pass
+            results.append(acl.rt.free(foreign))
+            results.append(acl.rt.query_event_status(after) == (0, 0))
+        for retry in range(8):  # until the launch is seen still queued when the free returns
+            with ms.region("weights"):
+                w = malloc(2 * MiB)
+            handle = ctypes.c_void_p()
+            ok(sim.simrt_Malloc(ctypes.byref(handle), 4096, 0))
+            aclsim.set_op_duration_us(50_000 << retry)
+            ws_size, ex, st = ops.fill_get_workspace_size(dst, 4096, 7); ok(st)
+            ws = malloc(ws_size)
+            ok(ops.fill(ws, ws_size, ex, stream))
+            ok(acl.rt.record_event(after, stream))
+            results = []
+            other = threading.Thread(target=free_foreign,
+                                     args=(handle.value, aclsim.call_count("aclrtSynchronizeDevice"), results))
+            other.start()
+            ok(acl.rt.free(w))
+            other.join()
+            ok(acl.rt.synchronize_device())
+            if results[1]:
+                break
+        assert results == [0, True], results
+        assert ms.bytes_of() == {"allocated": 0, "paused": 0, "backup": 0}
+        assert aclsim.physical_bytes_outstanding(0) == 0
+    """)

@@ -64,9 +64,9 @@
  *      or free of one, by memory_saver's pause/resume and by the region
  *      (8) writes of their figures, with none of 1-6 held, and by a pause
  *      of the whole process (3) after 4 and 5, held with them until its
- *      resume; under it the runtime (VMM calls, copies, synchronize), a
- *      first lookup of a runtime function (7), warn and the region's create
- *      lock (8).
+ *      resume; under it the runtime (VMM calls, copies, a pause's
+ *      synchronize; a free's runs outside it), a first lookup of a runtime
+ *      function (7), warn and the region's create lock (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
  *   7b. stack_lock (pystack.c): taken with none of ours held (after the
  *      GIL) to capture a stack at a malloc entry, and under a device lock (5)

@@ -54,6 +54,10 @@ NPA_TLS int npa_saver_region = -1;
  * it runs. */
 static NPA_TLS char region_tag[SAVER_TAG_LEN];
 
+/* 6b in the lock order (hook.h). Held across a pause's and a resume's
+ * runtime calls, which must see the blocks whole; never across a free's
+ * synchronize (npa_saver_free), which every free the cache does not own
+ * would wait for. */
 static pthread_mutex_t saver_lock = PTHREAD_MUTEX_INITIALIZER;
 static saver_block *blocks; /* saver_lock */
 
@@ -195,6 +199,11 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
     return err;
 }
 
+/* The block is taken out of the list while its device synchronizes, not
+ * freed under saver_lock: every free of a pointer the cache does not own
+ * takes the lock to ask here, and waited for all that device's queued work
+ * (any device's free, and pausable mallocs, alike). Out of the list no
+ * pause or resume touches it; a free that fails puts it back. */
 int npa_saver_free(void *ptr, aclError *err)
 {
     npa_mutex_lock(&saver_lock);
@@ -202,10 +211,11 @@ int npa_saver_free(void *ptr, aclError *err)
     while (*link != NULL && (*link)->addr != (uintptr_t)ptr)
         link = &(*link)->next;
     saver_block *b = *link;
-    if (b == NULL) {
-        npa_mutex_unlock(&saver_lock);
+    if (b != NULL)
+        *link = b->next;
+    npa_mutex_unlock(&saver_lock);
+    if (b == NULL)
         return 0;
-    }
     /* aclrtFree does not wait for queued work, but the physical memory goes
      * back to the device here: wait, as a real free of it must not race. */
     npa_devswitch sw;
@@ -221,12 +231,15 @@ int npa_saver_free(void *ptr, aclError *err)
         npa_device_leave(&sw);
     }
     int device = b->device;
+    npa_mutex_lock(&saver_lock);
     if (*err == ACL_SUCCESS) { /* a paused block is simply freed: its backup goes too */
-        *link = b->next;
         free(b->host);
         free(b);
-        publish(device);
+    } else {
+        b->next = blocks;
+        blocks = b;
     }
+    publish(device);
     npa_mutex_unlock(&saver_lock);
     if (*err == ACL_SUCCESS)
         resample_device_memory(device);

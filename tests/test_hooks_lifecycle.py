@@ -311,3 +311,52 @@ def test_a_thread_cancelled_in_its_first_allocation_leaves_no_lock_held(tmp_path
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "cancelled=1 worker=0 main=0"
     assert proc.stderr == ""
+
+
+def test_another_threads_malloc_does_not_wait_for_a_resets_synchronize():
+    """A reset gives its device's cache back (torch_npu's emptyCache), which
+    synchronizes the device first. It did so holding the device's lock, so
+    another thread's malloc on that device waited for all its queued work:
+    here a worker resets device 0 (which the main thread still holds) while
+    a launch is queued, and a thread on device 0 mallocs once the reset's
+    synchronize has begun; its malloc returns while the launch is still
+    queued."""
+    proc = run_python("""
+import json, threading
+import acl
+from aclsim import aclsim
+assert acl.init() == 0 and acl.rt.set_device(0) == 0
+ops = aclsim.Ops()
+stream, ret = acl.rt.create_stream(); assert ret == 0
+dst, ret = acl.rt.malloc(1 << 16, 0); assert ret == 0
+after, ret = acl.rt.create_event(); assert ret == 0
+def reset():
+    assert acl.rt.set_device(0) == 0 and acl.rt.reset_device(0) == 0
+def malloc(synchronizes_before, results):
+    assert acl.rt.set_device(0) == 0
+    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
+        pass
+    ptr, ret = acl.rt.malloc(512, 0)
+    results.append(ret)
+    results.append(acl.rt.query_event_status(after) == (0, 0))
+    assert acl.rt.free(ptr) == 0
+for retry in range(8):  # until the launch is seen still queued when the malloc returns
+    cached, ret = acl.rt.malloc(4 << 20, 0); assert ret == 0
+    assert acl.rt.free(cached) == 0  # a cached segment: the reset's release waits for the device
+    aclsim.set_op_duration_us(50_000 << retry)
+    ws_size, ex, st = ops.fill_get_workspace_size(dst, 4096, 7); assert st == 0
+    ws, ret = acl.rt.malloc(ws_size, 0); assert ret == 0
+    assert ops.fill(ws, ws_size, ex, stream) == 0
+    assert acl.rt.record_event(after, stream) == 0
+    results = []
+    allocator = threading.Thread(target=malloc, args=(aclsim.call_count("aclrtSynchronizeDevice"), results))
+    allocator.start()
+    resetter = threading.Thread(target=reset)
+    resetter.start(); resetter.join(); allocator.join()
+    assert acl.rt.synchronize_device() == 0 and acl.rt.free(ws) == 0
+    if results[1]:
+        break
+print(json.dumps(results))
+""", preload_env())
+    assert json.loads(proc.stdout.splitlines()[-1]) == [0, True]
+    assert proc.stderr == ""

@@ -249,6 +249,12 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token);
  * device that cannot be synchronized keeps its pending frees and its cache
  * (nothing proves their work is done): the first such error is returned. */
 npa_error npa_empty_cache(npa_allocator *a, int device);
+/* Whether npa_empty_cache would synchronize the device now (pending frees,
+ * or something to give back); false for a device with no state. A caller
+ * may synchronize first with no lock held, so that the synchronize under
+ * the device's lock, which other threads' mallocs and frees there wait
+ * for, covers only what was queued meanwhile. */
+bool npa_empty_cache_would_synchronize(npa_allocator *a, int device);
 /* The same at exit, on the devices in the mask whose lock is free now (the
  * exiting thread may hold one, interrupted by a signal whose handler
  * exits): returns the mask of those it left, their locks taken. */

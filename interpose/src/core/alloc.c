@@ -859,6 +859,16 @@ npa_error npa_empty_cache(npa_allocator *a, int device) {
     return first;
 }
 
+bool npa_empty_cache_would_synchronize(npa_allocator *a, int device) {
+    npa_device *d = a ? npa_device_get(a, device, false) : NULL;
+    if (!d) return false;
+    npa_lock_acquire(&d->lock);
+    npa_recent_flush(d); /* as the release would first: its blocks may free a segment */
+    bool wait = must_wait_before_release(d);
+    npa_lock_release(&d->lock);
+    return wait;
+}
+
 unsigned npa_empty_cache_unless_busy(npa_allocator *a, unsigned devices) {
     unsigned busy = 0;
     for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {

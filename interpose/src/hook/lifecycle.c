@@ -433,6 +433,19 @@ static void settle_executors(uint64_t devices)
     npa_exec_settle(devices);
 }
 
+/* npa_empty_cache, its device synchronized first with no lock held where
+ * the release would synchronize: the release does so again under the
+ * device's lock, and every other thread's malloc and free on the device
+ * waited there for all of its queued work; now only for what was queued
+ * during the first. A first synchronize that fails changes nothing: the
+ * release's own decides what goes back. */
+static void empty_cache_synchronized_first(npa_allocator *a, int device)
+{
+    if (npa_empty_cache_would_synchronize(a, device))
+        (void)npa_hook_synchronize(device);
+    npa_empty_cache(a, device);
+}
+
 /* Give a device's cache back before the runtime tears it down: deferred
  * executor destroys first (they may still wait on that device's streams) and
  * the repeatable executors made on it settled, then pending frees and cached
@@ -442,7 +455,7 @@ void npa_hook_before_reset(int device, bool force)
     settle_executors(force && device >= 0 && device < 64 ? 1ull << device : npa_devices_at_last_reference(device));
     npa_allocator *a = atomic_load_explicit(&npa_serving, memory_order_acquire);
     if (a != NULL)
-        npa_empty_cache(a, device);
+        empty_cache_synchronized_first(a, device);
     npa_streams_destroy_events(device, false);
 }
 
@@ -459,7 +472,7 @@ static void release_everything(npa_allocator *a, bool at_exit)
         unsigned seen = npa_devices_seen();
         for (int d = 0; d < NPUALLOC_MAX_DEVICES; d++)
             if (seen & (1u << d))
-                npa_empty_cache(a, d);
+                empty_cache_synchronized_first(a, d);
     } else if (a != NULL) {
         int waited_ms = 0;
         unsigned left = npa_empty_cache_unless_busy(a, npa_devices_seen());

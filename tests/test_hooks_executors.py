@@ -761,3 +761,46 @@ def teardown():
     assert proc.returncode == 0, proc.stderr
     assert out == {"queued": True, "rets": [0], "reached_at_once": 0, "violations": 0, "live": 0}
     assert proc.stderr == ""
+
+
+def test_a_teardowns_drain_waits_for_its_device_without_holding_the_executor_lock():
+    """A repeatable executor's destroy deferred behind its queued launch; a
+    worker resets the device (not its last reference), whose drain of the
+    deferred destroys synchronizes the device for it. It did so holding
+    the lock that making an executor repeatable, or destroying one, takes:
+    a thread doing either meanwhile waited for all the device's queued
+    work (and a host callback the synchronize waits for, doing either,
+    would wait for good). The thread's set_repeatable returns while the
+    launch is still queued now."""
+    out, proc = run('''
+import threading
+buf, _ = acl.rt.malloc(1 << 16, 0)
+after, _ = acl.rt.create_event()
+def make_repeatable(synchronizes_before, other, results):
+    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
+        pass
+    results.append(ops.set_repeatable(other))
+    results.append(acl.rt.query_event_status(after) == (0, 0))
+def reset():
+    assert acl.rt.set_device(0) == 0 and acl.rt.reset_device(0) == 0
+for retry in range(8):  # until the launch is seen still queued when the thread returns
+    violations_before = aclsim.executor_violations()
+    ex = launch_queued(buf, after, retry)
+    assert ops.destroy_executor(ex) == 0  # deferred behind the launch
+    other = ops.fill_get_workspace_size(buf, 4096, 8)[1]
+    results = []
+    maker = threading.Thread(target=make_repeatable,
+                             args=(aclsim.call_count("aclrtSynchronizeDevice"), other, results))
+    maker.start()
+    resetter = threading.Thread(target=reset)
+    resetter.start(); resetter.join(); maker.join()
+    assert acl.rt.synchronize_device() == 0 and ops.destroy_executor(other) == 0
+    if results[1]:
+        break
+acl.rt.malloc(512, 0)  # drains what is left deferred
+emit(ret=results[0], queued=results[1], violations=aclsim.executor_violations() - violations_before,
+     live=aclsim.executors_live())
+''', preload_env())
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"ret": 0, "queued": True, "violations": 0, "live": 0}
+    assert proc.stderr == ""

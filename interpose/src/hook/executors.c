@@ -55,14 +55,21 @@ static uint64_t set_generation;            /* the last made_at given */
  * the settle may have looked. */
 static uint64_t settled_through[SETTLED_DEVICES];
 
+/* deferred_at orders it against a forced drain's synchronize, which runs
+ * without exec_lock: one deferred after that began may wait for work the
+ * synchronize did not cover. */
 typedef struct deferred {
     aclOpExecutor *executor;
     void *fence;
     int device;
     uint64_t made_at;
+    uint64_t deferred_at;
 } deferred;
 static deferred *pending;
 static size_t npending, cap_pending;
+static uint64_t deferrals; /* the last deferred_at given */
+/* A deferred destroy's device is one its fence was recorded on. */
+_Static_assert(NPUALLOC_MAX_DEVICES <= SETTLED_DEVICES, "a device is a bit of a forced drain's mask");
 
 /* Second in the lock order (hook.h): after init_lock, before device locks. */
 static pthread_mutex_t exec_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -206,21 +213,18 @@ static aclnnStatus keep(int device)
     return ACLNN_SUCCESS;
 }
 
-void npa_exec_drain(npa_drain how)
+/* exec_lock held: the destroys whose wait is over forwarded (their fence
+ * done, or a synchronize of their device that began after they were
+ * deferred succeeded: synced, bit per device, for those deferred by
+ * deferred_through), the rest kept. Returns a refusal's error. */
+static aclnnStatus forward_waited(uint64_t synced, uint64_t deferred_through)
 {
-    if (how == NPA_DRAIN_ALL) {
-        npa_mutex_lock(&exec_lock);
-    } else if (npa_mutex_trylock(&exec_lock) != 0) {
-        return; /* another thread is draining: the allocation path never waits here */
-    }
     size_t kept = 0;
     aclnnStatus refused = ACLNN_SUCCESS;
     for (size_t i = 0; i < npending; i++) {
         deferred *d = &pending[i];
-        /* Forced: a synchronize stands in for the fence, but only one that
-         * succeeded proves the kernels using the executor are done. */
-        if (!npa_fence_done(NULL, d->fence) &&
-            (how != NPA_DRAIN_ALL || npa_hook_synchronize(d->device) != ACL_SUCCESS)) {
+        bool synchronized = d->deferred_at <= deferred_through && (synced & (1ull << d->device));
+        if (!synchronized && !npa_fence_done(NULL, d->fence)) {
             pending[kept++] = *d;
             continue;
         }
@@ -234,6 +238,34 @@ void npa_exec_drain(npa_drain how)
     }
     npending = kept;
     npa_entry_work_mark(NPA_WORK_EXECUTORS, kept != 0);
+    return refused;
+}
+
+/* Forced: a synchronize stands in for each fence not done, but only one
+ * that succeeded proves the kernels using the executor are done. It runs
+ * without exec_lock, as a settle's does: a thread making an executor
+ * repeatable or destroying one meanwhile (both take the lock) waited for
+ * all the device's queued work, and a host callback the synchronize waits
+ * for doing either would wait for good. */
+void npa_exec_drain(npa_drain how)
+{
+    uint64_t synced = 0, deferred_through = 0;
+    if (how == NPA_DRAIN_ALL) {
+        npa_mutex_lock(&exec_lock);
+        uint64_t waiting = 0;
+        for (size_t i = 0; i < npending; i++)
+            if (!npa_fence_done(NULL, pending[i].fence))
+                waiting |= 1ull << pending[i].device;
+        deferred_through = deferrals;
+        npa_mutex_unlock(&exec_lock);
+        for (int d = 0; d < SETTLED_DEVICES; d++)
+            if ((waiting & (1ull << d)) && npa_hook_synchronize(d) == ACL_SUCCESS)
+                synced |= 1ull << d;
+        npa_mutex_lock(&exec_lock);
+    } else if (npa_mutex_trylock(&exec_lock) != 0) {
+        return; /* another thread is draining: the allocation path never waits here */
+    }
+    aclnnStatus refused = forward_waited(synced, deferred_through);
     npa_mutex_unlock(&exec_lock);
     /* Its caller was told 0 when the destroy was deferred. */
     if (refused != ACLNN_SUCCESS)
@@ -341,7 +373,7 @@ NPA_EXPORT aclnnStatus aclDestroyAclOpExecutor(aclOpExecutor *executor)
         pending = np;
         cap_pending = ncap;
     }
-    pending[npending++] = (deferred){executor, fence, device, made_at};
+    pending[npending++] = (deferred){executor, fence, device, made_at, ++deferrals};
     npa_entry_work_mark(NPA_WORK_EXECUTORS, true);
     npa_mutex_unlock(&exec_lock);
     npa_exec_poll();

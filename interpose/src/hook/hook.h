@@ -30,8 +30,9 @@
  *   1. init_lock (lifecycle.c): lazy init (the region is made only there:
  *      8 under it), finalize, exit, fork_prepare.
  *   2. exec_lock (executors.c): deferred executor destroys; under it a drain
- *      polls fences, synchronizes, and counts into a device's stats (5). A
- *      settle synchronizes between two holds of it, not under it.
+ *      polls fences, forwards destroys and counts into a device's stats (5).
+ *      A forced drain and a settle synchronize between two holds of it, not
+ *      under it.
  *   3. command lock (region.c g_command_lock): one thread applies another
  *      process's command; under it empty_cache, resets, snapshots and a
  *      memory fraction take the device locks one at a time (5; a memory
@@ -404,8 +405,9 @@ static inline unsigned npa_entry_work_load(void)
 }
 
 /* Deferred executor destroys forwarded: those whose fences completed, unless
- * another thread drains (NPA_DRAIN_DONE); every one, synchronizing for the
- * rest (NPA_DRAIN_ALL). */
+ * another thread drains (NPA_DRAIN_DONE); every one deferred before it
+ * began, synchronizing for the rest (NPA_DRAIN_ALL; one deferred during
+ * its synchronize waits for its fence, as one deferred after it). */
 typedef enum npa_drain { NPA_DRAIN_DONE, NPA_DRAIN_ALL } npa_drain;
 void npa_exec_drain(npa_drain how);
 /* Before the runtime may tear devices down (a reset, a context's destroy,

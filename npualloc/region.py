@@ -38,9 +38,11 @@ REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # requester that gave up waiting, and temporaries of a process that died while
 # writing (the region's own, and a snapshot's: .tmp.<pid>.<8 hex>, or .tmp.<pid>
 # as an npualloc before 2026-11-25 named it), and a gone process's region that
-# a process killed while removing it had moved aside (.npualloc.<pid>.reap:
+# a process killed while removing it had moved aside (.npualloc.<pid>.reap.<8
+# hex>, or .npualloc.<pid>.reap as an npualloc before 2026-11-27 named it:
 # interpose/src/unlink_checked.h; a live region there goes back instead).
-LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|reap)|npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
+LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|(reap)(?:\.[0-9a-f]{8})?)|"
+                           r"npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy
 # tries SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat
@@ -595,9 +597,9 @@ def read_live_regions(read: Callable[[int, Region], T],
 
 def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
     match = LEFTOVER_NAME.fullmatch(name)
-    if match is None or (name.endswith(".reap") and _put_back_if_held(dir_fd, name)):
+    if match is None or (match.group(2) and _put_back_if_held(dir_fd, name)):
         return
-    pid = int(match.group(1) or match.group(2))
+    pid = int(match.group(1) or match.group(3))
     try:
         ended = process_start_time(pid) is None
     except HiddenProcessError:

@@ -319,6 +319,34 @@ def test_the_next_process_removes_only_the_regions_of_gone_processes_of_its_user
         assert all(os.path.lexists(path) for path in left[1:])
 
 
+def test_an_aside_name_a_killed_reaper_left_blocks_no_later_process_with_its_pid(shm: Path) -> None:
+    """A reaper moved a name aside to .npualloc.<its pid>.reap, never
+    replacing one: a reaper killed there left that name, and every later
+    process with the pid (reused) found it taken, so its reaper removed no
+    gone region for its whole life, nor `ls` with that pid. The aside name
+    is unique to each move; the leftover is `ls`'s to judge, left here."""
+    dead = _dead_pid()
+    with Workload(shm) as w:
+        gone = write_region(shm, dead, region_bytes(dead))
+        leftover = gone.parent / f".npualloc.{w.pid}.reap"
+        leftover.write_bytes(b"what a killed reaper moved aside")
+        w.call("malloc(4096)")
+        assert not gone.exists()
+        assert leftover.read_bytes() == b"what a killed reaper moved aside"
+        assert w.close() == 0
+    gone = write_region(shm, dead, region_bytes(dead))
+    ours = gone.parent / f".npualloc.{os.getpid()}.reap"  # as `ls` running with our pid finds it
+    ours.write_bytes(b"x")
+    info = gone.stat()
+    dir_fd = os.open(gone.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert reader_library().npualloc_reader_unlink_checked(dir_fd, gone.name.encode(), info.st_dev, info.st_ino) == 0
+    finally:
+        os.close(dir_fd)
+    assert not gone.exists() and ours.exists()
+    assert sorted(os.listdir(gone.parent)) == sorted([leftover.name, ours.name])
+
+
 # Stands for a process with the same pid number (reused, or in another pid
 # namespace sharing the directory) renaming its fresh region over a leftover
 # at the one moment that matters: after the reaper's last look at the name,

@@ -8,19 +8,18 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
-#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "hook.h"
 #include "nomount.h"
+#include "random_suffix.h"
 
 /* A FIFO whose reader has not taken the whole snapshot after this long is
  * given up. In all, not without progress: a reader that takes a page now and
@@ -128,22 +127,6 @@ static int place(int dir_fd, const char *tmp, const char *name, bool replace)
  * something already sits at its name. */
 #define TEMPORARY_TRIES 16
 
-/* Eight hex digits for a temporary's name. From getrandom(); where it fails
- * (no entropy yet, a filter), from the clock and a counter: still unlikely
- * to be planted in advance, and a collision only costs a try. */
-static void random_suffix(char out[9])
-{
-    static _Atomic uint32_t counter;
-    uint32_t bits;
-    if (getrandom(&bits, sizeof bits, GRND_NONBLOCK) != (ssize_t)sizeof bits) {
-        struct timespec now = {0};
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        bits = (uint32_t)now.tv_nsec * 2654435761u ^ (uint32_t)now.tv_sec ^
-               atomic_fetch_add_explicit(&counter, 0x9e3779b9u, memory_order_relaxed);
-    }
-    snprintf(out, 9, "%08x", bits);
-}
-
 /* Creates "<name>.tmp.<pid>.<random>" (O_EXCL|O_NOFOLLOW, 0600) into *fd;
  * 0 or the error. Random, as anyone sees our pid: a directory another user
  * put at the predictable "<name>.tmp.<pid>" in /tmp kept every snapshot from
@@ -152,7 +135,7 @@ static int create_temporary(int dir_fd, const char *name, char tmp[NAME_MAX + 1]
 {
     for (int try = 0; try < TEMPORARY_TRIES; try++) {
         char suffix[9];
-        random_suffix(suffix);
+        npa_random_suffix(suffix);
         if ((size_t)snprintf(tmp, NAME_MAX + 1, "%s.tmp.%d.%s", name, (int)getpid(), suffix) > NAME_MAX)
             return NO_ROOM_FOR_TEMPORARY;
         *fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);

@@ -428,6 +428,29 @@ def test_the_reaper_removes_the_leftover_it_checked_not_a_region_renamed_over_it
         assert [name for name in os.listdir(left.parent) if name.startswith(".")] == []
 
 
+def test_exit_removes_its_own_region_not_one_renamed_over_its_name_after_its_check(shm: Path, tmp_path: Path) -> None:
+    """A process's exit looked at its name (its own inode) and then unlinked
+    by name: a process with the same pid in another pid namespace sharing the
+    directory, publishing in between, lost its live region, and ran on
+    unseen by ls, stats and pause. The exit removes the inode it checked
+    (unlink_checked.h), as the reaper does."""
+    with Workload(shm) as w:  # makes the user's region directory
+        w.call("malloc(4096)")
+    fresh = region_file(shm, w.pid).parent / ".fresh"
+    fresh.write_bytes(region_bytes(w.pid))
+    env = _with_shim(preload_env(NPUALLOC_SHM_DIR=str(shm)), tmp_path, SWAP_FROM=fresh.name)
+    program = ("import acl, os; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n"
+               "os.environ['SWAP_NAME'] = f'npualloc.{os.getpid()}'  # the shim's moment: the exit's removal\n"
+               "print(os.getpid())")
+    with open(fresh, "rb") as holder:
+        fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives
+        live = os.fstat(holder.fileno()).st_ino
+        pid = int(run_python(program, env).stdout)
+        assert not fresh.exists()  # it was renamed over the exiting process's name
+        assert region_file(shm, pid).stat().st_ino == live
+        assert [name for name in os.listdir(fresh.parent) if name.startswith(".")] == []
+
+
 def test_stale_regions_go_where_the_file_system_cannot_rename_without_replacing(shm: Path, tmp_path: Path) -> None:
     """Where renameat2 refuses RENAME_NOREPLACE (NFS), the reaper and `ls`
     remove a gone process's region by name, as before, rather than never."""

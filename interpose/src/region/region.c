@@ -17,6 +17,7 @@
 #include "region/region.h"
 #include "hook/hook.h"
 #include "region_lock.h"
+#include "unlink_checked.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -601,13 +602,15 @@ void npa_region_remove(void)
         /* The fd stays open: a command may still be writing through it. Only
          * our own file goes, and only through the directory we made it in:
          * with that closed by the program, the file stays for `npualloc ls`
-         * to remove (its pid is dead), as g_path may lead through links. */
+         * to remove (its pid is dead), as g_path may lead through links.
+         * Our inode, not the name: a process with our pid in another pid
+         * namespace sharing the directory may rename its fresh region over
+         * the name at any moment, this one included (unlink_checked.h). */
         int dir_fd = region_dir_fd();
-        struct stat named;
-        if (dir_fd >= 0 && fstatat(dir_fd, g_name, &named, AT_SYMLINK_NOFOLLOW) == 0 && named.st_ino == g_file_ino)
-            unlinkat(dir_fd, g_name, 0);
-        if (dir_fd >= 0)
+        if (dir_fd >= 0) {
+            (void)npa_unlink_checked(dir_fd, g_name, g_dir_dev, g_file_ino);
             npa_region_reap(dir_fd); /* what children that left through _exit left */
+        }
         atomic_store_explicit(&g_state, REGION_REMOVED, memory_order_relaxed);
     } else if (state == REGION_UNTRIED || state == REGION_FORKED) {
         /* Exiting: an allocator call from a late destructor must not create a file. */

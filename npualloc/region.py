@@ -599,16 +599,40 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
     match = LEFTOVER_NAME.fullmatch(name)
     if match is None or (match.group(2) and _put_back_if_held(dir_fd, name)):
         return
+    try:
+        # Before the tests: a file a live process puts at the name after them is never the one removed.
+        inode = lstat_no_mount(name, dir_fd).st_ino
+    except OSError:
+        return  # gone already
     pid = int(match.group(1) or match.group(3))
+    if _in_use(dir_fd, name, inode, pid, snapshot=match.group(3) is not None):
+        return
     try:
         ended = process_start_time(pid) is None
     except HiddenProcessError:
         ended = True  # another user's process has the pid now: the one that left it is gone
     if ended:
-        try:
-            _remove_stale(dir_fd, name, lstat_no_mount(name, dir_fd).st_ino)
-        except OSError:
-            pass  # gone already
+        _remove_stale(dir_fd, name, inode)
+
+
+def _in_use(dir_fd: int, name: str, inode: int, pid: int, snapshot: bool) -> bool:
+    """Whether a live process still uses leftover name (inode), whatever pid
+    namespace it is in: where the name's pid names another process here, or
+    none, a pid cannot tell. A region's temporary is locked from its creation
+    (region_lock.h). A snapshot file and its temporary are their process's
+    while it holds its region npualloc.<pid>'s lock: its requester reads the
+    file after the answer, and the process removes it later or at exit."""
+    reader = reader_library()
+    if reader.npualloc_reader_locked(dir_fd, name.encode(), inode) == 1:
+        return True
+    if not snapshot:
+        return False
+    region = f"npualloc.{pid}"
+    try:
+        region_inode = lstat_no_mount(region, dir_fd).st_ino
+    except OSError:
+        return False  # no region: its process removed it at exit, or it was removed as a gone process's
+    return bool(reader.npualloc_reader_locked(dir_fd, region.encode(), region_inode) == 1)
 
 
 def _put_back_if_held(dir_fd: int, name: str) -> bool:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SIM_LIB, compile_c, compile_shim, preload_env, run_python
+from conftest import SIM_LIB, compile_c, compile_shim, preload_env, run_python, sim_env
 from region_helpers import MAIN_HOLDING_1_MIB, Workload, cli_env, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
@@ -182,6 +182,129 @@ def test_ls_leaves_the_region_of_a_process_in_another_pid_namespace(shm: Path) -
     finally:
         inner.communicate(timeout=30)
     assert inner.returncode == 0 and not published.exists()  # removed by its own exit
+
+
+def test_ls_leaves_the_files_a_live_process_whose_pid_names_none_here_still_uses(shm: Path) -> None:
+    """`ls` judged a snapshot hand-over file (and its temporary) and a region
+    temporary by the pid in its name alone: those of a live process in
+    another pid namespace sharing the directory (its pid naming none here)
+    went as a dead process's, the snapshot before its requester read it. A
+    snapshot file is its process's while that process holds its region's
+    lock; a region temporary is locked from its creation. Stand-ins: the
+    workload's region linked under a dead pid's name, a temporary whose lock
+    the test holds."""
+    dead = _dead_pid(), _dead_pid()
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        region = region_file(shm, dead[0])
+        os.link(region_file(shm, w.pid), region)
+        used = [region.with_name(f"{region.name}.snapshot.1"),
+                region.with_name(f"{region.name}.snapshot.2.tmp.{dead[0]}.0badf00d")]
+        temporary = region.with_name(f".npualloc.{dead[1]}.tmp")
+        for path in used + [temporary]:
+            path.write_bytes(b"x")
+        with open(temporary, "rb") as holder:
+            fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives, making its region
+            assert run_cli(["ls"], shm).returncode == 0
+            assert all(path.exists() for path in used + [temporary, region])
+        assert run_cli(["ls"], shm).returncode == 0
+        assert not temporary.exists()
+        assert all(path.exists() for path in used + [region])
+        assert w.close() == 0
+    assert run_cli(["ls"], shm).returncode == 0
+    assert os.listdir(region.parent) == []
+
+
+# Says on stderr whether the region's temporary is locked when it is sized,
+# as a reader opening it then would see it (F_OFD_GETLK on a description of
+# its own): between its creation and its publishing rename.
+LOCKED_WHEN_SIZED_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+int posix_fallocate(int fd, off_t offset, off_t len)
+{
+    char link[64], target[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    const char *base = n > 0 ? (target[n] = '\0', strrchr(target, '/')) : NULL;
+    if (base && strncmp(base + 1, ".npualloc.", 10) == 0) {
+        int other = open(target, O_RDONLY | O_CLOEXEC);
+        struct flock lock = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+        if (other >= 0 && fcntl(other, F_OFD_GETLK, &lock) == 0)
+            fprintf(stderr, "shim: %s %s\n", base + 1, lock.l_type == F_UNLCK ? "unlocked" : "locked");
+        if (other >= 0)
+            close(other);
+    }
+    return ((int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate"))(fd, offset, len);
+}
+"""
+
+
+def test_a_region_temporary_is_locked_from_its_creation(shm: Path, tmp_path: Path) -> None:
+    """The region file was locked only just before its publishing rename:
+    while it was sized and mapped, a process in another pid namespace (its
+    pid naming none here) had its temporary unlocked, and `ls` removed it as
+    a dead process's, so its rename failed and it ran without a region."""
+    env = preload_env(NPUALLOC_SHM_DIR=str(shm))
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{compile_shim(tmp_path, 'sized', LOCKED_WHEN_SIZED_SHIM)}"
+    done = run_python("import acl, os; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0); print(os.getpid())", env)
+    assert f"shim: .npualloc.{done.stdout.strip()}.tmp locked\n" in done.stderr, done.stderr
+
+
+# Inside a pid namespace of its own (unshare's fork, pid 1 there): a worker
+# given the pid argv[1] there (ns_last_pid), which names no process outside,
+# allocates until told to stop; this process asks it for a snapshot and
+# reads the file once a line comes on stdin.
+SNAPSHOT_IN_A_PID_NAMESPACE = r"""
+import os, subprocess, sys
+import npualloc.snapshot
+from npualloc._ffi import constants
+from npualloc.region import Region
+
+WORKER = ("import acl, select, sys\n"
+          "acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n"
+          "print(flush=True)\n"
+          "while not select.select([sys.stdin], [], [], 0.005)[0]:\n"
+          "    acl.rt.free(acl.rt.malloc(4096, 0)[0])\n")
+with open("/proc/sys/kernel/ns_last_pid", "w") as last:
+    last.write(str(int(sys.argv[1]) - 1))
+worker = subprocess.Popen([sys.executable, "-c", WORKER], env=dict(os.environ, LD_PRELOAD=sys.argv[2]),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+try:
+    assert worker.pid == int(sys.argv[1]) and worker.stdout.readline() == b"\n", worker.pid
+    with Region(worker.pid, writable=True) as region:
+        seq = region.post_command(constants.NPUALLOC_CMD_SNAPSHOT, timeout=20)
+        print("answered", flush=True)
+        sys.stdin.readline()
+        data = npualloc.snapshot._read_snapshot_file(region, f"{region.path.name}.snapshot.{seq}")
+    print(len(npualloc.snapshot.loads(data)["segments"]), flush=True)
+finally:
+    worker.communicate(b"stop", timeout=30)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1): a process in a pid namespace of its own")
+def test_ls_leaves_the_snapshot_of_a_process_in_another_pid_namespace_for_its_requester(shm: Path) -> None:
+    """The case itself: the process answered a snapshot command of a
+    requester in its namespace, and `ls` outside removed the file before the
+    requester read it, its pid naming no process there."""
+    pid = _dead_pid()
+    inner = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                              SNAPSHOT_IN_A_PID_NAMESPACE, str(pid), preload_env()["LD_PRELOAD"]],
+                             env=sim_env(NPUALLOC_SHM_DIR=str(shm)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert inner.stdout is not None and inner.stdout.readline() == "answered\n"
+        assert run_cli(["ls"], shm).returncode == 0
+    finally:
+        out, err = inner.communicate("read it\n", timeout=60)
+    assert inner.returncode == 0 and out == "1\n", err
 
 
 def test_a_forked_child_does_not_keep_the_parents_region_alive(shm: Path) -> None:

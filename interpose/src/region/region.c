@@ -246,6 +246,11 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
         warn_once("cannot create", g_path, errno);
         return NULL;
     }
+    /* Locked from its creation, so no reader sees it unlocked while we
+     * live: `ls` removes a temporary of a pid dead in its namespace only
+     * when nobody holds it (ours may be another's). Without a lock (an old
+     * kernel) readers go by the pid alone. */
+    bool locked = npa_region_lock(fd) == 0;
     struct stat created;
     /* fallocate, not ftruncate: on a full tmpfs touching a sparse page would
      * raise SIGBUS in the host; here it fails cleanly instead. */
@@ -260,9 +265,7 @@ static npualloc_region *publish_region(int dir_fd, const char *name, const char 
         unlinkat(dir_fd, tmp, 0);
         return NULL;
     }
-    /* Locked before it is published, so no reader sees it unlocked while
-     * we live; without a lock (an old kernel) readers go by the pid alone. */
-    if (npa_region_lock(fd) != 0) {
+    if (!locked) {
         close(fd);
         fd = -1;
     }

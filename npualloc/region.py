@@ -537,10 +537,13 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
     listed: set[int] = set()
     seqlock_wait = SeqlockWait()
     for directory, dir_fd in _region_dirs(None if os.geteuid() == 0 else os.geteuid()):
-        for name in sorted(os.listdir(dir_fd)):
+        names = sorted(os.listdir(dir_fd))  # aside names (.npualloc.*) first: a region put back is listed too
+        for name in names:
             match = REGION_NAME.fullmatch(name)
             if match is None:
-                _remove_leftover_of_dead(dir_fd, name)
+                put_back = _remove_leftover_of_dead(dir_fd, name)
+                if put_back is not None and put_back not in names:
+                    names.append(put_back)
                 continue
             entry = RegionEntry(int(match.group(1)), directory / name)
             if entry.pid in listed:
@@ -595,24 +598,31 @@ def read_live_regions(read: Callable[[int, Region], T],
         yield entry.pid, value
 
 
-def _remove_leftover_of_dead(dir_fd: int, name: str) -> None:
+def _remove_leftover_of_dead(dir_fd: int, name: str) -> str | None:
+    """Removes name when it is what a gone process left; the name a live
+    region found there went back under (_put_back_if_held), if any."""
     match = LEFTOVER_NAME.fullmatch(name)
-    if match is None or (match.group(2) and _put_back_if_held(dir_fd, name)):
-        return
+    if match is None:
+        return None
+    if match.group(2):
+        held, put_back = _put_back_if_held(dir_fd, name)
+        if held:
+            return put_back
     try:
         # Before the tests: a file a live process puts at the name after them is never the one removed.
         inode = lstat_no_mount(name, dir_fd).st_ino
     except OSError:
-        return  # gone already
+        return None  # gone already
     pid = int(match.group(1) or match.group(3))
     if _in_use(dir_fd, name, inode, pid, snapshot=match.group(3) is not None):
-        return
+        return None
     try:
         ended = process_start_time(pid) is None
     except HiddenProcessError:
         ended = True  # another user's process has the pid now: the one that left it is gone
     if ended:
         _remove_stale(dir_fd, name, inode)
+    return None
 
 
 def _in_use(dir_fd: int, name: str, inode: int, pid: int, snapshot: bool) -> bool:
@@ -635,41 +645,45 @@ def _in_use(dir_fd: int, name: str, inode: int, pid: int, snapshot: bool) -> boo
     return bool(reader.npualloc_reader_locked(dir_fd, region.encode(), region_inode) == 1)
 
 
-def _put_back_if_held(dir_fd: int, name: str) -> bool:
+def _put_back_if_held(dir_fd: int, name: str) -> tuple[bool, str | None]:
     """Whether name, a reaper's aside name, holds a region whose process
-    lives (its lock is held), which is then never removed: a reaper moves a
-    name aside before it looks at what it moved, and a live region renamed
-    over a leftover at that moment stays there when the reaper is killed
-    before it puts it back, or finds its name taken. Ours goes back under
-    its own name, npualloc.<pid>, unless another file took that."""
+    lives (its lock is held), which is then never removed, and the name it
+    went back under, if it did: a reaper moves a name aside before it looks
+    at what it moved, and a live region renamed over a leftover at that
+    moment stays there when the reaper is killed before it puts it back, or
+    finds its name taken. Ours goes back under its own name, npualloc.<pid>,
+    unless another file took that: a process with that pid in another pid
+    namespace published there, and putting ours back over it would hide
+    that live one instead. It goes back once that name is free."""
     try:
         info = lstat_no_mount(name, dir_fd)
     except OSError:
-        return False  # gone already
+        return False, None  # gone already
     if info.st_uid != os.geteuid():
-        return True  # another user's, in a directory root lists: theirs, never opened nor removed
+        return True, None  # another user's, in a directory root lists: theirs, never opened nor removed
     if reader_library().npualloc_reader_locked(dir_fd, name.encode(), info.st_ino) != 1:
-        return False
+        return False, None
     try:
         fd = open_no_mount(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd)
     except OSError:
-        return True
+        return True, None
     try:
         same = os.fstat(fd).st_ino == info.st_ino
         data = bytearray(os.pread(fd, ffi.sizeof("npualloc_region_header"), 0))
     finally:
         os.close(fd)
     if not same or len(data) != ffi.sizeof("npualloc_region_header"):
-        return True
+        return True, None
     header = ffi.from_buffer("npualloc_region_header *", data)
     if header.magic != constants.NPUALLOC_SHM_MAGIC or header.version != constants.NPUALLOC_SHM_VERSION or header.pid <= 0:
-        return True  # held, yet not a region of this layout: where it goes is not ours to tell
+        return True, None  # held, yet not a region of this layout: where it goes is not ours to tell
+    own = f"npualloc.{header.pid}"
     try:
-        os.link(name, f"npualloc.{header.pid}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        os.link(name, own, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
-        return True  # the name is taken (or the link refused): left aside, never removed
+        return True, None  # the name is taken (or the link refused): left aside, never removed
     reader_library().npualloc_reader_unlink_checked(dir_fd, name.encode(), info.st_dev, info.st_ino)
-    return True
+    return True, own
 
 
 def _remove_stale(dir_fd: int, name: str, inode: int) -> None:

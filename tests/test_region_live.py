@@ -616,18 +616,43 @@ def test_ls_puts_back_a_live_region_left_under_a_reapers_aside_name(shm: Path, a
     whose put-back found the name taken (live), leaves it there. `ls` then
     removed it as the dead reaper's leftover (the process ran on unseen, its
     file gone) or left it hidden from every listing. A region whose lock is
-    held goes back under its own name instead."""
+    held goes back under its own name instead, listed by the `ls` that put
+    it back (it was not, its name missing from the directory that ls read)."""
     reaper = _dead_pid() if aside_of == "gone" else os.getpid()
     with Workload(shm) as w:
         w.call("malloc(4096)")
         path = region_file(shm, w.pid)
         inode = path.stat().st_ino
-        path.rename(path.parent / f".npualloc.{reaper}.reap")
-        assert run_cli(["ls"], shm).returncode == 0
+        path.rename(path.parent / f".npualloc.{reaper}.reap.0123abcd")
+        listed = run_cli(["ls", "--json"], shm)
+        assert listed.returncode == 0 and [row["pid"] for row in json.loads(listed.stdout)] == [w.pid]
         assert path.exists() and path.stat().st_ino == inode
         assert [name for name in os.listdir(path.parent) if name.startswith(".")] == []
-        rows = json.loads(run_cli(["ls", "--json"], shm).stdout)
-        assert [row["pid"] for row in rows] == [w.pid]
+        assert w.close() == 0
+    assert os.listdir(path.parent) == []
+
+def test_ls_puts_a_live_region_back_only_once_its_name_is_free(shm: Path) -> None:
+    """A region left aside whose name a live process with the same pid (in
+    another pid namespace sharing the directory) has taken since stays
+    aside: put back, it would hide that live one instead, as two such
+    processes share one name. Once that one is gone, it goes back."""
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        path = region_file(shm, w.pid)
+        inode = path.stat().st_ino
+        aside = path.parent / f".npualloc.{os.getpid()}.reap.0123abcd"
+        theirs = path.parent / "theirs.tmp"
+        theirs.write_bytes(path.read_bytes())
+        path.rename(aside)
+        with open(theirs, "rb") as holder:
+            fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives
+            theirs.rename(path)
+            assert run_cli(["ls"], shm).returncode == 0
+            assert aside.stat().st_ino == inode and path.stat().st_ino == os.fstat(holder.fileno()).st_ino
+            path.unlink()  # its exit
+        listed = run_cli(["ls", "--json"], shm)
+        assert listed.returncode == 0 and [row["pid"] for row in json.loads(listed.stdout)] == [w.pid]
+        assert path.stat().st_ino == inode and not aside.exists()
         assert w.close() == 0
     assert os.listdir(path.parent) == []
 

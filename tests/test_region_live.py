@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SIM_LIB, compile_c, compile_shim, preload_env, run_python, sim_env
+from conftest import NPUALLOC_LIB, SIM_LIB, compile_c, compile_shim, preload_env, run_python, sim_env
 from region_helpers import MAIN_HOLDING_1_MIB, Workload, cli_env, region_bytes, region_file, run_cli, wait_for_pending_command, write_region
 
 import npualloc
@@ -572,6 +572,25 @@ def test_exit_removes_its_own_region_not_one_renamed_over_its_name_after_its_che
         assert not fresh.exists()  # it was renamed over the exiting process's name
         assert region_file(shm, pid).stat().st_ino == live
         assert [name for name in os.listdir(fresh.parent) if name.startswith(".")] == []
+
+
+def test_exit_removes_its_own_snapshot_file_not_one_renamed_over_its_name(shm: Path, tmp_path: Path) -> None:
+    """The snapshot files a process keeps for requesters that gave up went
+    as its region went: a look at the name (its inode), then an unlink by
+    name, so a process with the same pid in another pid namespace placing
+    its own snapshot there in between lost it before its requester read it.
+    The inode that was looked at is what goes (unlink_checked.h)."""
+    shim = compile_shim(tmp_path, "swap", SWAP_SHIM)
+    with Workload(shm, preload=False, LD_PRELOAD=f"{NPUALLOC_LIB}:{shim}", SWAP_FROM=".fresh") as w:
+        w.call("malloc(4096)")
+        _post_and_trigger(w, shm, constants.NPUALLOC_CMD_SNAPSHOT, "malloc(4096)")  # a requester that never reads it
+        [snapshot] = region_file(shm, w.pid).parent.glob(f"npualloc.{w.pid}.snapshot.*")
+        fresh = snapshot.with_name(".fresh")
+        fresh.write_bytes(b"another process's snapshot")
+        w.call(f"__import__('os').environ.__setitem__('SWAP_NAME', {snapshot.name!r})")  # the shim's moment: the exit's
+        assert w.close() == 0
+    assert snapshot.read_bytes() == b"another process's snapshot"
+    assert os.listdir(snapshot.parent) == [snapshot.name]
 
 
 def test_stale_regions_go_where_the_file_system_cannot_rename_without_replacing(shm: Path, tmp_path: Path) -> None:

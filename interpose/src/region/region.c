@@ -436,15 +436,15 @@ static void snapshot_name(char *name, size_t len, uint64_t seq)
 }
 
 /* Removes the file of g_snapshots[i] if it is still the one we wrote (its
- * requester may have removed it, and the name taken by another file since). */
+ * requester may have removed it, and the name taken by another file since:
+ * a process with our pid in another pid namespace places its snapshots
+ * there, at any moment, so the inode goes, not the name: unlink_checked.h). */
 static void forget_snapshot(int dir_fd, int i)
 {
     char name[sizeof g_name + 32];
-    struct stat named;
     snapshot_name(name, sizeof name, g_snapshots[i].seq);
-    if (g_snapshots[i].ino != 0 && fstatat(dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
-        named.st_ino == g_snapshots[i].ino)
-        unlinkat(dir_fd, name, 0);
+    if (g_snapshots[i].ino != 0)
+        (void)npa_unlink_checked(dir_fd, name, g_dir_dev, g_snapshots[i].ino);
     g_snapshots[i].ino = 0;
 }
 

@@ -36,12 +36,13 @@ REGION_NAME = re.compile(r"npualloc\.([1-9][0-9]*)")
 REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # What else a process leaves beside its region: snapshot files posted for a
 # requester that gave up waiting, and temporaries of a process that died while
-# writing (the region's own, and a snapshot's: .tmp.<pid>.<8 hex>, or .tmp.<pid>
-# as an npualloc before 2026-11-25 named it), and a gone process's region that
-# a process killed while removing it had moved aside (.npualloc.<pid>.reap.<8
+# writing (the region's own, .npualloc.<pid>.tmp.<8 hex>, and a snapshot's:
+# .tmp.<pid>.<8 hex>; each without the hex as an npualloc before 2026-11-25,
+# or for the region's before 2026-11-27, named it), and a gone process's region
+# that a process killed while removing it had moved aside (.npualloc.<pid>.reap.<8
 # hex>, or .npualloc.<pid>.reap as an npualloc before 2026-11-27 named it:
 # interpose/src/unlink_checked.h; a live region there goes back instead).
-LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|(reap)(?:\.[0-9a-f]{8})?)|"
+LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|(reap))(?:\.[0-9a-f]{8})?|"
                            r"npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy

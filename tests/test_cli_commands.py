@@ -233,7 +233,8 @@ def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_p
     dead.wait()
     mine = region_file(tmp_path, dead.pid).parent
     mine.mkdir(mode=0o700)
-    leftovers = [mine / f"npualloc.{dead.pid}.snapshot.3", mine / f".npualloc.{dead.pid}.tmp",
+    leftovers = [mine / f"npualloc.{dead.pid}.snapshot.3", mine / f".npualloc.{dead.pid}.tmp.0badf00d",
+                 mine / f".npualloc.{dead.pid}.tmp",  # as named before random suffixes
                  mine / f".npualloc.{dead.pid}.reap.5eed1e55",  # a gone region moved aside by a reaper killed then
                  mine / f".npualloc.{dead.pid}.reap",  # as named before random suffixes
                  mine / f"npualloc.{dead.pid}.snapshot.4.tmp.{dead.pid}.0badf00d",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -200,7 +201,7 @@ def test_ls_leaves_the_files_a_live_process_whose_pid_names_none_here_still_uses
         os.link(region_file(shm, w.pid), region)
         used = [region.with_name(f"{region.name}.snapshot.1"),
                 region.with_name(f"{region.name}.snapshot.2.tmp.{dead[0]}.0badf00d")]
-        temporary = region.with_name(f".npualloc.{dead[1]}.tmp")
+        temporary = region.with_name(f".npualloc.{dead[1]}.tmp.0badf00d")
         for path in used + [temporary]:
             path.write_bytes(b"x")
         with open(temporary, "rb") as holder:
@@ -253,7 +254,7 @@ def test_a_region_temporary_is_locked_from_its_creation(shm: Path, tmp_path: Pat
     env = preload_env(NPUALLOC_SHM_DIR=str(shm))
     env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{compile_shim(tmp_path, 'sized', LOCKED_WHEN_SIZED_SHIM)}"
     done = run_python("import acl, os; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0); print(os.getpid())", env)
-    assert f"shim: .npualloc.{done.stdout.strip()}.tmp locked\n" in done.stderr, done.stderr
+    assert re.fullmatch(rf"shim: \.npualloc\.{done.stdout.strip()}\.tmp\.[0-9a-f]{{8}} locked\n", done.stderr), done.stderr
 
 
 # Inside a pid namespace of its own (unshare's fork, pid 1 there): a worker
@@ -332,6 +333,27 @@ def test_leftover_region_with_our_pid_is_replaced(shm: Path) -> None:
         w.call("malloc(4096)")
         assert npualloc.memory_allocated(pid=w.pid) >= 4096
         assert path.stat().st_size > 100
+
+
+def test_a_region_temporary_another_process_with_our_pid_is_making_is_left_alone(shm: Path) -> None:
+    """The region was made under .npualloc.<pid>.tmp, and one found there was
+    unlinked by name as an earlier process's leftover: a process with the
+    same pid in another pid namespace sharing the directory, making its
+    region at that moment, lost its temporary, and its publishing rename
+    moved ours into place half made, or failed. Each temporary has a name of
+    its own; a leftover is `ls`'s to remove (its lock free, its pid gone)."""
+    with Workload(shm) as w:
+        directory = region_file(shm, w.pid).parent
+        directory.mkdir(mode=0o700)
+        theirs = directory / f".npualloc.{w.pid}.tmp"
+        theirs.write_bytes(b"being made")
+        with open(theirs, "rb") as holder:
+            fcntl.lockf(holder, fcntl.LOCK_SH)  # its process lives
+            w.call("malloc(4096)")
+            assert theirs.read_bytes() == b"being made"
+            assert os.fstat(holder.fileno()).st_ino == theirs.stat().st_ino
+        assert npualloc.memory_allocated(pid=w.pid) >= 4096
+        assert sorted(os.listdir(directory)) == sorted([theirs.name, f"npualloc.{w.pid}"])
 
 
 def test_stats_off_leaves_nothing_and_keeps_serving(shm: Path) -> None:
@@ -1013,7 +1035,7 @@ def test_reader_hammering_a_process_allocating_in_4_threads(shm: Path) -> None:
 
 
 # A fork by another thread while the first allocation makes the region: the
-# shim holds the region's publishing rename (renameat of .npualloc.<pid>.tmp)
+# shim holds the region's publishing rename (renameat of .npualloc.<pid>.tmp.<8 hex>)
 # until the forking thread has either forked or is waiting inside fork, for a
 # lock (a futex wait, read in /proc/self/task/<tid>/syscall).
 FORK_WINDOW_SHIM = r"""
@@ -1061,7 +1083,7 @@ static int waiting_in_futex(pid_t tid)
 int renameat(int from_fd, const char *from, int to_fd, const char *to)
 {
     size_t n = strlen(from);
-    if (strncmp(from, ".npualloc.", 10) == 0 && n > 4 && strcmp(from + n - 4, ".tmp") == 0 &&
+    if (strncmp(from, ".npualloc.", 10) == 0 && n > 13 && strncmp(from + n - 13, ".tmp.", 5) == 0 &&
         atomic_exchange(&held, 1) == 0) {
         struct timespec tick = {0, 1000000};
         while (atomic_load(&forker) == 0)

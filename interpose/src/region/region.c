@@ -16,6 +16,7 @@
 #define _GNU_SOURCE
 #include "region/region.h"
 #include "hook/hook.h"
+#include "random_suffix.h"
 #include "region_lock.h"
 #include "unlink_checked.h"
 
@@ -194,7 +195,7 @@ static void fill_devices(npualloc_region *r)
         r->devices[d].max_split_size = g_max_split_size;
 }
 
-static npualloc_region *publish_region(int dir_fd, const char *name, const char *tmp);
+static npualloc_region *publish_region(int dir_fd, const char *name);
 
 /* Creates, fills and publishes the file. */
 static npualloc_region *map_new_region(void)
@@ -205,12 +206,10 @@ static npualloc_region *map_new_region(void)
         warn_once("cannot make a private region directory in", npa_region_base(), errno);
         return NULL;
     }
-    char name[32], tmp[32];
-    int pid = (int)getpid();
-    snprintf(name, sizeof name, "npualloc.%d", pid);
-    snprintf(tmp, sizeof tmp, ".npualloc.%d.tmp", pid);
+    char name[32];
+    snprintf(name, sizeof name, "npualloc.%d", (int)getpid());
     snprintf(g_path, sizeof g_path, "%s/%s", dir, name);
-    npualloc_region *r = publish_region(dir_fd, name, tmp);
+    npualloc_region *r = publish_region(dir_fd, name);
     struct stat opened;
     if (r && fstat(dir_fd, &opened) == 0) {
         g_dir_fd = dir_fd;
@@ -224,23 +223,35 @@ static npualloc_region *map_new_region(void)
     return r;
 }
 
-/* Creates tmp in dir_fd, mode 0600, never through a link (O_EXCL |
- * O_NOFOLLOW); a leftover of an earlier process with our pid is replaced,
- * which is safe only because the region directory is ours alone. */
-static int create_temporary(int dir_fd, const char *tmp)
+/* Tries at a new random name before giving up: each fails only when
+ * something already sits at its name. */
+#define TEMPORARY_TRIES 16
+#define TEMPORARY_NAME_LEN 48 /* .npualloc.<pid>.tmp.<8 hex> */
+
+/* Creates .npualloc.<pid>.tmp.<8 hex digits> in dir_fd into tmp, mode 0600,
+ * never through a link (O_EXCL | O_NOFOLLOW); the descriptor, or -1 with
+ * errno. A name of its own: at a fixed one, what was found there went as an
+ * earlier process's leftover, yet it may be the temporary a process with
+ * our pid in another pid namespace sharing the directory is filling (whose
+ * rename then published ours half made). A killed process's leftover goes
+ * with `npualloc ls`. */
+static int create_temporary(int dir_fd, char tmp[TEMPORARY_NAME_LEN])
 {
-    int flags = O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
-    int fd = openat(dir_fd, tmp, flags, 0600);
-    if (fd < 0 && errno == EEXIST) {
-        unlinkat(dir_fd, tmp, 0);
-        fd = openat(dir_fd, tmp, flags, 0600);
+    for (int try = 0; try < TEMPORARY_TRIES; try++) {
+        char suffix[9];
+        npa_random_suffix(suffix);
+        snprintf(tmp, TEMPORARY_NAME_LEN, ".npualloc.%d.tmp.%s", (int)getpid(), suffix);
+        int fd = openat(dir_fd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
     }
-    return fd;
+    return -1; /* errno: EEXIST */
 }
 
 /* Creates, fills and renames into place name in dir_fd (ours: region_dir.c). */
-static npualloc_region *publish_region(int dir_fd, const char *name, const char *tmp)
+static npualloc_region *publish_region(int dir_fd, const char *name)
 {
+    char tmp[TEMPORARY_NAME_LEN];
     int fd = create_temporary(dir_fd, tmp);
     if (fd < 0) {
         warn_once("cannot create", g_path, errno);

@@ -243,9 +243,12 @@ def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_p
             mine / "unrelated.file", tmp_path / f"npualloc.{dead.pid}.snapshot.3"]  # not in a region directory
     for path in leftovers + kept:
         path.write_bytes(b"x")
+    planted = mine / f"npualloc.{dead.pid}.snapshot.6"  # a directory at a leftover's name: never moved aside
+    planted.mkdir()
     assert run_cli(["ls"], tmp_path).returncode == 0
     assert [p for p in leftovers if p.exists()] == []
     assert all(p.exists() for p in kept)
+    assert planted.is_dir() and [name for name in os.listdir(mine) if name.startswith(".")] == []
 
 
 def test_ls_cleans_the_region_of_a_forked_child_that_skipped_atexit(tmp_path: Path) -> None:

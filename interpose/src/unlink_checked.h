@@ -27,12 +27,16 @@
  * already sits at its name. */
 #define NPA_ASIDE_TRIES 4
 
-/* 0 when name, still the file (dev, ino), was removed; -1 otherwise. */
+/* 0 when name, still the file (dev, ino), was removed; -1 otherwise. A
+ * directory (one the user put at a leftover's name) is never moved:
+ * unlinkat refused it at the aside name, where it stayed, under a new name
+ * at each try. */
 static inline int npa_unlink_checked(int dir_fd, const char *name, dev_t dev, ino_t ino)
 {
     struct stat seen;
-    if (npa_lstatat_no_mount(dir_fd, name, &seen) != 0 || seen.st_dev != dev || seen.st_ino != ino)
-        return -1; /* it changed hands during the checks: nothing to move */
+    if (npa_lstatat_no_mount(dir_fd, name, &seen) != 0 || seen.st_dev != dev || seen.st_ino != ino ||
+        S_ISDIR(seen.st_mode))
+        return -1; /* it changed hands during the checks, or cannot be unlinked */
     char aside[48];
     int moved = -1;
     for (int try = 0; moved != 0 && try < NPA_ASIDE_TRIES; try++) {

@@ -6,6 +6,7 @@
 #ifndef NPUALLOC_CORE_H
 #define NPUALLOC_CORE_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -50,9 +51,16 @@ typedef struct npa_backend {
      * reuse, not release): for memory that goes back to the device once the
      * fence completes. NULL: fence_record stands in. */
     npa_error (*fence_record_always)(void *ctx, int device, void **fence);
-    /* Optional: 0 when a free made now needs no fence (eager right now), so
-     * the block is reusable at once instead of waiting for the next poll. */
-    int (*fence_needed)(void *ctx, int device);
+    /* Optional: a word that says whether a free made now needs a fence:
+     * above 0 it does; 0 or below (eager right now) and the block is
+     * reusable at once instead of waiting for the next poll. NULL: every
+     * free needs one. Read at each plain free, sequentially consistent (the
+     * hook's auto policy pairs it with a first stream's creation): a word,
+     * not a call, as the answer is one load (the hook's: a constant 0 under
+     * eager, its live stream count under auto), and an indirect call there
+     * cost a malloc+free pair 9 instructions (callgrind, `make bench`'s
+     * hot path). */
+    const atomic_int *fence_needed;
     int (*fence_done)(void *ctx, void *fence); /* 1 complete, 0 not yet; never blocks */
     /* Optional, for blocks recorded on other streams (npa_record_stream):
      * a fence of one event on each of the count streams named (handles as

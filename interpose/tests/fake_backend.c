@@ -25,6 +25,7 @@ void fake_init(fake_backend *f, size_t capacity, bool host_memory) {
     f->capacity = capacity;
     f->host_memory = host_memory;
     f->next_addr = FAKE_BASE;
+    atomic_init(&f->needs_fence, 1);
     for (int device = 0; device < NPUALLOC_MAX_DEVICES; device++) f->stats[device] = &f->default_stats[device];
 }
 
@@ -156,13 +157,11 @@ static npa_error fake_mem_get_info(void *ctx, int device, size_t *free_bytes, si
     return fail ? 107002 /* ACL_ERROR_RT_CONTEXT_NULL */ : NPA_OK;
 }
 
-static int fake_fence_needed(void *ctx, int device) {
-    (void)device;
-    fake_backend *f = ctx;
+void fake_set_eager(fake_backend *f, bool eager) {
     pthread_mutex_lock(&f->lock);
-    int needed = !f->eager;
+    f->eager = eager;
+    atomic_store(&f->needs_fence, !eager);
     pthread_mutex_unlock(&f->lock);
-    return needed;
 }
 
 /* A fence, or with the policy eager (and not always) none. */
@@ -377,7 +376,7 @@ npa_backend fake_iface(fake_backend *f) {
     if (f->fences) {
         b.fence_record = fake_fence_record;
         b.fence_record_always = fake_fence_record_always;
-        if (f->answers_fence_needed) b.fence_needed = fake_fence_needed;
+        if (f->answers_fence_needed) b.fence_needed = &f->needs_fence;
         b.fence_done = fake_fence_done;
         b.fence_release = fake_fence_release;
     }

@@ -57,8 +57,9 @@ typedef struct fake_backend {
     /* Fences: fence_record hands out epochs; a fence is done once
      * completed_epoch reaches it, or after auto_complete_polls queries. */
     bool fences;
-    bool eager;                /* fence_record returns NULL (nothing queued) */
-    bool answers_fence_needed; /* offers fence_needed: !eager, asked at free time */
+    bool eager;                /* fence_record returns NULL (nothing queued); set with fake_set_eager */
+    bool answers_fence_needed; /* offers fence_needed: the word needs_fence, read at free time */
+    atomic_int needs_fence;    /* !eager */
     unsigned long long recorded_epoch, completed_epoch;
     int auto_complete_polls;   /* 0: only explicit completion */
     long fence_records, fence_releases;
@@ -87,6 +88,8 @@ void fake_init(fake_backend *f, size_t capacity, bool host_memory);
 void fake_destroy(fake_backend *f);
 npa_backend fake_iface(fake_backend *f);
 /* Every fence recorded so far completes (the device went idle). */
+/* The policy the fences follow: eager (no fence needed) or not. */
+void fake_set_eager(fake_backend *f, bool eager);
 void fake_complete_fences(fake_backend *f);
 /* Every event recorded so far on one stream completes (its queue ran). */
 void fake_complete_stream(fake_backend *f, uintptr_t stream);

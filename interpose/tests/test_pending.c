@@ -79,7 +79,7 @@ static void test_batches_complete_independently(void) {
 static void test_eager_fence_frees_at_next_poll(void) {
     fixture fx;
     fixture_with_fences(&fx, GiB);
-    fx.fake.eager = true;
+    fake_set_eager(&fx.fake, true);
     void *p = alloc_exact(&fx, 0, 1024);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
@@ -97,7 +97,7 @@ static void test_free_skips_the_batch_when_no_fence_is_needed(void) {
     fake_init(&fx.fake, GiB, false);
     fx.fake.fences = true;
     fx.fake.answers_fence_needed = true;
-    fx.fake.eager = true;
+    fake_set_eager(&fx.fake, true);
     fixture_start(&fx, NULL);
     void *p = alloc_exact(&fx, 0, 1024);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
@@ -107,7 +107,7 @@ static void test_free_skips_the_batch_when_no_fence_is_needed(void) {
     CHECK_EQ(shape_of(&fx, 0).pending_blocks, 0);
     CHECK(alloc_exact(&fx, 0, 1024) == p);
 
-    fx.fake.eager = false; /* a stream appeared: frees wait for their fence again */
+    fake_set_eager(&fx.fake, false); /* a stream appeared: frees wait for their fence again */
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
     CHECK(alloc_exact(&fx, 0, 1024) != p);

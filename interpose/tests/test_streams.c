@@ -410,7 +410,7 @@ static void test_gc_leaves_stream_pools_to_the_oom_path(void) {
 static void fixture_streams_vmm(fixture *fx, bool expandable, bool eager) {
     fake_init(&fx->fake, GiB, false);
     fx->fake.fences = true;
-    fx->fake.eager = eager;
+    fake_set_eager(&fx->fake, eager);
     fx->fake.answers_fence_needed = true;
     fx->fake.stream_fences = true;
     fx->fake.vmm = true;
@@ -621,7 +621,7 @@ static void test_a_destroy_releases_only_what_it_set_aside(void) {
     fixture fx;
     fake_init(&fx.fake, GiB, false);
     fx.fake.fences = true;
-    fx.fake.eager = true; /* reuse_policy eager: plain frees need no fence, so only a block's uses hold it */
+    fake_set_eager(&fx.fake, true); /* reuse_policy eager: plain frees need no fence, so only a block's uses hold it */
     fx.fake.stream_fences = true;
     fixture_start(&fx, NULL);
 

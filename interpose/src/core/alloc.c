@@ -739,8 +739,9 @@ static void note_use(npa_block *b, uintptr_t stream) {
     set->streams[set->count++] = stream;
 }
 
-static bool plain_fence_needed(const npa_allocator *a, const npa_device *d) {
-    return a->backend.fence_record && (!a->backend.fence_needed || a->backend.fence_needed(a->backend.ctx, d->id));
+static bool plain_fence_needed(const npa_allocator *a) {
+    const atomic_int *needed = a->backend.fence_needed;
+    return a->backend.fence_record && (!needed || atomic_load_explicit(needed, memory_order_seq_cst) > 0);
 }
 
 /* A block of a stream whose destroy returned: that stream's work is done,
@@ -770,7 +771,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
         free_into_gone_pool(a, d, b);
     } else if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
         npa_pending_add_uses(a, d, b);
-    } else if (!b->pool->on_stream && plain_fence_needed(a, d)) {
+    } else if (!b->pool->on_stream && plain_fence_needed(a)) {
         npa_pending_add(d, b);
     } else if (npa_recent_admits(d, b)) { /* reusable at once: on its own stream, or eager */
         npa_recent_put(d, b);

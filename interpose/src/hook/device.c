@@ -9,10 +9,11 @@ NPA_TLS int npa_tls_device = -1;
 /* Sequentially consistent, as is live_streams (streams.c): a first stream's
  * creator adds itself to live_streams, then reads this to know which
  * devices to synchronize, while a thread that set a device here launches
- * on it, then frees and reads live_streams (npa_fence_needed) to know
- * whether the block may be reused at once. A store-buffering pair: with
- * weaker orders C11 lets both read the old value, the creator skipping that
- * device's default-stream work and the free not waiting for it. */
+ * on it, then frees and reads live_streams (the core, through
+ * npa_fence_needed_word) to know whether the block may be reused at once.
+ * A store-buffering pair: with weaker orders C11 lets both read the old
+ * value, the creator skipping that device's default-stream work and the
+ * free not waiting for it. */
 static atomic_uint devices_seen;
 
 static void note_seen(int device)

@@ -365,7 +365,8 @@ npa_error npa_fence_record_always(void *ctx, int device, void **fence);
  * the stream-aware entry recorded on other streams), whatever the policy;
  * falls back to a synchronize as npa_fence_record_always does. */
 npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *streams, size_t count, void **fence);
-int npa_fence_needed(void *ctx, int device);                  /* backend: honours reuse_policy */
+/* The backend's fence_needed word for config's reuse_policy (core.h). */
+const atomic_int *npa_fence_needed_word(const npa_config *config);
 npa_error npa_fence_record(void *ctx, int device, void **fence); /* backend: honours reuse_policy */
 int npa_fence_done(void *ctx, void *fence);
 void npa_fence_release(void *ctx, void *fence);

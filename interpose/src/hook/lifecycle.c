@@ -338,7 +338,6 @@ static const npa_backend backend = {
     .raw_free = be_raw_free,
     .synchronize = be_synchronize,
     .mem_get_info = be_mem_get_info,
-    .fence_needed = npa_fence_needed,
     .fence_record = npa_fence_record,
     .fence_record_always = npa_fence_record_always,
     .fence_done = npa_fence_done,
@@ -359,7 +358,8 @@ static const npa_backend backend = {
 static npa_backend backend_for(const npa_config *c)
 {
     npa_backend b = backend;
-    b.ctx = (void *)c; /* the config in force: npa_fence_needed reads its reuse policy on every free */
+    b.ctx = (void *)c; /* the config in force: npa_fence_record reads its reuse policy */
+    b.fence_needed = npa_fence_needed_word(c);
     static const npa_fn vmm[] = {NPA_FN_aclrtReserveMemAddress, NPA_FN_aclrtReleaseMemAddress,
                                  NPA_FN_aclrtMallocPhysical,    NPA_FN_aclrtFreePhysical,
                                  NPA_FN_aclrtMapMem,            NPA_FN_aclrtUnmapMem};

@@ -338,37 +338,46 @@ npa_error npa_fence_record_streams(void *ctx, int device, const uintptr_t *strea
     return record_fence(device, streams, count, fence);
 }
 
-int npa_fence_needed(void *ctx, int device)
+/* No free needs a fence: reuse_policy:eager's word. */
+static const atomic_int never_needed;
+
+const atomic_int *npa_fence_needed_word(const npa_config *config)
 {
-    (void)device;
-    const npa_config *config = ctx; /* backend_for's: the hook's config */
     switch (config->reuse_policy) {
     case NPA_REUSE_EAGER:
-        return 0;
+        return &never_needed;
     case NPA_REUSE_AUTO:
         /* Only the default stream exists: work on it runs in order, so a block
          * freed now is safe for whatever is queued after. Against a first
-         * stream's creator (fetch_add, then synchronize) this load is the
-         * other half of a store-buffering pair: the program's launches before
-         * the free must be visible to that synchronize, or the load must see
-         * the stream. The free takes the device lock before it (on x86 a
-         * locked compare-and-swap, a full barrier) and opens a stats section
-         * with a release fence (on aarch64 a dmb ish, a full barrier), and
-         * the runtime's own launch and synchronize share its locks. A
-         * device first set while the creator ran is the other such pair
-         * (device.c): for it this load is sequentially consistent, which
-         * costs x86-64 nothing and aarch64 an ldar for an ldr. */
-        return atomic_load_explicit(&live_streams, memory_order_seq_cst) > 0;
+         * stream's creator (fetch_add, then synchronize) the core's load of
+         * this word at a free is the other half of a store-buffering pair:
+         * the program's launches before the free must be visible to that
+         * synchronize, or the load must see the stream. The free takes the
+         * device lock before it (on x86 a locked compare-and-swap, a full
+         * barrier) and opens a stats section with a release fence (on
+         * aarch64 a dmb ish, a full barrier), and the runtime's own launch
+         * and synchronize share its locks. A device first set while the
+         * creator ran is the other such pair (device.c): for it the load is
+         * sequentially consistent (core.h's contract), which costs x86-64
+         * nothing and aarch64 an ldar for an ldr. */
+        return &live_streams;
     case NPA_REUSE_SAFE:
         break;
     }
-    return 1;
+    return NULL; /* every free */
+}
+
+/* Whether a fence is needed now, read as the core reads the word. */
+static bool fence_needed(const npa_config *config)
+{
+    const atomic_int *word = npa_fence_needed_word(config);
+    return word == NULL || atomic_load_explicit(word, memory_order_seq_cst) > 0;
 }
 
 npa_error npa_fence_record(void *ctx, int device, void **fence)
 {
     *fence = NULL;
-    return npa_fence_needed(ctx, device) ? npa_fence_record_always(ctx, device, fence) : NPA_OK;
+    return fence_needed(ctx) ? npa_fence_record_always(ctx, device, fence) : NPA_OK; /* ctx: backend_for's config */
 }
 
 int npa_fence_done(void *ctx, void *fence)

@@ -99,11 +99,37 @@ static void test_segment_sizes(void) {
     CHECK_EQ(npa_segment_size(11 * MiB + 512), 12 * MiB);
 }
 
+/* An allocator's blocks are rounded by its config's divisions, which it
+ * looks for once (npa_create: a->has_divisions), and by 512 bytes alone
+ * where the config has none. */
+static size_t block_bytes_of(const npa_config *config, size_t size) {
+    fixture fx;
+    fixture_init(&fx, GiB, config);
+    alloc_exact(&fx, 0, size);
+    size_t bytes = (size_t)stats_of(&fx, 0).active_bytes[NPUALLOC_POOL_ALL].current;
+    fixture_destroy(&fx);
+    return bytes;
+}
+
+static void test_allocator_rounds_by_its_config(void) {
+    npa_config c;
+    npa_config_defaults(&c);
+    CHECK(!npa_config_has_divisions(&c));
+    CHECK_EQ(block_bytes_of(&c, 5 * MiB + 1), 5 * MiB + 512);
+    set_divisions(&c, 1);
+    CHECK(!npa_config_has_divisions(&c));
+    c.roundup_power2_divisions[2] = 4; /* [4 MiB, 8 MiB) alone: quarters of 4 MiB */
+    CHECK(npa_config_has_divisions(&c));
+    CHECK_EQ(block_bytes_of(&c, 5 * MiB + 1), 6 * MiB);
+    CHECK_EQ(block_bytes_of(&c, 3 * MiB + 1), 3 * MiB + 512); /* interval 1 keeps its 1 */
+}
+
 int main(void) {
     RUN(test_entry_contracts);
     RUN(test_plain_rounding);
     RUN(test_power2_divisions_int);
     RUN(test_power2_divisions_list);
     RUN(test_segment_sizes);
+    RUN(test_allocator_rounds_by_its_config);
     return check_report();
 }

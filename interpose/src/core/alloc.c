@@ -21,6 +21,7 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
      * torch_npu excludes them with (the parser has warned). */
     a->config.expandable_segments = a->config.expandable_segments && npa_backend_has_vmm(backend) &&
                                     !npa_config_excludes_expandable(&a->config);
+    a->has_divisions = npa_config_has_divisions(&a->config);
     pthread_mutex_init(&a->init_lock, NULL);
     return a;
 }
@@ -581,7 +582,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     size_t rounded = SIZE_MAX;
     npa_pool *pool = NULL; /* none for a request no pool can hold */
     if (size <= NPA_MAX_REQUEST) {
-        rounded = npa_round_size(&a->config, npa_entry_size(entry, size));
+        rounded = npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size));
         /* Without host memory for a stream's pools the block is served as a
          * plain one: fenced when freed, which is safe on any stream. */
         npa_pool_pair *pair = on_stream ? stream_pools(d, stream) : &d->plain;

@@ -312,6 +312,7 @@ struct npa_allocator {
     pthread_mutex_t init_lock;
     npa_device *devices[NPUALLOC_MAX_DEVICES];
     uint64_t retire_tokens; /* npa_stream_retire's, handed out atomically */
+    bool has_divisions;     /* npa_config_has_divisions(&config), which no run-time key changes */
 };
 
 static inline bool npa_backend_has_vmm(const npa_backend *b) {
@@ -378,6 +379,14 @@ npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
 void npa_recent_flush(npa_device *d);
 
 /* sizes.c */
+/* Whether some interval of config has roundup_power2_divisions above 1. */
+bool npa_config_has_divisions(const npa_config *config);
+/* npa_round_size, told npa_config_has_divisions(config): without divisions
+ * only the 512-byte rounding applies. The allocator knows it from its start
+ * (a->has_divisions), and torch's default has none: looking up the size's
+ * interval cost each malloc 11 instructions for nothing (callgrind, make
+ * bench's hot path). */
+size_t npa_round_size_as(const npa_config *config, bool has_divisions, size_t size);
 size_t npa_segment_size(size_t rounded);
 
 /* segment.c: raw device memory in and out; call with no stats section open,

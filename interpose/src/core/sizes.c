@@ -55,11 +55,24 @@ static size_t next_power2_division(size_t size, unsigned divisions) {
  * simulation). Without it the exported pair ran 45.8 ns against 47.7
  * (medians of 16 pinned rounds side by side, 2-core EPYC VM), for 4.5 more
  * instructions a pair. */
-size_t npa_round_size(const npa_config *config, size_t size) {
+size_t npa_round_size_as(const npa_config *config, bool has_divisions, size_t size) {
     size |= size == 0;
-    unsigned divisions = divisions_for(config, size);
-    if (divisions > 1 && size > NPA_MIN_BLOCK_SIZE * (size_t)divisions) return next_power2_division(size, divisions);
+    if (has_divisions) {
+        unsigned divisions = divisions_for(config, size);
+        if (divisions > 1 && size > NPA_MIN_BLOCK_SIZE * (size_t)divisions)
+            return next_power2_division(size, divisions);
+    }
     return round_up(size, NPA_MIN_BLOCK_SIZE);
+}
+
+bool npa_config_has_divisions(const npa_config *config) {
+    for (int i = 0; i < NPA_ROUNDUP_INTERVALS; i++)
+        if (config->roundup_power2_divisions[i] > 1) return true;
+    return false;
+}
+
+size_t npa_round_size(const npa_config *config, size_t size) {
+    return npa_round_size_as(config, npa_config_has_divisions(config), size);
 }
 
 size_t npa_segment_size(size_t rounded) {

@@ -220,6 +220,34 @@ static void test_accumulated_counts_wrap_at_int64_max(void) {
     fixture_destroy(&fx);
 }
 
+/* A malloc served from the recent cache and a free that makes room there
+ * (the oldest held block goes back to its pool, through the merge: a
+ * section nested in the free's) each make one seqlock section: seq moves by 2 and is even
+ * between them (npa_stats_begin_outermost's depth). */
+static void test_malloc_and_free_are_one_section_each(void) {
+    static npualloc_device_stats shared;
+    memset(&shared, 0, sizeof shared);
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.stats[0] = &shared;
+    npa_config config;
+    npa_config_defaults(&config);
+    config.recent_blocks = 1;
+    fixture_start(&fx, &config);
+    void *p = alloc_exact(&fx, 0, 4096), *q = alloc_exact(&fx, 0, 8192);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK); /* held */
+    uint64_t seq = shared.seq;
+    CHECK_EQ(seq % 2, 0);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK); /* held; p back in its pool */
+    CHECK_EQ(shared.seq, seq + 2);
+    CHECK_EQ(shared.inactive_split[NPUALLOC_POOL_ALL].current, 3); /* p, q and the segment's tail */
+    CHECK(alloc_exact(&fx, 0, 8192) == q); /* from the cache */
+    CHECK_EQ(shared.seq, seq + 4);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(shared.seq, seq + 6);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_update_rules_per_pool);
     RUN(test_inactive_split_rules);
@@ -229,5 +257,6 @@ int main(void) {
     RUN(test_hook_counters);
     RUN(test_device_free_bytes_follow_segments);
     RUN(test_accumulated_counts_wrap_at_int64_max);
+    RUN(test_malloc_and_free_are_one_section_each);
     return check_report();
 }

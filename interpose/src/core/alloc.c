@@ -350,7 +350,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
     npa_block *rest = should_split(a, b, size) ? npa_slab_get(&d->slab) : NULL;
     bool counts_split = !b->in_expandable;
 
-    npa_stats_begin(d);
+    npa_stats_begin_outermost(d);
     if (rest) {
         rest->addr = b->addr + size;
         rest->size = b->size - size;
@@ -392,7 +392,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
     npa_pool_stat_increase(s->requested_bytes, is_small, (int64_t)requested);
     if ((size_t)bytes >= a->config.max_split_size) npa_stat_increase(&s->oversize_allocations, 1);
     npa_stat_add(cache_hit ? &s->num_cache_hits : &s->num_cache_misses, 1);
-    npa_stats_end(d);
+    npa_stats_end_outermost(d);
 }
 
 /* The pools of a stream, made on its first allocation and moved to the
@@ -776,7 +776,7 @@ static void free_into_gone_pool(npa_allocator *a, npa_device *d, npa_block *b) {
 static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npualloc_device_stats *s = d->stats;
     npa_history_note(d, b->pool, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
-    npa_stats_begin(d);
+    npa_stats_begin_outermost(d);
     bool is_small = b->is_small;
     size_t size = b->size;
     npa_pool_stat_decrease(s->allocation, is_small, 1);
@@ -793,7 +793,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     } else {
         npa_free_block(a, d, b);
     }
-    npa_stats_end(d);
+    npa_stats_end_outermost(d);
 }
 
 /* What a call does to the live block it names. */

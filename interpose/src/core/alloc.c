@@ -779,9 +779,6 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     npa_stats_begin_outermost(d);
     bool is_small = b->is_small;
     size_t size = b->size;
-    npa_pool_stat_decrease(s->allocation, is_small, 1);
-    npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
-    if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
     if (__builtin_expect(b->pool->retired_by == NPA_STREAM_GONE, 0)) {
         free_into_gone_pool(a, d, b);
     } else if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
@@ -793,6 +790,12 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
     } else {
         npa_free_block(a, d, b);
     }
+    /* After the block's way is chosen, which reads it and the device: a
+     * stat's store is atomic, and GCC reloads the fields read after one (it
+     * may alias them). Readers see the section's stats whole, in no order. */
+    npa_pool_stat_decrease(s->allocation, is_small, 1);
+    npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
+    if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
     npa_stats_end_outermost(d);
 }
 

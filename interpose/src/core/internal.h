@@ -618,28 +618,31 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
  * then paid a call, 15 instructions a pair by callgrind). */
 static NPA_ALWAYS_INLINE void npa_recent_put(npa_device *d, npa_block *b) {
     npa_recent *r = &d->recent;
-    if (r->count == r->capacity || r->bytes + b->size > NPA_RECENT_BYTES) npa_recent_make_room(d, b->size);
+    size_t size = b->size, requested = b->requested;
+    if (r->count == r->capacity || r->bytes + size > NPA_RECENT_BYTES) npa_recent_make_room(d, size);
 
-    npualloc_device_stats *s = d->stats;
-    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, b->requested);
-    if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
-        npa_pool_stat_increase(s->inactive_split, true, 1);
-        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)b->size);
-    }
-    npa_pool_stat_decrease(s->active, true, 1);
-    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)b->size);
-    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)b->requested);
+    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    /* The cache's own fields before the stats: GCC reloads every field
+     * after a stat's atomic store (it may alias them). */
     b->phase = NPA_PHASE_RECENT;
     b->requested = 0;
-    r->sizes[r->count] = b->size;
+    r->sizes[r->count] = size;
     r->blocks[r->count] = b;
     r->stamps[r->count] = r->clock++;
     r->count++;
-    r->bytes += b->size;
-    if (b->size > r->largest) {
-        r->largest = b->size;
+    r->bytes += size;
+    if (size > r->largest) {
+        r->largest = size;
         d->largest_moved = true;
     }
+    npualloc_device_stats *s = d->stats;
+    if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
+        npa_pool_stat_increase(s->inactive_split, true, 1);
+        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)size);
+    }
+    npa_pool_stat_decrease(s->active, true, 1);
+    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)requested);
 }
 
 #endif

@@ -587,3 +587,77 @@ def test_another_threads_free_does_not_wait_for_a_saver_frees_synchronize():
         assert ms.bytes_of() == {"allocated": 0, "paused": 0, "backup": 0}
         assert aclsim.physical_bytes_outstanding(0) == 0
     """)
+
+
+
+SAVER_FREE_SYNCHRONIZING = """\
+import threading
+ops = aclsim.Ops()
+stream, ret = acl.rt.create_stream(); ok(ret)
+dst = malloc(1 << 16)
+after, ret = acl.rt.create_event(); ok(ret)
+def launch_queued(retry):
+    aclsim.set_op_duration_us(50_000 << retry)
+    ws_size, ex, st = ops.fill_get_workspace_size(dst, 4096, 7); ok(st)
+    ok(ops.fill(malloc(ws_size), ws_size, ex, stream))
+    ok(acl.rt.record_event(after, stream))
+def once_synchronizing(call, synchronizes_before, seen):
+    # call() once the saver free's synchronize has begun, noting whether
+    # the launch it waits for was still queued then (the free under way).
+    ok(acl.rt.set_device(0))
+    while aclsim.call_count("aclrtSynchronizeDevice") == synchronizes_before:
+        pass
+    seen["queued"] = acl.rt.query_event_status(after) == (0, 0)
+    seen["result"] = call()
+def while_freeing(make_call):
+    # A pausable allocation freed, its unmap refused, with make_call(it)()
+    # called on another thread while the free synchronizes: the
+    # allocation, the free's result and the call's.
+    for retry in range(8):  # until the launch is seen queued when the call is made
+        with ms.region("weights"):
+            w = malloc(2 * MiB)
+        launch_queued(retry)
+        aclsim.fail_release("aclrtUnmapMem")
+        seen = {}
+        other = threading.Thread(target=once_synchronizing,
+                                 args=(make_call(w), aclsim.call_count("aclrtSynchronizeDevice"), seen))
+        other.start()
+        freed = acl.rt.free(w)
+        other.join()
+        ok(acl.rt.synchronize_device())
+        if seen["queued"]:
+            return w, freed, seen["result"]
+    raise AssertionError("the free's synchronize was never seen under way")
+"""
+
+
+def test_a_pause_during_a_failing_saver_free_pauses_the_block_the_free_kept():
+    """A pausable allocation's free synchronizes its device without
+    saver_lock. A pause of its tag made meanwhile skipped the block (taken
+    out of the list) and said the tag was paused; the free, its unmap
+    refused, put the block back mapped: the tag read 0 of its 2 MiB paused
+    and its memory stayed in use. The pause now waits for the free's end."""
+    saver(SAVER_FREE_SYNCHRONIZING + textwrap.dedent("""
+        w, freed, paused = while_freeing(lambda w: lambda: ms.pause("weights"))
+        assert (freed, paused) == (207002, None)
+        assert ms.bytes_of("weights") == {"allocated": 2 * MiB, "paused": 2 * MiB, "backup": 0}
+        assert aclsim.physical_bytes_outstanding(0) == 0
+        ms.resume("weights")
+        ok(acl.rt.free(w))
+        assert ms.bytes_of() == {"allocated": 0, "paused": 0, "backup": 0}
+        assert aclsim.physical_bytes_outstanding(0) == 0
+    """))
+
+
+def test_a_second_free_during_a_failing_saver_free_frees_the_block():
+    """Two threads free one pausable allocation at once. The second, not
+    finding the block the first had taken out of the list, went to the
+    runtime's aclrtFree with a range it did not make, while the first, its
+    unmap refused, put the block back: neither freed it. The second now
+    waits for the first, as it waited for saver_lock, and frees it."""
+    saver(SAVER_FREE_SYNCHRONIZING + textwrap.dedent("""
+        w, freed, freed_again = while_freeing(lambda w: lambda: acl.rt.free(w))
+        assert (freed, freed_again) == (207002, 0)
+        assert ms.bytes_of() == {"allocated": 0, "paused": 0, "backup": 0}
+        assert aclsim.physical_bytes_outstanding(0) == 0
+    """))

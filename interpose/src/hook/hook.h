@@ -66,8 +66,9 @@
  *      (8) writes of their figures, with none of 1-6 held, and by a pause
  *      of the whole process (3) after 4 and 5, held with them until its
  *      resume; under it the runtime (VMM calls, copies, a pause's
- *      synchronize; a free's runs outside it), a first lookup of a runtime
- *      function (7), warn and the region's create lock (8).
+ *      synchronize; a free's runs outside it, and a pause, a resume or a
+ *      second free of that block waits on free_ended, releasing it), a first
+ *      lookup of a runtime function (7), warn and the region's create lock (8).
  *   7. open_lock (realacl.c): the first lookup of a runtime function.
  *   7b. stack_lock (pystack.c): taken with none of ours held (after the
  *      GIL) to capture a stack at a malloc entry, and under a device lock (5)

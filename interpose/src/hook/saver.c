@@ -43,6 +43,7 @@ typedef struct saver_block {
     bool backup;
     bool by_command;  /* released by `npualloc pause`, for its resume only */
     bool unmapped;    /* released by the pause in progress (undone if it fails) */
+    bool freeing;     /* its free is under way without saver_lock (npa_saver_free) */
     void *physical;   /* NULL while paused */
     void *host;       /* the backup while paused (backup only) */
     struct saver_block *next;
@@ -60,6 +61,9 @@ static NPA_TLS char region_tag[SAVER_TAG_LEN];
  * would wait for. */
 static pthread_mutex_t saver_lock = PTHREAD_MUTEX_INITIALIZER;
 static saver_block *blocks; /* saver_lock */
+/* Signalled, with saver_lock, when a free under way ends: the block gone or,
+ * the free failed, whole again for a pause, a resume or another free. */
+static pthread_cond_t free_ended = PTHREAD_COND_INITIALIZER;
 
 /* Which blocks a pause, resume or count is about: those of one tag, of
  * every tag (tag NULL), or those `npualloc pause` released (by_command). */
@@ -199,32 +203,48 @@ int npa_saver_malloc(int device, size_t size, void **ptr)
     return err;
 }
 
-/* The block is taken out of the list while its device synchronizes, not
- * freed under saver_lock: every free of a pointer the cache does not own
- * takes the lock to ask here, and waited for all that device's queued work
- * (any device's free, and pausable mallocs, alike). Out of the list no
- * pause or resume touches it; a free that fails puts it back. */
+/* saver_lock held: the block at ptr, once no other free of it is under way
+ * (a second free of a pointer waits for the first, and finds it gone or,
+ * the first failed, frees it), or NULL. */
+static saver_block *find_for_free(void *ptr)
+{
+    for (;;) {
+        saver_block *b = blocks;
+        while (b != NULL && b->addr != (uintptr_t)ptr)
+            b = b->next;
+        if (b == NULL || !b->freeing)
+            return b;
+        pthread_cond_wait(&free_ended, &saver_lock);
+    }
+}
+
+/* The device synchronizes with the block marked as being freed, not under
+ * saver_lock: every free of a pointer the cache does not own takes the lock
+ * to ask here, and waited for all that device's queued work (any device's
+ * free, and pausable mallocs, alike). Marked, it stays listed and counted;
+ * a pause, a resume or another free of it waits for the end; a free that
+ * fails leaves it as it was. */
 int npa_saver_free(void *ptr, aclError *err)
 {
     npa_mutex_lock(&saver_lock);
-    saver_block **link = &blocks;
-    while (*link != NULL && (*link)->addr != (uintptr_t)ptr)
-        link = &(*link)->next;
-    saver_block *b = *link;
+    saver_block *b = find_for_free(ptr);
     if (b != NULL)
-        *link = b->next;
+        b->freeing = true;
     npa_mutex_unlock(&saver_lock);
     if (b == NULL)
         return 0;
     /* aclrtFree does not wait for queued work, but the physical memory goes
-     * back to the device here: wait, as a real free of it must not race. */
+     * back to the device here: wait, as a real free of it must not race.
+     * The block is read, not written, without the lock: the figures read it. */
+    bool unmapped = false;
     npa_devswitch sw;
     *err = npa_device_enter(b->device, &sw);
     if (*err == ACL_SUCCESS) {
         if (b->physical != NULL) {
             *err = NPA_REAL(aclrtSynchronizeDevice)();
             if (*err == ACL_SUCCESS)
-                *err = unmap_physical(b);
+                *err = npa_vmm_unmap((void *)b->addr, b->size, b->physical);
+            unmapped = *err == ACL_SUCCESS;
         }
         if (*err == ACL_SUCCESS)
             *err = NPA_REAL(aclrtReleaseMemAddress)(ptr);
@@ -232,16 +252,22 @@ int npa_saver_free(void *ptr, aclError *err)
     }
     int device = b->device;
     npa_mutex_lock(&saver_lock);
+    if (unmapped) /* its range kept (the release refused): paused, contents gone */
+        b->physical = NULL;
     if (*err == ACL_SUCCESS) { /* a paused block is simply freed: its backup goes too */
+        saver_block **link = &blocks;
+        while (*link != b)
+            link = &(*link)->next;
+        *link = b->next;
         free(b->host);
         free(b);
     } else {
-        b->next = blocks;
-        blocks = b;
+        b->freeing = false;
     }
     publish(device);
+    pthread_cond_broadcast(&free_ended);
     npa_mutex_unlock(&saver_lock);
-    if (*err == ACL_SUCCESS)
+    if (*err == ACL_SUCCESS || unmapped)
         resample_device_memory(device);
     return 1;
 }
@@ -326,6 +352,23 @@ static bool selected(const saver_block *b, saver_selection which)
     return !b->by_command && (which.tag == NULL || strcmp(b->tag, which.tag) == 0);
 }
 
+/* saver_lock held: returns once no block of the selection is being freed.
+ * Skipped, a block whose free then failed came back as it was: unpaused
+ * after a pause that said the selection was paused. A pause or resume
+ * waits for the free's synchronize instead, as it waited for saver_lock
+ * when the free held it throughout. */
+static void wait_for_frees(saver_selection which)
+{
+    for (;;) {
+        bool freeing = false;
+        for (saver_block *b = blocks; b && !freeing; b = b->next)
+            freeing = b->freeing && selected(b, which);
+        if (!freeing)
+            return;
+        pthread_cond_wait(&free_ended, &saver_lock);
+    }
+}
+
 /* saver_lock held. Maps b back and restores its backup. */
 static aclError restore(saver_block *b)
 {
@@ -351,6 +394,7 @@ static aclError restore(saver_block *b)
  * is backed up and marked by_command. */
 static aclError pause_blocks(saver_selection which, bool for_command, char *why, size_t len)
 {
+    wait_for_frees(which);
     aclError err = ACL_SUCCESS;
     for (int device = 0; device < NPUALLOC_MAX_DEVICES && err == ACL_SUCCESS; device++) {
         bool any = false;
@@ -419,6 +463,7 @@ static aclError pause_blocks(saver_selection which, bool for_command, char *why,
  * its contents; one that finds no room stays paused with its backup. */
 static aclError resume_blocks(saver_selection which, char *why, size_t len)
 {
+    wait_for_frees(which);
     aclError err = ACL_SUCCESS;
     for (saver_block *b = blocks; b && err == ACL_SUCCESS; b = b->next) {
         if (!selected(b, which) || b->physical != NULL)
@@ -537,6 +582,9 @@ void npa_saver_forget_after_fork(void)
      * for the child's allocations (the threads counted in regions:
      * count_only_this_thread). */
     memset(used, 0, sizeof used);
+    /* Waiters of the parent's threads, which the child has not, may be
+     * counted in it: a broadcast would wait for them to wake. */
+    pthread_cond_init(&free_ended, NULL);
     while (blocks) {
         saver_block *b = blocks;
         blocks = b->next;

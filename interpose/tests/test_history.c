@@ -254,6 +254,15 @@ static void visit_no_frames(void *ctx, uint32_t stack, npa_frame_visitor visit, 
     (void)ctx, (void)stack, (void)visit, (void)arg;
 }
 
+/* fixture_start with that backend: fake options set after fake_init. */
+static void start_with_call_stacks(fixture *fx, const npa_config *config) {
+    npa_backend backend = fake_iface(&fx->fake);
+    backend.capture_stack = capture_call_stack;
+    backend.visit_stack = visit_no_frames;
+    fx->a = npa_create(&backend, config);
+    CHECK(fx->a != NULL);
+}
+
 /* Every event carries the stack of the call it happened in, as torch's
  * carry the context of theirs: a malloc's segment, alloc and OOM events its
  * own, a free's its own (none when the backend took none: the snapshot then
@@ -266,11 +275,7 @@ static void test_events_carry_the_stack_of_their_call(void) {
     fixture fx;
     fake_init(&fx.fake, 64 * MiB, false);
     fx.fake.fences = true; /* reuse_policy safe: a free completes at a later malloc */
-    npa_backend backend = fake_iface(&fx.fake);
-    backend.capture_stack = capture_call_stack;
-    backend.visit_stack = visit_no_frames;
-    fx.a = npa_create(&backend, &c);
-    CHECK(fx.a != NULL);
+    start_with_call_stacks(&fx, &c);
     call_stack = 7;
     void *p = alloc_exact(&fx, 0, 4096);
     call_stack = 0;
@@ -305,11 +310,7 @@ static void test_state_context_keeps_stacks_out_of_the_trace(void) {
     c.record_context = NPA_CONTEXT_STATE;
     fixture fx;
     fake_init(&fx.fake, 64 * MiB, false);
-    npa_backend backend = fake_iface(&fx.fake);
-    backend.capture_stack = capture_call_stack;
-    backend.visit_stack = visit_no_frames;
-    fx.a = npa_create(&backend, &c);
-    CHECK(fx.a != NULL);
+    start_with_call_stacks(&fx, &c);
     call_stack = 7;
     void *p = alloc_exact(&fx, 0, 4096);
     npa_set_record_context(fx.a, NPA_CONTEXT_ALLOC);

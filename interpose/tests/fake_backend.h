@@ -87,9 +87,9 @@ typedef struct fake_backend {
 void fake_init(fake_backend *f, size_t capacity, bool host_memory);
 void fake_destroy(fake_backend *f);
 npa_backend fake_iface(fake_backend *f);
-/* Every fence recorded so far completes (the device went idle). */
 /* The policy the fences follow: eager (no fence needed) or not. */
 void fake_set_eager(fake_backend *f, bool eager);
+/* Every fence recorded so far completes (the device went idle). */
 void fake_complete_fences(fake_backend *f);
 /* Every event recorded so far on one stream completes (its queue ran). */
 void fake_complete_stream(fake_backend *f, uintptr_t stream);

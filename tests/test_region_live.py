@@ -257,6 +257,83 @@ def test_a_region_temporary_is_locked_from_its_creation(shm: Path, tmp_path: Pat
     assert re.fullmatch(rf"shim: \.npualloc\.{done.stdout.strip()}\.tmp\.[0-9a-f]{{8}} locked\n", done.stderr), done.stderr
 
 
+# Says on stderr whether the region's temporary is locked the moment its name
+# appears (created there, or a nameless file linked there), as a reader
+# opening it then would see it. REFUSE_TMPFILE: O_TMPFILE fails, as on a file
+# system without it.
+LOCKED_WHEN_NAMED_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static void report(int dir_fd, const char *name)
+{
+    if (strncmp(name, ".npualloc.", 10) != 0 || strstr(name, ".tmp.") == NULL)
+        return;
+    int other = openat(dir_fd, name, O_RDONLY | O_CLOEXEC);
+    struct flock lock = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
+    if (other >= 0 && fcntl(other, F_OFD_GETLK, &lock) == 0)
+        fprintf(stderr, "shim: %s %s\n", name, lock.l_type == F_UNLCK ? "unlocked" : "locked");
+    if (other >= 0)
+        close(other);
+}
+
+int openat(int dir_fd, const char *name, int flags, ...)
+{
+    va_list args;
+    va_start(args, flags);
+    mode_t mode = (flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE ? va_arg(args, mode_t) : 0;
+    va_end(args);
+    if ((flags & O_TMPFILE) == O_TMPFILE && getenv("REFUSE_TMPFILE")) {
+        errno = EOPNOTSUPP;
+        return -1;
+    }
+    int fd = ((int (*)(int, const char *, int, mode_t))dlsym(RTLD_NEXT, "openat"))(dir_fd, name, flags, mode);
+    if (fd >= 0 && (flags & O_CREAT))
+        report(dir_fd, name);
+    return fd;
+}
+
+int linkat(int from_fd, const char *from, int to_fd, const char *to, int flags)
+{
+    int linked = ((int (*)(int, const char *, int, const char *, int))dlsym(RTLD_NEXT, "linkat"))(from_fd, from, to_fd,
+                                                                                                   to, flags);
+    if (linked == 0)
+        report(to_fd, to);
+    return linked;
+}
+"""
+
+
+@pytest.mark.parametrize("o_tmpfile", ["supported", "refused"])
+def test_a_region_temporary_is_locked_before_it_has_a_name(shm: Path, tmp_path: Path, o_tmpfile: str) -> None:
+    """It was created at its name and locked by the next call: in between, a
+    process in another pid namespace (its pid naming none here) had its
+    temporary unlocked there, for `ls` to remove as a dead process's. It is
+    made nameless (O_TMPFILE), locked, linked at its name, and opened again
+    there, so that /proc/<pid>/fd (lsof) shows the region, not a deleted
+    file. Where the file system refuses O_TMPFILE it is created at its name,
+    as before, and published."""
+    env = preload_env(NPUALLOC_SHM_DIR=str(shm))
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{compile_shim(tmp_path, 'named', LOCKED_WHEN_NAMED_SHIM)}"
+    if o_tmpfile == "refused":
+        env["REFUSE_TMPFILE"] = "1"
+    program = ("import acl, os; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n"
+               "fds = os.listdir('/proc/self/fd')  # with the listing's own, closed by the time it is read\n"
+               "print(os.getpid(), [os.readlink(f'/proc/self/fd/{fd}') for fd in fds if os.path.lexists(f'/proc/self/fd/{fd}')])")
+    done = run_python(program, env)
+    pid, opened = done.stdout.split(" ", 1)
+    state = "locked" if o_tmpfile == "supported" else "unlocked"
+    assert re.fullmatch(rf"shim: \.npualloc\.{pid}\.tmp\.[0-9a-f]{{8}} {state}\n", done.stderr), done.stderr
+    assert repr(str(region_file(shm, int(pid)))) in opened
+
+
 # Inside a pid namespace of its own (unshare's fork, pid 1 there): a worker
 # given the pid argv[1] there (ns_last_pid), which names no process outside,
 # allocates until told to stop; this process asks it for a snapshot and

@@ -233,6 +233,8 @@ def test_a_umask_that_cuts_the_owners_own_bits_still_gets_its_region_directory(b
         region = Region(proc.pid).path
         assert region.parent == home and stat.S_IMODE(home.lstat().st_mode) == 0o700
         assert stat.S_IMODE(region.lstat().st_mode) == 0o600 and region.lstat().st_uid == ATTACKER
+        # Opened again at its name (a nameless file shows as "#<inode> (deleted)" in /proc and lsof).
+        assert str(region) in [os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")]
     finally:
         _, stderr = proc.communicate(input="\n", timeout=30)
     assert proc.returncode == 0 and stderr == "", stderr

@@ -228,40 +228,85 @@ static npualloc_region *map_new_region(void)
 #define TEMPORARY_TRIES 16
 #define TEMPORARY_NAME_LEN 48 /* .npualloc.<pid>.tmp.<8 hex> */
 
-/* Creates .npualloc.<pid>.tmp.<8 hex digits> in dir_fd into tmp, mode 0600,
- * never through a link (O_EXCL | O_NOFOLLOW); the descriptor, or -1 with
- * errno. A name of its own: at a fixed one, what was found there went as an
- * earlier process's leftover, yet it may be the temporary a process with
- * our pid in another pid namespace sharing the directory is filling (whose
- * rename then published ours half made). A killed process's leftover goes
- * with `npualloc ls`. */
-static int create_temporary(int dir_fd, char tmp[TEMPORARY_NAME_LEN])
+/* Gives the region's temporary a name of its own, .npualloc.<pid>.tmp.<8 hex
+ * digits>, in tmp: links nameless, a file made with O_TMPFILE, there, or,
+ * with nameless -1, creates one there (O_EXCL | O_NOFOLLOW, mode 0600). The
+ * descriptor, or -1 with errno. A name of its own: at a fixed one, what was
+ * found there went as an earlier process's leftover, yet it may be the
+ * temporary a process with our pid in another pid namespace sharing the
+ * directory is filling (whose rename then published ours half made). A
+ * killed process's leftover goes with `npualloc ls`. */
+static int name_temporary(int dir_fd, int nameless, char tmp[TEMPORARY_NAME_LEN])
 {
+    char self[32]; /* linkat by descriptor (AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH */
+    snprintf(self, sizeof self, "/proc/self/fd/%d", nameless);
     for (int try = 0; try < TEMPORARY_TRIES; try++) {
         char suffix[9];
         npa_random_suffix(suffix);
         snprintf(tmp, TEMPORARY_NAME_LEN, ".npualloc.%d.tmp.%s", (int)getpid(), suffix);
-        int fd = openat(dir_fd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        int fd = nameless;
+        if (nameless < 0)
+            fd = openat(dir_fd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        else if (linkat(AT_FDCWD, self, dir_fd, tmp, AT_SYMLINK_FOLLOW) != 0)
+            fd = -1;
         if (fd >= 0 || errno != EEXIST)
             return fd;
     }
     return -1; /* errno: EEXIST */
 }
 
+/* fd, a file made with O_TMPFILE now linked at name, opened again there and
+ * locked as fd is (the new lock taken before fd's goes with it): a
+ * descriptor of the nameless file shows in /proc/<pid>/fd, and so in lsof,
+ * as "#<inode> (deleted)" for life, not as the region it becomes. fd itself
+ * where that fails. */
+static int reopen_at_name(int dir_fd, const char *name, int fd, bool locked)
+{
+    struct stat was, now;
+    int named = openat(dir_fd, name, O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (named < 0)
+        return fd;
+    if (fstat(fd, &was) != 0 || fstat(named, &now) != 0 || now.st_dev != was.st_dev || now.st_ino != was.st_ino ||
+        (locked && npa_region_lock(named) != 0)) {
+        close(named);
+        return fd;
+    }
+    close(fd);
+    return named;
+}
+
+/* The region's temporary in dir_fd, named in tmp, and in *locked whether
+ * it holds its lock (region_lock.h), taken before the file has a name: `ls`
+ * removes a temporary of a pid dead in its namespace when nobody holds it
+ * (ours may be another's), and one created at its name was unlocked there
+ * until the lock was taken. Created at its name, locked just after, only
+ * where the file system has no O_TMPFILE or no /proc links it. Without a
+ * lock (an old kernel) readers go by the pid alone. */
+static int create_temporary(int dir_fd, char tmp[TEMPORARY_NAME_LEN], bool *locked)
+{
+    int fd = openat(dir_fd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+        *locked = npa_region_lock(fd) == 0;
+        /* Before it is opened again by name: a umask of 0477 left it 0200. */
+        if (fchmod(fd, 0600) == 0 && name_temporary(dir_fd, fd, tmp) >= 0)
+            return reopen_at_name(dir_fd, tmp, fd, *locked);
+        close(fd);
+    }
+    fd = name_temporary(dir_fd, -1, tmp);
+    *locked = fd >= 0 && npa_region_lock(fd) == 0;
+    return fd;
+}
+
 /* Creates, fills and renames into place name in dir_fd (ours: region_dir.c). */
 static npualloc_region *publish_region(int dir_fd, const char *name)
 {
     char tmp[TEMPORARY_NAME_LEN];
-    int fd = create_temporary(dir_fd, tmp);
+    bool locked;
+    int fd = create_temporary(dir_fd, tmp, &locked);
     if (fd < 0) {
         warn_once("cannot create", g_path, errno);
         return NULL;
     }
-    /* Locked from its creation, so no reader sees it unlocked while we
-     * live: `ls` removes a temporary of a pid dead in its namespace only
-     * when nobody holds it (ours may be another's). Without a lock (an old
-     * kernel) readers go by the pid alone. */
-    bool locked = npa_region_lock(fd) == 0;
     struct stat created;
     /* fallocate, not ftruncate: on a full tmpfs touching a sparse page would
      * raise SIGBUS in the host; here it fails cleanly instead. */

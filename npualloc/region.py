@@ -42,6 +42,9 @@ REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # that a process killed while removing it had moved aside (.npualloc.<pid>.reap.<8
 # hex>, or .npualloc.<pid>.reap as an npualloc before 2026-11-27 named it:
 # interpose/src/unlink_checked.h; a live region there goes back instead).
+# Each process's reaper removes the region's temporaries and aside names of
+# gone processes too, by these names (interpose/src/region/reap.c's left_by):
+# the two must stay alike.
 LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|(reap))(?:\.[0-9a-f]{8})?|"
                            r"npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays

@@ -23,7 +23,7 @@ from region_helpers import MAIN_HOLDING_1_MIB, Workload, cli_env, region_bytes, 
 import npualloc
 from npualloc._ffi import constants, ffi
 from npualloc.errors import CommandRejectedError, CommandTimeoutError
-from npualloc.region import Region, process_start_time, reader_library
+from npualloc.region import LEFTOVER_NAME, Region, process_start_time, reader_library
 
 MiB = 1 << 20
 
@@ -418,7 +418,8 @@ def test_a_region_temporary_another_process_with_our_pid_is_making_is_left_alone
     same pid in another pid namespace sharing the directory, making its
     region at that moment, lost its temporary, and its publishing rename
     moved ours into place half made, or failed. Each temporary has a name of
-    its own; a leftover is `ls`'s to remove (its lock free, its pid gone)."""
+    its own; a leftover goes with the next process or `ls` (its lock free,
+    its pid gone)."""
     with Workload(shm) as w:
         directory = region_file(shm, w.pid).parent
         directory.mkdir(mode=0o700)
@@ -541,12 +542,121 @@ def test_the_next_process_removes_only_the_regions_of_gone_processes_of_its_user
         assert all(os.path.lexists(path) for path in left[1:])
 
 
+# Kills the process the moment its region's temporary is sized: between its
+# creation, which gave it a name, and its publishing rename.
+KILLED_WHEN_SIZED_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+int posix_fallocate(int fd, off_t offset, off_t len)
+{
+    char link[64], target[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    const char *base = n > 0 ? (target[n] = '\0', strrchr(target, '/')) : NULL;
+    if (base && strncmp(base + 1, ".npualloc.", 10) == 0)
+        raise(SIGKILL);
+    return ((int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate"))(fd, offset, len);
+}
+"""
+
+
+@pytest.mark.parametrize("o_tmpfile", ["supported", "refused"])
+def test_the_next_process_removes_the_temporaries_of_processes_killed_making_their_region(
+        shm: Path, tmp_path: Path, o_tmpfile: str) -> None:
+    """Each temporary has a random name of its own, and only `ls` removed one
+    a killed process left: every process killed before its region was
+    published left one more file in /dev/shm, and the next processes of the
+    user, which remove killed processes' regions, removed none of them. The
+    lock of a killed process's temporary is gone with it, its pid names no
+    process: the next process removes it as it creates its region."""
+    env = preload_env(NPUALLOC_SHM_DIR=str(shm))
+    killed_env = dict(env, LD_PRELOAD=f"{env['LD_PRELOAD']}:{compile_shim(tmp_path, 'killed', KILLED_WHEN_SIZED_SHIM)}")
+    if o_tmpfile == "refused":  # created at its name, locked by the next call
+        killed_env["LD_PRELOAD"] += f":{compile_shim(tmp_path, 'named', LOCKED_WHEN_NAMED_SHIM)}"
+        killed_env["REFUSE_TMPFILE"] = "1"
+    program = "import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)"
+    killed = [subprocess.run([sys.executable, "-c", program], env=killed_env, capture_output=True, timeout=60)
+              for _ in range(3)]
+    assert [run.returncode for run in killed] == [-signal.SIGKILL] * 3, killed[0].stderr
+    directory = region_file(shm, 1).parent
+    left = sorted(os.listdir(directory))
+    assert len(left) == 3 and all(re.fullmatch(r"\.npualloc\.[0-9]+\.tmp\.[0-9a-f]{8}", name) for name in left), left
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        assert os.listdir(directory) == [f"npualloc.{w.pid}"]
+        assert w.close() == 0
+    assert os.listdir(directory) == []
+
+
+def test_the_next_process_removes_only_the_temporaries_and_aside_names_gone_processes_left(
+        shm: Path, sleeper: int) -> None:
+    """Beside a temporary and an aside name of gone processes, under every
+    name the reaper and `ls` both take for theirs, what it must leave: a
+    temporary or aside name whose lock is held (a live process making its
+    region; a live region a killed reaper left aside, for `ls` to put back),
+    one of a live pid (a temporary made without O_TMPFILE is unlocked until
+    the call after its creation), a link (never followed, its target
+    neither), a FIFO (never waited on), a directory, names that only look
+    alike, and (root) another user's file."""
+    dead = _dead_pid()
+    directory = region_file(shm, dead).parent
+    directory.mkdir(mode=0o700)
+    gone = [directory / name for name in (f".npualloc.{dead}.tmp.0badf00d", f".npualloc.{dead}.reap.0badf00d",
+                                          f".npualloc.{dead}.tmp", f".npualloc.{dead}.reap")]
+    held = [directory / f".npualloc.{dead}.tmp.00000001", directory / f".npualloc.{dead}.reap.00000001"]
+    live = [directory / f".npualloc.{sleeper}.tmp.00000002", directory / f".npualloc.{sleeper}.reap.00000002"]
+    alike = [directory / name for name in (f".npualloc.{dead}.tmp.0BADF00D", f".npualloc.{dead}.tmp.0badf00",
+                                           f".npualloc.{dead}.tmp.0badf00d.x", f".npualloc.{dead}.tmpx",
+                                           f".npualloc.0{dead}.tmp.0badf00d", f".npualloc.{dead}.reap.",
+                                           f"npualloc.{dead}.tmp.0badf00d", f".npualloc..tmp.0badf00d")]
+    for path in gone + held + live + alike:
+        path.write_bytes(b"x")
+    target = shm / "target"
+    target.write_bytes(b"x")
+    link = directory / f".npualloc.{dead}.tmp.00000003"
+    link.symlink_to(target)
+    fifo = directory / f".npualloc.{dead}.reap.00000003"
+    os.mkfifo(fifo, 0o600)
+    made = directory / f".npualloc.{dead}.tmp.00000004"
+    made.mkdir()
+    left = held + live + alike + [link, target, fifo, made]
+    if os.geteuid() == 0:
+        theirs = directory / f".npualloc.{dead}.tmp.00000005"
+        theirs.write_bytes(b"x")
+        os.chown(theirs, 65534, 65534)
+        left.append(theirs)
+    assert all(LEFTOVER_NAME.fullmatch(path.name) for path in gone)  # `ls` removes them too
+    assert not any(LEFTOVER_NAME.fullmatch(path.name) for path in alike[:4] + alike[5:])
+    holders = [open(path, "rb") for path in held]
+    try:
+        for holder in holders:
+            fcntl.lockf(holder, fcntl.LOCK_SH)
+        with Workload(shm) as w:
+            w.call("malloc(4096)")
+            assert not any(os.path.lexists(path) for path in gone)
+            assert all(os.path.lexists(path) for path in left) and link.is_symlink()
+            assert w.close() == 0
+        assert all(os.path.lexists(path) for path in left)
+    finally:
+        for holder in holders:
+            holder.close()
+    with Workload(shm) as w:
+        w.call("malloc(4096)")
+        assert not any(os.path.lexists(path) for path in held)
+        assert all(os.path.lexists(path) for path in left[len(held):])
+
+
 def test_an_aside_name_a_killed_reaper_left_blocks_no_later_process_with_its_pid(shm: Path) -> None:
     """A reaper moved a name aside to .npualloc.<its pid>.reap, never
     replacing one: a reaper killed there left that name, and every later
     process with the pid (reused) found it taken, so its reaper removed no
     gone region for its whole life, nor `ls` with that pid. The aside name
-    is unique to each move; the leftover is `ls`'s to judge, left here."""
+    is unique to each move; the leftover, of a live pid, is left here."""
     dead = _dead_pid()
     with Workload(shm) as w:
         gone = write_region(shm, dead, region_bytes(dead))

@@ -8,9 +8,10 @@
  * replacing one) and what was moved is looked at: the checked inode is
  * unlinked, anything else goes back (never over what took the name
  * meanwhile). A process killed in between leaves the aside name, which
- * `npualloc ls` removes once that pid is gone; the suffix keeps such a
- * leftover from blocking every later move of a process given that pid (a
- * fixed .npualloc.<pid>.reap did, for its whole life). Header-only: the
+ * the next process's reaper (reap.c) or `npualloc ls` removes once that
+ * pid is gone (a live region there stays, locked: `ls` puts it back); the
+ * suffix keeps such a leftover from blocking every later move of a process
+ * given that pid (a fixed .npualloc.<pid>.reap did, for its whole life). Header-only: the
  * interposer and the reader library both use it. */
 #ifndef NPA_UNLINK_CHECKED_H
 #define NPA_UNLINK_CHECKED_H

@@ -1,18 +1,30 @@
-/* The regions of this user's processes that ended without removing theirs.
- * A process that leaves through os._exit (as multiprocessing's and other
- * forked workers end), a crash or SIGKILL skips atexit, and its file stayed in
- * the region directory until someone ran `npualloc ls`: a job forking many
- * such children filled /dev/shm with them. Each process looks when it creates
- * its region and again at its exit: the next process of the user removes
- * them, and so does a parent that outlives such children.
+/* What this user's processes that ended without removing it left in the
+ * region directory. A process that leaves through os._exit (as
+ * multiprocessing's and other forked workers end), a crash or SIGKILL skips
+ * atexit, and its region stayed until someone ran `npualloc ls`: a job
+ * forking many such children filled /dev/shm with them. So did, one file
+ * each, every process killed while it made its region (its temporary,
+ * .npualloc.<pid>.tmp.<8 hex>, region.c) and every remover killed with a
+ * name moved aside (.npualloc.<pid>.reap.<8 hex>, unlink_checked.h): the
+ * random names never meet again. Each process looks when it creates its
+ * region and again at its exit: the next process of the user removes them,
+ * and so does a parent that outlives such children.
  *
  * The directory is ours alone (0700, region_dir.c), yet what is in it is
  * taken for foreign: a name goes only when it is a regular file of our euid,
- * opened without following a link or waiting on a FIFO, a region of this
- * layout whose process is gone twice over: its lock is free (region_lock.h:
- * it lives in no pid namespace) and its pid names no process here, a zombie,
- * or one started at another time (a region whose lock could not be taken
- * goes by the pid alone, as `ls` removes it). What is unlinked is that inode
+ * opened without following a link or waiting on a FIFO, whose lock nobody
+ * holds (region_lock.h: a live process holds its region's, and its
+ * temporary's from before it has a name, in whatever pid namespace it is)
+ * and whose pid names no process here, or a zombie: for a region, the
+ * pid in its header, which also tells one started at another time (a
+ * region whose lock could not be taken goes by the pid alone, as `ls`
+ * removes it); for a temporary or an aside name, the pid in the name,
+ * alone. A temporary made where O_TMPFILE is missing is unlocked at its
+ * name until the call after its creation, so one of a live pid stays, as a
+ * live region left aside stays, locked (`ls` puts it back). These are the
+ * names `ls` removes too (npualloc/region.py's LEFTOVER_NAME, less the
+ * snapshot files, which go with `ls` only, and pids written with a leading
+ * zero, which nothing writes). What is unlinked is that inode
  * (unlink_checked.h): a process that reused the pid may have renamed its
  * fresh region over it. */
 #define _GNU_SOURCE
@@ -32,48 +44,112 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* The pid a region's name gives, npualloc.<pid> as the kernel writes pids
- * (no leading zero, no sign), or 0 for any other name. */
-static pid_t region_pid(const char *name)
+/* What a name in the region directory stands for. */
+typedef enum left_kind {
+    LEFT_NONE,   /* not a name npualloc gives */
+    LEFT_REGION, /* npualloc.<pid> */
+    LEFT_PART,   /* .npualloc.<pid>.tmp or .reap, then .<8 hex> (nothing as npualloc named them before 2026-11-27) */
+} left_kind;
+
+/* The pid at digits, as the kernel writes pids (no leading zero, no sign),
+ * with *end past it; 0 when there is none. */
+static pid_t pid_at(const char *digits, const char **end)
 {
-    static const char prefix[] = "npualloc.";
-    if (strncmp(name, prefix, sizeof prefix - 1) != 0)
-        return 0;
-    const char *digits = name + sizeof prefix - 1;
     if (*digits < '1' || *digits > '9')
         return 0;
-    char *end;
+    char *after;
     errno = 0;
-    long pid = strtol(digits, &end, 10);
-    return *end == '\0' && errno == 0 && pid <= INT32_MAX ? (pid_t)pid : 0;
+    long pid = strtol(digits, &after, 10);
+    *end = after;
+    return errno == 0 && pid <= INT32_MAX ? (pid_t)pid : 0;
 }
 
-/* Whether the process that wrote h has ended, as its pid tells here: no such
- * process, or one /proc keeps from us (another user's: ours are readable),
- * a zombie, or one started at another time. Unknown (unreadable) is alive. */
-static bool ended(const npualloc_region_header *h)
+/* Whether rest is empty or a dot and random_suffix.h's 8 hex digits. */
+static bool suffix_or_none(const char *rest)
 {
-    uint64_t start_time;
+    if (*rest == '\0')
+        return true;
+    if (*rest != '.')
+        return false;
+    for (int i = 1; i <= 8; i++)
+        if ((rest[i] < '0' || rest[i] > '9') && (rest[i] < 'a' || rest[i] > 'f'))
+            return false;
+    return rest[9] == '\0';
+}
+
+/* What name is, and the pid it gives in *pid. */
+static left_kind left_by(const char *name, pid_t *pid)
+{
+    static const char region[] = "npualloc.", part[] = ".npualloc.";
+    const char *end;
+    if (strncmp(name, region, sizeof region - 1) == 0) {
+        *pid = pid_at(name + sizeof region - 1, &end);
+        return *pid > 0 && *end == '\0' ? LEFT_REGION : LEFT_NONE;
+    }
+    if (strncmp(name, part, sizeof part - 1) != 0 || (*pid = pid_at(name + sizeof part - 1, &end)) <= 0)
+        return LEFT_NONE;
+    if (strncmp(end, ".tmp", 4) == 0)
+        end += 4;
+    else if (strncmp(end, ".reap", 5) == 0)
+        end += 5;
+    else
+        return LEFT_NONE;
+    return suffix_or_none(end) ? LEFT_PART : LEFT_NONE;
+}
+
+/* Whether the process with pid has ended, as it tells here: no such
+ * process, or one /proc keeps from us (another user's: ours are readable),
+ * a zombie, or, where its start_time is known (not 0), one started at
+ * another time. Unknown (unreadable) is alive. */
+static bool ended(pid_t pid, uint64_t start_time)
+{
+    uint64_t now_start_time;
     char state;
-    int err = npa_process_start_time(h->pid, &start_time, &state);
+    int err = npa_process_start_time(pid, &now_start_time, &state);
     if (err == ENOENT || err == ESRCH || err == EACCES)
         return true;
-    return err == 0 && (state == 'Z' || state == 'X' || (h->start_time != 0 && start_time != h->start_time));
+    return err == 0 && (state == 'Z' || state == 'X' || (start_time != 0 && now_start_time != start_time));
 }
 
-static void reap_one(int dir_fd, const char *name, pid_t pid)
+/* name opened for a look, when it is a regular file of our euid whose lock
+ * nobody holds (*opened: its stat); -1 for anything else. */
+static int open_unheld(int dir_fd, const char *name, struct stat *opened)
 {
     int fd = npa_openat_no_mount(dir_fd, name, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd >= 0 && !(fstat(fd, opened) == 0 && S_ISREG(opened->st_mode) && opened->st_uid == geteuid() &&
+                     npa_region_locked(fd) == 0)) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+static void reap_region(int dir_fd, const char *name, pid_t pid)
+{
+    struct stat opened;
+    int fd = open_unheld(dir_fd, name, &opened);
     if (fd < 0)
         return;
-    struct stat opened;
     npualloc_region_header h;
-    bool gone = fstat(fd, &opened) == 0 && S_ISREG(opened.st_mode) && opened.st_uid == geteuid() &&
-                opened.st_size == (off_t)sizeof(npualloc_region) && npa_region_locked(fd) == 0 &&
-                pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h && h.magic == NPUALLOC_SHM_MAGIC &&
-                h.version == NPUALLOC_SHM_VERSION && h.pid == pid && ended(&h);
+    bool gone = opened.st_size == (off_t)sizeof(npualloc_region) && pread(fd, &h, sizeof h, 0) == (ssize_t)sizeof h &&
+                h.magic == NPUALLOC_SHM_MAGIC && h.version == NPUALLOC_SHM_VERSION && h.pid == pid &&
+                ended(h.pid, h.start_time);
     close(fd);
     if (gone)
+        (void)npa_unlink_checked(dir_fd, name, opened.st_dev, opened.st_ino);
+}
+
+/* A temporary or an aside name: what it holds tells nothing of whose it
+ * is (a temporary may be empty yet, an aside name holds what another
+ * process left), its name does. */
+static void reap_part(int dir_fd, const char *name, pid_t pid)
+{
+    struct stat opened;
+    int fd = open_unheld(dir_fd, name, &opened);
+    if (fd < 0)
+        return;
+    close(fd);
+    if (ended(pid, 0))
         (void)npa_unlink_checked(dir_fd, name, opened.st_dev, opened.st_ino);
 }
 
@@ -103,9 +179,14 @@ void npa_region_reap(int dir_fd)
         for (long at = 0; at < n; at += length) {
             memcpy(&length, entries + at + offsetof(dir_entry, length), sizeof length);
             const char *name = entries + at + offsetof(dir_entry, name);
-            pid_t pid = region_pid(name);
-            if (pid > 0 && pid != self)
-                reap_one(dir_fd, name, pid);
+            pid_t pid;
+            left_kind kind = left_by(name, &pid);
+            if (kind != LEFT_NONE && pid == self)
+                continue;
+            if (kind == LEFT_REGION)
+                reap_region(dir_fd, name, pid);
+            else if (kind == LEFT_PART)
+                reap_part(dir_fd, name, pid);
         }
     }
     close(list_fd);

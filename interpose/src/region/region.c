@@ -235,7 +235,8 @@ static npualloc_region *map_new_region(void)
  * found there went as an earlier process's leftover, yet it may be the
  * temporary a process with our pid in another pid namespace sharing the
  * directory is filling (whose rename then published ours half made). A
- * killed process's leftover goes with `npualloc ls`. */
+ * killed process's leftover goes with the next process's reaper (reap.c)
+ * or `npualloc ls`. */
 static int name_temporary(int dir_fd, int nameless, char tmp[TEMPORARY_NAME_LEN])
 {
     char self[32]; /* linkat by descriptor (AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH */
@@ -277,9 +278,9 @@ static int reopen_at_name(int dir_fd, const char *name, int fd, bool locked)
 
 /* The region's temporary in dir_fd, named in tmp, and in *locked whether
  * it holds its lock (region_lock.h), taken before the file has a name: `ls`
- * removes a temporary of a pid dead in its namespace when nobody holds it
- * (ours may be another's), and one created at its name was unlocked there
- * until the lock was taken. Created at its name, locked just after, only
+ * and the reaper (reap.c) remove a temporary of a pid dead in their
+ * namespace when nobody holds it (ours may be another's), and one created
+ * at its name was unlocked there until the lock was taken. Created at its name, locked just after, only
  * where the file system has no O_TMPFILE or no /proc links it. Without a
  * lock (an old kernel) readers go by the pid alone. */
 static int create_temporary(int dir_fd, char tmp[TEMPORARY_NAME_LEN], bool *locked)

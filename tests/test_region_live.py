@@ -334,6 +334,30 @@ def test_a_region_temporary_is_locked_before_it_has_a_name(shm: Path, tmp_path: 
     assert repr(str(region_file(shm, int(pid)))) in opened
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1): a mount namespace with a /proc of its own")
+def test_a_region_temporary_is_linked_only_as_itself_where_proc_is_no_procfs(shm: Path) -> None:
+    """The nameless temporary is linked at its name through /proc/self/fd/N,
+    which, where /proc is no procfs (a chroot's plain directory, a file
+    system mounted over it), may be a link to any file: that file was
+    linked at the temporary's name and published as the region, which the
+    process then filled unseen, and its link stayed after exit. Only the
+    file itself is linked, else the temporary is created at its name."""
+    target = shm / "target"
+    target.write_bytes(b"not a region")
+    program = ("import acl, os, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n"
+               "print(os.path.getsize(f'{sys.argv[1]}/npualloc.{os.getpid()}'))")
+    fake_proc = ("mount -t tmpfs none /proc && mkdir -p /proc/self/fd && "
+                 f"for fd in $(seq 0 255); do ln -s {target} /proc/self/fd/$fd; done && exec \"$0\" -c \"$1\" \"$2\"")
+    directory = region_file(shm, 1).parent
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", fake_proc, sys.executable, program, str(directory)],
+                          env=preload_env(NPUALLOC_SHM_DIR=str(shm)), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert int(done.stdout) == ffi.sizeof("npualloc_region")  # its own region, not the file linked
+    assert target.read_bytes() == b"not a region" and target.stat().st_nlink == 1
+    assert os.listdir(directory) == []  # its region removed at exit
+
+
 # Inside a pid namespace of its own (unshare's fork, pid 1 there): a worker
 # given the pid argv[1] there (ns_last_pid), which names no process outside,
 # allocates until told to stop; this process asks it for a snapshot and

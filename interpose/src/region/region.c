@@ -256,6 +256,24 @@ static int name_temporary(int dir_fd, int nameless, char tmp[TEMPORARY_NAME_LEN]
     return -1; /* errno: EEXIST */
 }
 
+/* Whether name in dir_fd is fd's file, which name_temporary linked there
+ * through /proc/self/fd/N: that leads to it only where /proc is procfs. In
+ * a chroot whose /proc is a plain directory, or under a file system mounted
+ * over /proc, it may be a link to any file, which linkat followed: that
+ * file was published as the region, the process filling its own unseen,
+ * and its link stayed after exit. Such a link is removed (that inode only:
+ * unlink_checked.h). */
+static bool linked_itself(int dir_fd, const char *name, int fd)
+{
+    struct stat own, seen;
+    if (npa_lstatat_no_mount(dir_fd, name, &seen) != 0)
+        return false;
+    if (fstat(fd, &own) == 0 && seen.st_dev == own.st_dev && seen.st_ino == own.st_ino)
+        return true;
+    (void)npa_unlink_checked(dir_fd, name, seen.st_dev, seen.st_ino);
+    return false;
+}
+
 /* fd, a file made with O_TMPFILE now linked at name, opened again there and
  * locked as fd is (the new lock taken before fd's goes with it): a
  * descriptor of the nameless file shows in /proc/<pid>/fd, and so in lsof,
@@ -280,16 +298,17 @@ static int reopen_at_name(int dir_fd, const char *name, int fd, bool locked)
  * it holds its lock (region_lock.h), taken before the file has a name: `ls`
  * and the reaper (reap.c) remove a temporary of a pid dead in their
  * namespace when nobody holds it (ours may be another's), and one created
- * at its name was unlocked there until the lock was taken. Created at its name, locked just after, only
- * where the file system has no O_TMPFILE or no /proc links it. Without a
- * lock (an old kernel) readers go by the pid alone. */
+ * at its name was unlocked there until the lock was taken. Created at its
+ * name, locked just after, only where the file system has no O_TMPFILE or
+ * no procfs at /proc links it. Without a lock (an old kernel) readers go by
+ * the pid alone. */
 static int create_temporary(int dir_fd, char tmp[TEMPORARY_NAME_LEN], bool *locked)
 {
     int fd = openat(dir_fd, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
     if (fd >= 0) {
         *locked = npa_region_lock(fd) == 0;
         /* Before it is opened again by name: a umask of 0477 left it 0200. */
-        if (fchmod(fd, 0600) == 0 && name_temporary(dir_fd, fd, tmp) >= 0)
+        if (fchmod(fd, 0600) == 0 && name_temporary(dir_fd, fd, tmp) >= 0 && linked_itself(dir_fd, tmp, fd))
             return reopen_at_name(dir_fd, tmp, fd, *locked);
         close(fd);
     }

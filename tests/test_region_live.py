@@ -334,6 +334,81 @@ def test_a_region_temporary_is_locked_before_it_has_a_name(shm: Path, tmp_path: 
     assert repr(str(region_file(shm, int(pid)))) in opened
 
 
+# A process whose pid, $PID_HERE, names no process where the test runs, as
+# one in another pid namespace sharing the directory: O_TMPFILE fails (a file
+# system without it), and once its region's temporary is created at its name
+# it says "created" on stdout and waits for a line on stdin.
+CREATED_ELSEWHERE_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+pid_t getpid(void)
+{
+    return (pid_t)atoi(getenv("PID_HERE"));
+}
+
+int openat(int dir_fd, const char *name, int flags, ...)
+{
+    static int waited;
+    va_list args;
+    va_start(args, flags);
+    mode_t mode = (flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE ? va_arg(args, mode_t) : 0;
+    va_end(args);
+    if ((flags & O_TMPFILE) == O_TMPFILE) {
+        errno = EOPNOTSUPP;
+        return -1;
+    }
+    int fd = ((int (*)(int, const char *, int, mode_t))dlsym(RTLD_NEXT, "openat"))(dir_fd, name, flags, mode);
+    if (fd >= 0 && (flags & O_CREAT) && strstr(name, ".tmp.") && !waited++) {
+        char c;
+        (void)!write(1, "created\n", 8);
+        while (read(0, &c, 1) == 1 && c != '\n')
+            ;
+    }
+    return fd;
+}
+"""
+
+
+def test_a_region_temporary_another_namespaces_reaper_removed_before_its_lock_is_made_again(
+        shm: Path, tmp_path: Path) -> None:
+    """Made at its name where O_TMPFILE is missing, the temporary is
+    unlocked there until the next call: a process in another pid namespace
+    (its pid naming none here) had it removed meanwhile by the reaper of any
+    process here creating its region or exiting, as a gone process's, and
+    its publishing rename failed: it ran without a region. A temporary gone
+    at the rename is made again."""
+    dead = _dead_pid()
+    env = preload_env(NPUALLOC_SHM_DIR=str(shm), PID_HERE=str(dead))
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{compile_shim(tmp_path, 'elsewhere', CREATED_ELSEWHERE_SHIM)}"
+    program = ("import acl, os, sys; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n"
+               "print(os.path.exists(sys.argv[1]), flush=True); sys.stdin.readline()")
+    published = region_file(shm, dead)
+    elsewhere = subprocess.Popen([sys.executable, "-c", program, str(published)], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert elsewhere.stdout is not None and elsewhere.stdout.readline() == "created\n"
+        assert [name for name in os.listdir(published.parent) if name.startswith(f".npualloc.{dead}.tmp.")]
+        with Workload(shm) as w:
+            w.call("malloc(4096)")  # its reaper looks
+            assert not any(name.startswith(f".npualloc.{dead}.") for name in os.listdir(published.parent))
+            assert w.close() == 0
+        assert elsewhere.stdin is not None
+        elsewhere.stdin.write("go on\n")
+        elsewhere.stdin.flush()
+        assert elsewhere.stdout.readline() == "True\n"
+    finally:
+        _, err = elsewhere.communicate("\n", timeout=30)
+    assert elsewhere.returncode == 0 and err == "", err
+    assert os.listdir(published.parent) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare(1): a mount namespace with a /proc of its own")
 def test_a_region_temporary_is_linked_only_as_itself_where_proc_is_no_procfs(shm: Path) -> None:

@@ -317,8 +317,14 @@ static int create_temporary(int dir_fd, char tmp[TEMPORARY_NAME_LEN], bool *lock
     return fd;
 }
 
-/* Creates, fills and renames into place name in dir_fd (ours: region_dir.c). */
-static npualloc_region *publish_region(int dir_fd, const char *name)
+/* Publishings tried before giving up: one more only while a reaper takes
+ * each temporary (publish_region). */
+#define PUBLISH_TRIES 4
+
+/* Creates, fills and renames into place name in dir_fd (ours: region_dir.c):
+ * the region; NULL having warned; or NULL with *taken when the temporary
+ * was gone at the rename. */
+static npualloc_region *publish_once(int dir_fd, const char *name, bool *taken)
 {
     char tmp[TEMPORARY_NAME_LEN];
     bool locked;
@@ -349,7 +355,9 @@ static npualloc_region *publish_region(int dir_fd, const char *name)
     fill_devices(r);
     g_file_ino = created.st_ino;
     if (renameat(dir_fd, tmp, dir_fd, name)) {
-        warn_once("cannot publish", g_path, errno);
+        *taken = errno == ENOENT;
+        if (!*taken)
+            warn_once("cannot publish", g_path, errno);
         munmap(r, sizeof(npualloc_region));
         unlinkat(dir_fd, tmp, 0);
         if (fd >= 0)
@@ -358,6 +366,25 @@ static npualloc_region *publish_region(int dir_fd, const char *name)
     }
     g_file_fd = fd;
     return r;
+}
+
+/* publish_once, again while its temporary was taken: one made at its name
+ * (no O_TMPFILE) is unlocked there until the next call, and the reaper of
+ * any process in another pid namespace sharing the directory, where our pid
+ * names no process, may remove it meanwhile as a gone process's (reap.c,
+ * `ls`), even once it is locked, having looked before. */
+static npualloc_region *publish_region(int dir_fd, const char *name)
+{
+    bool taken = true;
+    for (int try = 0; taken && try < PUBLISH_TRIES; try++) {
+        taken = false;
+        npualloc_region *r = publish_once(dir_fd, name, &taken);
+        if (r)
+            return r;
+    }
+    if (taken)
+        warn_once("cannot publish", g_path, ENOENT);
+    return NULL;
 }
 
 static void remove_at_exit(void)

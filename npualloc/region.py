@@ -30,6 +30,10 @@ from .files import lstat_no_mount, open_no_mount
 # ASCII digits without leading zeros (int() reads "npualloc.0123" and other
 # scripts' digits as the same pid: one planted alias each cost a listing a read).
 REGION_NAME = re.compile(r"npualloc\.([1-9][0-9]*)")
+# The largest pid: a pid_t is 32 bits (the kernel's pid_max is far below). A
+# name with a larger one, like one with a leading zero, is none that npualloc
+# writes: neither `ls` nor the reaper (reap.c's pid_at) takes it for a leftover.
+PID_MAX = 2**31 - 1
 # The directories regions live in, one per user in the base directory
 # (/dev/shm): npualloc-<uid>, and npualloc-<uid>.XXXXXX, which a process makes
 # when another user took the first name (interpose/src/region/region_dir.c).
@@ -45,8 +49,8 @@ REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # Each process's reaper removes the region's temporaries and aside names of
 # gone processes too, by these names (interpose/src/region/reap.c's left_by):
 # the two must stay alike.
-LEFTOVER_NAME = re.compile(r"\.npualloc\.([0-9]+)\.(?:tmp|(reap))(?:\.[0-9a-f]{8})?|"
-                           r"npualloc\.([0-9]+)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
+LEFTOVER_NAME = re.compile(r"\.npualloc\.([1-9][0-9]*)\.(?:tmp|(reap))(?:\.[0-9a-f]{8})?|"
+                           r"npualloc\.([1-9][0-9]*)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy
 # tries SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat
@@ -202,6 +206,18 @@ def process_ended(pid: int, start_time: int) -> bool:
     return fields is None or fields[0] in (b"Z", b"X") or int(fields[22 - 3]) != start_time
 
 
+def process_gone(pid: int) -> bool:
+    """Whether no process with pid lives here, whenever it started: none,
+    one /proc hides from us (another user's: ours are readable), or a zombie
+    (its descriptors, and so its locks, are gone; only its parent's wait is
+    left). The reaper's rule (interpose/src/region/reap.c's ended)."""
+    try:
+        fields = _stat_fields(pid)
+    except HiddenProcessError:
+        return True
+    return fields is None or fields[0] in (b"Z", b"X")
+
+
 def process_uid(pid: int) -> int | None:
     """The effective uid of a process (its region directory is named by it),
     or None when there is no such process. HiddenProcessError for another
@@ -259,10 +275,13 @@ class Region:
         self.pid = pid
         self._writable = writable
         self._seqlock_wait = _seqlock_wait or SeqlockWait()
-        start_time = process_start_time(pid)
+        fields = _stat_fields(pid)
         uid = process_uid(pid)
-        if start_time is None or uid is None:
+        if fields is None or uid is None:
             raise NoSuchProcessError(f"no such process: {pid}")
+        if fields[0] in (b"Z", b"X"):  # its region is stale: live_regions removes it, as the reaper does
+            raise NoSuchProcessError(f"process {pid} has exited (a zombie its parent has not waited for)")
+        start_time = int(fields[22 - 3])
         if not (_may_command(uid) if writable else _may_read(uid)):
             raise OtherUserError(f"process {pid} belongs to another user")
         self._uid = uid
@@ -550,6 +569,8 @@ def live_regions() -> Iterator[tuple[RegionEntry, Region | NpuallocError]]:
                     names.append(put_back)
                 continue
             entry = RegionEntry(int(match.group(1)), directory / name)
+            if entry.pid > PID_MAX:
+                continue  # no name a process gives: the reaper keeps it too
             if entry.pid in listed:
                 continue  # a copy; a stale one goes once the pid has died
             try:
@@ -608,6 +629,9 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> str | None:
     match = LEFTOVER_NAME.fullmatch(name)
     if match is None:
         return None
+    pid = int(match.group(1) or match.group(3))
+    if pid > PID_MAX:
+        return None  # no name a process gives: the reaper keeps it too
     if match.group(2):
         held, put_back = _put_back_if_held(dir_fd, name)
         if held:
@@ -617,14 +641,9 @@ def _remove_leftover_of_dead(dir_fd: int, name: str) -> str | None:
         inode = lstat_no_mount(name, dir_fd).st_ino
     except OSError:
         return None  # gone already
-    pid = int(match.group(1) or match.group(3))
     if _in_use(dir_fd, name, inode, pid, snapshot=match.group(3) is not None):
         return None
-    try:
-        ended = process_start_time(pid) is None
-    except HiddenProcessError:
-        ended = True  # another user's process has the pid now: the one that left it is gone
-    if ended:
+    if process_gone(pid):
         _remove_stale(dir_fd, name, inode)
     return None
 

@@ -21,12 +21,12 @@
  * removes it); for a temporary or an aside name, the pid in the name,
  * alone. A temporary made where O_TMPFILE is missing is unlocked at its
  * name until the call after its creation, so one of a live pid stays, as a
- * live region left aside stays, locked (`ls` puts it back). These are the
- * names `ls` removes too (npualloc/region.py's LEFTOVER_NAME, less the
- * snapshot files, which go with `ls` only, and pids written with a leading
- * zero, which nothing writes). What is unlinked is that inode
- * (unlink_checked.h): a process that reused the pid may have renamed its
- * fresh region over it. */
+ * live region left aside stays, locked (`ls` puts it back). `ls` takes
+ * the same names by the same rule (npualloc/region.py's LEFTOVER_NAME,
+ * PID_MAX and process_gone; the snapshot files go with `ls` only): a pid
+ * as getpid gives it (1 to INT32_MAX, no leading zero), a zombie gone.
+ * What is unlinked is that inode (unlink_checked.h): a process that reused
+ * the pid may have renamed its fresh region over it. */
 #define _GNU_SOURCE
 #include "region/region.h"
 #include "nomount.h"

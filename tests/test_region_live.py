@@ -793,6 +793,68 @@ def test_ls_and_the_reaper_remove_the_same_leftovers(tmp_path: Path) -> None:
         zombie.wait()
 
 
+STAT_READS_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Counts the opens of /proc/<COUNT_STAT_OF>/stat, written to COUNT_TO at exit. */
+static atomic_long reads;
+
+int open(const char *path, int flags, ...)
+{
+    mode_t mode = 0;
+    if (flags & (O_CREAT | O_TMPFILE)) {
+        va_list ap;
+        va_start(ap, flags);
+        mode = va_arg(ap, mode_t);
+        va_end(ap);
+    }
+    char counted[64];
+    snprintf(counted, sizeof counted, "/proc/%s/stat", getenv("COUNT_STAT_OF"));
+    if (strcmp(path, counted) == 0)
+        atomic_fetch_add(&reads, 1);
+    return ((int (*)(const char *, int, ...))dlsym(RTLD_NEXT, "open"))(path, flags, mode);
+}
+
+__attribute__((destructor)) static void report(void)
+{
+    FILE *f = fopen(getenv("COUNT_TO"), "w");
+    if (f) {
+        fprintf(f, "%ld\n", atomic_load(&reads));
+        fclose(f);
+    }
+}
+"""
+
+
+def test_the_reaper_reads_a_live_pids_process_once_for_its_many_temporaries(
+        shm: Path, tmp_path: Path, sleeper: int) -> None:
+    """Many temporaries of one live pid (a long run beside a job's
+    leftovers) stay, and each cost the reaper a read of /proc/<pid>/stat:
+    100,000 of them made a first allocation take a second. One read a
+    walk (at the region's creation and at exit) tells it for them all."""
+    directory = region_file(shm, sleeper).parent
+    directory.mkdir(mode=0o700)
+    names = [directory / f".npualloc.{sleeper}.tmp.{i:08x}" for i in range(500)]
+    for path in names:
+        path.write_bytes(b"")
+    shim = compile_shim(tmp_path, "stat_reads", STAT_READS_SHIM)
+    counted = tmp_path / "reads"
+    with Workload(shm, preload=False, LD_PRELOAD=f"{NPUALLOC_LIB}:{shim}", COUNT_STAT_OF=str(sleeper),
+                  COUNT_TO=str(counted)) as w:
+        w.call("malloc(4096)")
+        assert w.close() == 0
+    assert all(path.exists() for path in names)
+    assert counted.read_text() == "2\n"
+
+
 def test_an_aside_name_a_killed_reaper_left_blocks_no_later_process_with_its_pid(shm: Path) -> None:
     """A reaper moved a name aside to .npualloc.<its pid>.reap, never
     replacing one: a reaper killed there left that name, and every later

@@ -141,16 +141,18 @@ static void reap_region(int dir_fd, const char *name, pid_t pid)
 
 /* A temporary or an aside name: what it holds tells nothing of whose it
  * is (a temporary may be empty yet, an aside name holds what another
- * process left), its name does. */
-static void reap_part(int dir_fd, const char *name, pid_t pid)
+ * process left), its name does. Whether it found pid alive. */
+static bool reap_part(int dir_fd, const char *name, pid_t pid)
 {
     struct stat opened;
     int fd = open_unheld(dir_fd, name, &opened);
     if (fd < 0)
-        return;
+        return false;
     close(fd);
-    if (ended(pid, 0))
-        (void)npa_unlink_checked(dir_fd, name, opened.st_dev, opened.st_ino);
+    if (!ended(pid, 0))
+        return true;
+    (void)npa_unlink_checked(dir_fd, name, opened.st_dev, opened.st_ino);
+    return false;
 }
 
 /* What getdents64 writes, one entry after another (the kernel's struct). */
@@ -173,6 +175,14 @@ void npa_region_reap(int dir_fd)
     if (list_fd < 0)
         return;
     pid_t self = getpid();
+    /* The last pid a temporary or an aside name was found alive by: its
+     * other names stay unlooked at, as they would have stayed, so that a
+     * live process's many (a job's leftovers beside one long run) cost
+     * one read of /proc in all, not one each. Only a live verdict is kept: one
+     * that ends meanwhile is reaped at the next walk, while a gone one
+     * kept could remove the unlocked temporary (O_TMPFILE missing) of a
+     * process that took its pid meanwhile. */
+    pid_t alive = 0;
     _Alignas(dir_entry) char entries[2048];
     for (long n; (n = syscall(SYS_getdents64, list_fd, entries, sizeof entries)) > 0;) {
         unsigned short length;
@@ -181,12 +191,12 @@ void npa_region_reap(int dir_fd)
             const char *name = entries + at + offsetof(dir_entry, name);
             pid_t pid;
             left_kind kind = left_by(name, &pid);
-            if (kind != LEFT_NONE && pid == self)
+            if (kind != LEFT_NONE && (pid == self || (kind == LEFT_PART && pid == alive)))
                 continue;
             if (kind == LEFT_REGION)
                 reap_region(dir_fd, name, pid);
-            else if (kind == LEFT_PART)
-                reap_part(dir_fd, name, pid);
+            else if (kind == LEFT_PART && reap_part(dir_fd, name, pid))
+                alive = pid;
         }
     }
     close(list_fd);

@@ -386,6 +386,31 @@ def test_run_conf_reads_an_empty_variable_as_unset(tmp_path: Path) -> None:
         assert done.stdout == f"{max_split}\n", conf
 
 
+def test_run_conf_reads_a_blank_variable_as_holding_nothing(tmp_path: Path) -> None:
+    """A variable of blanks and commas has no entry: the library reads it
+    (and looks no further, as MindTorch does) and finds nothing. --conf
+    went after it ('  ,<conf>'), the warnings naming the variable as a
+    place a bad entry may come from, and after a value ending in ','
+    with an empty entry between (',,'). Now --conf goes there alone, and
+    after the user's last entry with one comma."""
+    env = cli_env(tmp_path) | {"PYTORCH_NPU_ALLOC_CONF": "max_split_size_mb:64"}  # hidden by the one before
+    code = ("import acl, npualloc, os; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0); "
+            "print(os.environ['MINDTORCH_NPU_ALLOC_CONF']); print(npualloc.memory_stats(0)['max_split_size'])")
+    for users, conf, read, max_split, warned in (
+            (" \t", "max_split_size_mb:banana", "max_split_size_mb:banana", -1, "npualloc run --conf"),
+            (" ,", "garbage_collection_threshold:0.5", "garbage_collection_threshold:0.5", -1, None),
+            ("max_split_size_mb:128, ,", "max_split_size_mb:banana", "max_split_size_mb:128,max_split_size_mb:banana",
+             128 << 20, "MINDTORCH_NPU_ALLOC_CONF and npualloc run --conf")):
+        done = _run(["--conf", conf, "--", sys.executable, "-c", code], env | {"MINDTORCH_NPU_ALLOC_CONF": users})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == f"{read}\n{max_split}\n", users
+        warning = f"npualloc: {warned}: max_split_size_mb"
+        assert [line[:len(warning)] for line in done.stderr.splitlines()] == ([] if warned is None else [warning]), \
+            done.stderr
+    done = _run(["--", sys.executable, "-c", code], env | {"MINDTORCH_NPU_ALLOC_CONF": " "})
+    assert done.stdout == " \n-1\n" and done.stderr == "", done.stderr  # the library stops at the blank one
+
+
 def test_run_replaces_another_npualloc_in_ld_preload(tmp_path: Path) -> None:
     """A libnpualloc.so already in LD_PRELOAD under another path (the
     checkout's build/lib, another install) is not kept beside the package's:

@@ -219,25 +219,38 @@ def test_ls_leaves_the_files_a_live_process_whose_pid_names_none_here_still_uses
 # Says on stderr whether the region's temporary is locked when it is sized,
 # as a reader opening it then would see it (F_OFD_GETLK on a description of
 # its own): between its creation and its publishing rename.
-LOCKED_WHEN_SIZED_SHIM = r"""
+# The start of a shim of posix_fallocate, which the region's temporary is
+# sized with: region_temporary names the file fd is open on (its path in
+# target) when it is one of npualloc's, else NULL.
+SIZED_TEMPORARY_PRELUDE = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
+static const char *region_temporary(int fd, char target[4096])
+{
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, 4095);
+    const char *base = n > 0 ? (target[n] = '\0', strrchr(target, '/')) : NULL;
+    return base && strncmp(base + 1, ".npualloc.", 10) == 0 ? base + 1 : NULL;
+}
+"""
+
+LOCKED_WHEN_SIZED_SHIM = SIZED_TEMPORARY_PRELUDE + r"""
 int posix_fallocate(int fd, off_t offset, off_t len)
 {
-    char link[64], target[4096];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, target, sizeof target - 1);
-    const char *base = n > 0 ? (target[n] = '\0', strrchr(target, '/')) : NULL;
-    if (base && strncmp(base + 1, ".npualloc.", 10) == 0) {
+    char target[4096];
+    const char *name = region_temporary(fd, target);
+    if (name) {
         int other = open(target, O_RDONLY | O_CLOEXEC);
         struct flock lock = {.l_type = F_WRLCK, .l_whence = SEEK_SET};
         if (other >= 0 && fcntl(other, F_OFD_GETLK, &lock) == 0)
-            fprintf(stderr, "shim: %s %s\n", base + 1, lock.l_type == F_UNLCK ? "unlocked" : "locked");
+            fprintf(stderr, "shim: %s %s\n", name, lock.l_type == F_UNLCK ? "unlocked" : "locked");
         if (other >= 0)
             close(other);
     }
@@ -643,21 +656,11 @@ def test_the_next_process_removes_only_the_regions_of_gone_processes_of_its_user
 
 # Kills the process the moment its region's temporary is sized: between its
 # creation, which gave it a name, and its publishing rename.
-KILLED_WHEN_SIZED_SHIM = r"""
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <signal.h>
-#include <stdio.h>
-#include <string.h>
-#include <unistd.h>
-
+KILLED_WHEN_SIZED_SHIM = SIZED_TEMPORARY_PRELUDE + r"""
 int posix_fallocate(int fd, off_t offset, off_t len)
 {
-    char link[64], target[4096];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, target, sizeof target - 1);
-    const char *base = n > 0 ? (target[n] = '\0', strrchr(target, '/')) : NULL;
-    if (base && strncmp(base + 1, ".npualloc.", 10) == 0)
+    char target[4096];
+    if (region_temporary(fd, target))
         raise(SIGKILL);
     return ((int (*)(int, off_t, off_t))dlsym(RTLD_NEXT, "posix_fallocate"))(fd, offset, len);
 }

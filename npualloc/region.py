@@ -177,6 +177,15 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     return None if text is None else text[text.rindex(b")") + 2:].split()
 
 
+def _exited(fields: list[bytes]) -> bool:
+    """Whether the process whose /proc/<pid>/stat fields these are has
+    exited: a zombie with no other thread left. Z (or X) is its main
+    thread's state alone: one that called pthread_exit reads Z while the
+    other threads run on, holding the process's descriptors (and so its
+    locks); field 20, the thread count, still counts that main thread."""
+    return fields[0] in (b"Z", b"X") and int(fields[20 - 3]) <= 1
+
+
 def process_start_time(pid: int) -> int | None:
     """Field 22 of /proc/<pid>/stat, or None when there is no such process.
     HiddenProcessError for another user's that /proc hides."""
@@ -198,24 +207,24 @@ def process_ended(pid: int, start_time: int) -> bool:
     """Whether the process that started at start_time is gone: no such pid,
     a pid reused by a later process (one /proc hides from us included: the
     process we read before was not hidden), or a zombie (field 3: it has
-    exited, only its parent's wait is left)."""
+    exited, only its parent's wait is left, _exited)."""
     try:
         fields = _stat_fields(pid)
     except HiddenProcessError:
         return True
-    return fields is None or fields[0] in (b"Z", b"X") or int(fields[22 - 3]) != start_time
+    return fields is None or int(fields[22 - 3]) != start_time or _exited(fields)
 
 
 def process_gone(pid: int) -> bool:
     """Whether no process with pid lives here, whenever it started: none,
-    one /proc hides from us (another user's: ours are readable), or a zombie
+    one /proc hides from us (another user's: ours are readable), or a zombie (_exited)
     (its descriptors, and so its locks, are gone; only its parent's wait is
     left). The reaper's rule (interpose/src/region/reap.c's ended)."""
     try:
         fields = _stat_fields(pid)
     except HiddenProcessError:
         return True
-    return fields is None or fields[0] in (b"Z", b"X")
+    return fields is None or _exited(fields)
 
 
 def process_uid(pid: int) -> int | None:
@@ -279,7 +288,7 @@ class Region:
         uid = process_uid(pid)
         if fields is None or uid is None:
             raise NoSuchProcessError(f"no such process: {pid}")
-        if fields[0] in (b"Z", b"X"):  # its region is stale: live_regions removes it, as the reaper does
+        if _exited(fields):  # its region is stale: live_regions removes it, as the reaper does
             raise NoSuchProcessError(f"process {pid} has exited (a zombie its parent has not waited for)")
         start_time = int(fields[22 - 3])
         if not (_may_command(uid) if writable else _may_read(uid)):

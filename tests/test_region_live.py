@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -794,6 +795,95 @@ def test_ls_and_the_reaper_remove_the_same_leftovers(tmp_path: Path) -> None:
         assert left["ls"] == names
     finally:
         zombie.wait()
+
+
+def _main_thread_exited(program: str, env: dict[str, str]) -> subprocess.Popen:
+    """A Python process running program, then a thread that serves lines on
+    stdin (one: an allocation, answered with a blank line; the next: os._exit),
+    its main thread gone through pthread_exit: /proc/<pid>/stat reads Z
+    while that thread runs on, holding the process's descriptors."""
+    serve = textwrap.dedent("""
+        import ctypes, os, sys, threading
+        def serve():
+            sys.stdin.readline()
+            acl.rt.set_device(0)  # the device is each thread's
+            acl.rt.malloc(8192, 0)
+            print(flush=True)
+            sys.stdin.readline()
+            os._exit(0)
+        threading.Thread(target=serve).start()
+        ctypes.CDLL(None).pthread_exit(None)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", program + serve], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    while Path(f"/proc/{proc.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
+        os.sched_yield()
+    return proc
+
+
+def test_a_process_whose_main_thread_exited_is_not_taken_for_a_zombie(shm: Path) -> None:
+    """Region refused it as an exited process (so `stats <pid>` and every
+    pid= reader did), and `ls` left it out, while it ran on."""
+    proc = _main_thread_exited("import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n",
+                               preload_env(NPUALLOC_SHM_DIR=str(shm)))
+    try:
+        assert region_file(shm, proc.pid).exists()
+        with Region(proc.pid) as region:
+            assert region.header().pid == proc.pid
+        listed = run_cli(["ls", "--json"], shm)
+        assert listed.returncode == 0 and [row["pid"] for row in json.loads(listed.stdout)] == [proc.pid], listed.stderr
+        assert run_cli(["stats", str(proc.pid)], shm).returncode == 0
+        posted: list[int | BaseException] = []
+
+        def post() -> None:
+            try:
+                with Region(proc.pid, writable=True) as region:
+                    posted.append(region.post_command(constants.NPUALLOC_CMD_EMPTY_CACHE, timeout=20))
+            except BaseException as e:
+                posted.append(e)
+
+        poster = threading.Thread(target=post)
+        poster.start()
+        wait_for_pending_command(region_file(shm, proc.pid), poster.is_alive)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("\n")  # its allocation takes the command
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "\n"
+        poster.join()
+        assert len(posted) == 1 and isinstance(posted[0], int), posted  # answered, not "ended before acknowledging"
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    finally:
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+def test_ls_and_the_reaper_leave_the_unlocked_names_of_a_process_whose_main_thread_exited(tmp_path: Path) -> None:
+    """Both judge a temporary or an aside name by its pid, and took that
+    pid's zombie main thread for an exited process: an unlocked temporary
+    (made where O_TMPFILE is missing, unlocked at its name until the call
+    after its creation) of a process running on went. A planted file stands
+    for it."""
+    proc = _main_thread_exited("import acl; acl.init(); acl.rt.set_device(0)\n", sim_env())
+    try:
+        names = [f".npualloc.{proc.pid}.tmp.0badf00d", f".npualloc.{proc.pid}.reap.0badf00d"]
+        for by in ("reaper", "ls"):
+            shm = tmp_path / by
+            shm.mkdir()
+            for name in names:
+                write_region(shm, 1, b"").rename(region_file(shm, 1).parent / name)
+            if by == "reaper":
+                with Workload(shm) as w:
+                    w.call("malloc(4096)")
+                    assert w.close() == 0
+            else:
+                assert run_cli(["ls"], shm).returncode == 0
+            assert all(os.path.lexists(region_file(shm, 1).parent / name) for name in names), by
+        assert proc.stdin is not None
+        proc.stdin.write("\n\n")
+    finally:
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
 
 
 STAT_READS_SHIM = r"""

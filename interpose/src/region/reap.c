@@ -99,16 +99,17 @@ static left_kind left_by(const char *name, pid_t *pid)
 
 /* Whether the process with pid has ended, as it tells here: no such
  * process, or one /proc keeps from us (another user's: ours are readable),
- * a zombie, or, where its start_time is known (not 0), one started at
- * another time. Unknown (unreadable) is alive. */
+ * one that exited (npa_process_start_time: a zombie with no thread left),
+ * or, where its start_time is known (not 0), one started at another time.
+ * Unknown (unreadable) is alive. */
 static bool ended(pid_t pid, uint64_t start_time)
 {
     uint64_t now_start_time;
-    char state;
-    int err = npa_process_start_time(pid, &now_start_time, &state);
+    bool exited;
+    int err = npa_process_start_time(pid, &now_start_time, &exited);
     if (err == ENOENT || err == ESRCH || err == EACCES)
         return true;
-    return err == 0 && (state == 'Z' || state == 'X' || (start_time != 0 && now_start_time != start_time));
+    return err == 0 && (exited || (start_time != 0 && now_start_time != start_time));
 }
 
 /* name opened for a look, when it is a regular file of our euid whose lock

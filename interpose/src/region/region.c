@@ -91,7 +91,7 @@ static int stats_disabled(void)
            !strcasecmp(value, "no");
 }
 
-int npa_process_start_time(pid_t pid, uint64_t *start_time, char *state)
+int npa_process_start_time(pid_t pid, uint64_t *start_time, bool *exited)
 {
     char path[64], buf[1024];
     if (pid == 0)
@@ -111,12 +111,17 @@ int npa_process_start_time(pid_t pid, uint64_t *start_time, char *state)
     char *p = strrchr(buf, ')');
     if (!p || p[1] != ' ' || !p[2])
         return EIO;
-    *state = p[2];
+    char state = p[2];
+    long threads = 0;
     p++;
-    for (int field = 3; field < 22 && p; field++) /* p sits before field `field` */
+    for (int field = 3; field < 22 && p; field++) { /* p sits before field `field` */
+        if (field == 20)
+            threads = strtol(p + 1, NULL, 10);
         p = strchr(p + 1, ' ');
+    }
     if (!p)
         return EIO;
+    *exited = (state == 'Z' || state == 'X') && threads <= 1;
     *start_time = strtoull(p + 1, NULL, 10);
     return 0;
 }
@@ -176,8 +181,8 @@ static void fill_header(npualloc_region *r)
     h->size = sizeof(npualloc_region);
     h->pid = (int32_t)getpid();
     h->uid = (uint32_t)geteuid();
-    char state;
-    (void)npa_process_start_time(0, &h->start_time, &state); /* left 0, unknown, when unreadable */
+    bool exited;
+    (void)npa_process_start_time(0, &h->start_time, &exited); /* left 0, unknown, when unreadable */
     h->created_unix_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
     copy_text(h->config, sizeof h->config, g_config);
     h->runtime_device_count = g_runtime_device_count;

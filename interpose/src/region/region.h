@@ -5,6 +5,7 @@
 #define NPUALLOC_REGION_H
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <sys/types.h>
 
 #include "core.h"
@@ -115,9 +116,12 @@ int npa_region_dir_open(char *path, size_t len);
 /* Where the users' region directories are: $NPUALLOC_SHM_DIR or /dev/shm. */
 const char *npa_region_base(void);
 /* Field 22 of /proc/<pid>/stat (pid 0: this process), the start time in
- * clock ticks since boot, and field 3, the state letter ('Z': a zombie).
+ * clock ticks since boot, and whether the process has exited: a zombie
+ * (field 3, its main thread's state, Z or X) with no other thread (field
+ * 20, the thread count, which counts that main thread: one that called
+ * pthread_exit reads Z while the others run on, holding the descriptors).
  * 0, or the errno of the open (ENOENT: no such process) or EIO. */
-int npa_process_start_time(pid_t pid, uint64_t *start_time, char *state);
+int npa_process_start_time(pid_t pid, uint64_t *start_time, bool *exited);
 /* Removes from the region directory dir_fd the regions of this user's
  * processes that ended without removing theirs (os._exit, a crash,
  * SIGKILL) (reap.c). */

@@ -15,7 +15,8 @@
  * opened without following a link or waiting on a FIFO, whose lock nobody
  * holds (region_lock.h: a live process holds its region's, and its
  * temporary's from before it has a name, in whatever pid namespace it is)
- * and whose pid names no process here, or a zombie: for a region, the
+ * and whose pid names no process here, or a zombie with no thread left
+ * (one whose main thread called pthread_exit still runs): for a region, the
  * pid in its header, which also tells one started at another time (a
  * region whose lock could not be taken goes by the pid alone, as `ls`
  * removes it); for a temporary or an aside name, the pid in the name,
@@ -24,7 +25,8 @@
  * live region left aside stays, locked (`ls` puts it back). `ls` takes
  * the same names by the same rule (npualloc/region.py's LEFTOVER_NAME,
  * PID_MAX and process_gone; the snapshot files go with `ls` only): a pid
- * as getpid gives it (1 to INT32_MAX, no leading zero), a zombie gone.
+ * as getpid gives it (1 to INT32_MAX, no leading zero), an exited zombie
+ * gone.
  * What is unlinked is that inode (unlink_checked.h): a process that reused
  * the pid may have renamed its fresh region over it. */
 #define _GNU_SOURCE

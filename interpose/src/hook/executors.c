@@ -241,6 +241,17 @@ static aclnnStatus forward_waited(uint64_t synced, uint64_t deferred_through)
     return refused;
 }
 
+/* Without exec_lock (a forced drain's and a settle's, between their two
+ * holds): each of devices synchronized; the bits of those that succeeded. */
+static uint64_t synchronize_devices(uint64_t devices)
+{
+    uint64_t synced = 0;
+    for (int d = 0; d < SETTLED_DEVICES; d++)
+        if ((devices & (1ull << d)) && npa_hook_synchronize(d) == ACL_SUCCESS)
+            synced |= 1ull << d;
+    return synced;
+}
+
 /* Forced: a synchronize stands in for each fence not done, but only one
  * that succeeded proves the kernels using the executor are done. It runs
  * without exec_lock, as a settle's does: a thread making an executor
@@ -258,9 +269,7 @@ void npa_exec_drain(npa_drain how)
                 waiting |= 1ull << pending[i].device;
         deferred_through = deferrals;
         npa_mutex_unlock(&exec_lock);
-        for (int d = 0; d < SETTLED_DEVICES; d++)
-            if ((waiting & (1ull << d)) && npa_hook_synchronize(d) == ACL_SUCCESS)
-                synced |= 1ull << d;
+        synced = synchronize_devices(waiting);
         npa_mutex_lock(&exec_lock);
     } else if (npa_mutex_trylock(&exec_lock) != 0) {
         return; /* another thread is draining: the allocation path never waits here */
@@ -281,7 +290,7 @@ void npa_exec_drain(npa_drain how)
 void npa_exec_settle(uint64_t devices)
 {
     npa_mutex_lock(&exec_lock);
-    uint64_t made_on = 0, settled = 0, made_before = set_generation;
+    uint64_t made_on = 0, made_before = set_generation;
     for (size_t i = 0; i < set_cap; i++) {
         int d = set_slots[i].device;
         aclOpExecutor *e = set_slots[i].executor;
@@ -292,9 +301,7 @@ void npa_exec_settle(uint64_t devices)
             made_on |= 1ull << d;
     }
     npa_mutex_unlock(&exec_lock);
-    for (int d = 0; d < SETTLED_DEVICES; d++)
-        if ((made_on & (1ull << d)) && npa_hook_synchronize(d) == ACL_SUCCESS)
-            settled |= 1ull << d;
+    uint64_t settled = synchronize_devices(made_on);
     if (settled == 0)
         return;
     npa_mutex_lock(&exec_lock);

@@ -743,7 +743,7 @@ void npa_region_forget_after_fork(void)
      * that file: the directory (the child's region opens its own) and the
      * region file (held here, its lock would say the parent lives for as
      * long as this child does). */
-    if (still_ours(g_dir_fd, g_dir_dev, g_dir_ino))
+    if (region_dir_fd() >= 0)
         close(g_dir_fd);
     g_dir_fd = -1;
     if (still_ours(g_file_fd, g_dir_dev, g_file_ino))

@@ -203,28 +203,31 @@ def process_stopped(pid: int) -> bool:
     return fields is not None and fields[0] in (b"T", b"t")
 
 
-def process_ended(pid: int, start_time: int) -> bool:
-    """Whether the process that started at start_time is gone: no such pid,
-    a pid reused by a later process (one /proc hides from us included: the
-    process we read before was not hidden), or a zombie (field 3: it has
-    exited, only its parent's wait is left, _exited)."""
+def _live_fields(pid: int) -> list[bytes] | None:
+    """/proc/<pid>/stat's fields (_stat_fields) of the process with pid when
+    one lives here, whenever it started; None when none does: no such pid,
+    one /proc hides from us (another user's: ours are readable), or a zombie
+    (_exited: its descriptors, and so its locks, are gone; only its parent's
+    wait is left)."""
     try:
         fields = _stat_fields(pid)
     except HiddenProcessError:
-        return True
-    return fields is None or int(fields[22 - 3]) != start_time or _exited(fields)
+        return None
+    return None if fields is None or _exited(fields) else fields
+
+
+def process_ended(pid: int, start_time: int) -> bool:
+    """Whether the process that started at start_time is gone: gone as
+    process_gone tells (a pid /proc hides from us included: the process we
+    read before was not hidden), or the pid reused by a later process."""
+    fields = _live_fields(pid)
+    return fields is None or int(fields[22 - 3]) != start_time
 
 
 def process_gone(pid: int) -> bool:
-    """Whether no process with pid lives here, whenever it started: none,
-    one /proc hides from us (another user's: ours are readable), or a zombie (_exited)
-    (its descriptors, and so its locks, are gone; only its parent's wait is
-    left). The reaper's rule (interpose/src/region/reap.c's ended)."""
-    try:
-        fields = _stat_fields(pid)
-    except HiddenProcessError:
-        return True
-    return fields is None or _exited(fields)
+    """Whether no process with pid lives here, whenever it started
+    (_live_fields). The reaper's rule (interpose/src/region/reap.c's ended)."""
+    return _live_fields(pid) is None
 
 
 def process_uid(pid: int) -> int | None:

@@ -637,88 +637,79 @@ def read_live_regions(read: Callable[[int, Region], T],
 
 def _remove_leftover_of_dead(dir_fd: int, name: str) -> str | None:
     """Removes name when it is what a gone process left; the name a live
-    region found there went back under (_put_back_if_held), if any."""
+    region found there went back under (_put_back), if any. Whether a live
+    process still uses it is asked of its lock, whatever pid namespace that
+    process is in: where the name's pid names another process here, or none,
+    a pid cannot tell. A region's temporary is locked from its creation, and
+    a reaper's aside name holds what it moved: a live region keeps its lock
+    (region_lock.h). A snapshot file and its temporary go by their region's
+    lock (_region_held)."""
     match = LEFTOVER_NAME.fullmatch(name)
     if match is None:
         return None
     pid = int(match.group(1) or match.group(3))
     if pid > PID_MAX:
         return None  # no name a process gives: the reaper keeps it too
-    if match.group(2):
-        held, put_back = _put_back_if_held(dir_fd, name)
-        if held:
-            return put_back
+    aside = match.group(2) is not None
     try:
         # Before the tests: a file a live process puts at the name after them is never the one removed.
-        inode = lstat_no_mount(name, dir_fd).st_ino
+        info = lstat_no_mount(name, dir_fd)
     except OSError:
         return None  # gone already
-    if _in_use(dir_fd, name, inode, pid, snapshot=match.group(3) is not None):
+    if aside and info.st_uid != os.geteuid():
+        return None  # another user's, in a directory root lists: theirs, never opened nor removed
+    if reader_library().npualloc_reader_locked(dir_fd, name.encode(), info.st_ino) == 1:
+        return _put_back(dir_fd, name, info) if aside else None  # held: never removed
+    if match.group(3) is not None and _region_held(dir_fd, pid):
         return None
     if process_gone(pid):
-        _remove_stale(dir_fd, name, inode)
+        _remove_stale(dir_fd, name, info.st_ino)
     return None
 
 
-def _in_use(dir_fd: int, name: str, inode: int, pid: int, snapshot: bool) -> bool:
-    """Whether a live process still uses leftover name (inode), whatever pid
-    namespace it is in: where the name's pid names another process here, or
-    none, a pid cannot tell. A region's temporary is locked from its creation
-    (region_lock.h). A snapshot file and its temporary are their process's
-    while it holds its region npualloc.<pid>'s lock: its requester reads the
-    file after the answer, and the process removes it later or at exit."""
-    reader = reader_library()
-    if reader.npualloc_reader_locked(dir_fd, name.encode(), inode) == 1:
-        return True
-    if not snapshot:
-        return False
+def _region_held(dir_fd: int, pid: int) -> bool:
+    """Whether region npualloc.<pid>'s lock is held: a snapshot file and its
+    temporary are their process's while it holds it, as its requester reads
+    the file after the answer, and the process removes it later or at exit."""
     region = f"npualloc.{pid}"
     try:
         region_inode = lstat_no_mount(region, dir_fd).st_ino
     except OSError:
         return False  # no region: its process removed it at exit, or it was removed as a gone process's
-    return bool(reader.npualloc_reader_locked(dir_fd, region.encode(), region_inode) == 1)
+    return bool(reader_library().npualloc_reader_locked(dir_fd, region.encode(), region_inode) == 1)
 
 
-def _put_back_if_held(dir_fd: int, name: str) -> tuple[bool, str | None]:
-    """Whether name, a reaper's aside name, holds a region whose process
-    lives (its lock is held), which is then never removed, and the name it
-    went back under, if it did: a reaper moves a name aside before it looks
-    at what it moved, and a live region renamed over a leftover at that
+def _put_back(dir_fd: int, name: str, info: os.stat_result) -> str | None:
+    """The name that name, a reaper's aside name (info: its lstat) holding a
+    region whose process lives (its lock is held), went back under, if it
+    did; held, it is never removed: a reaper moves a name aside before it
+    looks at what it moved, and a live region renamed over a leftover at that
     moment stays there when the reaper is killed before it puts it back, or
     finds its name taken. Ours goes back under its own name, npualloc.<pid>,
     unless another file took that: a process with that pid in another pid
     namespace published there, and putting ours back over it would hide
     that live one instead. It goes back once that name is free."""
     try:
-        info = lstat_no_mount(name, dir_fd)
-    except OSError:
-        return False, None  # gone already
-    if info.st_uid != os.geteuid():
-        return True, None  # another user's, in a directory root lists: theirs, never opened nor removed
-    if reader_library().npualloc_reader_locked(dir_fd, name.encode(), info.st_ino) != 1:
-        return False, None
-    try:
         fd = open_no_mount(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd)
     except OSError:
-        return True, None
+        return None
     try:
         same = os.fstat(fd).st_ino == info.st_ino
         data = bytearray(os.pread(fd, ffi.sizeof("npualloc_region_header"), 0))
     finally:
         os.close(fd)
     if not same or len(data) != ffi.sizeof("npualloc_region_header"):
-        return True, None
+        return None
     header = ffi.from_buffer("npualloc_region_header *", data)
     if header.magic != constants.NPUALLOC_SHM_MAGIC or header.version != constants.NPUALLOC_SHM_VERSION or header.pid <= 0:
-        return True, None  # held, yet not a region of this layout: where it goes is not ours to tell
+        return None  # held, yet not a region of this layout: where it goes is not ours to tell
     own = f"npualloc.{header.pid}"
     try:
         os.link(name, own, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError:
-        return True, None  # the name is taken (or the link refused): left aside, never removed
+        return None  # the name is taken (or the link refused): left aside, never removed
     reader_library().npualloc_reader_unlink_checked(dir_fd, name.encode(), info.st_dev, info.st_ino)
-    return True, own
+    return own
 
 
 def _remove_stale(dir_fd: int, name: str, inode: int) -> None:

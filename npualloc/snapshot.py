@@ -249,8 +249,8 @@ def record_memory_history(enabled: str | bool | None = "all", context: str | Non
     "all" does (torch then keeps a trace of one entry beside the live blocks'
     stacks, but npualloc takes a live block's stack from its alloc event in
     the trace)."""
-    if enabled is False or enabled is True:  # torch's legacy form: _record_memory_history(False) is off
-        enabled = None if enabled is False else "all"
+    if isinstance(enabled, bool):  # torch's legacy form: _record_memory_history(False) is off
+        enabled = "all" if enabled else None
     _check_option("enabled", enabled, ("state", "all"))
     _check_option("context", context, ("state", "alloc", "all"))
     _check_option("stacks", stacks, ("python", "all"))

@@ -151,12 +151,20 @@ def _in_process_bytes() -> bytes:
         lib.npualloc_free_snapshot(buffer)
 
 
-def _read_snapshot_file(region: Region, name: str) -> bytes:
-    """Reads and removes the file the process wrote for us beside its region;
-    never through a link and only our own regular file, though the directory
-    is the user's own (region_dir.c), and in the directory the region was
-    opened in, not at its path: where the base is not sticky another user can
-    rename that directory and put their own at its name."""
+def _snapshot_file_name(region: Region, seq: int) -> str:
+    """The name of the file region's process writes for snapshot command seq
+    (NPUALLOC_CMD_SNAPSHOT)."""
+    return f"{region.path.name}.snapshot.{seq}"
+
+
+def _read_snapshot_file(region: Region, seq: int) -> bytes:
+    """Reads and removes the file the process wrote beside its region for
+    our snapshot command seq; never through a link and only our own regular
+    file, though the directory is the user's own (region_dir.c), and in the
+    directory the region was opened in, not at its path: where the base is
+    not sticky another user can rename that directory and put their own at
+    its name."""
+    name = _snapshot_file_name(region, seq)
     path = region.path.with_name(name)
     try:
         return read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),
@@ -184,7 +192,7 @@ def snapshot_bytes(pid: int | None = None, timeout: float = COMMAND_TIMEOUT_S) -
     assert pid is not None
     with Region(pid, writable=True) as region:
         seq = region.post_command(constants.NPUALLOC_CMD_SNAPSHOT, timeout=timeout)
-        return _read_snapshot_file(region, f"{region.path.name}.snapshot.{seq}")
+        return _read_snapshot_file(region, seq)
 
 
 def torch_snapshot(device: object = None, augment_with_fx_traces: bool = False, *, pid: int | None = None,

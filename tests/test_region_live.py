@@ -472,7 +472,7 @@ try:
         seq = region.post_command(constants.NPUALLOC_CMD_SNAPSHOT, timeout=20)
         print("answered", flush=True)
         sys.stdin.readline()
-        data = npualloc.snapshot._read_snapshot_file(region, f"{region.path.name}.snapshot.{seq}")
+        data = npualloc.snapshot._read_snapshot_file(region, seq)
     print(len(npualloc.snapshot.loads(data)["segments"]), flush=True)
 finally:
     worker.communicate(b"stop", timeout=30)

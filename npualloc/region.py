@@ -39,7 +39,9 @@ PID_MAX = 2**31 - 1
 # when another user took the first name (interpose/src/region/region_dir.c).
 REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # What else a process leaves beside its region: snapshot files posted for a
-# requester that gave up waiting, and temporaries of a process that died while
+# requester that gave up waiting (npualloc.<pid>.snapshot.<region inode>.<seq>,
+# or without the inode as an npualloc of region layout version 7 and older
+# named them), and temporaries of a process that died while
 # writing (the region's own, .npualloc.<pid>.tmp.<8 hex>, and a snapshot's:
 # .tmp.<pid>.<8 hex>; each without the hex as an npualloc before 2026-11-25,
 # or for the region's before 2026-11-27, named it), and a gone process's region
@@ -50,7 +52,7 @@ REGION_DIR_NAME = re.compile(r"npualloc-(0|[1-9][0-9]*)(?:\.[A-Za-z0-9]{6})?")
 # gone processes too, by these names (interpose/src/region/reap.c's left_by):
 # the two must stay alike.
 LEFTOVER_NAME = re.compile(r"\.npualloc\.([1-9][0-9]*)\.(?:tmp|(reap))(?:\.[0-9a-f]{8})?|"
-                           r"npualloc\.([1-9][0-9]*)\.snapshot\.[0-9]+(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
+                           r"npualloc\.([1-9][0-9]*)\.snapshot(?:\.[0-9]+){1,2}(?:\.tmp\.[0-9]+(?:\.[0-9a-f]{8})?)?")
 # A writer stays inside its seqlock for a handful of stores; a seq that stays
 # odd this long belongs to a writer that died or stopped mid-update. The C copy
 # tries SEQLOCK_ATTEMPTS times (yielding between two) per call; calls repeat
@@ -326,6 +328,10 @@ class Region:
             # beside its region (snapshots): its name may be given to another
             # directory meanwhile where the base is not sticky.
             self.directory_fd = os.dup(directory[1])
+            # The file's inode names those files, as a process with this pid
+            # in another pid namespace sharing the directory has the same
+            # region name: no other file has it while we hold this one open.
+            self.inode = os.fstat(file.fd).st_ino
             self._check_header(start_time)
         except BaseException:
             self.close()

@@ -9,8 +9,8 @@ they are loaded here with an unpickler that refuses every class, so a file
 from elsewhere cannot run code through this module.
 
 With pid=... the snapshot comes from another process: a command through its
-region makes it write <region>.snapshot.<seq> at its next allocator call,
-which is read and removed here.
+region makes it write <region>.snapshot.<region inode>.<seq> at its next
+allocator call, which is read and removed here.
 
 Frames are recorded only with record_stacks:python (or stacks="python" here,
 in this process): the library then takes the Python frames of each malloc's
@@ -153,8 +153,10 @@ def _in_process_bytes() -> bytes:
 
 def _snapshot_file_name(region: Region, seq: int) -> str:
     """The name of the file region's process writes for snapshot command seq
-    (NPUALLOC_CMD_SNAPSHOT)."""
-    return f"{region.path.name}.snapshot.{seq}"
+    (NPUALLOC_CMD_SNAPSHOT): the region file's inode in it, since a process
+    with the same pid in another pid namespace sharing the directory has the
+    same region name, and numbers its commands as this one does."""
+    return f"{region.path.name}.snapshot.{region.inode}.{seq}"
 
 
 def _read_snapshot_file(region: Region, seq: int) -> bytes:

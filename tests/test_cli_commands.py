@@ -233,13 +233,17 @@ def test_ls_cleans_leftover_snapshot_and_temporary_files_of_dead_processes(tmp_p
     dead.wait()
     mine = region_file(tmp_path, dead.pid).parent
     mine.mkdir(mode=0o700)
-    leftovers = [mine / f"npualloc.{dead.pid}.snapshot.3", mine / f".npualloc.{dead.pid}.tmp.0badf00d",
+    leftovers = [mine / f"npualloc.{dead.pid}.snapshot.2148584.3",  # .<its region's inode>.<command>
+                 mine / f"npualloc.{dead.pid}.snapshot.2148584.4.tmp.{dead.pid}.0badf00d",
+                 mine / f"npualloc.{dead.pid}.snapshot.3",  # as named before region layout version 8
+                 mine / f".npualloc.{dead.pid}.tmp.0badf00d",
                  mine / f".npualloc.{dead.pid}.tmp",  # as named before random suffixes
                  mine / f".npualloc.{dead.pid}.reap.5eed1e55",  # a gone region moved aside by a reaper killed then
                  mine / f".npualloc.{dead.pid}.reap",  # as named before random suffixes
                  mine / f"npualloc.{dead.pid}.snapshot.4.tmp.{dead.pid}.0badf00d",
                  mine / f"npualloc.{dead.pid}.snapshot.5.tmp.{dead.pid}"]  # as named before random suffixes
-    kept = [mine / f"npualloc.{os.getpid()}.snapshot.1",  # a live process's: a requester may be reading it
+    kept = [mine / f"npualloc.{os.getpid()}.snapshot.2148584.1",  # a live process's: a requester may be reading it
+            mine / f"npualloc.{os.getpid()}.snapshot.1",
             mine / "unrelated.file", tmp_path / f"npualloc.{dead.pid}.snapshot.3"]  # not in a region directory
     for path in leftovers + kept:
         path.write_bytes(b"x")

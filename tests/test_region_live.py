@@ -200,8 +200,10 @@ def test_ls_leaves_the_files_a_live_process_whose_pid_names_none_here_still_uses
         w.call("malloc(4096)")
         region = region_file(shm, dead[0])
         os.link(region_file(shm, w.pid), region)
-        used = [region.with_name(f"{region.name}.snapshot.1"),
-                region.with_name(f"{region.name}.snapshot.2.tmp.{dead[0]}.0badf00d")]
+        inode = region.stat().st_ino
+        used = [region.with_name(f"{region.name}.snapshot.{inode}.1"),
+                region.with_name(f"{region.name}.snapshot.{inode}.2.tmp.{dead[0]}.0badf00d"),
+                region.with_name(f"{region.name}.snapshot.3")]  # as named before region layout version 8
         temporary = region.with_name(f".npualloc.{dead[1]}.tmp.0badf00d")
         for path in used + [temporary]:
             path.write_bytes(b"x")
@@ -449,8 +451,9 @@ def test_a_region_temporary_is_linked_only_as_itself_where_proc_is_no_procfs(shm
 
 # Inside a pid namespace of its own (unshare's fork, pid 1 there): a worker
 # given the pid argv[1] there (ns_last_pid), which names no process outside,
-# allocates until told to stop; this process asks it for a snapshot and
-# reads the file once a line comes on stdin.
+# holds 4096 bytes (and argv[3] MiB more, a segment of their own, when not
+# 0) and allocates until told to stop; this process asks it for a snapshot
+# and reads the file once a line comes on stdin, then prints its segments.
 SNAPSHOT_IN_A_PID_NAMESPACE = r"""
 import os, subprocess, sys
 import npualloc.snapshot
@@ -459,6 +462,7 @@ from npualloc.region import Region
 
 WORKER = ("import acl, select, sys\n"
           "acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)\n"
+          f"if {int(sys.argv[3])}: acl.rt.malloc({int(sys.argv[3])} << 20, 0)\n"
           "print(flush=True)\n"
           "while not select.select([sys.stdin], [], [], 0.005)[0]:\n"
           "    acl.rt.free(acl.rt.malloc(4096, 0)[0])\n")
@@ -479,6 +483,14 @@ finally:
 """
 
 
+def _snapshot_in_a_pid_namespace(shm: Path, pid: int, extra_mib: int) -> subprocess.Popen:
+    """SNAPSHOT_IN_A_PID_NAMESPACE run in a pid namespace of its own."""
+    return subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                             SNAPSHOT_IN_A_PID_NAMESPACE, str(pid), preload_env()["LD_PRELOAD"], str(extra_mib)],
+                            env=sim_env(NPUALLOC_SHM_DIR=str(shm)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare(1): a process in a pid namespace of its own")
 def test_ls_leaves_the_snapshot_of_a_process_in_another_pid_namespace_for_its_requester(shm: Path) -> None:
@@ -486,16 +498,34 @@ def test_ls_leaves_the_snapshot_of_a_process_in_another_pid_namespace_for_its_re
     requester in its namespace, and `ls` outside removed the file before the
     requester read it, its pid naming no process there."""
     pid = _dead_pid()
-    inner = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                              SNAPSHOT_IN_A_PID_NAMESPACE, str(pid), preload_env()["LD_PRELOAD"]],
-                             env=sim_env(NPUALLOC_SHM_DIR=str(shm)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    inner = _snapshot_in_a_pid_namespace(shm, pid, 0)
     try:
         assert inner.stdout is not None and inner.stdout.readline() == "answered\n"
         assert run_cli(["ls"], shm).returncode == 0
     finally:
         out, err = inner.communicate("read it\n", timeout=60)
     assert inner.returncode == 0 and out == "1\n", err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1): processes in pid namespaces of their own")
+def test_a_snapshot_requester_reads_its_own_process_s_file_beside_a_same_pid_one(shm: Path) -> None:
+    """Two processes with the same pid in two pid namespaces sharing the
+    directory, each asked for its first snapshot by a requester in its own:
+    both answered at npualloc.<pid>.snapshot.1, the second over the first's
+    file before its requester read it, which then read (1 segment expected,
+    2 read) and removed the other's, whose requester found none."""
+    pid = _dead_pid()
+    requesters = [_snapshot_in_a_pid_namespace(shm, pid, 0)]
+    try:
+        assert requesters[0].stdout is not None and requesters[0].stdout.readline() == "answered\n"
+        requesters.append(_snapshot_in_a_pid_namespace(shm, pid, 12))
+        assert requesters[1].stdout is not None and requesters[1].stdout.readline() == "answered\n"
+    finally:
+        read = [requester.communicate("read it\n", timeout=60) for requester in requesters]
+    assert [(requester.returncode, out) for requester, (out, _) in zip(requesters, read)] == \
+        [(0, "1\n"), (0, "2\n")], [err for _, err in read]
+    assert os.listdir(region_file(shm, pid).parent) == []
 
 
 def test_a_forked_child_does_not_keep_the_parents_region_alive(shm: Path) -> None:

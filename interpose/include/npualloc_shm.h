@@ -13,7 +13,9 @@
  * so has the pause state with its byte counts (header.pause.seq).
  *
  * Bump NPUALLOC_SHM_VERSION on any change of layout or meaning of a field
- * below. A new command code needs no bump: a process that predates it
+ * below, or of where a command leaves its answer (a snapshot's file name):
+ * a requester then refuses the other side's region instead of misreading
+ * it. A new command code needs no bump: a process that predates it
  * answers NPUALLOC_CMD_EUNKNOWN. */
 #ifndef NPUALLOC_SHM_H
 #define NPUALLOC_SHM_H
@@ -23,7 +25,7 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 7
+#define NPUALLOC_SHM_VERSION 8
 #define NPUALLOC_MAX_DEVICES 16
 #define NPUALLOC_CONFIG_LEN 1024 /* the longest config text, every key at its longest, is 836 */
 #define NPUALLOC_CMDLINE_LEN 256
@@ -40,7 +42,12 @@
 #define NPUALLOC_CMD_RESET_PEAK 2
 #define NPUALLOC_CMD_RESET_ACCUMULATED 3
 #define NPUALLOC_CMD_SET_GC_THRESHOLD 4
-#define NPUALLOC_CMD_SNAPSHOT 5         /* writes <region path>.snapshot.<request_seq>, torch's pickle */
+/* Writes torch's pickle beside the region at <region's name>.snapshot.<the
+ * region file's inode>.<request_seq> (version 8: .snapshot.<request_seq>
+ * before, where a process with the same pid in another pid namespace
+ * sharing the directory answered over the file another's requester was to
+ * read). */
+#define NPUALLOC_CMD_SNAPSHOT 5
 #define NPUALLOC_CMD_RECORD_HISTORY 6   /* arg: record_history entries per device, 0: off */
 #define NPUALLOC_MAX_RECORD_HISTORY 16777216 /* the most entries per device record_history takes */
 #define NPUALLOC_CMD_PAUSE 7            /* release all device memory, block allocator calls until RESUME */

@@ -538,9 +538,18 @@ static struct {
     ino_t ino;
 } g_snapshots[2];
 
+/* <region>.snapshot.<the region file's inode>.<seq>: the requester reads
+ * the inode off the file it posted through. At <region>.snapshot.<seq>
+ * alone, a process with our pid in another pid namespace sharing the
+ * directory, its commands numbered from 1 as ours are, answered over our
+ * file before our requester read it, which then read that process's
+ * snapshot and removed it. Two live regions never share an inode, both
+ * held open on the one file system. */
+#define SNAPSHOT_NAME_LEN (sizeof g_name + sizeof ".snapshot.." + 2 * 20)
+
 static void snapshot_name(char *name, size_t len, uint64_t seq)
 {
-    snprintf(name, len, "%s.snapshot.%llu", g_name, (unsigned long long)seq);
+    snprintf(name, len, "%s.snapshot.%llu.%llu", g_name, (unsigned long long)g_file_ino, (unsigned long long)seq);
 }
 
 /* Removes the file of g_snapshots[i] if it is still the one we wrote (its
@@ -549,17 +558,17 @@ static void snapshot_name(char *name, size_t len, uint64_t seq)
  * there, at any moment, so the inode goes, not the name: unlink_checked.h). */
 static void forget_snapshot(int dir_fd, int i)
 {
-    char name[sizeof g_name + 32];
+    char name[SNAPSHOT_NAME_LEN];
     snapshot_name(name, sizeof name, g_snapshots[i].seq);
     if (g_snapshots[i].ino != 0)
         (void)npa_unlink_checked(dir_fd, name, g_dir_dev, g_snapshots[i].ino);
     g_snapshots[i].ino = 0;
 }
 
-/* The snapshot file a requester finds beside the region: <region>.snapshot.<seq>. */
+/* The snapshot file a requester finds beside the region (snapshot_name). */
 static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
 {
-    char name[sizeof g_name + 32];
+    char name[SNAPSHOT_NAME_LEN];
     snapshot_name(name, sizeof name, seq);
     int dir_fd = region_dir_fd();
     int err = dir_fd < 0 ? 0 : npa_snapshot_write_at(a, dir_fd, name);
@@ -574,8 +583,9 @@ static int32_t write_snapshot(npa_allocator *a, uint64_t seq)
                       : err != 0 ? npa_snapshot_strerror(err)
                                  : NULL;
     if (why) {
-        npa_warn_once("snapshot for another process: cannot write %s.snapshot.%llu: %s", g_path,
-                      (unsigned long long)seq, why);
+        /* g_path ends in g_name, the name's start: its directory, then the name. */
+        npa_warn_once("snapshot for another process: cannot write %.*s%s: %s", (int)(strlen(g_path) - strlen(g_name)),
+                      g_path, name, why);
         return NPUALLOC_CMD_EFAILED;
     }
     return NPUALLOC_CMD_OK;

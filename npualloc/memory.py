@@ -14,7 +14,7 @@ from typing import Any
 
 from ._ffi import (ACL_ERROR_RT_MEMORY_ALLOCATION, ACL_ERROR_RT_MEMORY_FREE, ACL_HBM_MEM, PACKAGE_DIR, c_string,
                    constants, ffi, loaded_library, runtime_library)
-from .errors import InvalidDeviceError, NotUnderNpuallocError, NpuallocError
+from .errors import CorruptRegionError, InvalidDeviceError, NotUnderNpuallocError, NpuallocError
 from .region import COMMAND_TIMEOUT_S, Region, read_live_regions
 from .summary import format_summary
 
@@ -470,10 +470,20 @@ def list_gpu_processes(device: object = None) -> str:
     return "\n".join(lines)
 
 
-def mem_get_info(device: object = None) -> tuple[int, int]:
-    """(free_bytes, total_bytes) of the device from aclrtGetMemInfo(ACL_HBM_MEM):
-    through npualloc when it is loaded, else through the runtime directly;
-    either way the current device stays what it was."""
+def mem_get_info(device: object = None, pid: int | None = None) -> tuple[int, int]:
+    """torch's mem_get_info: (free_bytes, total_bytes) of the device from
+    aclrtGetMemInfo(ACL_HBM_MEM), through npualloc when it is loaded, else
+    through the runtime directly; either way the current device stays what
+    it was. With another pid, the pair that process last sampled, read from
+    its region: it samples where device memory changes hands through it (a
+    cache miss that grew its pool, an empty_cache, an OOM, memory_saver's
+    allocations, frees and pauses), not at this call (only the process can
+    ask its runtime), so memory other processes took since shows at its
+    next sample. A device it has no sample of (never allocated on through
+    its cache, or its runtime could not tell the size) raises NpuallocError."""
+    if not _in_process(pid):
+        assert pid is not None
+        return _region_mem_get_info(pid, device)
     free_bytes = ffi.new("size_t *")
     total_bytes = ffi.new("size_t *")
     lib = loaded_library()
@@ -485,6 +495,22 @@ def mem_get_info(device: object = None) -> tuple[int, int]:
     if ret != 0:
         raise NpuallocError(f"aclrtGetMemInfo(ACL_HBM_MEM) on device {index} failed: error {ret}")
     return int(free_bytes[0]), int(total_bytes[0])
+
+
+def _region_mem_get_info(pid: int, device: object) -> tuple[int, int]:
+    """mem_get_info(device, pid): device_free_bytes and device_total_bytes
+    of the process's region."""
+    with Region(pid) as region:
+        index = region_device(region, device)
+        stats = region.read_device_stats(index)
+        free_bytes, total_bytes = int(stats.device_free_bytes), int(stats.device_total_bytes)
+        if free_bytes < 0 or total_bytes < 0:  # size_t figures the process stored as int64
+            raise CorruptRegionError(f"{region.path}: device {index}'s memory figures are negative "
+                                     f"({free_bytes} free of {total_bytes})")
+    if total_bytes == 0:
+        raise NpuallocError(f"process {pid} has no figure of device {index}'s memory: it has not allocated on "
+                            "it through npualloc's cache, or its runtime could not tell the device's size")
+    return free_bytes, total_bytes
 
 
 def is_active() -> bool:

@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import NPUALLOC_LIB, SIM_LIB, compile_c, compile_shim, preload_env, run_python, sim_env
@@ -23,7 +24,7 @@ from region_helpers import MAIN_HOLDING_1_MIB, Workload, cli_env, region_bytes, 
 
 import npualloc
 from npualloc._ffi import constants, ffi
-from npualloc.errors import CommandRejectedError, CommandTimeoutError
+from npualloc.errors import CommandRejectedError, CommandTimeoutError, NoSuchProcessError, NpuallocError
 from npualloc.region import LEFTOVER_NAME, Region, process_start_time, reader_library
 
 MiB = 1 << 20
@@ -89,11 +90,35 @@ def test_a_device_past_the_runtime_devices_is_refused_from_outside_too(shm: Path
         refusal = r"invalid device (7|'npu:2'|2): the runtime sees 2 device\(s\)"
         for call in (lambda: npualloc.memory_stats(7, pid=w.pid), lambda: npualloc.memory_allocated("npu:2", pid=w.pid),
                      lambda: npualloc.memory_summary(7, pid=w.pid), lambda: npualloc.reset_peak_memory_stats(7, pid=w.pid),
-                     lambda: npualloc.set_per_process_memory_fraction(0.5, 2, pid=w.pid)):
+                     lambda: npualloc.set_per_process_memory_fraction(0.5, 2, pid=w.pid),
+                     lambda: npualloc.mem_get_info(7, pid=w.pid)):
             with pytest.raises(ValueError, match=refusal):
                 call()
         assert npualloc.memory_allocated(0, pid=w.pid) >= MiB
         assert npualloc.memory_allocated(1, pid=w.pid) == 0  # a device that exists, unused
+
+def test_mem_get_info_of_another_process_is_the_pair_it_last_sampled(shm: Path) -> None:
+    """mem_get_info had no pid=, as every other reading call has: another
+    process's (free, total) is its region's last sample, taken at a cache
+    miss that grew its pool (or an empty_cache, an OOM), not a fresh query."""
+    with Workload(shm) as w:
+        w.call(f"malloc({MiB})")
+        w.call(f"malloc({200 * MiB})")  # a miss: the process samples the device
+        sampled = w.call("npualloc.mem_get_info(0)")  # the runtime's figure now, in the process
+        assert list(npualloc.mem_get_info(pid=w.pid)) == sampled and sampled[0] < sampled[1]
+        for device in (0, "npu:0", SimpleNamespace(type="npu", index=0)):
+            assert npualloc.mem_get_info(device, pid=w.pid) == tuple(sampled)
+        with Workload(shm) as other:  # another process on the same device, which w does not see
+            other.call(f"malloc({64 * MiB})")
+            assert w.call("npualloc.mem_get_info(0)")[0] <= sampled[0] - 64 * MiB
+            assert list(npualloc.mem_get_info(0, pid=w.pid)) == sampled
+            w.call(f"malloc({100 * MiB})")  # w's next miss: its next sample
+            assert list(npualloc.mem_get_info(0, pid=w.pid)) == w.call("npualloc.mem_get_info(0)")
+        with pytest.raises(NpuallocError, match="process [0-9]+ has no figure of device 1's memory"):
+            npualloc.mem_get_info(1, pid=w.pid)  # a device it has not used
+    with pytest.raises(NoSuchProcessError):
+        npualloc.mem_get_info(pid=w.pid)
+
 
 def test_outside_view_matches_the_process_own_view(shm: Path) -> None:
     with Workload(shm) as w:

@@ -20,7 +20,7 @@ import npualloc
 from npualloc import region as region_module
 from npualloc._ffi import REGION_SIZE, constants, ffi
 from npualloc.errors import (CorruptRegionError, IncompatibleRegionError, NoSuchProcessError, NotUnderNpuallocError,
-                             OtherUserError, ProcessStoppedError)
+                             NpuallocError, OtherUserError, ProcessStoppedError)
 from npualloc.region import Region
 
 
@@ -41,6 +41,8 @@ def test_a_device_is_refused_only_past_a_runtime_count_the_process_recorded(shm:
     if runtime_devices == 2:
         with pytest.raises(RuntimeError, match=r"invalid device 7: the runtime sees 2 device\(s\)"):
             npualloc.memory_stats(7, pid=sleeper)
+        with pytest.raises(RuntimeError, match=r"invalid device 7: the runtime sees 2 device\(s\)"):
+            npualloc.mem_get_info(7, pid=sleeper)
     else:
         assert npualloc.memory_allocated(7, pid=sleeper) == 0
     assert npualloc.memory_allocated(1, pid=sleeper) == 0
@@ -66,6 +68,29 @@ def test_well_formed_region_is_read(shm: Path, sleeper: int) -> None:
     with Region(sleeper) as opened:
         assert opened.header().cmdline == "crafted"
         assert opened.devices_in_use() == [1]
+
+
+@pytest.mark.parametrize("free, total, error, fragment", [
+    (3 << 30, 32 << 30, None, ""),
+    (0, 0, NpuallocError, "has no figure of device 1's memory"),  # in use, but its runtime could not tell
+    (-1, 32 << 30, CorruptRegionError, "memory figures are negative"),
+    (0, -1, CorruptRegionError, "memory figures are negative"),
+])
+def test_mem_get_info_reads_the_sampled_pair(shm: Path, sleeper: int, free: int, total: int, error: type | None,
+                                             fragment: str) -> None:
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper, device_count=2), REGION_SIZE)
+    region.devices[1].in_use = 1
+    region.devices[1].device_free_bytes = free
+    region.devices[1].device_total_bytes = total
+    write_region(shm, sleeper, bytes(ffi.buffer(region)))
+    if error is None:
+        assert npualloc.mem_get_info(pid=sleeper) == npualloc.mem_get_info("npu:1", pid=sleeper) == (free, total)
+    else:
+        with pytest.raises(error, match=fragment):
+            npualloc.mem_get_info(pid=sleeper)
+    with pytest.raises(NpuallocError, match="has no figure of device 0's memory"):
+        npualloc.mem_get_info(0, pid=sleeper)  # a device it has not used
 
 
 def test_a_larger_file_is_read_up_to_the_layout_size(shm: Path, sleeper: int) -> None:
@@ -104,6 +129,8 @@ def test_damaged_regions_are_refused(shm: Path, sleeper: int, data: object, erro
     write_region(shm, sleeper, data)
     with pytest.raises(error, match=fragment):
         npualloc.memory_stats(pid=sleeper)
+    with pytest.raises(error, match=fragment):
+        npualloc.mem_get_info(pid=sleeper)
 
 
 def test_symlink_is_refused(shm: Path, sleeper: int) -> None:
@@ -128,6 +155,8 @@ def test_missing_region_and_dead_process(shm: Path, sleeper: int) -> None:
     write_region(shm, dead.pid, region_bytes(sleeper, pid=dead.pid))
     with pytest.raises(NoSuchProcessError):
         npualloc.memory_stats(pid=dead.pid)
+    with pytest.raises(NoSuchProcessError):
+        npualloc.mem_get_info(pid=dead.pid)
 
 
 def test_writer_stuck_in_its_seqlock_is_reported(shm: Path, sleeper: int,

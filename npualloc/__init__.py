@@ -7,7 +7,8 @@ process through its shared-memory stats region.
 from .errors import (CommandInterruptedError, CommandRejectedError, CommandTimeoutError, CorruptRegionError,
                      IncompatibleRegionError, InvalidDeviceError, NoSuchProcessError, NotUnderNpuallocError,
                      NpuallocError, OtherUserError, ProcessStoppedError)
-from .memory import (caching_allocator_alloc, caching_allocator_delete, empty_cache, get_config, is_active,
+from .memory import (caching_allocator_alloc, caching_allocator_delete, empty_cache, get_config,
+                     get_per_process_memory_fraction, is_active,
                      library_path, list_gpu_processes, max_memory_allocated, max_memory_cached, max_memory_reserved,
                      mem_get_info, memory_allocated, memory_cached, memory_reserved, memory_stats,
                      memory_stats_as_nested_dict, memory_summary, reset_accumulated_memory_stats,
@@ -26,7 +27,7 @@ __all__ = [
     "InvalidDeviceError", "NoSuchProcessError", "NotUnderNpuallocError", "NpuallocError", "OtherUserError",
     "ProcessStoppedError",
     "caching_allocator_alloc", "caching_allocator_delete", "dump_snapshot", "empty_cache", "get_config",
-    "is_active", "library_path", "list_gpu_processes",
+    "get_per_process_memory_fraction", "is_active", "library_path", "list_gpu_processes",
     "max_memory_allocated", "max_memory_cached", "max_memory_reserved", "mem_get_info", "memory_allocated",
     "memory_cached", "memory_reserved", "memory_snapshot", "memory_stats", "memory_stats_as_nested_dict",
     "memory_summary", "record_memory_history", "reset_accumulated_memory_stats", "reset_max_memory_allocated",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+import re
 import warnings
 from typing import Any
 
@@ -356,6 +357,49 @@ def set_per_process_memory_fraction(fraction: float, device: object = None, pid:
     it is not in get_config(): memory_stats()'s npualloc.reserved_limit_bytes
     shows it."""
     _set_memory_fraction(fraction, device, pid, timeout)
+
+
+def get_per_process_memory_fraction(device: object = None, pid: int | None = None) -> float:
+    """torch's get_per_process_memory_fraction: the device's cap on reserved
+    memory over its memory, as torch computes it (the cap in bytes, the
+    fraction times the device's bytes truncated, over the device's bytes),
+    1.0 without a cap. A device npualloc has not set up yet (or whose size
+    its runtime could not tell yet) reads the config's
+    per_process_memory_fraction, which it takes when it is, as torch's
+    devices take it at start."""
+    if _in_process(pid):
+        raw, _, _ = _raw_stats(device, pid)
+        return _memory_fraction(raw, get_config())
+    assert pid is not None
+    with Region(pid) as region:
+        raw = region.read_device_stats(region_device(region, device))
+        try:
+            return _memory_fraction(raw, region.header().config)
+        except ValueError:
+            raise CorruptRegionError(f"{region.path}: its per_process_memory_fraction (the device's cap, or the "
+                                     "config's) is no number in [0, 1]") from None
+
+
+# The config's per_process_memory_fraction, in the library's canonical text
+# (npa_config_format): keys in a fixed order, only oom_snapshot's value (a
+# path: any text) after it, so the key is looked for before that one.
+_CONFIG_FRACTION = re.compile(r"(?:^|,)per_process_memory_fraction:([^,]*)")
+
+
+def _memory_fraction(stats: Any, config: str) -> float:
+    """get_per_process_memory_fraction of a device's npualloc_device_stats
+    and the canonical config text; ValueError where either gives no number
+    in [0, 1] (no library writes one: the cap is at most the device's bytes)."""
+    total_bytes = int(stats.device_total_bytes)
+    if stats.in_use and total_bytes > 0:
+        limit_bytes = int(stats.reserved_limit_bytes)
+        fraction = limit_bytes / total_bytes if limit_bytes else 1.0
+    else:
+        match = _CONFIG_FRACTION.search(re.split(r"(?:^|,)oom_snapshot:", config, maxsplit=1)[0])
+        fraction = float(match.group(1)) if match else 1.0
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"per_process_memory_fraction {fraction} is out of [0, 1]")
+    return fraction
 
 
 def _allocation_size(size: object) -> int:

@@ -12,7 +12,7 @@ from conftest import preload_env, run_python, sim_env
 from region_helpers import Workload
 
 import npualloc
-from npualloc.errors import NotUnderNpuallocError
+from npualloc.errors import InvalidDeviceError, NotUnderNpuallocError
 from npualloc._ffi import ffi
 from npualloc.memory import device_index, stats_to_dict
 from npualloc.summary import format_count, format_size, format_summary, human_bytes
@@ -258,6 +258,32 @@ def test_set_per_process_memory_fraction_in_process(tmp_path: Path, monkeypatch:
     assert ("npualloc: npualloc_set_memory_fraction: 1e-09 on device 0: its cap is below the smallest segment "
             "(2 MiB), which would refuse every allocation (not applied)\n") in stderr, stderr
     assert stderr.count("the per-process cap was hit") == 2, stderr
+
+
+def test_get_per_process_memory_fraction_reads_the_cap_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's get_per_process_memory_fraction was missing (AttributeError):
+    the cap over the device's memory as torch computes it, 1.0 without one;
+    a device not set up yet reads the config's fraction, which it takes then
+    (torch's devices take it at start). In the process and from outside alike."""
+    monkeypatch.setenv("NPUALLOC_SHM_DIR", str(tmp_path))
+    get = "npualloc.get_per_process_memory_fraction"
+    with Workload(tmp_path, NPUSIM_HBM_MB="100", PYTORCH_NPU_ALLOC_CONF="per_process_memory_fraction:0.25") as w:
+        assert w.call(f"{get}()") == 0.25  # nothing allocated yet
+        w.call("malloc(4096)")
+        assert w.call(f"{get}(0)") == npualloc.get_per_process_memory_fraction(pid=w.pid) == 0.25
+        assert w.call(f"{get}('npu:1')") == npualloc.get_per_process_memory_fraction(1, pid=w.pid) == 0.25
+        w.call("npualloc.set_per_process_memory_fraction(0.3, 1)")
+        truncated = int(0.3 * 100 * MiB) / (100 * MiB)
+        assert w.call(f"{get}(1)") == npualloc.get_per_process_memory_fraction("npu:1", pid=w.pid) == truncated
+        w.call("npualloc.set_per_process_memory_fraction(1.0)")  # the cap off, whatever the config said
+        assert w.call(f"{get}()") == npualloc.get_per_process_memory_fraction(0, pid=w.pid) == 1.0
+        with pytest.raises(AssertionError, match="InvalidDeviceError: invalid device 12"):
+            w.call(f"{get}(12)")
+        with pytest.raises(InvalidDeviceError, match="invalid device 12"):
+            npualloc.get_per_process_memory_fraction(12, pid=w.pid)
+    with Workload(tmp_path) as w:  # no config: no cap anywhere
+        w.call("malloc(4096)")
+        assert [w.call(f"{get}({d})") for d in (0, 1)] == [1.0, 1.0]
 
 
 def test_a_memory_fraction_refused_before_acl_init_sets_nothing_up(tmp_path: Path) -> None:

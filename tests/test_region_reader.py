@@ -93,6 +93,37 @@ def test_mem_get_info_reads_the_sampled_pair(shm: Path, sleeper: int, free: int,
         npualloc.mem_get_info(0, pid=sleeper)  # a device it has not used
 
 
+@pytest.mark.parametrize("config, limit, fractions", [
+    (b"", 0, (1.0, 1.0)), (b"", 250, (1.0, 0.25)),
+    (b"per_process_memory_fraction:0.25", 0, (0.25, 1.0)),  # device 1 runs uncapped (set to 1.0, or refused)
+    (b"per_process_memory_fraction:0.25", 500, (0.25, 0.5)),
+    # the key's look-alike inside oom_snapshot's path (the last key: any text) is no key
+    (b"reuse_policy:safe,oom_snapshot:/tmp/x,per_process_memory_fraction:0.1", 0, (1.0, 1.0)),
+    (b"per_process_memory_fraction:abc", 0, (CorruptRegionError, 1.0)),
+    (b"per_process_memory_fraction:1.5", 0, (CorruptRegionError, 1.0)),
+    (b"", -1, (1.0, CorruptRegionError)),
+])
+def test_get_per_process_memory_fraction_of_a_region(shm: Path, sleeper: int, config: bytes, limit: int,
+                                                     fractions: tuple[float | type, float | type]) -> None:
+    """Device 0 is not set up: the config's fraction; device 1 is (1000
+    bytes, capped at limit, 0: none): its own cap, 1.0 without one."""
+    region = ffi.new("npualloc_region *")
+    ffi.memmove(region, region_bytes(sleeper, device_count=2), REGION_SIZE)
+    region.header.config = config
+    region.devices[1].in_use = 1
+    region.devices[1].device_total_bytes = 1000
+    region.devices[1].reserved_limit_bytes = limit
+    write_region(shm, sleeper, bytes(ffi.buffer(region)))
+    for device, fraction in enumerate(fractions):
+        if isinstance(fraction, type):
+            with pytest.raises(fraction, match="per_process_memory_fraction .* is no number in"):
+                npualloc.get_per_process_memory_fraction(device, pid=sleeper)
+        else:
+            assert npualloc.get_per_process_memory_fraction(f"npu:{device}", pid=sleeper) == fraction
+    if not isinstance(fractions[1], type):  # None: the first device in use
+        assert npualloc.get_per_process_memory_fraction(pid=sleeper) == fractions[1]
+
+
 def test_a_larger_file_is_read_up_to_the_layout_size(shm: Path, sleeper: int) -> None:
     write_region(shm, sleeper, region_bytes(sleeper) + b"\xff" * 4096)
     assert npualloc.memory_reserved(pid=sleeper) == 0

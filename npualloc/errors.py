@@ -59,9 +59,10 @@ class ProcessStoppedError(NpuallocError):
 
 
 class InvalidDeviceError(RuntimeError, ValueError):
-    """A device index past the devices the runtime sees. torch's check of it
-    raises RuntimeError ("Invalid device argument"), and npualloc raised
-    ValueError before: code written for either catches it."""
+    """A device index no device has: past the devices the runtime sees (past
+    npualloc's 16 on any runtime), or negative. torch's check of it raises
+    RuntimeError ("Invalid device argument"), and npualloc raised ValueError
+    before: code written for either catches it."""
 
 
 class CommandInterruptedError(KeyboardInterrupt):

@@ -136,7 +136,7 @@ def device_index(device: object, current: int | None = None) -> int:
         # torch.device's grammar: "npu:" and "npu:01" are errors there, not the current device and device 1.
         kind, colon, number = device.partition(":")
         index = parse_decimal(number) if colon else None
-        if kind != "npu" or (colon and (index is None or index < 0 or number != str(index))):
+        if kind != "npu" or (colon and (index is None or number != str(index))):
             raise ValueError(f"invalid device {device!r}: expected 'npu' or 'npu:N'")
     elif hasattr(device, "index") or hasattr(device, "idx"):
         kind = getattr(device, "type", "npu")
@@ -150,8 +150,9 @@ def device_index(device: object, current: int | None = None) -> int:
     if index is None:
         return _current_device() if current is None else current
     assert isinstance(index, int)
-    if not 0 <= index < constants.NPUALLOC_MAX_DEVICES:
-        raise ValueError(f"invalid device {device!r}: index out of range 0..{constants.NPUALLOC_MAX_DEVICES - 1}")
+    if not 0 <= index < constants.NPUALLOC_MAX_DEVICES:  # past every runtime's devices, as torch checks them
+        raise InvalidDeviceError(f"invalid device {device!r}: index out of range "
+                                 f"0..{constants.NPUALLOC_MAX_DEVICES - 1}")
     return index
 
 

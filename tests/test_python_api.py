@@ -42,6 +42,18 @@ def test_bad_devices_are_rejected(device: object) -> None:
         device_index(device)
 
 
+@pytest.mark.parametrize("device", [-1, 16, 1000, "npu:16", "npu:-1", SimpleNamespace(type="npu", index=16),
+                                    SimpleNamespace(index=-1), SimpleNamespace(idx=16)])
+def test_an_index_no_device_has_is_torchs_runtime_error(device: object) -> None:
+    """torch raises RuntimeError ("Invalid device argument") for any index
+    past its devices and for a negative one; npualloc's InvalidDeviceError
+    is both that and a ValueError, yet an index past npualloc's 16 devices
+    or below 0 raised a plain ValueError, which `except RuntimeError` missed,
+    while 8 on an 8-device node raised InvalidDeviceError."""
+    with pytest.raises(InvalidDeviceError, match="invalid device .*: index out of range 0..15"):
+        device_index(device)
+
+
 def test_size_and_count_scaling_like_torch() -> None:
     assert format_size(100, 100) == "   100 B  "
     assert format_size(1536 * 1024, 1536 * 1024) == "  1536 KiB"
@@ -480,7 +492,8 @@ def test_caching_allocator_refuses_bad_input_and_changes_nothing(tmp_path: Path)
                             ("alloc(True)", "TypeError"), ("alloc(-1)", "ValueError: invalid size -1"),
                             ("alloc(2 ** 63)", "ValueError: invalid size"),
                             ("alloc(512, 'npu:12')", "InvalidDeviceError: invalid device 'npu:12': the runtime sees 8"),
-                            ("alloc(512, 'cuda:0')", "ValueError: invalid device"), ("alloc(512, -1)", "ValueError"),
+                            ("alloc(512, 'cuda:0')", "ValueError: invalid device"),
+                            ("alloc(512, -1)", "InvalidDeviceError: invalid device -1: index out of range"),
                             ("alloc(512, 1.0)", "ValueError: invalid device"),
                             ("alloc(512, 0, 'stream')", "TypeError: Invalid type for stream"),
                             ("alloc(512, 0, -1)", "ValueError: invalid stream -1"),

@@ -28,6 +28,7 @@ int aclInit(const char *configPath);
 int aclrtSetDevice(int32_t deviceId);
 int aclrtResetDevice(int32_t deviceId);
 int aclrtGetDevice(int32_t *deviceId);
+int aclrtGetDeviceCount(uint32_t *count);
 int aclrtGetMemInfo(int attr, size_t *free, size_t *total);
 """
 ACL_HBM_MEM = 1

@@ -470,10 +470,15 @@ def _runtime_mem_get_info(runtime: Any, device: object, free_bytes: Any, total_b
     """(aclError, device index) of aclrtGetMemInfo on that device, the calling
     thread's current device left as it was (torch's device guard): as the
     library's npa_device_enter/leave, each aclrtSetDevice is paired with an
-    aclrtResetDevice, so no device's reference count is left raised."""
+    aclrtResetDevice, so no device's reference count is left raised. A
+    device past the runtime's count is refused first, as _own_device
+    refuses it in a process under npualloc."""
     current = ffi.new("int32_t *")
     previous = current[0] if runtime.aclrtGetDevice(current) == 0 else -1
     index = device_index(device, current=max(previous, 0))
+    count = ffi.new("uint32_t *")
+    if runtime.aclrtGetDeviceCount(count) == 0:  # else aclrtSetDevice says what is wrong
+        _check_device_count(device, index, int(count[0]))
     if index == previous:
         return runtime.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes), index
     ret = runtime.aclrtSetDevice(index)

@@ -367,6 +367,24 @@ def test_mem_get_info_outside_loads_the_runtime() -> None:
     assert 0 < free <= total and again == [free, total]
 
 
+def test_mem_get_info_outside_refuses_a_device_past_the_runtimes_count() -> None:
+    """Without npualloc loaded, such a device raised NpuallocError
+    (aclrtSetDevice's invalid device id), not the InvalidDeviceError, torch's
+    RuntimeError, that the process's own calls and pid= raise."""
+    proc = run_python("""
+        import npualloc
+        for device in (2, "npu:3"):
+            try:
+                npualloc.mem_get_info(device)
+            except RuntimeError as e:
+                print(type(e).__name__, e)
+        print(npualloc.mem_get_info(1)[1] > 0)
+    """, sim_env(NPUSIM_DEVICE_COUNT="2"))
+    assert proc.stdout.splitlines() == ["InvalidDeviceError invalid device 2: the runtime sees 2 device(s)",
+                                        "InvalidDeviceError invalid device 'npu:3': the runtime sees 2 device(s)",
+                                        "True"], proc.stdout + proc.stderr
+
+
 def test_mem_get_info_outside_leaves_the_current_device() -> None:
     # It called aclrtSetDevice and never undid it: mem_get_info(1) left device 1
     # current, and a thread with no device had one. torch's runs under a guard.

@@ -760,7 +760,7 @@ static void test_oversize_blocks_of_the_stream_go_back_before_a_retry(void) {
 static void test_a_use_on_a_destroyed_stream_leaves_nothing_to_wait_for(void) {
     fixture fx;
     fixture_streams_vmm(&fx, true, true);
-    /* A block waiting for stream 2 makes the polls back off. */
+    /* A block waiting for stream 2: a batch of stream events stays queued throughout. */
     void *waiting = alloc_on(&fx, 0, 1000);
     CHECK_EQ(npa_record_stream(fx.a, waiting, 2, 0), NPA_OK);
     CHECK_EQ(npa_free_stream(fx.a, waiting, 0, 0, NULL), NPA_FREE_OK);
@@ -808,6 +808,41 @@ static void test_blocks_waiting_for_a_stream_complete_oldest_first(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's malloc starts with process_events, which asks each stream's
+ * oldest event: a block recorded on a stream whose work has finished is
+ * free (inactive, out of the active stats) once the next malloc returns,
+ * whether or not that malloc could use it. The polls' back-off (for the
+ * plain frees' fences) held such a block active for up to 64 mallocs more
+ * after a query had found its stream busy. */
+static void test_a_block_whose_streams_finished_is_free_after_the_next_malloc(void) {
+    fixture fx;
+    npa_config config = merge_at_free_config();
+    fixture_streams_of(&fx, GiB, &config);
+    void *p = alloc_on(&fx, 1, 4096);
+    void *q = alloc_on(&fx, 1, 8192);
+    CHECK_EQ(npa_free_stream(fx.a, q, 1, 0, NULL), NPA_FREE_OK); /* cached for stream 1 */
+    CHECK_EQ(npa_record_stream(fx.a, p, 2, 0), NPA_OK);
+    CHECK_EQ(npa_free_stream(fx.a, p, 1, 0, NULL), NPA_FREE_OK);
+    for (int i = 0; i < 4; i++) { /* stream 2 still runs: each of these mallocs finds p's event not done */
+        void *r = alloc_on(&fx, 1, 8192);
+        CHECK(r == q);
+        CHECK_EQ(npa_free_stream(fx.a, r, 1, 0, NULL), NPA_FREE_OK);
+    }
+    CHECK_EQ(stats_of(&fx, 0).num_pending_frees, 1);
+
+    fake_complete_stream(&fx.fake, 2);
+    void *r = alloc_on(&fx, 1, 8192); /* as torch: p goes back first, merged with q, and serves it */
+    CHECK(r == p);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_pending_frees, 0);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 8192);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 8192);
+    CHECK_EQ(shape_of(&fx, 0).pending_blocks, 0);
+    CHECK_EQ(npa_free_stream(fx.a, r, 1, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_same_stream_reuse_is_immediate);
     RUN(test_segment_views_name_their_stream);
@@ -830,5 +865,6 @@ int main(void) {
     RUN(test_oversize_blocks_of_the_stream_go_back_before_a_retry);
     RUN(test_a_use_on_a_destroyed_stream_leaves_nothing_to_wait_for);
     RUN(test_blocks_waiting_for_a_stream_complete_oldest_first);
+    RUN(test_a_block_whose_streams_finished_is_free_after_the_next_malloc);
     return check_report();
 }

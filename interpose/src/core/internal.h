@@ -292,8 +292,8 @@ typedef struct npa_device {
     npa_fence_batch *batches[NPA_BATCH_KINDS];
     npa_fence_batch **batches_tail[NPA_BATCH_KINDS];
     npa_fence_batch *spare_batches;
-    unsigned poll_backoff;   /* polls to skip before the next query of a fence (pending.c) */
-    unsigned polls_skipped;  /* polls since the last query */
+    unsigned poll_backoff;   /* polls to skip before the next query of a plain fence (pending.c) */
+    unsigned polls_skipped;  /* polls since the last query of one */
     size_t total_bytes;      /* device capacity, from init or the first sample that told it (0: unknown) */
     size_t limit_bytes;      /* per_process_memory_fraction cap, 0: none (npa_set_memory_fraction changes it) */
     size_t allowed_bytes;    /* the cap, else total_bytes: what GC measures against and a new range is sized by */

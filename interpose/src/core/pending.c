@@ -3,8 +3,8 @@
  * holds NPA_FENCE_BATCH_BLOCKS frees or a share of the reserved bytes, or at
  * once when a malloc would otherwise miss (npa_pending_flush), and hands
  * back every batch whose fence has completed, without blocking (after a
- * query that found a fence running, polls wait a back-off before they ask
- * again; a miss always asks). A fence costs a runtime call per live stream
+ * query that found a plain fence running, polls wait a back-off before they
+ * ask again; a miss always asks). A fence costs a runtime call per live stream
  * (an event record: a task queued to the stream); shared by many frees it
  * costs a malloc+free pair little, and recording it later than the frees
  * only covers more work, never less.
@@ -30,14 +30,17 @@
 #define NPA_FENCE_BATCH_MIN_BYTES ((size_t)2 << 20)
 #define NPA_FENCE_BATCH_RESERVED_SHARE 16
 
-/* How many mallocs a poll may skip the query after the oldest fence was
- * found not done: the skip doubles from 1 up to this at each such query and
- * ends when a fence completes. A fence on an idle stream completes within a
+/* How many mallocs a poll may skip the query after the oldest plain fence
+ * was found not done: the skip doubles from 1 up to this at each such query
+ * and ends when a fence completes. A fence on an idle stream completes within a
  * few mallocs and one on a busy stream takes thousands: querying at every
  * malloc cost make bench's fence path 0.85 queries per malloc (each a
  * runtime call that takes the runtime's lock its stream threads take). A
  * done batch waits at most this many mallocs more, and never at a miss
- * (npa_pending_flush asks at once), so no malloc grows the pool for it. */
+ * (npa_pending_flush asks at once), so no malloc grows the pool for it.
+ * Stream events (USES batches) are asked at every poll, as torch's
+ * process_events asks them: the stats count their blocks active until
+ * then, and torch's stop counting them at the first malloc after. */
 #define NPA_POLL_BACKOFF_MAX 64
 
 static bool batch_full(const npa_device *d) {
@@ -249,23 +252,14 @@ static void finish_batch(npa_allocator *a, npa_device *d, npa_fence_batch *batch
     d->spare_batches = batch;
 }
 
-/* Unlinks every batch that is done (or every batch, when all is set).
- * PLAIN batches are asked oldest first and the first not done stops the
- * queue: a later plain fence covers the same streams (every live one) and
- * was recorded after, so it is not done either (and if it were, its blocks
- * only wait one more poll). USES batches name different streams each, so
- * one waiting on a busy stream must not hold back later ones whose streams
- * are idle (torch keeps a queue of events per stream "to avoid
- * head-of-line delays", process_events): a later batch is skipped unasked
- * only when its streams include all those of an earlier unfinished one
- * (events on a stream complete in order, so it is not done either), and
- * asked otherwise. So a poll costs one query per kind plus one per
- * distinct set of busy streams (at most NPA_USES_BLOCKERS), and walks past
- * at most NPA_USES_WALK unfinished batches. Sets the polls'
- * back-off: none after a fence completed, doubled after a query that found
- * none. */
-static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
-    bool completed = false, waiting = false;
+/* Unlinks every PLAIN batch that is done (or every one, when all is set),
+ * oldest first; the first not done stops the queue: a later plain fence
+ * covers the same streams (every live one) and was recorded after, so it
+ * is not done either (and if it were, its blocks only wait one more poll).
+ * One query. Sets the polls' back-off: none after a fence completed,
+ * doubled after a query that found none. */
+static void drain_plain(npa_allocator *a, npa_device *d, bool all) {
+    bool completed = false;
     npa_fence_batch *batch;
     while ((batch = d->batches[NPA_BATCH_PLAIN]) && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
         d->batches[NPA_BATCH_PLAIN] = batch->next;
@@ -273,8 +267,22 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
         completed = true;
     }
     if (!d->batches[NPA_BATCH_PLAIN]) d->batches_tail[NPA_BATCH_PLAIN] = &d->batches[NPA_BATCH_PLAIN];
-    else waiting = true;
+    if (completed || !d->batches[NPA_BATCH_PLAIN]) d->poll_backoff = 0;
+    else if (d->poll_backoff < NPA_POLL_BACKOFF_MAX) d->poll_backoff = d->poll_backoff ? 2 * d->poll_backoff : 1;
+    d->polls_skipped = 0;
+}
 
+/* Unlinks every USES batch that is done (or every one, when all is set).
+ * They name different streams each, so one waiting on a busy stream must
+ * not hold back later ones whose streams are idle (torch keeps a queue of
+ * events per stream "to avoid head-of-line delays", process_events): a
+ * later batch is skipped unasked only when its streams include all those
+ * of an earlier unfinished one (events on a stream complete in order, so
+ * it is not done either), and asked otherwise. So it costs one query plus
+ * one per distinct set of busy streams (at most NPA_USES_BLOCKERS), and
+ * walks past at most NPA_USES_WALK unfinished batches. */
+static void drain_uses(npa_allocator *a, npa_device *d, bool all) {
+    npa_fence_batch *batch;
     const npa_fence_batch *blockers[NPA_USES_BLOCKERS];
     size_t blocker_count = 0;
     npa_fence_batch **link = &d->batches[NPA_BATCH_USES];
@@ -287,7 +295,6 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
         if (!held && (all || a->backend.fence_done(a->backend.ctx, batch->fence))) {
             *link = batch->next;
             finish_batch(a, d, batch, all);
-            completed = true;
             continue;
         }
         if (!held) blockers[blocker_count++] = batch;
@@ -295,10 +302,11 @@ static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
         kept++;
     }
     if (!batch) d->batches_tail[NPA_BATCH_USES] = link; /* walked to the end: link ends the queue */
-    if (d->batches[NPA_BATCH_USES]) waiting = true;
-    if (completed || !waiting) d->poll_backoff = 0;
-    else if (d->poll_backoff < NPA_POLL_BACKOFF_MAX) d->poll_backoff = d->poll_backoff ? 2 * d->poll_backoff : 1;
-    d->polls_skipped = 0;
+}
+
+static void drain_batches(npa_allocator *a, npa_device *d, bool all) {
+    drain_plain(a, d, all);
+    drain_uses(a, d, all);
 }
 
 static void close_open(npa_allocator *a, npa_device *d, bool plain) {
@@ -314,11 +322,17 @@ void npa_pending_flush(npa_allocator *a, npa_device *d) {
     if (d->batches[NPA_BATCH_PLAIN] || d->batches[NPA_BATCH_USES]) drain_batches(a, d, false);
 }
 
+/* Plain fences are asked after the back-off; stream events at every poll,
+ * as torch's malloc asks each stream's oldest event (process_events), so a
+ * block whose streams have finished is inactive once the next malloc
+ * returns, not up to NPA_POLL_BACKOFF_MAX mallocs later. */
 void npa_pending_poll(npa_allocator *a, npa_device *d) {
     if (d->open_batch || d->open_uses) close_open(a, d, d->open_batch && batch_full(d));
-    if (!d->batches[NPA_BATCH_PLAIN] && !d->batches[NPA_BATCH_USES]) return;
-    if (d->polls_skipped < d->poll_backoff) d->polls_skipped++;
-    else drain_batches(a, d, false);
+    if (d->batches[NPA_BATCH_PLAIN]) {
+        if (d->polls_skipped < d->poll_backoff) d->polls_skipped++;
+        else drain_plain(a, d, false);
+    }
+    if (d->batches[NPA_BATCH_USES]) drain_uses(a, d, false);
 }
 
 /* After a synchronize: every pending free is safe. */

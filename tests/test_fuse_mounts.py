@@ -103,6 +103,44 @@ def test_an_oom_snapshot_path_with_a_mount_on_it_is_left_alone(base: Path, stall
     assert f"oom_snapshot: cannot write {target}: a file system is mounted on it (never entered" in proc.stderr
 
 
+def test_an_oom_snapshot_path_through_a_mount_others_could_make_is_left_alone(base: Path, stalled_mount) -> None:
+    """The mount on a directory of the path, not on the name: another user
+    made the directory in a sticky one everybody writes (here: the base) and
+    mounted on it; the name's lookup in it waited for ever, holding the
+    OOM'ing call."""
+    directory = theirs(base / "snapshots", directory=True)
+    stalled_mount(directory)
+    target = directory / "oom.pickle"
+    proc = run(ALLOCATE, preload_env(NPUALLOC_SHM_DIR=str(base), NPUSIM_HBM_MB="64",
+                                     PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{target}"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["first 0", "oom 207001"]
+    assert (f"oom_snapshot: cannot write {target}: a directory on its path has a file system mounted on it, in a "
+            "directory other users may write (never entered; nothing written)") in proc.stderr
+
+
+def test_an_oom_snapshot_path_through_a_mount_only_we_or_root_could_make_is_written(base: Path) -> None:
+    """A mount on a directory in one that only root writes (as /, /mnt) is
+    crossed, as any path may cross mounts: only where other users could have
+    made it is it refused."""
+    holder = base / "root-only"
+    holder.mkdir(mode=0o755)
+    mounted = holder / "data"
+    mounted.mkdir()
+    if _libc().mount(b"npualloc-test", str(mounted).encode(), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV),
+                     b"mode=0755") != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
+    try:
+        target = mounted / "oom.pickle"
+        proc = run(ALLOCATE, preload_env(NPUALLOC_SHM_DIR=str(base), NPUSIM_HBM_MB="64",
+                                         PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{target}"))
+        assert proc.returncode == 0, proc.stderr
+        assert f"out of memory: snapshot written to {target}" in proc.stderr
+        assert target.read_bytes()[:2] == b"\x80\x02"  # a pickle, protocol 2
+    finally:
+        _libc().umount2(str(mounted).encode(), MNT_DETACH)
+
+
 def test_user_files_with_a_mount_on_them_are_refused(base: Path, stalled_mount) -> None:
     target = theirs(base / "snap.pickle", directory=False)
     stalled_mount(target)

@@ -59,15 +59,47 @@ static int write_all(int fd, const char *p, size_t size)
 
 /* A snapshot write's errors of its own, outside errno's range: a
  * directory on the path is a symbolic link; the name leaves no room for the
- * temporary's suffix; every temporary name tried was taken. */
+ * temporary's suffix; every temporary name tried was taken; a directory on
+ * the path has a mount on it that another user may have made. */
 #define LINK_ON_THE_PATH 4096
 #define NO_ROOM_FOR_TEMPORARY 4097
 #define TEMPORARIES_TAKEN 4098
+#define FOREIGN_MOUNT_ON_THE_PATH 4099
+
+/* Whether a user other than us and root may make a directory in dir (and so,
+ * through fusermount, mount on it). */
+static bool others_may_write(int dir_fd)
+{
+    struct stat dir;
+    if (fstat(dir_fd, &dir) != 0)
+        return true;
+    return (dir.st_uid != geteuid() && dir.st_uid != 0) || (dir.st_mode & (S_IWGRP | S_IWOTH)) != 0;
+}
+
+/* Opens the directory component in dir_fd, never through a link; a mount
+ * on it is entered only where other users cannot have made it. Any user
+ * may make a directory in /tmp and mount a FUSE file system of theirs on
+ * it whose server never answers: the next lookup in it, of the snapshot's
+ * name, waited for ever. Whose mount it is cannot be asked without entering
+ * it, so where another user could have made it it is refused; elsewhere (/,
+ * /mnt, a home) a path crosses mounts as any path does. ".." never enters
+ * a mount: it climbs out of one. */
+static int open_component(int dir_fd, const char *component, int *fd)
+{
+    const int flags = O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
+    *fd = npa_openat_no_mount(dir_fd, component, flags, 0);
+    if (*fd < 0 && errno == EXDEV) {
+        if (strcmp(component, "..") != 0 && others_may_write(dir_fd))
+            return FOREIGN_MOUNT_ON_THE_PATH;
+        *fd = openat(dir_fd, component, flags);
+    }
+    return *fd >= 0 ? 0 : errno;
+}
 
 /* Opens the directory that holds path's last component (*name), never
- * through a link: each component is opened O_NOFOLLOW, so a directory that
- * another user replaced by a link (to one only root may write, say) is
- * refused rather than written into. */
+ * through a link: each component is opened O_NOFOLLOW (open_component), so a
+ * directory that another user replaced by a link (to one only root may
+ * write, say) is refused rather than written into. */
 static int open_parent(const char *path, const char **name, int *dir_fd)
 {
     const char *slash = strrchr(path, '/');
@@ -88,9 +120,9 @@ static int open_parent(const char *path, const char **name, int *dir_fd)
         p = end + 1;
         if (length == 0)
             continue; /* "//" or the leading "/" */
-        int next = openat(fd, component, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (next < 0) {
-            int err = errno;
+        int next;
+        int err = open_component(fd, component, &next);
+        if (err != 0) {
             struct stat seen;
             if (err == ENOTDIR && npa_lstatat_no_mount(fd, component, &seen) == 0 && S_ISLNK(seen.st_mode))
                 err = LINK_ON_THE_PATH;
@@ -216,6 +248,9 @@ const char *npa_snapshot_strerror(int err)
     case NO_ROOM_FOR_TEMPORARY:
         return "its name leaves no room for the temporary's suffix .tmp.<pid>.<8 hex digits> (nothing written)";
     case TEMPORARIES_TAKEN: return "every temporary name tried beside it was taken (left as they are; nothing written)";
+    case FOREIGN_MOUNT_ON_THE_PATH:
+        return "a directory on its path has a file system mounted on it, in a directory other users may write "
+               "(never entered; nothing written)";
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";

@@ -13,7 +13,9 @@ oom_snapshot:PATH (interpose/src/hook/snapshot.c):
 - either way, a name with a file system mounted on it is refused before that
   file system is asked anything (open_no_mount): anyone may mount a FUSE file
   system on a file of theirs in /tmp whose server never answers, and a stat or
-  open of the name then waited for ever (an audit on 2026-11-26).
+  open of the name then waited for ever (an audit on 2026-11-26). Writing,
+  a mount on a directory of the path is refused too where another user could
+  have made it (_open_component).
 """
 from __future__ import annotations
 
@@ -166,7 +168,7 @@ def _open_parent(path: str) -> tuple[int, str]:
     try:
         for component in filter(None, head.split("/")):
             try:
-                inner = os.open(component, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+                inner = _open_component(component, directory, path)
             except NotADirectoryError:
                 if stat.S_ISLNK(lstat_no_mount(component, directory).st_mode):
                     raise FileRefusedError(f"cannot write {path}: a directory on its path is a symbolic link "
@@ -178,6 +180,32 @@ def _open_parent(path: str) -> tuple[int, str]:
         os.close(directory)
         raise
     return directory, name
+
+
+def _others_may_write(directory: int) -> bool:
+    """Whether a user other than us and root may make a directory in it (and
+    so, through fusermount, mount on it)."""
+    info = os.fstat(directory)
+    return info.st_uid not in (os.geteuid(), 0) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _open_component(component: str, directory: int, path: str) -> int:
+    """The directory component in directory, never through a link; a mount
+    on it is entered only where other users cannot have made it, as
+    snapshot.c's open_component: whose mount it is cannot be asked without
+    entering it, and another user's FUSE one in /tmp whose server never
+    answers held the lookup of the name inside it for ever. ".." climbs out
+    of a mount and is never refused."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return open_no_mount(component, flags, directory)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    if component != ".." and _others_may_write(directory):
+        raise FileRefusedError(f"cannot write {path}: a directory on its path has a file system mounted on it, in "
+                               "a directory other users may write (never entered; nothing written)")
+    return os.open(component, flags, dir_fd=directory)
 
 
 def _write_in(directory: int, name: str, path: str, data: bytes) -> None:

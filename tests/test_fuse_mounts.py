@@ -160,6 +160,38 @@ def test_user_files_with_a_mount_on_them_are_refused(base: Path, stalled_mount) 
                                         "left as it is)"]
 
 
+def test_a_user_file_path_through_a_mount_others_could_make_is_refused(base: Path, stalled_mount) -> None:
+    """`snapshot -o`, dump_snapshot and `plot -o` as oom_snapshot above: the
+    lookup of the name in another user's mount on a directory of the path
+    held root's CLI for ever; a mount only root could have made is crossed."""
+    directory = theirs(base / "snapshots", directory=True)
+    stalled_mount(directory)
+    holder = base / "root-only"
+    holder.mkdir(mode=0o755)
+    (holder / "data").mkdir()
+    if _libc().mount(b"npualloc-test", str(holder / "data").encode(), b"tmpfs",
+                     ctypes.c_ulong(MS_NOSUID | MS_NODEV), b"mode=0755") != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
+    try:
+        proc = run("""
+            import sys
+            from npualloc.files import FileRefusedError, write_user_file
+            for path in sys.argv[1:]:
+                try:
+                    write_user_file(path, b"x")
+                    print("written", path)
+                except FileRefusedError as e:
+                    print(e)
+        """, args=[str(directory / "snap.pickle"), str(holder / "data" / "snap.pickle")])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines() == [
+            f"cannot write {directory}/snap.pickle: a directory on its path has a file system mounted on it, in a "
+            "directory other users may write (never entered; nothing written)",
+            f"written {holder}/data/snap.pickle"]
+    finally:
+        _libc().umount2(str(holder / "data").encode(), MNT_DETACH)
+
+
 def test_the_reader_never_opens_a_region_name_with_a_mount_on_it(base: Path, stalled_mount, sleeper: int) -> None:
     """A mount made after the listing read /proc/self/mountinfo (here: the
     reader is handed the directory directly) is refused by the open itself."""

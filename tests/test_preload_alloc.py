@@ -286,6 +286,25 @@ emit(rejected=lib.npualloc_set_config(b"max_split_size_mb:128"))
         f"{variable or 'PYTORCH_NPU_ALLOC_CONF'} before the program starts"], proc.stderr
 
 
+def test_a_run_time_key_among_blanks_is_taken_as_the_variable_takes_it():
+    """The config parser trims every blank around keys and values (a
+    newline between entries of a variable written over several lines);
+    npualloc_set_config looked for the key trimming spaces and tabs only, so
+    record_stacks after a newline was refused as a key that 'cannot change
+    at run time', which it can, and an item of blanks alone was refused (its
+    key's length went below zero) where an empty one is skipped."""
+    out, proc = run("""
+lib = ctypes.CDLL(None)
+lib.npualloc_get_config.restype = ctypes.c_size_t
+rejected = lib.npualloc_set_config(b"record_history:5,\\nrecord_stacks:python, \\t ,\\r\\vrecord_context\\f:\\tall\\n")
+text = ctypes.create_string_buffer(1024)
+lib.npualloc_get_config(text, 1024)
+emit(rejected=rejected, config=text.value.decode())
+""", preload_env())
+    assert out == {"rejected": 0, "config": "record_history:5,record_stacks:python,record_context:all"}, proc.stderr
+    assert proc.stderr == ""
+
+
 def test_warnings_show_control_characters_as_question_marks():
     """A key the program passes to npualloc_set_config is printed in its
     warning: a newline in it forged a second "npualloc:" line and an escape

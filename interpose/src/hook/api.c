@@ -1,5 +1,6 @@
 /* npualloc.h: the in-process C API, callable before the first allocation
  * (then there is nothing cached and the stats are zero). */
+#include <ctype.h>
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,10 +124,14 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     }
     memcpy(text, item, len);
     text[len] = '\0';
+    /* The key as the parser trims it (isspace): a newline between entries
+     * is a blank there, not part of the next key. */
     size_t klen = strcspn(text, ":=");
-    while (klen > 0 && (text[klen - 1] == ' ' || text[klen - 1] == '\t'))
+    while (klen > 0 && isspace((unsigned char)text[klen - 1]))
         klen--;
-    const char *key = text + strspn(text, " \t");
+    const char *key = text;
+    while (key < text + klen && isspace((unsigned char)*key))
+        key++;
     size_t key_len = (size_t)(text + klen - key);
     if (key_len == 0)
         return 0; /* an empty item, as in "a:1,,b:2" */

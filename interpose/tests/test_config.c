@@ -1,7 +1,7 @@
 /* The config parser: every key's valid and invalid values, the syntax
  * variants, ignored torch keys, expandable_segments and its clashes, one warning per problem naming the key,
- * canonical formatting that parses back, and a fuzz run over random and
- * mutated strings (meant for ASan: any out-of-bounds read fails it). */
+ * canonical formatting that parses back, and fuzz runs over random, mutated
+ * and adversarial strings (meant for ASan: any out-of-bounds read fails it). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -321,6 +321,81 @@ static void test_fuzz(void) {
     CHECK_EQ(multi_line_warnings, 0);
 }
 
+/* Entries built from every key (known, ignored, unknown) and adversarial
+ * values: signs, hex and exponent forms, nan and inf, numbers past 64 bits
+ * or past the 63 characters a number is read from, subnormals and underflow,
+ * brackets unbalanced, nested, empty or left open, blanks
+ * inside, bytes past ASCII. Each input must: warn when it has a problem;
+ * format to text that parses back, without a problem, to the same text; and,
+ * as one entry over a config unlike the defaults in every key, leave that
+ * config as it was when the entry is refused. */
+static const char *const fuzz_keys[] = {
+    "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold", "roundup_power2_divisions",
+    "per_process_memory_fraction", "reuse_policy", "record_history", "record_stacks", "record_context",
+    "oom_snapshot", "expandable_segments", "recent_blocks", "backend", "page_size", "bogus",
+};
+static const char *const fuzz_values[] = {
+    "0", "1", "20", "64", "-1", "+5", "0x10", "1e3", "1.5", "nan", "-inf", "NaN", "infinity", "nan(1)", "0x1p-1",
+    "0X1P-1", "4.9e-324", "1e-400", ".5", "5e-1", "1.", "0.99999999999999999", "18446744073709551615",
+    "18446744073709551616", "99999999999999999999999999", "1_000", "True", "false", "python", "all", "state",
+    "eager", "[", "]", "[]", "[[1:2]]", "[1:2,>:4]", "[1:2,,]", "[>:8]", "[1:2", "1:2]", "[ 1 : 2 , 2:4 ]",
+    "[65536:2]", "[9223372036854775808:4]", "[1:2147483648]", "[1:4294967296]", "[4:16,3:2]", "[2:4,>:3]",
+    "[8:32,]", "/tmp/[a,b]", "/tmp/a b", "0.50000000000000000000000000000000000000000000000000000000000000001",
+    "\xff\xfe", "\xc2\x9b[31m", "", ":", "a:b:c", " 0.5\t", "\v0.5\n",
+};
+#define PICK(table) (table)[rng() % (sizeof(table) / sizeof *(table))]
+
+/* One entry, key:value or key=value, blanks around the parts or not, the
+ * value sometimes two values run together. */
+static size_t fuzz_entry(char *out, size_t room) {
+    const char *blank = rng() % 3 ? "" : " ";
+    int n = snprintf(out, room, "%s%s%s%s%s%s%s", blank, PICK(fuzz_keys), blank, rng() % 4 ? ":" : "=", blank,
+                     PICK(fuzz_values), rng() % 4 ? "" : PICK(fuzz_values));
+    return n < 0 ? 0 : (size_t)n < room ? (size_t)n : room - 1;
+}
+
+static void test_fuzz_adversarial_entries(void) {
+    static const char base_text[] =
+        "max_split_size_mb:64,max_non_split_rounding_mb:40,garbage_collection_threshold:0.3,"
+        "roundup_power2_divisions:[1:2,>:8],per_process_memory_fraction:0.5,reuse_policy:safe,record_history:7,"
+        "record_stacks:python,record_context:all,oom_snapshot:/x,recent_blocks:3";
+    npa_config base;
+    warnings w;
+    CHECK_EQ(parse(base_text, &base, &w), 0);
+    char base_shown[NPUALLOC_CONFIG_LEN];
+    npa_config_format(&base, base_shown, sizeof base_shown);
+    int unwarned = 0, not_round_trip = 0, changed_by_refusal = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        char text[2048], shown[NPUALLOC_CONFIG_LEN], again[NPUALLOC_CONFIG_LEN];
+        size_t len = 0;
+        for (int e = 0, entries = 1 + (int)(rng() % 8); e < entries; e++) {
+            len += fuzz_entry(text + len, sizeof text - len);
+            if (rng() % 2) len += (size_t)snprintf(text + len, sizeof text - len, rng() % 4 ? "," : ",,");
+        }
+        npa_config c, back;
+        int problems = parse(text, &c, &w);
+        unwarned += problems > 0 && w.count == 0;
+        npa_config_format(&c, shown, sizeof shown);
+        int back_problems = parse(shown, &back, &w);
+        npa_config_format(&back, again, sizeof again);
+        not_round_trip += back_problems != 0 || strcmp(shown, again) != 0;
+
+        fuzz_entry(text, sizeof text);
+        c = base;
+        memset(&w, 0, sizeof w);
+        if (npa_config_parse(&c, text, collect, &w) > 0) {
+            npa_config_format(&c, shown, sizeof shown);
+            if (strcmp(shown, base_shown) != 0) {
+                changed_by_refusal++;
+                fprintf(stderr, "  refused yet changed: '%s'\n", text);
+            }
+        }
+    }
+    CHECK_EQ(unwarned, 0);
+    CHECK_EQ(not_round_trip, 0);
+    CHECK_EQ(changed_by_refusal, 0);
+}
+
 /* Every key at its longest (the list form of roundup_power2_divisions with
  * each interval at the largest divisions, the doubles needing 17 digits and
  * an exponent, a path as long as oom_snapshot holds) still fits the
@@ -361,5 +436,6 @@ int main(void) {
     RUN(test_format_round_trip);
     RUN(test_longest_text_fits_the_region);
     RUN(test_fuzz);
+    RUN(test_fuzz_adversarial_entries);
     return check_report();
 }

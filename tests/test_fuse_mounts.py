@@ -6,7 +6,10 @@ directory name in /dev/shm with a directory of theirs, or an oom_snapshot or
 or stat that crossed into it waited for ever (killable only): a root program's
 first allocation, its OOM, root's CLI. Now such a name is refused (openat2's
 RESOLVE_NO_XDEV, interpose/src/nomount.h and files.open_no_mount) before the
-mounted file system is asked anything.
+mounted file system is asked anything. A mount on a directory of an
+oom_snapshot or `snapshot -o` path, one they made in /tmp, held the lookup of
+the name in it the same way: it is refused where other users may write the
+directory holding it, and crossed elsewhere.
 
 The mount is made here as fusermount would make it for uid 65534, by root
 opening /dev/fuse and never reading it (not even FUSE_INIT is answered).

@@ -13,9 +13,9 @@ oom_snapshot:PATH (interpose/src/hook/snapshot.c):
 - either way, a name with a file system mounted on it is refused before that
   file system is asked anything (open_no_mount): anyone may mount a FUSE file
   system on a file of theirs in /tmp whose server never answers, and a stat or
-  open of the name then waited for ever (an audit on 2026-11-26). Writing,
-  a mount on a directory of the path is refused too where another user could
-  have made it (_open_component).
+  open of the name then waited for ever (an audit on 2026-11-26). A mount on
+  a directory of the path is refused too where another user could have made
+  it (_open_component).
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None
         elif not name:  # "dir/": opened as it is, and refused below as no regular file
             fd = os.open(path, flags)
         else:
-            directory = os.open(head or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            directory = _open_directory(head, path, "read", follow_links=True)
             try:
                 fd = open_no_mount(name, flags, directory)
             finally:
@@ -164,13 +164,20 @@ def _open_parent(path: str) -> tuple[int, str]:
     head, name = os.path.split(path)
     if not name:
         raise OSError(errno.EISDIR, "")
-    directory = os.open("/" if path.startswith("/") else ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return _open_directory(head, path, "write", follow_links=False), name
+
+
+def _open_directory(head: str, path: str, action: str, follow_links: bool) -> int:
+    """The directory head names (path's, to read or write: action), opened a
+    component at a time (_open_component); without follow_links, a link on
+    the way is refused."""
+    directory = os.open("/" if head.startswith("/") else ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for component in filter(None, head.split("/")):
             try:
-                inner = _open_component(component, directory, path)
+                inner = _open_component(component, directory, path, action, follow_links)
             except NotADirectoryError:
-                if stat.S_ISLNK(lstat_no_mount(component, directory).st_mode):
+                if not follow_links and stat.S_ISLNK(lstat_no_mount(component, directory).st_mode):
                     raise FileRefusedError(f"cannot write {path}: a directory on its path is a symbolic link "
                                            "(never followed; nothing written)") from None
                 raise
@@ -179,7 +186,7 @@ def _open_parent(path: str) -> tuple[int, str]:
     except BaseException:
         os.close(directory)
         raise
-    return directory, name
+    return directory
 
 
 def _others_may_write(directory: int) -> bool:
@@ -189,22 +196,32 @@ def _others_may_write(directory: int) -> bool:
     return info.st_uid not in (os.geteuid(), 0) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-def _open_component(component: str, directory: int, path: str) -> int:
-    """The directory component in directory, never through a link; a mount
-    on it is entered only where other users cannot have made it, as
-    snapshot.c's open_component: whose mount it is cannot be asked without
-    entering it, and another user's FUSE one in /tmp whose server never
-    answers held the lookup of the name inside it for ever. ".." climbs out
-    of a mount and is never refused."""
-    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+def _is_link(name: str, directory: int) -> bool:
+    try:
+        return stat.S_ISLNK(lstat_no_mount(name, directory).st_mode)
+    except OSError:  # a mount point (EXDEV), or gone
+        return False
+
+
+def _open_component(component: str, directory: int, path: str, action: str, follow_links: bool) -> int:
+    """The directory component in directory, through a link only with
+    follow_links; a mount on it is entered only where other users cannot
+    have made it, as snapshot.c's open_component: whose mount it is cannot be
+    asked without entering it, and another user's FUSE one in /tmp whose
+    server never answers held the lookup of the name inside it for ever.
+    ".." climbs out of a mount and is never refused, nor is a link that
+    leads to another mount (the kernel's protected_symlinks keeps us from
+    following another user's in /tmp)."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         return open_no_mount(component, flags, directory)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-    if component != ".." and _others_may_write(directory):
-        raise FileRefusedError(f"cannot write {path}: a directory on its path has a file system mounted on it, in "
-                               "a directory other users may write (never entered; nothing written)")
+    if component != ".." and _others_may_write(directory) and not (follow_links and _is_link(component, directory)):
+        done = "written" if action == "write" else "read"
+        raise FileRefusedError(f"cannot {action} {path}: a directory on its path has a file system mounted on it, "
+                               f"in a directory other users may write (never entered; nothing {done})")
     return os.open(component, flags, dir_fd=directory)
 
 

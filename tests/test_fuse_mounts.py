@@ -163,34 +163,43 @@ def test_user_files_with_a_mount_on_them_are_refused(base: Path, stalled_mount) 
                                         "left as it is)"]
 
 
-def test_a_user_file_path_through_a_mount_others_could_make_is_refused(base: Path, stalled_mount) -> None:
-    """`snapshot -o`, dump_snapshot and `plot -o` as oom_snapshot above: the
-    lookup of the name in another user's mount on a directory of the path
-    held root's CLI for ever; a mount only root could have made is crossed."""
+def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Path, stalled_mount) -> None:
+    """`snapshot -o`, dump_snapshot and `plot -o` as oom_snapshot above, and
+    the files `replay`, `plot` and snapshot.load read: the lookup of the name
+    in another user's mount on a directory of the path held root's CLI for
+    ever; a mount only root could have made is crossed. Reading still
+    follows a link on the way (ours, in the sticky base) to another mount."""
     directory = theirs(base / "snapshots", directory=True)
     stalled_mount(directory)
     holder = base / "root-only"
     holder.mkdir(mode=0o755)
     (holder / "data").mkdir()
+    (base / "latest").symlink_to(holder / "data")
     if _libc().mount(b"npualloc-test", str(holder / "data").encode(), b"tmpfs",
                      ctypes.c_ulong(MS_NOSUID | MS_NODEV), b"mode=0755") != 0:
         pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
     try:
         proc = run("""
             import sys
-            from npualloc.files import FileRefusedError, write_user_file
+            from npualloc.files import FileRefusedError, read_regular_file, write_user_file
             for path in sys.argv[1:]:
-                try:
-                    write_user_file(path, b"x")
-                    print("written", path)
-                except FileRefusedError as e:
-                    print(e)
-        """, args=[str(directory / "snap.pickle"), str(holder / "data" / "snap.pickle")])
+                for attempt in (lambda: write_user_file(path, b"x"), lambda: read_regular_file(path, 1 << 20).data):
+                    try:
+                        print("done", attempt())
+                    except FileRefusedError as e:
+                        print(e)
+        """, args=[str(directory / "snap.pickle"), str(holder / "data" / "snap.pickle"),
+                   str(base / "latest" / "snap.pickle")])
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines() == [
             f"cannot write {directory}/snap.pickle: a directory on its path has a file system mounted on it, in a "
             "directory other users may write (never entered; nothing written)",
-            f"written {holder}/data/snap.pickle"]
+            f"cannot read {directory}/snap.pickle: a directory on its path has a file system mounted on it, in a "
+            "directory other users may write (never entered; nothing read)",
+            "done None", "done b'x'",
+            f"cannot write {base}/latest/snap.pickle: a directory on its path is a symbolic link (never followed; "
+            "nothing written)",
+            "done b'x'"]
     finally:
         _libc().umount2(str(holder / "data").encode(), MNT_DETACH)
 

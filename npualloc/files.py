@@ -196,11 +196,13 @@ def _others_may_write(directory: int) -> bool:
     return info.st_uid not in (os.geteuid(), 0) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-def _is_link(name: str, directory: int) -> bool:
+def _link_owner(name: str, directory: int) -> int | None:
+    """The owner of the link at name, None when no link is there."""
     try:
-        return stat.S_ISLNK(lstat_no_mount(name, directory).st_mode)
+        info = lstat_no_mount(name, directory)
     except OSError:  # a mount point (EXDEV), or gone
-        return False
+        return None
+    return info.st_uid if stat.S_ISLNK(info.st_mode) else None
 
 
 def _open_component(component: str, directory: int, path: str, action: str, follow_links: bool) -> int:
@@ -209,20 +211,25 @@ def _open_component(component: str, directory: int, path: str, action: str, foll
     have made it, as snapshot.c's open_component: whose mount it is cannot be
     asked without entering it, and another user's FUSE one in /tmp whose
     server never answers held the lookup of the name inside it for ever.
-    ".." climbs out of a mount and is never refused, nor is a link that
-    leads to another mount (the kernel's protected_symlinks keeps us from
-    following another user's in /tmp)."""
+    ".." climbs out of a mount and is never refused, nor is a link of ours
+    or root's that leads to another mount; another user's there is (with
+    fs.protected_symlinks off, the kernel follows it)."""
     flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         return open_no_mount(component, flags, directory)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-    if component != ".." and _others_may_write(directory) and not (follow_links and _is_link(component, directory)):
-        done = "written" if action == "write" else "read"
-        raise FileRefusedError(f"cannot {action} {path}: a directory on its path has a file system mounted on it, "
-                               f"in a directory other users may write (never entered; nothing {done})")
-    return os.open(component, flags, dir_fd=directory)
+    if component == ".." or not _others_may_write(directory):
+        return os.open(component, flags, dir_fd=directory)
+    link_owner = _link_owner(component, directory) if follow_links else None
+    if link_owner in (os.geteuid(), 0):
+        return os.open(component, flags, dir_fd=directory)
+    what = ("another user's link on its path leads to another file system" if link_owner is not None
+            else "a directory on its path has a file system mounted on it")
+    done = "written" if action == "write" else "read"
+    raise FileRefusedError(f"cannot {action} {path}: {what}, in a directory other users may write (never entered; "
+                           f"nothing {done})")
 
 
 def _write_in(directory: int, name: str, path: str, data: bytes) -> None:

@@ -168,13 +168,17 @@ def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Pat
     the files `replay`, `plot` and snapshot.load read: the lookup of the name
     in another user's mount on a directory of the path held root's CLI for
     ever; a mount only root could have made is crossed. Reading still
-    follows a link on the way (ours, in the sticky base) to another mount."""
+    follows a link of ours on the way (in the sticky base) to another mount,
+    but not another user's there: with fs.protected_symlinks off, it let
+    them lead us into their mount all the same."""
     directory = theirs(base / "snapshots", directory=True)
     stalled_mount(directory)
     holder = base / "root-only"
     holder.mkdir(mode=0o755)
     (holder / "data").mkdir()
     (base / "latest").symlink_to(holder / "data")
+    (base / "their-link").symlink_to(holder / "data")
+    os.lchown(base / "their-link", ATTACKER, ATTACKER)
     if _libc().mount(b"npualloc-test", str(holder / "data").encode(), b"tmpfs",
                      ctypes.c_ulong(MS_NOSUID | MS_NODEV), b"mode=0755") != 0:
         pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
@@ -189,7 +193,7 @@ def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Pat
                     except FileRefusedError as e:
                         print(e)
         """, args=[str(directory / "snap.pickle"), str(holder / "data" / "snap.pickle"),
-                   str(base / "latest" / "snap.pickle")])
+                   str(base / "latest" / "snap.pickle"), str(base / "their-link" / "snap.pickle")])
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines() == [
             f"cannot write {directory}/snap.pickle: a directory on its path has a file system mounted on it, in a "
@@ -199,7 +203,11 @@ def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Pat
             "done None", "done b'x'",
             f"cannot write {base}/latest/snap.pickle: a directory on its path is a symbolic link (never followed; "
             "nothing written)",
-            "done b'x'"]
+            "done b'x'",
+            f"cannot write {base}/their-link/snap.pickle: a directory on its path is a symbolic link (never "
+            "followed; nothing written)",
+            f"cannot read {base}/their-link/snap.pickle: another user's link on its path leads to another file "
+            "system, in a directory other users may write (never entered; nothing read)"]
     finally:
         _libc().umount2(str(holder / "data").encode(), MNT_DETACH)
 

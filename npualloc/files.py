@@ -309,8 +309,14 @@ def _create_temporary(directory: int, name: str, path: str) -> tuple[str, int]:
 def _write_into(directory: int, name: str, seen: os.stat_result, data: bytes) -> None:
     """What torch does with such a path: open it and write. Non-blocking, so a
     FIFO without a reader is ENXIO rather than a hang, and the descriptor must
-    be the very file the caller saw."""
-    fd = open_no_mount(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, directory)
+    be the very file the caller saw. A device's ENXIO is no reader's: nothing
+    is behind it (ENODEV), as behind the whiteout (0:0) anyone may make."""
+    try:
+        fd = open_no_mount(name, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, directory)
+    except OSError as e:
+        if e.errno == errno.ENXIO and stat.S_ISCHR(seen.st_mode):
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV)) from None
+        raise
     try:
         opened = os.fstat(fd)
         if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):

@@ -4,6 +4,7 @@ torch's own memory_viz reading them, the PNG plot, the OOM snapshot, history
 switched on from outside, and a replay of a snapshot taken here."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -532,6 +533,20 @@ def test_oom_snapshot_to_a_character_device_writes_into_it(tmp_path: Path) -> No
     info = os.lstat(null)
     assert stat.S_ISCHR(info.st_mode) and info.st_rdev == os.makedev(1, 3)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("null")) == ["null"]
+
+
+@needs_root
+def test_oom_snapshot_to_a_device_with_no_driver_says_so(tmp_path: Path) -> None:
+    """Any user may make a whiteout (a character device 0:0, Linux 5.8) in
+    /tmp: written to as a device, whose open has nothing behind it (ENXIO),
+    it was reported as 'a FIFO with no reader'."""
+    whiteout = tmp_path / "oom.pickle"
+    os.mknod(whiteout, 0o666 | stat.S_IFCHR, os.makedev(0, 0))
+    os.chown(whiteout, 65534, 65534)
+    stderr = _oom_with_snapshot_to(tmp_path, whiteout)
+    assert stderr.count(f"npualloc: oom_snapshot: cannot write {whiteout}: {os.strerror(errno.ENODEV)}\n") == 1
+    assert "FIFO" not in stderr
+    assert os.lstat(whiteout).st_rdev == os.makedev(0, 0)
 
 
 def test_oom_snapshot_never_follows_a_link(tmp_path: Path) -> None:

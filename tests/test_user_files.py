@@ -5,6 +5,7 @@ which never follows a link and never replaces what is not our regular file;
 blocks on a FIFO. run_cli's timeout bounds every command: a hang fails the test."""
 from __future__ import annotations
 
+import errno
 import gzip
 import os
 import pickle
@@ -186,6 +187,17 @@ def test_a_character_device_is_written_to_not_replaced(tmp_path: Path) -> None:
     info = os.lstat(null)
     assert stat.S_ISCHR(info.st_mode) and info.st_rdev == os.makedev(1, 3)
     assert [p.name for p in tmp_path.iterdir()] == ["null"]
+
+
+@needs_root
+def test_a_device_with_no_driver_is_not_called_a_fifo(tmp_path: Path) -> None:
+    """A whiteout (character device 0:0), which any user may make: its open
+    finds nothing behind it (ENXIO), once reported as a FIFO with no reader."""
+    whiteout = tmp_path / "out.pickle"
+    os.mknod(whiteout, 0o666 | stat.S_IFCHR, os.makedev(0, 0))
+    with pytest.raises(FileRefusedError, match=f"^cannot write {whiteout}: {os.strerror(errno.ENODEV)}$"):
+        write_user_file(whiteout, b"data")
+    assert os.lstat(whiteout).st_rdev == os.makedev(0, 0)
 
 
 @needs_root

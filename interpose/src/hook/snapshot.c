@@ -200,12 +200,14 @@ static int write_new(int dir_fd, const char *name, const void *data, size_t size
 
 /* What torch does with such a path: open it and write. Non-blocking, so a
  * FIFO without a reader is ENXIO rather than a hang, and the descriptor must
- * be the very file fstatat saw (not something swapped in meanwhile). */
+ * be the very file fstatat saw (not something swapped in meanwhile). A
+ * device's ENXIO is no reader's: nothing is behind it, as behind the
+ * whiteout (0:0) any user may make in /tmp. */
 static int write_into(int dir_fd, const char *name, const struct stat *seen, const void *data, size_t size)
 {
     int fd = npa_openat_no_mount(dir_fd, name, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC, 0);
     if (fd < 0)
-        return errno;
+        return errno == ENXIO && S_ISCHR(seen->st_mode) ? ENODEV : errno;
     struct stat opened;
     int err = fstat(fd, &opened) != 0 ? errno
               : opened.st_dev != seen->st_dev || opened.st_ino != seen->st_ino ? EEXIST

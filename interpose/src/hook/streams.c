@@ -44,8 +44,9 @@ typedef struct dev_streams {
      * over the device's streams synchronizes instead, which waits for it. */
     int dying;
     /* Streams no longer tracked since one of them refused an event as a
-     * handle the runtime does not know (unknown_stream): the runtime took
-     * it down without a destroy we saw (the reset that dropped the device's
+     * handle the runtime does not know (unknown_stream), or more were
+     * listed than the device holds (track_locked): the runtime took
+     * one down without a destroy we saw (the reset that dropped the device's
      * last reference, or its last context's destroy, which we cannot tell
      * from one that did not), or it is of a kind we cannot fence. Either
      * way only a synchronize covers its work, so while any are untracked
@@ -109,9 +110,24 @@ static bool unfenceable(const dev_streams *d)
     return d->untracked != 0;
 }
 
+/* The most streams a device holds, its default stream included
+ * (aclrtCreateStream's constraints: 512 to 2,048 by model). */
+#define DEVICE_STREAMS_MAX 2048
+
 /* d->lock held. */
 static void track_locked(dev_streams *d, int device, aclrtStream stream)
 {
+    if (!unfenceable(d) && d->nstreams + 1 >= DEVICE_STREAMS_MAX) {
+        /* Listed with this one and the default stream, more than the device
+         * holds: some were taken down unseen (a reset at the device's last
+         * reference, a context's destroy) with no fence since to find them
+         * refused. They are untracked as such a fence untracks them: kept,
+         * a program that made a stream and reset the device each step grew
+         * the list by one a step for as long as it ran, and the first fence
+         * then tried an event on every one. */
+        d->untracked += d->nstreams;
+        d->nstreams = 0;
+    }
     if (unfenceable(d)) {
         d->untracked++; /* its fences synchronize: nothing is recorded on any stream */
         return;

@@ -353,18 +353,40 @@ def test_hbm_past_what_the_simulator_models_is_one_line_error(tmp_path):
         assert proc.stderr == f"npualloc: --hbm: {hbm} is past the 16.00 TiB the simulator models\n"
 
 
+def _stopped(child: psutil.Process) -> bool:
+    """Stops child (SIGSTOP); whether it is stopped, not ended first."""
+    try:
+        child.suspend()
+        while (status := child.status()) not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+            time.sleep(0.001)
+    except psutil.NoSuchProcess:
+        return False
+    return status == psutil.STATUS_STOPPED
+
+
 def test_ctrl_c_in_python_m_npualloc_replay_is_the_clis_one_line() -> None:
     """`python -m npualloc.replay` had its own main, which caught only
     ReplayError: Ctrl-C during a replay was a KeyboardInterrupt traceback
     where `npualloc replay` says "interrupted" and exits 130. It is the CLI's
-    command now. The signal comes once the replayer child runs."""
-    proc = subprocess.Popen([sys.executable, "-m", "npualloc.replay", str(TRACES / "resnet_train.pickle.gz"),
-                             "--build", str(BUILD)], env=sim_env(), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    watched = psutil.Process(proc.pid)
-    while proc.poll() is None and not watched.children():
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    command now. The signal comes while the replayer child runs: the child is
+    stopped first, so it cannot finish before the signal lands (a replay
+    without the latency model took 1 ms, and the command then exited 0 once in
+    a loaded run); the CLI kills it on the interrupt. A child that ended
+    before it could be stopped proves nothing, and the run is made again."""
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-m", "npualloc.replay", str(TRACES / "resnet_train.pickle.gz"),
+                                 "--build", str(BUILD), "--raw", "--sim-latency"], env=sim_env(), cwd=ROOT,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        watched = psutil.Process(proc.pid)
+        children: list[psutil.Process] = []
+        while proc.poll() is None and not (children := watched.children()):
+            time.sleep(0.01)
+        stopped = bool(children) and _stopped(children[0])
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        if stopped:
+            break
+    else:
+        pytest.fail("the replayer child ended each time before it could be stopped")
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 130, "interrupted")

@@ -272,3 +272,38 @@ def test_the_streams_a_reset_has_yet_to_destroy_are_no_callers():
         while_queued(attempt)
         assert aclsim.invalid_accesses() == 0
     """)
+
+
+def test_a_contexts_destroy_ends_the_streams_made_in_it():
+    """CANN's aclrtDestroyContext "cleans up the associated resources": its
+    context teardown takes down every stream made in the context, each once
+    its queued work is done. The sim kept them, worker threads and all, until
+    the device's last reset: a program making a context and a stream each
+    step and destroying the context grew by a thread a step. A stream of a
+    destroyed context answers as a destroyed stream does (107000)."""
+    sim("""
+        import os
+        def threads():
+            return len(os.listdir("/proc/self/task"))
+        a = dev(256)
+        ws = dev(ops.WORKSPACE_BYTES)
+        done, ret = acl.rt.create_event(); ok(ret)
+        before = threads()
+        for step in range(300):
+            ctx, ret = acl.rt.create_context(0); ok(ret)     # the device keeps set_device's reference
+            s, ret = acl.rt.create_stream(); ok(ret)
+            if step == 0:
+                aclsim.set_op_duration_us(20_000)
+                fill(a, 256, 7, s, ws)
+                ok(acl.rt.record_event(done, s))
+                aclsim.set_op_duration_us(0)
+            ok(acl.rt.destroy_context(ctx))
+            if step == 0:
+                assert acl.rt.query_event_status(done) == COMPLETE   # the destroy waited for its work
+                assert read(a, 256) == b"\\x07" * 256
+                used = [acl.rt.synchronize_stream(s), acl.rt.record_event(done, s), acl.rt.destroy_stream(s)]
+                assert used == [107000] * 3, used
+        grown = threads() - before
+        assert grown < 10, grown
+        assert aclsim.invalid_accesses() == 0
+    """)

@@ -14,8 +14,8 @@ static struct sim_context *default_contexts; /* one per device, aclrtGetCurrentC
 static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
 
 /* A context is a device reference with an identity: created with one
- * attach, destroyed with one detach, and current for a thread through
- * aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never
+ * attach, destroyed with one detach (and with the streams made in it), and
+ * current for a thread through aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never
  * freed) so a stale handle is reported instead of read after free. A
  * device's default context is no reference of its own (aclrtSetDevice's
  * are): CANN destroys only a context aclrtCreateContext made. */
@@ -80,6 +80,11 @@ void sim_forget_current_device(void)
     current_context = NULL;
 }
 
+const struct sim_context *sim_current_context(void)
+{
+    return current_context;
+}
+
 /* The arena spans twice the capacity: accounting, not address space, decides
  * when memory runs out, so fragmentation of the sim's own layout never shows. */
 static uint64_t arena_size(void)
@@ -104,7 +109,7 @@ static aclError attach_device(struct sim_device *d, int32_t deviceId)
 {
     if (d->arena.base == NULL && sim_arena_reserve(&d->arena, arena_size()) != 0)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    if (d->refcount == 0 && (d->default_stream = sim_stream_create(deviceId)) == NULL)
+    if (d->refcount == 0 && (d->default_stream = sim_stream_create(deviceId, NULL)) == NULL)
         return ACL_ERROR_BAD_ALLOC;
     d->refcount++;
     current_device = deviceId;
@@ -240,6 +245,8 @@ SIM_EXPORT aclError simrt_DestroyContext(aclrtContext context)
     if (current_context == c)
         current_context = NULL;
     struct sim_device *d = sim_device(c->device);
+    sim_context_destroy_streams(d, c);
+    /* Asked once they are gone: a reset meanwhile took the reference. */
     if (d->generation == c->generation)
         detach_device(d, c->device);
     pthread_mutex_unlock(&sim_lock);

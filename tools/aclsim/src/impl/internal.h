@@ -99,6 +99,7 @@ uint64_t sim_capacity_used(int32_t id);
 
 /* ---- devices (device.c) ---- */
 struct sim_stream;
+struct sim_context;
 struct sim_device {
     int32_t refcount;               /* aclrtSetDevice minus aclrtResetDevice */
     uint64_t generation;            /* bumped when refcount drops to 0: threads' stale contexts die */
@@ -128,6 +129,9 @@ static inline aclError sim_enter(enum sim_api api, const void *required, int32_t
 }
 void sim_reset_all_devices(void);               /* aclFinalize: lock held */
 void sim_forget_current_device(void);
+/* The context aclrtCreateContext or aclrtSetCurrentContext made current on
+ * the calling thread; NULL: its device's default one. */
+const struct sim_context *sim_current_context(void);
 
 /* ---- device memory validity (memcheck.c), lock held ---- */
 int sim_is_device_address(const void *p);
@@ -168,6 +172,7 @@ struct sim_task {
 struct sim_stream {
     int32_t device;
     uint64_t generation;     /* its device's when made: a reset ends every stream of an earlier one */
+    const struct sim_context *context; /* made in it, which ends it when destroyed; NULL: the default one */
     struct sim_task *head, *tail;
     uint64_t submitted, completed;
     int stopping;
@@ -181,7 +186,7 @@ struct sim_stream {
  * the caller's only while it holds the lock: once released, a destroy or a
  * device reset in another thread may free it (unless it counts as syncing). */
 aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out);
-struct sim_stream *sim_stream_create(int32_t device);      /* lock held */
+struct sim_stream *sim_stream_create(int32_t device, const struct sim_context *context); /* lock held */
 void sim_stream_submit(struct sim_stream *s, struct sim_task *t); /* lock held; takes t */
 void sim_stream_wait_idle(struct sim_stream *s);          /* lock held */
 /* Drains, stops and frees a stream. Lock held; released while joining. */
@@ -190,6 +195,8 @@ void sim_device_wait_idle(struct sim_device *d);          /* lock held */
 /* Lock held, released meanwhile: destroys the device's streams of its
  * earlier generations (a reset's, after bumping the generation). */
 void sim_device_destroy_old_streams(struct sim_device *d);
+/* The same for the streams made in context c (its aclrtDestroyContext's). */
+void sim_context_destroy_streams(struct sim_device *d, const struct sim_context *c);
 /* In a forked child, lock held: the parent's streams are gone (fork.c). */
 void sim_streams_forget_after_fork(void);
 /* Counts api, then waits for every stream of the calling thread's device. */

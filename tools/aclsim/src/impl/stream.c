@@ -90,7 +90,7 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-struct sim_stream *sim_stream_create(int32_t device)
+struct sim_stream *sim_stream_create(int32_t device, const struct sim_context *context)
 {
     struct sim_stream *s = calloc(1, sizeof *s);
     if (s == NULL)
@@ -98,6 +98,7 @@ struct sim_stream *sim_stream_create(int32_t device)
     struct sim_device *d = sim_device(device);
     s->device = device;
     s->generation = d->generation;
+    s->context = context;
     pthread_cond_init(&s->work, NULL);
     if (pthread_create(&s->worker, NULL, worker_main, s) != 0) {
         pthread_cond_destroy(&s->work);
@@ -173,19 +174,41 @@ void sim_stream_destroy(struct sim_stream *s)
     free(s);
 }
 
+/* Whether s is a reset's to destroy (context NULL: it is of an earlier
+ * generation of its device d) or the destroy's of context. */
+static int ended_by(const struct sim_stream *s, const struct sim_device *d, const struct sim_context *context)
+{
+    return context == NULL ? s->generation != d->generation : s->context == context;
+}
+
 /* One at a time, as destroying one releases the lock while its worker is
  * joined. Meanwhile an aclrtSetDevice may give the device a new default
  * stream: of the new generation, it is not the reset's to destroy (a reset
- * that destroyed every stream left the device with a freed default stream). */
-void sim_device_destroy_old_streams(struct sim_device *d)
+ * that destroyed every stream left the device with a freed default stream).
+ * A stream another thread is destroying meanwhile is on the device's dying
+ * list, not on its streams: each is destroyed once. */
+static void destroy_streams(struct sim_device *d, const struct sim_context *context)
 {
 again:
     for (struct sim_stream *s = d->streams; s != NULL; s = s->next_on_device) {
-        if (s->generation != d->generation) {
+        if (ended_by(s, d, context)) {
             sim_stream_destroy(s);
             goto again; /* the list may have changed while the lock was released */
         }
     }
+}
+
+void sim_device_destroy_old_streams(struct sim_device *d)
+{
+    destroy_streams(d, NULL);
+}
+
+/* CANN's context teardown takes down every stream made in the context,
+ * each after its queued work, as aclrtDestroyStream does; its events and
+ * the device's memory are not the context's and stay. */
+void sim_context_destroy_streams(struct sim_device *d, const struct sim_context *c)
+{
+    destroy_streams(d, c);
 }
 
 /* Lock held. The tasks no worker has taken are dropped; the head, which
@@ -245,7 +268,7 @@ static aclError default_stream(int32_t id, struct sim_stream **out)
 {
     struct sim_device *d = sim_device(id);
     if (d->default_stream == NULL)
-        d->default_stream = sim_stream_create(id);
+        d->default_stream = sim_stream_create(id, NULL);
     *out = d->default_stream;
     return *out != NULL ? ACL_SUCCESS : ACL_ERROR_BAD_ALLOC;
 }
@@ -271,7 +294,7 @@ static aclError create_stream(enum sim_api api, aclrtStream *stream)
     if (ret != ACL_SUCCESS)
         return ret;
     pthread_mutex_lock(&sim_lock);
-    struct sim_stream *s = sim_stream_create(id);
+    struct sim_stream *s = sim_stream_create(id, sim_current_context());
     pthread_mutex_unlock(&sim_lock);
     if (s == NULL)
         return ACL_ERROR_BAD_ALLOC;

@@ -372,8 +372,8 @@ def test_run_conf_adds_its_keys_to_the_users_config(tmp_path: Path) -> None:
                     env | users)
         assert done.returncode == 0, done.stderr
         assert done.stdout == "max_split_size_mb:128,garbage_collection_threshold:0.5,roundup_power2_divisions:4\n"
-        assert done.stderr == (f"npualloc: {variable} and npualloc run --conf: unknown key 'frobnicate' "
-                               "(default kept)\n"), done.stderr
+        assert done.stderr == (f"npualloc: {variable} and npualloc run --conf: unknown key 'frobnicate'; "
+                               "ignored\n"), done.stderr
 
 
 def test_run_conf_reads_an_empty_variable_as_unset(tmp_path: Path) -> None:

@@ -242,7 +242,7 @@ def test_an_options_value_of_two_dashes_is_that_value(tmp_path: Path) -> None:
     allocate = "import acl; acl.init(); acl.rt.set_device(0); acl.rt.malloc(4096, 0)"
     ran = run_cli(["run", "--conf=--", "--", sys.executable, "-c", allocate], tmp_path)
     assert ran.returncode == 0 and ran.stdout == "", ran.stderr
-    assert ran.stderr == "npualloc: npualloc run --conf: '--' is not a key:value entry (default kept)\n"
+    assert ran.stderr == "npualloc: npualloc run --conf: '--' is not a key:value entry; ignored\n"
     tiny = str(ROOT / "tools" / "traces" / "tiny.pickle.gz")
     assert_one_line_error(run_cli(["replay", tiny, "--hbm=--"], tmp_path), 1, "--hbm: not a size: '--'")
     assert_one_line_error(run_cli(["replay", tiny, "--build=--"], tmp_path), 1,

@@ -173,6 +173,35 @@ emit(max_split=s["max_split_size"], reserved=s["reserved_bytes.all.current"])
     assert any("bogus_key" in line for line in lines) and any("max_split_size_mb" in line for line in lines)
 
 
+def test_a_refused_config_value_says_what_it_keeps():
+    """Every warning about the config variable ended "(default kept)", yet a
+    key given twice whose second value is refused keeps the first: the
+    warning now says "(earlier value kept)" there, "(default kept)" where it
+    is the default, and an unknown key is "ignored". At run time a refused
+    value changes nothing: npualloc_set_config says "(not applied)" and the
+    value in force stays."""
+    out, proc = run("""
+p, ret = acl.rt.malloc(4096, 0); assert ret == 0
+import npualloc
+at_start = npualloc.get_config()
+try:
+    npualloc.set_config("record_history:many")
+    refused = None
+except ValueError as e:
+    refused = str(e)
+emit(at_start=at_start, refused=refused, after=npualloc.get_config())
+""", preload_env(PYTORCH_NPU_ALLOC_CONF="record_history:5,record_history:many,reuse_policy:sometimes,bogus:1"))
+    assert out == {"at_start": "record_history:5", "after": "record_history:5",
+                   "refused": "npualloc rejected 1 key(s) of 'record_history:many' (warned on stderr)"}
+    var = "npualloc: PYTORCH_NPU_ALLOC_CONF: "
+    limit = "(must be a number of entries up to 16777216)"
+    assert proc.stderr.splitlines() == [
+        f"{var}record_history: invalid value 'many' {limit} (earlier value kept)",
+        f"{var}reuse_policy: invalid value 'sometimes' (must be eager, safe or auto) (default kept)",
+        f"{var}unknown key 'bogus'; ignored",
+        f"npualloc: npualloc_set_config: record_history: invalid value 'many' {limit} (not applied)"], proc.stderr
+
+
 def test_config_numbers_are_read_and_written_with_a_point_in_any_locale(tmp_path):
     """strtod and printf follow LC_NUMERIC: a program that chose a comma-decimal
     locale before its first allocation had garbage_collection_threshold:0.8
@@ -223,7 +252,7 @@ emit(first=acl.rt.free(p), double=acl.rt.free(p))
     assert out == {"first": 0, "double": 207002}
     lines = [line for line in proc.stderr.splitlines() if line]
     assert [f"unknown key 'bad_key_{i}'" in line for i, line in enumerate(lines[:8])] == [True] * 8, proc.stderr
-    assert lines[8] == "npualloc: PYTORCH_NPU_ALLOC_CONF: 292 more warnings about entries are not shown (default kept)"
+    assert lines[8] == "npualloc: PYTORCH_NPU_ALLOC_CONF: 292 more warnings about entries are not shown"
     assert "expandable segments stay off" in lines[9]
     assert lines[10].startswith("npualloc: aclrtFree(") and "not a live allocation" in lines[10]
     assert len(lines) == 11, proc.stderr

@@ -1,6 +1,6 @@
 /* npualloc's configuration: torch's allocator keys plus npualloc's own, parsed
  * from MINDTORCH_NPU_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF.
- * Bad keys or values warn and keep the default; nothing here can crash. */
+ * Bad keys or values warn and keep what was in force; nothing here can crash. */
 #ifndef NPUALLOC_CONFIG_H
 #define NPUALLOC_CONFIG_H
 
@@ -39,8 +39,17 @@ typedef struct npa_config {
     unsigned recent_blocks;         /* freed small blocks a device keeps whole for reuse, 0: none (torch) */
 } npa_config;
 
+/* What a refused entry leaves in force, for the warning to say: the parser
+ * knows whether its string set the key earlier, the caller what the config
+ * held before (the defaults at start, the values in force at run time). */
+typedef enum npa_config_kept {
+    NPA_KEPT_SAID = 0,   /* the message says it, or the entry names no setting */
+    NPA_KEPT_BEFORE,     /* what the config held before the string */
+    NPA_KEPT_EARLIER,    /* what an earlier entry of the string set */
+} npa_config_kept;
+
 /* Called once per problem with a one-line message naming the key and why. */
-typedef void (*npa_config_warn_fn)(void *arg, const char *message);
+typedef void (*npa_config_warn_fn)(void *arg, const char *message, npa_config_kept kept);
 
 void npa_config_defaults(npa_config *config);
 /* Applies every valid key of text over *config; returns the number of problems. */

@@ -13,12 +13,14 @@
 typedef struct warnings {
     int count;
     char last[256];
+    npa_config_kept last_kept;
 } warnings;
 
-static void collect(void *arg, const char *message) {
+static void collect(void *arg, const char *message, npa_config_kept kept) {
     warnings *w = arg;
     w->count++;
     snprintf(w->last, sizeof w->last, "%s", message);
+    w->last_kept = kept;
 }
 
 /* Parses text over the defaults; returns the problem count. */
@@ -83,7 +85,7 @@ static void test_syntax_variants(void) {
     CHECK_EQ(c.roundup_power2_divisions[1], 4);
 }
 
-/* Each bad entry: exactly one warning naming the key, the default kept. */
+/* Each bad entry: exactly one warning naming the key, the defaults kept. */
 static void expect_rejected(const char *text, const char *key) {
     npa_config c, d;
     warnings w;
@@ -138,6 +140,33 @@ static void test_problems_counted_and_good_keys_applied(void) {
     CHECK_EQ(w.count, 2);
     CHECK_EQ(c.max_split_size, 50 * MiB);
     CHECK(c.garbage_collection_threshold == 0.0);
+}
+
+/* A refused value leaves what the string set earlier for its key, else
+ * what the config held; the warning says which, for the caller to word
+ * ("(earlier value kept)", "(default kept)"). An entry naming no setting,
+ * or a clash whose message says what stays, has nothing to add. */
+static void test_a_refusal_says_what_it_keeps(void) {
+    npa_config c;
+    warnings w;
+    CHECK_EQ(parse("record_history:5,record_history:many", &c, &w), 1);
+    CHECK_EQ(c.record_history, 5);
+    CHECK_EQ(w.last_kept, NPA_KEPT_EARLIER);
+    CHECK_EQ(parse("record_history:many,record_history:more", &c, &w), 2);
+    CHECK_EQ(c.record_history, 0);
+    CHECK_EQ(w.last_kept, NPA_KEPT_BEFORE);
+    CHECK_EQ(parse("record_history:5,reuse_policy:sometimes", &c, &w), 1); /* another key set earlier */
+    CHECK_EQ(w.last_kept, NPA_KEPT_BEFORE);
+    CHECK_EQ(parse("reuse_policy:sometimes,reuse_policy:safe,reuse_policy:never", &c, &w), 2);
+    CHECK_EQ(c.reuse_policy, NPA_REUSE_SAFE);
+    CHECK_EQ(w.last_kept, NPA_KEPT_EARLIER);
+    const char *nothing_to_add[] = {"bogus:1", "max_split_size_mb", "expandable_segments:True,max_split_size_mb:64"};
+    for (size_t i = 0; i < sizeof nothing_to_add / sizeof *nothing_to_add; i++) {
+        CHECK_EQ(parse(nothing_to_add[i], &c, &w), 1);
+        CHECK_EQ(w.last_kept, NPA_KEPT_SAID);
+    }
+    CHECK_EQ(parse("bogus:1", &c, &w), 1);
+    CHECK(strcmp(w.last, "unknown key 'bogus'; ignored") == 0);
 }
 
 static void test_ignored_torch_keys(void) {
@@ -259,7 +288,8 @@ static uint64_t rng(void) {
     return rng_state;
 }
 
-static void count_only(void *arg, const char *message) {
+static void count_only(void *arg, const char *message, npa_config_kept kept) {
+    (void)kept;
     int *n = arg;
     (*n)++;
     /* A warning is one line. */
@@ -430,6 +460,7 @@ int main(void) {
     RUN(test_syntax_variants);
     RUN(test_invalid_values_warn_once_and_keep_default);
     RUN(test_problems_counted_and_good_keys_applied);
+    RUN(test_a_refusal_says_what_it_keeps);
     RUN(test_ignored_torch_keys);
     RUN(test_expandable_segments);
     RUN(test_many_bad_entries_warn_a_few_then_a_count);

@@ -275,7 +275,8 @@ int npa_set_memory_fraction(npa_allocator *a, int device, double fraction) {
     return fits ? 0 : -1;
 }
 
-static void warn_backend(void *arg, const char *message) {
+static void warn_backend(void *arg, const char *message, npa_config_kept kept) {
+    (void)kept; /* its messages say what stays */
     const npa_allocator *a = arg;
     if (a->backend.warn) a->backend.warn(a->backend.ctx, message);
 }
@@ -294,7 +295,7 @@ int npa_set_expandable_segments(npa_allocator *a, bool on) {
     if (!a) return -1;
     if (on && !npa_backend_has_vmm(&a->backend)) {
         warn_backend(a, "expandable_segments:True needs the runtime's virtual memory API, which it lacks; "
-                        "plain segments stay in use");
+                        "plain segments stay in use", NPA_KEPT_SAID);
         return -1;
     }
     pthread_mutex_lock(&a->init_lock);

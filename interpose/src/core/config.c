@@ -318,21 +318,22 @@ static bool is_default_value(const char *defaults, span value) {
     return false;
 }
 
-static void vwarnf(npa_config_warn_fn warn, void *arg, const char *format, va_list ap)
-    __attribute__((format(printf, 3, 0)));
-static void vwarnf(npa_config_warn_fn warn, void *arg, const char *format, va_list ap) {
+static void vwarnf(npa_config_warn_fn warn, void *arg, npa_config_kept kept, const char *format, va_list ap)
+    __attribute__((format(printf, 4, 0)));
+static void vwarnf(npa_config_warn_fn warn, void *arg, npa_config_kept kept, const char *format, va_list ap) {
     char message[256];
     vsnprintf(message, sizeof message, format, ap);
-    warn(arg, message);
+    warn(arg, message, kept);
 }
 
+/* A warning whose text says what stays (NPA_KEPT_SAID). */
 static void warnf(npa_config_warn_fn warn, void *arg, const char *format, ...)
     __attribute__((format(printf, 3, 4)));
 static void warnf(npa_config_warn_fn warn, void *arg, const char *format, ...) {
     if (!warn) return;
     va_list ap;
     va_start(ap, format);
-    vwarnf(warn, arg, format, ap);
+    vwarnf(warn, arg, NPA_KEPT_SAID, format, ap);
     va_end(ap);
 }
 
@@ -347,8 +348,9 @@ typedef struct {
     unsigned shown, hidden;
 } entry_warnings;
 
-static void entry_warnf(entry_warnings *w, const char *format, ...) __attribute__((format(printf, 2, 3)));
-static void entry_warnf(entry_warnings *w, const char *format, ...) {
+static void entry_warnf(entry_warnings *w, npa_config_kept kept, const char *format, ...)
+    __attribute__((format(printf, 3, 4)));
+static void entry_warnf(entry_warnings *w, npa_config_kept kept, const char *format, ...) {
     if (!w->warn) return;
     if (w->shown == ENTRY_WARNINGS_SHOWN) {
         w->hidden++;
@@ -357,18 +359,20 @@ static void entry_warnf(entry_warnings *w, const char *format, ...) {
     w->shown++;
     va_list ap;
     va_start(ap, format);
-    vwarnf(w->warn, w->arg, format, ap);
+    vwarnf(w->warn, w->arg, kept, format, ap);
     va_end(ap);
 }
 
-/* Returns 1 when the entry is a problem (warned), else 0. */
-static int apply_entry(npa_config *config, span entry, entry_warnings *w) {
+/* Returns 1 when the entry is a problem (warned), else 0. set: the
+ * known_keys an earlier entry of the string set (bit i for known_keys[i]),
+ * whose value a refused one keeps. */
+static int apply_entry(npa_config *config, span entry, entry_warnings *w, unsigned *set) {
     char shown_key[52], shown_value[52];
     size_t sep = 0;
     while (sep < entry.n && entry.p[sep] != ':' && entry.p[sep] != '=') sep++;
     if (sep == entry.n) {
         describe(entry, shown_key, sizeof shown_key);
-        entry_warnf(w, "'%s' is not a key:value entry", shown_key);
+        entry_warnf(w, NPA_KEPT_SAID, "'%s' is not a key:value entry; ignored", shown_key);
         return 1;
     }
     span key = trim((span){entry.p, sep});
@@ -379,18 +383,21 @@ static int apply_entry(npa_config *config, span entry, entry_warnings *w) {
     for (size_t i = 0; i < sizeof known_keys / sizeof *known_keys; i++) {
         if (!span_is(key, known_keys[i].name)) continue;
         char why[WHY_LEN] = "";
-        if (known_keys[i].apply(config, value, why)) return 0;
-        entry_warnf(w, "%s: invalid value '%s' (%s)", shown_key,
-              shown_value, why);
+        if (known_keys[i].apply(config, value, why)) {
+            *set |= 1u << i;
+            return 0;
+        }
+        entry_warnf(w, (*set & 1u << i) ? NPA_KEPT_EARLIER : NPA_KEPT_BEFORE, "%s: invalid value '%s' (%s)",
+                    shown_key, shown_value, why);
         return 1;
     }
     for (size_t i = 0; i < sizeof ignored_keys / sizeof *ignored_keys; i++) {
         if (!span_is(key, ignored_keys[i].name)) continue;
         if (!is_default_value(ignored_keys[i].defaults, value))
-            entry_warnf(w, "%s:%s is not implemented by npualloc; ignored", shown_key, shown_value);
+            entry_warnf(w, NPA_KEPT_SAID, "%s:%s is not implemented by npualloc; ignored", shown_key, shown_value);
         return 0;
     }
-    entry_warnf(w, "unknown key '%s'", shown_key);
+    entry_warnf(w, NPA_KEPT_SAID, "unknown key '%s'; ignored", shown_key);
     return 1;
 }
 
@@ -409,6 +416,7 @@ int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn wa
     if (!config || !text) return 0;
     int problems = 0;
     entry_warnings entries = {.warn = warn, .arg = arg};
+    unsigned set = 0;
     const char *p = text;
     while (*p) {
         /* An entry ends at a comma outside brackets. */
@@ -420,7 +428,7 @@ int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn wa
         }
         span entry = trim((span){start, (size_t)(p - start)});
         if (*p == ',') p++;
-        if (entry.n) problems += apply_entry(config, entry, &entries);
+        if (entry.n) problems += apply_entry(config, entry, &entries, &set);
     }
     if (entries.hidden)
         warnf(warn, arg, "%u more warnings about entries are not shown", entries.hidden);

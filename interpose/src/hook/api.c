@@ -68,9 +68,10 @@ NPA_EXPORT size_t npualloc_get_config(char *buf, size_t len)
     return npa_config_format(a ? npa_get_config(a) : npa_hook_config(), buf, len);
 }
 
-static void set_config_warn(void *arg, const char *message)
+/* Whatever the parser kept, the call changes nothing: the value in force stays. */
+static void set_config_warn(void *arg, const char *message, npa_config_kept kept)
 {
-    (void)arg;
+    (void)arg, (void)kept;
     npa_warn_forwarded("npualloc_set_config: %s (not applied)", message);
 }
 

@@ -47,10 +47,13 @@ static npa_config config;
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
 static const char *config_var;
 
-static void config_warn(void *arg, const char *message)
+/* The variable is parsed over the defaults (load_config). */
+static void config_warn(void *arg, const char *message, npa_config_kept kept)
 {
     (void)arg;
-    npa_warn_forwarded("%s: %s (default kept)", config_var, message);
+    static const char *const what_stays[] = {
+        [NPA_KEPT_SAID] = "", [NPA_KEPT_BEFORE] = " (default kept)", [NPA_KEPT_EARLIER] = " (earlier value kept)"};
+    npa_warn_forwarded("%s: %s%s", config_var, message, what_stays[kept]);
 }
 
 /* `npualloc run --conf` and `npualloc replay --conf` set the variable and

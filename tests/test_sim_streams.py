@@ -307,3 +307,34 @@ def test_a_contexts_destroy_ends_the_streams_made_in_it():
         assert grown < 10, grown
         assert aclsim.invalid_accesses() == 0
     """)
+
+
+def test_a_context_destroyed_by_another_thread_is_refused_where_it_was_current():
+    """CANN detaches a destroyed context from every thread it was current on
+    and refuses that thread's call (107002: no context). The sim let such a
+    thread go on in the dead context: a stream it made there afterwards was
+    no context's to destroy and kept its worker until the device's last
+    reset. Its next call runs in its device's default context, as on the
+    thread that destroyed it."""
+    sim("""
+        import threading
+        ctx, ret = acl.rt.create_context(0); ok(ret)
+        bound, destroyed = threading.Event(), threading.Event()
+        results = []
+        def other():
+            results.append(acl.rt.set_context(ctx))
+            bound.set()
+            destroyed.wait()
+            s, ret = acl.rt.create_stream()
+            results.append(ret)
+            s, ret = acl.rt.create_stream()
+            results.append(ret)
+            results.append(acl.rt.destroy_stream(s))
+        thread = threading.Thread(target=other, daemon=True)
+        thread.start()
+        bound.wait()
+        ok(acl.rt.destroy_context(ctx))
+        destroyed.set()
+        thread.join()
+        assert results == [0, 107002, 0, 0], results
+    """)

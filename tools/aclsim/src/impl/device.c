@@ -57,6 +57,14 @@ aclError sim_current_device_locked(int32_t *id)
     aclError ret = sim_require_init_locked();
     if (ret != ACL_SUCCESS)
         return ret;
+    if (current_context != NULL && current_context->magic != CONTEXT_LIVE) {
+        /* Destroyed by another thread: CANN detaches a destroyed context
+         * from the threads it was current on and refuses their call; the
+         * next runs in the device's default context, as on the thread that
+         * destroyed it. A stream made in it would be no context's to end. */
+        current_context = NULL;
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    }
     if (current_device < 0)
         return ACL_ERROR_RT_CONTEXT_NULL;
     struct sim_device *d = sim_device(current_device);

@@ -287,19 +287,25 @@ aclError sim_stream_resolve(aclrtStream handle, struct sim_stream **out)
     return ACL_SUCCESS;
 }
 
+/* The thread's context is found live and given the stream under one hold
+ * of the lock: a destroy of the context in another thread either comes
+ * after, and ends the stream with the context's others, or before, and the
+ * call is refused. */
 static aclError create_stream(enum sim_api api, aclrtStream *stream)
 {
-    int32_t id;
-    aclError ret = sim_enter(api, stream, &id);
-    if (ret != ACL_SUCCESS)
-        return ret;
+    sim_count(api);
+    if (stream == NULL)
+        return ACL_ERROR_INVALID_PARAM;
     pthread_mutex_lock(&sim_lock);
-    struct sim_stream *s = sim_stream_create(id, sim_current_context());
+    int32_t id;
+    struct sim_stream *s = NULL;
+    aclError ret = sim_current_device_locked(&id);
+    if (ret == ACL_SUCCESS && (s = sim_stream_create(id, sim_current_context())) == NULL)
+        ret = ACL_ERROR_BAD_ALLOC;
     pthread_mutex_unlock(&sim_lock);
-    if (s == NULL)
-        return ACL_ERROR_BAD_ALLOC;
-    *stream = s;
-    return ACL_SUCCESS;
+    if (ret == ACL_SUCCESS)
+        *stream = s;
+    return ret;
 }
 
 SIM_EXPORT aclError simrt_CreateStream(aclrtStream *stream)

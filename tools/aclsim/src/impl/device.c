@@ -15,10 +15,11 @@ static pthread_once_t devices_once = PTHREAD_ONCE_INIT;
 
 /* A context is a device reference with an identity: created with one
  * attach, destroyed with one detach (and with the streams made in it), and
- * current for a thread through aclrtSetCurrentContext. Destroyed contexts are kept (marked dead, never
- * freed) so a stale handle is reported instead of read after free. A
- * device's default context is no reference of its own (aclrtSetDevice's
- * are): CANN destroys only a context aclrtCreateContext made. */
+ * current for a thread through aclrtSetCurrentContext. Destroyed contexts
+ * are kept (marked dead, never freed) so a stale handle is reported instead
+ * of read after free. A device's default context is no reference of its
+ * own (aclrtSetDevice's are): CANN destroys only a context
+ * aclrtCreateContext made. */
 #define CONTEXT_LIVE 0x43545854u
 #define CONTEXT_DEFAULT 0x44465458u
 #define CONTEXT_DEAD 0xdeadc7c7u

@@ -100,6 +100,23 @@ def preload_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# The start of a script: heap_in_use() is the host memory malloc has handed
+# out, its arenas' bytes in use and its mmapped blocks (mallinfo2), for a
+# test that a table or list of npualloc's stays bounded over a long run.
+HEAP_IN_USE = """
+import ctypes
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+_libc = ctypes.CDLL(None)
+_libc.mallinfo2.restype = _Mallinfo2
+def heap_in_use():
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+"""
+
+
 def run_python(code: str, env: dict[str, str], timeout: float = 60, check: bool = True,
                args: list[str] | None = None) -> subprocess.CompletedProcess:
     """Runs a dedented Python snippet in a fresh interpreter; returns the

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import NPUALLOC_LIB, compile_shim, preload_env, run_python, sim_env
+from conftest import HEAP_IN_USE, NPUALLOC_LIB, compile_shim, preload_env, run_python, sim_env
 
 PRELUDE = """
 import json, os, ctypes
@@ -200,22 +200,14 @@ def test_executor_table_stays_small_over_millions_of_destroys():
     one is live at a time, so the hook's table of them must not grow with
     the number made (each destroy leaves a tombstone, and the table once
     doubled at every rebuild: 8 MiB after a million)."""
-    out, proc = run("""
-import ctypes
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
+    out, proc = run(HEAP_IN_USE + """
 buf, _ = acl.rt.malloc(4096, 0)
-before = libc.mallinfo2()
+before = heap_in_use()
 for _ in range(400000):
     ws_size, ex, st = ops.fill_get_workspace_size(buf, 16, 1); assert st == 0
     assert ops.set_repeatable(ex) == 0
     assert ops.destroy_executor(ex) == 0
-after = libc.mallinfo2()
-emit(grown=(after.hblkhd + after.uordblks) - (before.hblkhd + before.uordblks),
+emit(grown=heap_in_use() - before,
      forwarded=aclsim.call_count("aclDestroyAclOpExecutor"))
 """, preload_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import SIM_LIB, compile_c, preload_env, run_python
+from conftest import HEAP_IN_USE, SIM_LIB, compile_c, preload_env, run_python
 from sim_programs import WHILE_QUEUED
 
 HAZARD = """
@@ -376,20 +376,11 @@ def test_fences_stop_recording_on_streams_a_last_reset_took_down():
 
 # A step that makes a stream and resets the device at its last reference
 # (the runtime takes the stream down with it, unseen by npualloc), 2,100
-# steps and then 18,900 more, with npualloc's host memory (malloc'd bytes,
-# mmapped ones too) after each; then 300 plain pairs under reuse_policy:safe
-# on a live stream, counting what their fences cost.
-STREAMS_LEFT_BY_LAST_RESETS = FENCED_PAIRS + """
-import ctypes, json
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
-def heap():
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
+# steps and then 6,300 more, with npualloc's host memory after each; then
+# 300 plain pairs under reuse_policy:safe on a live stream, counting what
+# their fences cost.
+STREAMS_LEFT_BY_LAST_RESETS = FENCED_PAIRS + HEAP_IN_USE + """
+import json
 assert acl.init() == 0 and acl.rt.set_device(0) == 0
 ptr, ret = acl.rt.malloc(4096, 0); assert ret == 0 and acl.rt.free(ptr) == 0
 def steps(count):
@@ -397,11 +388,11 @@ def steps(count):
         stream, ret = acl.rt.create_stream(); assert ret == 0
         assert acl.rt.reset_device(0) == 0 and acl.rt.set_device(0) == 0
 steps(2100)
-after_n = heap()
-steps(18900)
-after_10n = heap()
+after_n = heap_in_use()
+steps(6300)
+after_4n = heap_in_use()
 kept, ret = acl.rt.create_stream(); assert ret == 0
-print(json.dumps({"grown": after_10n - after_n, "fences": fenced_pairs(300), "invalid": aclsim.invalid_accesses()}))
+print(json.dumps({"grown": after_4n - after_n, "fences": fenced_pairs(300), "invalid": aclsim.invalid_accesses()}))
 """
 
 
@@ -409,8 +400,8 @@ def test_streams_a_last_reset_took_down_are_not_kept_without_bound():
     """A program that makes a stream and resets the device (its last
     reference) each step, with no fence in between to find the stream gone:
     each dead stream stayed listed, 8 bytes a step for as long as the run
-    lasted (168 KiB more over 18,900 steps, in an array of 256 KiB), and the
-    first fence then tried an event on every one. No device holds more than
+    lasted (96 KiB more over 6,300 steps, in an array of 128 KiB; none now),
+    and the first fence then tried an event on every one. No device holds more than
     2,048 streams (aclrtCreateStream's limit, its default stream included),
     so a longer list holds dead ones: the device's fences synchronize from
     then on, as after a fence found one (the test above)."""

@@ -54,6 +54,10 @@ typedef void (*npa_config_warn_fn)(void *arg, const char *message, npa_config_ke
 void npa_config_defaults(npa_config *config);
 /* Applies every valid key of text over *config; returns the number of problems. */
 int npa_config_parse(npa_config *config, const char *text, npa_config_warn_fn warn, void *arg);
+/* The key of one entry of such text ("key:value" or "key=value") as the
+ * parser reads it: up to the entry's first ':' or '=', blanks (isspace)
+ * trimmed. Its length (0: a blank entry), and *key where it starts. */
+size_t npa_config_entry_key(const char *entry, size_t n, const char **key);
 /* torch_npu's rule: expandable segments are refused beside max_split_size_mb
  * or a garbage_collection_threshold. Whether config has either key set. */
 bool npa_config_excludes_expandable(const npa_config *config);

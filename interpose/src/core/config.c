@@ -363,13 +363,25 @@ static void entry_warnf(entry_warnings *w, npa_config_kept kept, const char *for
     va_end(ap);
 }
 
+/* Where an entry's key ends: its first ':' or '=', else its end. */
+static size_t key_end(span entry) {
+    size_t sep = 0;
+    while (sep < entry.n && entry.p[sep] != ':' && entry.p[sep] != '=') sep++;
+    return sep;
+}
+
+size_t npa_config_entry_key(const char *entry, size_t n, const char **key) {
+    span k = trim((span){entry, key_end((span){entry, n})});
+    *key = k.p;
+    return k.n;
+}
+
 /* Returns 1 when the entry is a problem (warned), else 0. set: the
  * known_keys an earlier entry of the string set (bit i for known_keys[i]),
  * whose value a refused one keeps. */
 static int apply_entry(npa_config *config, span entry, entry_warnings *w, unsigned *set) {
     char shown_key[52], shown_value[52];
-    size_t sep = 0;
-    while (sep < entry.n && entry.p[sep] != ':' && entry.p[sep] != '=') sep++;
+    size_t sep = key_end(entry);
     if (sep == entry.n) {
         describe(entry, shown_key, sizeof shown_key);
         entry_warnf(w, NPA_KEPT_SAID, "'%s' is not a key:value entry; ignored", shown_key);

@@ -1,6 +1,5 @@
 /* npualloc.h: the in-process C API, callable before the first allocation
  * (then there is nothing cached and the stats are zero). */
-#include <ctype.h>
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
@@ -125,15 +124,10 @@ static int apply_item(npa_allocator *a, const char *item, size_t len)
     }
     memcpy(text, item, len);
     text[len] = '\0';
-    /* The key as the parser trims it (isspace): a newline between entries
-     * is a blank there, not part of the next key. */
-    size_t klen = strcspn(text, ":=");
-    while (klen > 0 && isspace((unsigned char)text[klen - 1]))
-        klen--;
-    const char *key = text;
-    while (key < text + klen && isspace((unsigned char)*key))
-        key++;
-    size_t key_len = (size_t)(text + klen - key);
+    /* The key as the parser reads it: a newline between entries is a
+     * blank there, not part of the next key. */
+    const char *key;
+    size_t key_len = npa_config_entry_key(text, len, &key);
     if (key_len == 0)
         return 0; /* an empty item, as in "a:1,,b:2" */
     static const struct {

@@ -111,8 +111,8 @@ def read_regular_file(path: str | Path, max_bytes: int, owner: int | None = None
     try:
         if dir_fd is not None:
             fd = open_no_mount(name, flags, dir_fd)
-        elif not name:  # "dir/": opened as it is, and refused below as no regular file
-            fd = os.open(path, flags)
+        elif not name:  # "dir/": walked as any path is, and refused below as no regular file
+            fd = _open_directory(head, path, "read", follow_links=True)
         else:
             directory = _open_directory(head, path, "read", follow_links=True)
             try:

@@ -212,6 +212,31 @@ def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Pat
         _libc().umount2(str(holder / "data").encode(), MNT_DETACH)
 
 
+def test_a_path_to_read_ending_in_a_slash_is_walked_as_any_other(base: Path, stalled_mount) -> None:
+    """`plot DIR/` or `replay DIR/`: a path with no file name, refused as no
+    regular file, was opened in one os.open: the open of another user's
+    stalled FUSE mount itself, or the lookup of a name in it, held root's
+    CLI for ever, where the same path with a file name is refused."""
+    directory = theirs(base / "snapshots", directory=True)
+    stalled_mount(directory)
+    proc = run("""
+        import sys
+        from npualloc.files import FileRefusedError, read_regular_file
+        for path in sys.argv[1:]:
+            try:
+                read_regular_file(path, 1 << 20)
+            except FileRefusedError as e:
+                print(e)
+    """, args=[f"{directory}/", f"{directory}/inner/", f"{base}/"])
+    assert proc.returncode == 0, proc.stderr
+    refused = ("a directory on its path has a file system mounted on it, in a directory other users may write "
+               "(never entered; nothing read)")
+    assert proc.stdout.splitlines() == [
+        f"cannot read {directory}/: {refused}",
+        f"cannot read {directory}/inner/: {refused}",
+        f"cannot read {base}/: not a regular file (file type 'd'; a FIFO or device is never read)"]
+
+
 def test_the_reader_never_opens_a_region_name_with_a_mount_on_it(base: Path, stalled_mount, sleeper: int) -> None:
     """A mount made after the listing read /proc/self/mountinfo (here: the
     reader is handed the directory directly) is refused by the open itself."""

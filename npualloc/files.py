@@ -211,9 +211,14 @@ def _open_component(component: str, directory: int, path: str, action: str, foll
     have made it, as snapshot.c's open_component: whose mount it is cannot be
     asked without entering it, and another user's FUSE one in /tmp whose
     server never answers held the lookup of the name inside it for ever.
-    ".." climbs out of a mount and is never refused, nor is a link of ours
-    or root's that leads to another mount; another user's there is (with
-    fs.protected_symlinks off, the kernel follows it)."""
+    ".." climbs out of a mount and is never refused (as in snapshot.c, it
+    lands on another user's mount only where one was stacked above the
+    working directory or the walk: not guarded), nor is a link of ours or
+    root's that leads to another mount; another user's there is (with
+    fs.protected_symlinks off, the kernel follows it). A link followed (ours,
+    root's, or any in a directory only we and root write) is followed by the
+    kernel: the mounts on its target's way are not judged, so one of ours
+    into another user's directory with their stalled mount on it waits there."""
     flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         return open_no_mount(component, flags, directory)

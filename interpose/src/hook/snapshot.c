@@ -82,8 +82,12 @@ static bool others_may_write(int dir_fd)
  * it whose server never answers: the next lookup in it, of the snapshot's
  * name, waited for ever. Whose mount it is cannot be asked without entering
  * it, so where another user could have made it it is refused; elsewhere (/,
- * /mnt, a home) a path crosses mounts as any path does. ".." never enters
- * a mount: it climbs out of one. */
+ * /mnt, a home) a path crosses mounts as any path does. ".." is never
+ * refused: it climbs out of a mount. It lands on one only where a mount was
+ * stacked on the directory above after the walk passed it, or above a
+ * working directory inside another user's directory ("../x"); that is not
+ * guarded, since either EXDEV looks the same and telling them apart would
+ * mean asking the mounted file system. */
 static int open_component(int dir_fd, const char *component, int *fd)
 {
     const int flags = O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;

@@ -14,8 +14,8 @@ oom_snapshot:PATH (interpose/src/hook/snapshot.c):
   file system is asked anything (open_no_mount): anyone may mount a FUSE file
   system on a file of theirs in /tmp whose server never answers, and a stat or
   open of the name then waited for ever (an audit on 2026-11-26). A mount on
-  a directory of the path is refused too where another user could have made
-  it (_open_component).
+  a directory of the path is refused too where it may be another user's FUSE
+  one, in a directory other users may write (_open_component).
 """
 from __future__ import annotations
 
@@ -205,20 +205,49 @@ def _link_owner(name: str, directory: int) -> int | None:
     return info.st_uid if stat.S_ISLNK(info.st_mode) else None
 
 
+def _another_users_mount(mount_root: int) -> bool:
+    """Whether the mount whose root mount_root is (an O_PATH descriptor) may be
+    another user's, as snapshot.c's npa_mount_is_another_users: in our mount
+    namespace only root makes mounts, but for the FUSE ones any user makes
+    through the setuid fusermount, whose /proc/self/mountinfo line has the
+    type fuse, fuse.<subtype> or fuseblk (.<subtype>) and the super option
+    user_id=<who made it>, which fusermount sets itself (a mount made in a
+    user namespace is not seen in ours). So the mount is another user's when
+    it is a FUSE one whose user_id is neither ours nor root's, or when that
+    cannot be told: its line is not found or names no type, or a FUSE one's
+    names no user_id. Both files are procfs', whose reading asks the mounted
+    file system nothing."""
+    try:
+        with open(f"/proc/self/fdinfo/{mount_root}", "rb") as f:
+            mount_id = next(line.split()[1] for line in f if line.startswith(b"mnt_id:"))
+        with open("/proc/self/mountinfo", "rb") as f:
+            fields = next(line.rstrip(b"\n").split(b" ") for line in f if line.split(b" ", 1)[0] == mount_id)
+        fs_type, _, options = fields[fields.index(b"-", 6) + 1:][:3]
+    except (OSError, StopIteration, IndexError, ValueError):
+        return True
+    if fs_type not in (b"fuse", b"fuseblk") and not fs_type.startswith((b"fuse.", b"fuseblk.")):
+        return False
+    user_id = next((option[8:] for option in options.split(b",") if option.startswith(b"user_id=")), None)
+    return user_id not in (b"0", str(os.geteuid()).encode())
+
+
 def _open_component(component: str, directory: int, path: str, action: str, follow_links: bool) -> int:
     """The directory component in directory, through a link only with
-    follow_links; a mount on it is entered only where other users cannot
-    have made it, as snapshot.c's open_component: whose mount it is cannot be
-    asked without entering it, and another user's FUSE one in /tmp whose
+    follow_links; a mount on it, where other users may write directory, is
+    entered only when it is not another user's (_another_users_mount), as
+    snapshot.c's open_component: another user's FUSE one in /tmp whose
     server never answers held the lookup of the name inside it for ever.
-    ".." climbs out of a mount and is never refused (as in snapshot.c, it
-    lands on another user's mount only where one was stacked above the
-    working directory or the walk: not guarded), nor is a link of ours or
-    root's that leads to another mount; another user's there is (with
-    fs.protected_symlinks off, the kernel follows it). A link followed (ours,
-    root's, or any in a directory only we and root write) is followed by the
-    kernel: the mounts on its target's way are not judged, so one of ours
-    into another user's directory with their stalled mount on it waits there."""
+    The O_PATH open lands on the mount's root without asking its file system
+    anything, and the mount judged is the very one landed on. ".." climbs
+    out of a mount and is never refused (as in snapshot.c, it lands on
+    another user's mount only where one was stacked above the working
+    directory or the walk: not guarded), nor is a link of ours or root's
+    that leads to another mount; another user's there is (with
+    fs.protected_symlinks off, the kernel follows it). A link followed
+    (ours, root's, or any in a directory only we and root write) is followed
+    by the kernel: the mounts on its target's way are not judged, so one of
+    ours into another user's directory with their stalled mount on it waits
+    there."""
     flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         return open_no_mount(component, flags, directory)
@@ -230,8 +259,13 @@ def _open_component(component: str, directory: int, path: str, action: str, foll
     link_owner = _link_owner(component, directory) if follow_links else None
     if link_owner in (os.geteuid(), 0):
         return os.open(component, flags, dir_fd=directory)
+    if link_owner is None:
+        inner = os.open(component, flags, dir_fd=directory)
+        if not _another_users_mount(inner):
+            return inner
+        os.close(inner)
     what = ("another user's link on its path leads to another file system" if link_owner is not None
-            else "a directory on its path has a file system mounted on it")
+            else "a directory on its path has a file system mounted on it that another user may have made")
     done = "written" if action == "write" else "read"
     raise FileRefusedError(f"cannot {action} {path}: {what}, in a directory other users may write (never entered; "
                            f"nothing {done})")

@@ -8,20 +8,27 @@ first allocation, its OOM, root's CLI. Now such a name is refused (openat2's
 RESOLVE_NO_XDEV, interpose/src/nomount.h and files.open_no_mount) before the
 mounted file system is asked anything. A mount on a directory of an
 oom_snapshot or `snapshot -o` path, one they made in /tmp, held the lookup of
-the name in it the same way: it is refused where other users may write the
-directory holding it, and crossed elsewhere.
+the name in it the same way: where other users may write the directory
+holding it, a FUSE mount whose user_id is neither ours nor root's is refused;
+any other mount (only root makes those) is crossed.
 
 The mount is made here as fusermount would make it for uid 65534, by root
-opening /dev/fuse and never reading it (not even FUSE_INIT is answered).
+opening /dev/fuse and never reading it (not even FUSE_INIT is answered), or
+with a server that answers (answering_mount), to tell a mount crossed from one
+refused.
 Everything that could wait runs in a child with a timeout, so a regression
 fails the test instead of hanging it."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import select
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -32,12 +39,25 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fu
                                 reason="needs root and /dev/fuse to mount a FUSE file system as fusermount would")
 
 ATTACKER = 65534
-MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
+MS_NOSUID, MS_NODEV, MS_BIND, MNT_DETACH = 2, 4, 4096, 2
 WAIT_S = 30  # a hang is a failure after this long
 
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_fuse(path: Path, fd: int, user_id: int, subtype: str = "") -> None:
+    """A FUSE file system served through fd on path, as fusermount mounts one
+    for user_id (its user_id= names who made it), of type fuse.<subtype> and
+    named subtype when one is given."""
+    root_mode = "40000" if path.is_dir() else "100000"
+    options = f"fd={fd},rootmode={root_mode},user_id={user_id},group_id={user_id},allow_other"
+    fs_type = f"fuse.{subtype}" if subtype else "fuse"
+    if _libc().mount((subtype or "npualloc-test").encode(), str(path).encode(), fs_type.encode(),
+                     ctypes.c_ulong(MS_NOSUID | MS_NODEV), options.encode()) != 0:
+        os.close(fd)
+        pytest.skip(f"cannot mount a FUSE file system here: {os.strerror(ctypes.get_errno())}")
 
 
 @pytest.fixture
@@ -48,18 +68,91 @@ def stalled_mount() -> Iterator[callable]:
 
     def mount(path: Path) -> None:
         fd = os.open("/dev/fuse", os.O_RDWR)
-        root_mode = "40000" if path.is_dir() else "100000"
-        options = f"fd={fd},rootmode={root_mode},user_id={ATTACKER},group_id={ATTACKER},allow_other"
-        if _libc().mount(b"stalled", str(path).encode(), b"fuse", ctypes.c_ulong(MS_NOSUID | MS_NODEV),
-                         options.encode()) != 0:
-            os.close(fd)
-            pytest.skip(f"cannot mount a FUSE file system here: {os.strerror(ctypes.get_errno())}")
+        _mount_fuse(path, fd, ATTACKER)
         mounted.append((path, fd))
 
     yield mount
     for path, fd in mounted:
         _libc().umount2(str(path).encode(), MNT_DETACH)
         os.close(fd)  # aborts the connection: anything still waiting gets ENOTCONN
+
+
+FUSE_INIT, FUSE_FORGET, FUSE_INTERRUPT, FUSE_BATCH_FORGET = 26, 2, 36, 42
+IN_HEADER = struct.Struct("=IIQQIII4x")  # fuse_in_header: len, opcode, unique, nodeid, uid, gid, pid
+OUT_HEADER = struct.Struct("=IiQ")  # fuse_out_header: len, error, unique
+# fuse_init_out (protocol 7.31): major, minor, max_readahead, flags, max_background, congestion_threshold,
+# max_write, time_gran, max_pages, map_alignment, then unused words.
+INIT_OUT = struct.Struct("=IIIIHHIIHH32x")
+
+
+@pytest.fixture
+def answering_mount() -> Iterator[callable]:
+    """mount(path, user_id, subtype) -> the opcodes it was asked: a FUSE file
+    system mounted as fusermount mounts one for user_id, whose server answers INIT
+    and every request after it with EROFS, an answer only a file system that
+    was entered gives. A failure in its server thread fails the test."""
+    mounted: list[tuple[Path, int, threading.Thread]] = []
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def serve(fd: int, asked: list[int]) -> None:
+        try:
+            while not stop.is_set():
+                if not select.select([fd], [], [], 0.05)[0]:
+                    continue
+                request = os.read(fd, 1 << 20)
+                _, opcode, unique, *_ = IN_HEADER.unpack_from(request)
+                asked.append(opcode)
+                if opcode == FUSE_INIT:
+                    _, _, max_readahead = struct.unpack_from("=III", request, IN_HEADER.size)
+                    body = INIT_OUT.pack(7, 31, max_readahead, 0, 0, 0, 4096, 1, 0, 0)
+                    os.write(fd, OUT_HEADER.pack(OUT_HEADER.size + len(body), 0, unique) + body)
+                elif opcode not in (FUSE_FORGET, FUSE_BATCH_FORGET, FUSE_INTERRUPT):  # these take no answer
+                    os.write(fd, OUT_HEADER.pack(OUT_HEADER.size, -errno.EROFS, unique))
+        except OSError as e:
+            if e.errno != errno.ENODEV:  # ENODEV: unmounted
+                failures.append(e)
+        except BaseException as e:
+            failures.append(e)
+
+    def mount(path: Path, user_id: int, subtype: str = "") -> list[int]:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+        _mount_fuse(path, fd, user_id, subtype)
+        asked: list[int] = []
+        server = threading.Thread(target=serve, args=(fd, asked), daemon=True)
+        server.start()
+        mounted.append((path, fd, server))
+        return asked
+
+    yield mount
+    for path, _, _ in mounted:
+        _libc().umount2(str(path).encode(), MNT_DETACH)
+    stop.set()
+    for _, fd, server in mounted:
+        server.join(timeout=WAIT_S)
+        os.close(fd)
+    assert not any(server.is_alive() for _, _, server in mounted), "a FUSE server thread did not stop"
+    if failures:
+        raise failures[0]
+
+
+@pytest.fixture
+def root_mount(tmp_path: Path) -> Iterator[callable]:
+    """mount(path, kind): a file system that only root could have mounted on
+    the directory path: a tmpfs, or a bind mount of a directory of root's (as
+    `docker run -v host:/tmp/out` makes one)."""
+    mounted: list[Path] = []
+
+    def mount(path: Path, kind: str) -> None:
+        source, fs_type, flags = ((b"npualloc-test", b"tmpfs", MS_NOSUID | MS_NODEV) if kind == "tmpfs"
+                                  else (str(tmp_path).encode(), None, MS_BIND))
+        if _libc().mount(source, str(path).encode(), fs_type, ctypes.c_ulong(flags), b"mode=0755") != 0:
+            pytest.skip(f"cannot mount a {kind} here: {os.strerror(ctypes.get_errno())}")
+        mounted.append(path)
+
+    yield mount
+    for path in mounted:
+        _libc().umount2(str(path).encode(), MNT_DETACH)
 
 
 def theirs(path: Path, directory: bool) -> Path:
@@ -106,6 +199,29 @@ def test_an_oom_snapshot_path_with_a_mount_on_it_is_left_alone(base: Path, stall
     assert f"oom_snapshot: cannot write {target}: a file system is mounted on it (never entered" in proc.stderr
 
 
+REFUSED = ("a directory on its path has a file system mounted on it that another user may have made, in a "
+           "directory other users may write (never entered; nothing {})")
+
+USER_FILES = """
+    import sys
+    from npualloc.files import FileRefusedError, read_regular_file, write_user_file
+    for path in sys.argv[1:]:
+        for attempt in (lambda: write_user_file(path, b"x"), lambda: read_regular_file(path, 1 << 20).data):
+            try:
+                print("done", attempt())
+            except FileRefusedError as e:
+                print(e)
+"""
+
+
+def oom_with_snapshot_at(base: Path, target: Path) -> subprocess.CompletedProcess:
+    proc = run(ALLOCATE, preload_env(NPUALLOC_SHM_DIR=str(base), NPUSIM_HBM_MB="64",
+                                     PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{target}"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["first 0", "oom 207001"]
+    return proc
+
+
 def test_an_oom_snapshot_path_through_a_mount_others_could_make_is_left_alone(base: Path, stalled_mount) -> None:
     """The mount on a directory of the path, not on the name: another user
     made the directory in a sticky one everybody writes (here: the base) and
@@ -114,34 +230,59 @@ def test_an_oom_snapshot_path_through_a_mount_others_could_make_is_left_alone(ba
     directory = theirs(base / "snapshots", directory=True)
     stalled_mount(directory)
     target = directory / "oom.pickle"
-    proc = run(ALLOCATE, preload_env(NPUALLOC_SHM_DIR=str(base), NPUSIM_HBM_MB="64",
-                                     PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{target}"))
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["first 0", "oom 207001"]
-    assert (f"oom_snapshot: cannot write {target}: a directory on its path has a file system mounted on it, in a "
-            "directory other users may write (never entered; nothing written)") in proc.stderr
+    proc = oom_with_snapshot_at(base, target)
+    assert f"oom_snapshot: cannot write {target}: {REFUSED.format('written')}" in proc.stderr
 
 
-def test_an_oom_snapshot_path_through_a_mount_only_we_or_root_could_make_is_written(base: Path) -> None:
-    """A mount on a directory in one that only root writes (as /, /mnt) is
-    crossed, as any path may cross mounts: only where other users could have
-    made it is it refused."""
-    holder = base / "root-only"
-    holder.mkdir(mode=0o755)
-    mounted = holder / "data"
+@pytest.mark.parametrize("holder_mode, kind", [(0o755, "tmpfs"), (0o1777, "tmpfs"), (0o1777, "bind")])
+def test_a_mount_only_root_could_make_is_crossed(base: Path, root_mount, holder_mode: int, kind: str) -> None:
+    """A mount that is no FUSE one is root's (in our mount namespace only root
+    mounts, but for the FUSE mounts fusermount makes): crossed wherever it is,
+    by oom_snapshot and the CLI's files alike, in a directory only root
+    writes (as /mnt) and in a sticky one everybody writes (`docker run -v
+    host:/tmp/out`), where it was refused as one another user could have
+    made."""
+    holder = base / "holder"
+    holder.mkdir()
+    holder.chmod(holder_mode)
+    mounted = holder / "out"
     mounted.mkdir()
-    if _libc().mount(b"npualloc-test", str(mounted).encode(), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV),
-                     b"mode=0755") != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
-    try:
-        target = mounted / "oom.pickle"
-        proc = run(ALLOCATE, preload_env(NPUALLOC_SHM_DIR=str(base), NPUSIM_HBM_MB="64",
-                                         PYTORCH_NPU_ALLOC_CONF=f"oom_snapshot:{target}"))
-        assert proc.returncode == 0, proc.stderr
-        assert f"out of memory: snapshot written to {target}" in proc.stderr
-        assert target.read_bytes()[:2] == b"\x80\x02"  # a pickle, protocol 2
-    finally:
-        _libc().umount2(str(mounted).encode(), MNT_DETACH)
+    root_mount(mounted, kind)
+    target = mounted / "oom.pickle"
+    assert f"out of memory: snapshot written to {target}" in oom_with_snapshot_at(base, target).stderr
+    assert target.read_bytes()[:2] == b"\x80\x02"  # a pickle, protocol 2
+    proc = run(USER_FILES, args=[str(mounted / "snap.pickle")])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["done None", "done b'x'"]
+
+
+@pytest.mark.parametrize("subtype", ["", "a b," + "x" * 3000])
+@pytest.mark.parametrize("user_id", [0, ATTACKER])
+def test_a_fuse_mount_others_could_make_is_crossed_only_when_ours_or_roots(base: Path, answering_mount,
+                                                                           user_id: int, subtype: str) -> None:
+    """A FUSE mount names who made it (user_id=): ours or root's (we are
+    root here) is crossed where everybody writes the directory holding it,
+    and the lookup in it gets its server's answer (EROFS); another user's is
+    refused though its server answers, as one that never answers is, and is
+    asked nothing past INIT. Its maker chooses its subtype and name, which
+    /proc/self/mountinfo shows before its options: a blank, a comma and
+    3000 bytes of them change nothing."""
+    directory = theirs(base / "fuse", directory=True) if user_id == ATTACKER else base / "fuse"
+    directory.mkdir(exist_ok=True)
+    asked = answering_mount(directory, user_id, subtype)
+    target = directory / "oom.pickle"
+    oom = oom_with_snapshot_at(base, target)
+    files = run(USER_FILES, args=[str(directory / "snap.pickle")])
+    assert files.returncode == 0, files.stderr
+    if user_id == 0:
+        assert f"oom_snapshot: cannot write {target}: {os.strerror(errno.EROFS)}" in oom.stderr
+        assert files.stdout.splitlines() == [f"cannot write {directory}/snap.pickle: {os.strerror(errno.EROFS)}",
+                                             f"cannot read {directory}/snap.pickle: {os.strerror(errno.EROFS)}"]
+    else:
+        assert f"oom_snapshot: cannot write {target}: {REFUSED.format('written')}" in oom.stderr
+        assert files.stdout.splitlines() == [f"cannot write {directory}/snap.pickle: {REFUSED.format('written')}",
+                                             f"cannot read {directory}/snap.pickle: {REFUSED.format('read')}"]
+        assert set(asked) <= {FUSE_INIT}
 
 
 def test_user_files_with_a_mount_on_them_are_refused(base: Path, stalled_mount) -> None:
@@ -163,7 +304,7 @@ def test_user_files_with_a_mount_on_them_are_refused(base: Path, stalled_mount) 
                                         "left as it is)"]
 
 
-def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Path, stalled_mount) -> None:
+def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Path, stalled_mount, root_mount) -> None:
     """`snapshot -o`, dump_snapshot and `plot -o` as oom_snapshot above, and
     the files `replay`, `plot` and snapshot.load read: the lookup of the name
     in another user's mount on a directory of the path held root's CLI for
@@ -179,37 +320,21 @@ def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Pat
     (base / "latest").symlink_to(holder / "data")
     (base / "their-link").symlink_to(holder / "data")
     os.lchown(base / "their-link", ATTACKER, ATTACKER)
-    if _libc().mount(b"npualloc-test", str(holder / "data").encode(), b"tmpfs",
-                     ctypes.c_ulong(MS_NOSUID | MS_NODEV), b"mode=0755") != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {os.strerror(ctypes.get_errno())}")
-    try:
-        proc = run("""
-            import sys
-            from npualloc.files import FileRefusedError, read_regular_file, write_user_file
-            for path in sys.argv[1:]:
-                for attempt in (lambda: write_user_file(path, b"x"), lambda: read_regular_file(path, 1 << 20).data):
-                    try:
-                        print("done", attempt())
-                    except FileRefusedError as e:
-                        print(e)
-        """, args=[str(directory / "snap.pickle"), str(holder / "data" / "snap.pickle"),
-                   str(base / "latest" / "snap.pickle"), str(base / "their-link" / "snap.pickle")])
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.splitlines() == [
-            f"cannot write {directory}/snap.pickle: a directory on its path has a file system mounted on it, in a "
-            "directory other users may write (never entered; nothing written)",
-            f"cannot read {directory}/snap.pickle: a directory on its path has a file system mounted on it, in a "
-            "directory other users may write (never entered; nothing read)",
-            "done None", "done b'x'",
-            f"cannot write {base}/latest/snap.pickle: a directory on its path is a symbolic link (never followed; "
-            "nothing written)",
-            "done b'x'",
-            f"cannot write {base}/their-link/snap.pickle: a directory on its path is a symbolic link (never "
-            "followed; nothing written)",
-            f"cannot read {base}/their-link/snap.pickle: another user's link on its path leads to another file "
-            "system, in a directory other users may write (never entered; nothing read)"]
-    finally:
-        _libc().umount2(str(holder / "data").encode(), MNT_DETACH)
+    root_mount(holder / "data", "tmpfs")
+    proc = run(USER_FILES, args=[str(directory / "snap.pickle"), str(holder / "data" / "snap.pickle"),
+                                 str(base / "latest" / "snap.pickle"), str(base / "their-link" / "snap.pickle")])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        f"cannot write {directory}/snap.pickle: {REFUSED.format('written')}",
+        f"cannot read {directory}/snap.pickle: {REFUSED.format('read')}",
+        "done None", "done b'x'",
+        f"cannot write {base}/latest/snap.pickle: a directory on its path is a symbolic link (never followed; "
+        "nothing written)",
+        "done b'x'",
+        f"cannot write {base}/their-link/snap.pickle: a directory on its path is a symbolic link (never "
+        "followed; nothing written)",
+        f"cannot read {base}/their-link/snap.pickle: another user's link on its path leads to another file "
+        "system, in a directory other users may write (never entered; nothing read)"]
 
 
 def test_a_path_to_read_ending_in_a_slash_is_walked_as_any_other(base: Path, stalled_mount) -> None:
@@ -229,8 +354,7 @@ def test_a_path_to_read_ending_in_a_slash_is_walked_as_any_other(base: Path, sta
                 print(e)
     """, args=[f"{directory}/", f"{directory}/inner/", f"{base}/"])
     assert proc.returncode == 0, proc.stderr
-    refused = ("a directory on its path has a file system mounted on it, in a directory other users may write "
-               "(never entered; nothing read)")
+    refused = REFUSED.format("read")
     assert proc.stdout.splitlines() == [
         f"cannot read {directory}/: {refused}",
         f"cannot read {directory}/inner/: {refused}",

@@ -77,25 +77,27 @@ static bool others_may_write(int dir_fd)
 }
 
 /* Opens the directory component in dir_fd, never through a link; a mount
- * on it is entered only where other users cannot have made it. Any user
- * may make a directory in /tmp and mount a FUSE file system of theirs on
- * it whose server never answers: the next lookup in it, of the snapshot's
- * name, waited for ever. Whose mount it is cannot be asked without entering
- * it, so where another user could have made it it is refused; elsewhere (/,
- * /mnt, a home) a path crosses mounts as any path does. ".." is never
- * refused: it climbs out of a mount. It lands on one only where a mount was
- * stacked on the directory above after the walk passed it, or above a
- * working directory inside another user's directory ("../x"); that is not
- * guarded, since either EXDEV looks the same and telling them apart would
- * mean asking the mounted file system. */
+ * on it, where other users may write dir_fd, is entered only when it is not
+ * another user's (npa_mount_is_another_users). Any user may make a
+ * directory in /tmp and mount a FUSE file system of theirs on it whose
+ * server never answers: the next lookup in it, of the snapshot's name,
+ * waited for ever. The O_PATH open lands on the mount's root without asking
+ * its file system anything, and the mount judged is the very one landed on.
+ * ".." is never refused: it climbs out of a mount. It lands on one only
+ * where a mount was stacked on the directory above after the walk passed
+ * it, or above a working directory inside another user's directory
+ * ("../x"); that is not guarded, since either EXDEV looks the same. */
 static int open_component(int dir_fd, const char *component, int *fd)
 {
     const int flags = O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
     *fd = npa_openat_no_mount(dir_fd, component, flags, 0);
     if (*fd < 0 && errno == EXDEV) {
-        if (strcmp(component, "..") != 0 && others_may_write(dir_fd))
-            return FOREIGN_MOUNT_ON_THE_PATH;
         *fd = openat(dir_fd, component, flags);
+        if (*fd >= 0 && strcmp(component, "..") != 0 && others_may_write(dir_fd) &&
+            npa_mount_is_another_users(*fd)) {
+            close(*fd);
+            return FOREIGN_MOUNT_ON_THE_PATH;
+        }
     }
     return *fd >= 0 ? 0 : errno;
 }
@@ -255,8 +257,8 @@ const char *npa_snapshot_strerror(int err)
         return "its name leaves no room for the temporary's suffix .tmp.<pid>.<8 hex digits> (nothing written)";
     case TEMPORARIES_TAKEN: return "every temporary name tried beside it was taken (left as they are; nothing written)";
     case FOREIGN_MOUNT_ON_THE_PATH:
-        return "a directory on its path has a file system mounted on it, in a directory other users may write "
-               "(never entered; nothing written)";
+        return "a directory on its path has a file system mounted on it that another user may have made, in a "
+               "directory other users may write (never entered; nothing written)";
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";

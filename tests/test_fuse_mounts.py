@@ -285,6 +285,36 @@ def test_a_fuse_mount_others_could_make_is_crossed_only_when_ours_or_roots(base:
         assert set(asked) <= {FUSE_INIT}
 
 
+def test_a_users_own_fuse_mount_in_a_directory_their_group_writes_is_theirs_to_cross(base: Path,
+                                                                                    answering_mount) -> None:
+    """A user's own sshfs mount in a directory of theirs that their group
+    may write (RHEL's umask 002) is crossed by their CLI: its user_id is
+    theirs (refused before, as any mount there). To root the same mount is
+    another user's (above)."""
+    user = 4242
+    holder = base / "home"
+    holder.mkdir()
+    holder.chmod(0o775)
+    mounted = holder / "sshfs"
+    mounted.mkdir()
+    for path in (holder, mounted):
+        os.chown(path, user, user)
+    answering_mount(mounted, user)
+    # Their CLI: the interpreter and npualloc.files loaded as root (this
+    # interpreter lies in root's home), then every uid and gid theirs.
+    as_user = f"""
+    import os
+    import npualloc.files
+    os.setgroups([])
+    os.setresgid({user}, {user}, {user})
+    os.setresuid({user}, {user}, {user})
+"""
+    proc = run(as_user + USER_FILES, args=[str(mounted / "snap.pickle")])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"cannot write {mounted}/snap.pickle: {os.strerror(errno.EROFS)}",
+                                        f"cannot read {mounted}/snap.pickle: {os.strerror(errno.EROFS)}"]
+
+
 def test_user_files_with_a_mount_on_them_are_refused(base: Path, stalled_mount) -> None:
     target = theirs(base / "snap.pickle", directory=False)
     stalled_mount(target)

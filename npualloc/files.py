@@ -15,7 +15,7 @@ oom_snapshot:PATH (interpose/src/hook/snapshot.c):
   system on a file of theirs in /tmp whose server never answers, and a stat or
   open of the name then waited for ever (an audit on 2026-11-26). A mount on
   a directory of the path is refused too where it may be another user's FUSE
-  one, in a directory other users may write (_open_component).
+  one, wherever it is (_open_component).
 """
 from __future__ import annotations
 
@@ -190,8 +190,7 @@ def _open_directory(head: str, path: str, action: str, follow_links: bool) -> in
 
 
 def _others_may_write(directory: int) -> bool:
-    """Whether a user other than us and root may make a directory in it (and
-    so, through fusermount, mount on it)."""
+    """Whether a user other than us and root may make a link in it."""
     info = os.fstat(directory)
     return info.st_uid not in (os.geteuid(), 0) or bool(info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
@@ -233,42 +232,43 @@ def _another_users_mount(mount_root: int) -> bool:
 
 def _open_component(component: str, directory: int, path: str, action: str, follow_links: bool) -> int:
     """The directory component in directory, through a link only with
-    follow_links; a mount on it, where other users may write directory, is
-    entered only when it is not another user's (_another_users_mount), as
-    snapshot.c's open_component: another user's FUSE one in /tmp whose
+    follow_links; a mount on it is entered only when it is not another
+    user's (_another_users_mount), wherever it is, as snapshot.c's
+    open_component: fusermount asks write access to the mount point alone,
+    not to the directory holding it, and another user's FUSE mount whose
     server never answers held the lookup of the name inside it for ever.
     The O_PATH open lands on the mount's root without asking its file system
     anything, and the mount judged is the very one landed on. ".." climbs
     out of a mount and is never refused (as in snapshot.c, it lands on
     another user's mount only where one was stacked above the working
     directory or the walk: not guarded), nor is a link of ours or root's
-    that leads to another mount; another user's there is (with
-    fs.protected_symlinks off, the kernel follows it). A link followed
-    (ours, root's, or any in a directory only we and root write) is followed
-    by the kernel: the mounts on its target's way are not judged, so one of
-    ours into another user's directory with their stalled mount on it waits
-    there."""
+    that leads to another mount, nor any in a directory only we and root
+    write; another user's in a directory others may write is (with
+    fs.protected_symlinks off, the kernel follows it). A link followed is
+    followed by the kernel: the mounts on its target's way are not judged,
+    so one of ours into another user's directory with their stalled mount on
+    it waits there."""
     flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         return open_no_mount(component, flags, directory)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-    if component == ".." or not _others_may_write(directory):
+    if component == "..":
         return os.open(component, flags, dir_fd=directory)
-    link_owner = _link_owner(component, directory) if follow_links else None
-    if link_owner in (os.geteuid(), 0):
-        return os.open(component, flags, dir_fd=directory)
-    if link_owner is None:
-        inner = os.open(component, flags, dir_fd=directory)
-        if not _another_users_mount(inner):
-            return inner
-        os.close(inner)
-    what = ("another user's link on its path leads to another file system" if link_owner is not None
-            else "a directory on its path has a file system mounted on it that another user may have made")
     done = "written" if action == "write" else "read"
-    raise FileRefusedError(f"cannot {action} {path}: {what}, in a directory other users may write (never entered; "
-                           f"nothing {done})")
+    link_owner = _link_owner(component, directory) if follow_links else None
+    if link_owner is not None:
+        if link_owner in (os.geteuid(), 0) or not _others_may_write(directory):
+            return os.open(component, flags, dir_fd=directory)
+        raise FileRefusedError(f"cannot {action} {path}: another user's link on its path leads to another file "
+                               f"system, in a directory other users may write (never entered; nothing {done})")
+    inner = os.open(component, flags, dir_fd=directory)
+    if not _another_users_mount(inner):
+        return inner
+    os.close(inner)
+    raise FileRefusedError(f"cannot {action} {path}: a directory on its path has a file system mounted on it that "
+                           f"may be another user's (never entered; nothing {done})")
 
 
 def _write_in(directory: int, name: str, path: str, data: bytes) -> None:

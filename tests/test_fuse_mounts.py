@@ -8,9 +8,9 @@ first allocation, its OOM, root's CLI. Now such a name is refused (openat2's
 RESOLVE_NO_XDEV, interpose/src/nomount.h and files.open_no_mount) before the
 mounted file system is asked anything. A mount on a directory of an
 oom_snapshot or `snapshot -o` path, one they made in /tmp, held the lookup of
-the name in it the same way: where other users may write the directory
-holding it, a FUSE mount whose user_id is neither ours nor root's is refused;
-any other mount (only root makes those) is crossed.
+the name in it the same way: wherever it is, a FUSE mount whose user_id is
+neither ours nor root's is refused; any other mount (only root makes those)
+is crossed.
 
 The mount is made here as fusermount would make it for uid 65534, by root
 opening /dev/fuse and never reading it (not even FUSE_INIT is answered), or
@@ -199,8 +199,7 @@ def test_an_oom_snapshot_path_with_a_mount_on_it_is_left_alone(base: Path, stall
     assert f"oom_snapshot: cannot write {target}: a file system is mounted on it (never entered" in proc.stderr
 
 
-REFUSED = ("a directory on its path has a file system mounted on it that another user may have made, in a "
-           "directory other users may write (never entered; nothing {})")
+REFUSED = "a directory on its path has a file system mounted on it that may be another user's (never entered; nothing {})"
 
 USER_FILES = """
     import sys
@@ -232,6 +231,27 @@ def test_an_oom_snapshot_path_through_a_mount_others_could_make_is_left_alone(ba
     target = directory / "oom.pickle"
     proc = oom_with_snapshot_at(base, target)
     assert f"oom_snapshot: cannot write {target}: {REFUSED.format('written')}" in proc.stderr
+
+
+def test_a_mount_others_could_make_in_a_root_only_directory_is_left_alone(base: Path, stalled_mount) -> None:
+    """fusermount asks write access to the mount point alone, not to the
+    directory holding it: another user mounts on a 0777 directory of root's
+    inside root's 0755 one. Judged only where others may write the holding
+    directory, the mount was crossed and the name's lookup in it waited for
+    ever, by oom_snapshot and the CLI's files alike."""
+    holder = base / "root-only"
+    holder.mkdir(mode=0o755)
+    directory = holder / "drop"
+    directory.mkdir()
+    directory.chmod(0o777)
+    stalled_mount(directory)
+    target = directory / "oom.pickle"
+    assert f"oom_snapshot: cannot write {target}: {REFUSED.format('written')}" in oom_with_snapshot_at(base,
+                                                                                                     target).stderr
+    proc = run(USER_FILES, args=[str(directory / "snap.pickle")])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"cannot write {directory}/snap.pickle: {REFUSED.format('written')}",
+                                        f"cannot read {directory}/snap.pickle: {REFUSED.format('read')}"]
 
 
 @pytest.mark.parametrize("holder_mode, kind", [(0o755, "tmpfs"), (0o1777, "tmpfs"), (0o1777, "bind")])

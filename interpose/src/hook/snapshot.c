@@ -60,41 +60,33 @@ static int write_all(int fd, const char *p, size_t size)
 /* A snapshot write's errors of its own, outside errno's range: a
  * directory on the path is a symbolic link; the name leaves no room for the
  * temporary's suffix; every temporary name tried was taken; a directory on
- * the path has a mount on it that another user may have made. */
+ * the path has a mount on it that may be another user's. */
 #define LINK_ON_THE_PATH 4096
 #define NO_ROOM_FOR_TEMPORARY 4097
 #define TEMPORARIES_TAKEN 4098
 #define FOREIGN_MOUNT_ON_THE_PATH 4099
 
-/* Whether a user other than us and root may make a directory in dir (and so,
- * through fusermount, mount on it). */
-static bool others_may_write(int dir_fd)
-{
-    struct stat dir;
-    if (fstat(dir_fd, &dir) != 0)
-        return true;
-    return (dir.st_uid != geteuid() && dir.st_uid != 0) || (dir.st_mode & (S_IWGRP | S_IWOTH)) != 0;
-}
-
 /* Opens the directory component in dir_fd, never through a link; a mount
- * on it, where other users may write dir_fd, is entered only when it is not
- * another user's (npa_mount_is_another_users). Any user may make a
- * directory in /tmp and mount a FUSE file system of theirs on it whose
- * server never answers: the next lookup in it, of the snapshot's name,
- * waited for ever. The O_PATH open lands on the mount's root without asking
- * its file system anything, and the mount judged is the very one landed on.
- * ".." is never refused: it climbs out of a mount. It lands on one only
- * where a mount was stacked on the directory above after the walk passed
- * it, or above a working directory inside another user's directory
- * ("../x"); that is not guarded, since either EXDEV looks the same. */
+ * on it is entered only when it is not another user's
+ * (npa_mount_is_another_users). Any user may mount a FUSE file system of
+ * theirs whose server never answers on a directory they may write, and
+ * fusermount asks write access to that directory alone, not to the one
+ * holding it (a 0777 directory inside root's 0755 one will do): the next
+ * lookup in it, of the snapshot's name, waited for ever. So every mount met
+ * is judged, wherever it is; that costs two procfs reads. The O_PATH open
+ * lands on the mount's root without asking its file system anything, and
+ * the mount judged is the very one landed on. ".." is never refused: it
+ * climbs out of a mount. It lands on one only where a mount was stacked on
+ * the directory above after the walk passed it, or above a working
+ * directory inside another user's directory ("../x"); that is not guarded,
+ * since either EXDEV looks the same. */
 static int open_component(int dir_fd, const char *component, int *fd)
 {
     const int flags = O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
     *fd = npa_openat_no_mount(dir_fd, component, flags, 0);
     if (*fd < 0 && errno == EXDEV) {
         *fd = openat(dir_fd, component, flags);
-        if (*fd >= 0 && strcmp(component, "..") != 0 && others_may_write(dir_fd) &&
-            npa_mount_is_another_users(*fd)) {
+        if (*fd >= 0 && strcmp(component, "..") != 0 && npa_mount_is_another_users(*fd)) {
             close(*fd);
             return FOREIGN_MOUNT_ON_THE_PATH;
         }
@@ -257,8 +249,8 @@ const char *npa_snapshot_strerror(int err)
         return "its name leaves no room for the temporary's suffix .tmp.<pid>.<8 hex digits> (nothing written)";
     case TEMPORARIES_TAKEN: return "every temporary name tried beside it was taken (left as they are; nothing written)";
     case FOREIGN_MOUNT_ON_THE_PATH:
-        return "a directory on its path has a file system mounted on it that another user may have made, in a "
-               "directory other users may write (never entered; nothing written)";
+        return "a directory on its path has a file system mounted on it that may be another user's (never "
+               "entered; nothing written)";
     case EPERM: return "it belongs to another user (left as it is)";
     case EINVAL: return "not a regular file, FIFO or character device (left as it is)";
     case ENXIO: return "a FIFO with no reader (nothing written)";

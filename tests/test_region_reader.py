@@ -228,9 +228,10 @@ def test_a_stopped_writer_inside_its_seqlock_is_reported_as_stopped(shm: Path, s
     monkeypatch.setattr(region_module, "SEQLOCK_TIMEOUT_S", 0.05)
     os.kill(sleeper, signal.SIGSTOP)
     try:
-        # Stopped once it has run, which a loaded machine may put off past the reader's wait.
-        while not region_module.process_stopped(sleeper):
-            os.sched_yield()
+        # Stopped once it has run, which a loaded machine may put off past the reader's wait; a
+        # sleeper that ended first fails the test (the wait reaps nothing, for the fixture's).
+        stop = os.waitid(os.P_PID, sleeper, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+        assert stop.si_code == os.CLD_STOPPED, f"the sleeper ended before it stopped: {stop}"
         with pytest.raises(ProcessStoppedError, match=f"process {sleeper} is stopped .* once it continues"):
             npualloc.memory_stats(pid=sleeper)
     finally:

@@ -263,7 +263,9 @@ def _open_component(component: str, directory: int, path: str, action: str, foll
             return os.open(component, flags, dir_fd=directory)
         raise FileRefusedError(f"cannot {action} {path}: another user's link on its path leads to another file "
                                f"system, in a directory other users may write (never entered; nothing {done})")
-    inner = os.open(component, flags, dir_fd=directory)
+    # No link was there when looked at: none is followed now, should another
+    # user have unmounted their directory and put one there since.
+    inner = os.open(component, flags | os.O_NOFOLLOW, dir_fd=directory)
     if not _another_users_mount(inner):
         return inner
     os.close(inner)

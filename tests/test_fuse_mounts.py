@@ -387,6 +387,43 @@ def test_user_file_paths_through_a_mount_others_could_make_are_refused(base: Pat
         "system, in a directory other users may write (never entered; nothing read)"]
 
 
+def test_a_mount_point_swapped_for_a_link_after_its_check_is_not_followed(base: Path, stalled_mount,
+                                                                         root_mount) -> None:
+    """Reading follows links, but a mount point (no link when looked at) is
+    opened without following one: another user may unmount their directory
+    and put a link there between the look and the open, and the kernel
+    followed it through their stalled mount and waited in it for ever. The
+    swap is made here right after the look."""
+    stalled = theirs(base / "stalled", directory=True)
+    stalled_mount(stalled)
+    swapped = base / "swapped"
+    swapped.mkdir()
+    root_mount(swapped, "tmpfs")
+    try:
+        proc = run(f"""
+            import ctypes, os
+            import npualloc.files as files
+            looked = files._link_owner
+            def look_then_swap(name, directory):
+                owner = looked(name, directory)
+                if name == "swapped":
+                    assert ctypes.CDLL(None).umount2({str(swapped).encode()!r}, {MNT_DETACH}) == 0
+                    os.rmdir({str(swapped)!r})
+                    os.symlink({str(stalled / "sub")!r}, {str(swapped)!r})
+                return owner
+            files._link_owner = look_then_swap
+            try:
+                files.read_regular_file({str(swapped / "snap.pickle")!r}, 1 << 20)
+            except files.FileRefusedError as e:
+                print(e)
+        """)
+    finally:  # root_mount's unmount of the name would follow the link into the stalled mount
+        if swapped.is_symlink():
+            swapped.unlink()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"cannot read {swapped}/snap.pickle: {os.strerror(errno.ENOTDIR)}\n"
+
+
 def test_a_path_to_read_ending_in_a_slash_is_walked_as_any_other(base: Path, stalled_mount) -> None:
     """`plot DIR/` or `replay DIR/`: a path with no file name, refused as no
     regular file, was opened in one os.open: the open of another user's

@@ -274,7 +274,7 @@ int npa_snapshot_write_at(npa_allocator *a, int dir_fd, const char *name)
 }
 
 /* npa_snapshot_write_at for a path, refused when a directory on the way is
- * a link. */
+ * a link or has a mount on it that may be another user's (open_parent). */
 static int write_to_path(npa_allocator *a, const char *path)
 {
     const char *name;

@@ -5,6 +5,7 @@
  * NUL, copies nothing unbounded and converts numbers with overflow checks, so
  * any byte string is safe input. */
 #include <ctype.h>
+#include <limits.h>
 #include <locale.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -379,6 +380,8 @@ size_t npa_config_entry_key(const char *entry, size_t n, const char **key) {
 /* Returns 1 when the entry is a problem (warned), else 0. set: the
  * known_keys an earlier entry of the string set (bit i for known_keys[i]),
  * whose value a refused one keeps. */
+_Static_assert(sizeof known_keys / sizeof *known_keys <= sizeof(unsigned) * CHAR_BIT,
+               "apply_entry's set holds a bit per known key");
 static int apply_entry(npa_config *config, span entry, entry_warnings *w, unsigned *set) {
     char shown_key[52], shown_value[52];
     size_t sep = key_end(entry);

@@ -115,7 +115,9 @@ struct sim_device {
 };
 struct sim_device *sim_device(int32_t id);      /* NULL when out of range */
 /* The calling thread's device (takes the lock: call without it): 107002 when
- * the thread has none or its device was reset, 100001 before aclInit. */
+ * the thread has none, its device was reset, or another thread destroyed
+ * its context (which this call detaches: the next runs in the device's
+ * default one), 100001 before aclInit. */
 aclError sim_current_device(int32_t *id);
 aclError sim_current_device_locked(int32_t *id); /* the same, lock held */
 /* The prologue of a call that needs an argument and a device: count it,
@@ -130,7 +132,8 @@ static inline aclError sim_enter(enum sim_api api, const void *required, int32_t
 void sim_reset_all_devices(void);               /* aclFinalize: lock held */
 void sim_forget_current_device(void);
 /* The context aclrtCreateContext or aclrtSetCurrentContext made current on
- * the calling thread; NULL: its device's default one. */
+ * the calling thread; NULL: its device's default one. Live only when asked
+ * under the hold of the lock in which sim_current_device_locked succeeded. */
 const struct sim_context *sim_current_context(void);
 
 /* ---- device memory validity (memcheck.c), lock held ---- */

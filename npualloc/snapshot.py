@@ -151,22 +151,17 @@ def _in_process_bytes() -> bytes:
         lib.npualloc_free_snapshot(buffer)
 
 
-def _snapshot_file_name(region: Region, seq: int) -> str:
-    """The name of the file region's process writes for snapshot command seq
-    (NPUALLOC_CMD_SNAPSHOT): the region file's inode in it, since a process
-    with the same pid in another pid namespace sharing the directory has the
-    same region name, and numbers its commands as this one does."""
-    return f"{region.path.name}.snapshot.{region.inode}.{seq}"
-
-
 def _read_snapshot_file(region: Region, seq: int) -> bytes:
     """Reads and removes the file the process wrote beside its region for
-    our snapshot command seq; never through a link and only our own regular
-    file, though the directory is the user's own (region_dir.c), and in the
-    directory the region was opened in, not at its path: where the base is
-    not sticky another user can rename that directory and put their own at
-    its name."""
-    name = _snapshot_file_name(region, seq)
+    our snapshot command seq (NPUALLOC_CMD_SNAPSHOT); never through a link
+    and only our own regular file, though the directory is the user's own
+    (region_dir.c), and in the directory the region was opened in, not at
+    its path: where the base is not sticky another user can rename that
+    directory and put their own at its name."""
+    # The region file's inode is in the name, since a process with the same
+    # pid in another pid namespace sharing the directory has the same region
+    # name, and numbers its commands as this one does.
+    name = f"{region.path.name}.snapshot.{region.inode}.{seq}"
     path = region.path.with_name(name)
     try:
         return read_regular_file(path, _snapshot_check.MAX_SNAPSHOT_BYTES, owner=os.geteuid(),

@@ -8,8 +8,11 @@ oom_snapshot:PATH (interpose/src/hook/snapshot.c):
   device (/dev/null): written to, as torch would, non-blocking; a symbolic
   link (never followed), another user's file, a directory, a block device or
   socket: refused and left as it is.
-- reading: opened non-blocking and never through a link, then fstat'ed; only
-  a regular file is read, so a FIFO nobody writes to never blocks.
+- reading: the file itself opened non-blocking and never through a link,
+  then fstat'ed; only a regular file is read, so a FIFO nobody writes to
+  never blocks. Links on the directories of its path are followed, but for
+  another user's into another mount from a directory others may write
+  (_open_component).
 - either way, a name with a file system mounted on it is refused before that
   file system is asked anything (open_no_mount): anyone may mount a FUSE file
   system on a file of theirs in /tmp whose server never answers, and a stat or

@@ -6,8 +6,9 @@ directory name in /dev/shm with a directory of theirs, or an oom_snapshot or
 or stat that crossed into it waited for ever (killable only): a root program's
 first allocation, its OOM, root's CLI. Now such a name is refused (openat2's
 RESOLVE_NO_XDEV, interpose/src/nomount.h and files.open_no_mount) before the
-mounted file system is asked anything. A mount on a directory of an
-oom_snapshot or `snapshot -o` path, one they made in /tmp, held the lookup of
+mounted file system is asked anything. A mount on a directory of a path
+written (oom_snapshot, `snapshot -o`) or read (`replay`, `plot`), one they
+made in /tmp or on a directory of root's they may write, held the lookup of
 the name in it the same way: wherever it is, a FUSE mount whose user_id is
 neither ours nor root's is refused; any other mount (only root makes those)
 is crossed.

@@ -76,6 +76,7 @@ def test_a_device_past_the_runtime_devices_is_a_bad_device(tmp_path: Path) -> No
             assert_one_line_error(run_cli(args, tmp_path), 2, "the runtime sees 2 device(s)")
         assert run_cli(["stats", pid, "--device", "1"], tmp_path).returncode == 0  # exists, unused
 
+
 def _watching(tmp_path: Path, pid: int) -> subprocess.Popen:
     """`stats <pid> --watch 0.05`, once it has shown a frame: the process is being watched."""
     watcher = subprocess.Popen([sys.executable, "-m", "npualloc", "stats", str(pid), "--watch", "0.05"],

@@ -97,6 +97,7 @@ def test_a_device_past_the_runtime_devices_is_refused_from_outside_too(shm: Path
         assert npualloc.memory_allocated(0, pid=w.pid) >= MiB
         assert npualloc.memory_allocated(1, pid=w.pid) == 0  # a device that exists, unused
 
+
 def test_mem_get_info_of_another_process_is_the_pair_it_last_sampled(shm: Path) -> None:
     """mem_get_info had no pid=, as every other reading call has: another
     process's (free, total) is its region's last sample, taken at a cache
@@ -1210,6 +1211,7 @@ def test_ls_puts_back_a_live_region_left_under_a_reapers_aside_name(shm: Path, a
         assert [name for name in os.listdir(path.parent) if name.startswith(".")] == []
         assert w.close() == 0
     assert os.listdir(path.parent) == []
+
 
 def test_ls_puts_a_live_region_back_only_once_its_name_is_free(shm: Path) -> None:
     """A region left aside whose name a live process with the same pid (in

@@ -47,6 +47,7 @@ def test_a_device_is_refused_only_past_a_runtime_count_the_process_recorded(shm:
         assert npualloc.memory_allocated(7, pid=sleeper) == 0
     assert npualloc.memory_allocated(1, pid=sleeper) == 0
 
+
 def test_well_formed_region_is_read(shm: Path, sleeper: int) -> None:
     region = ffi.new("npualloc_region *")
     ffi.memmove(region, region_bytes(sleeper, device_count=2), REGION_SIZE)

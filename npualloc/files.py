@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from ._ffi import reader_library
 from .errors import NpuallocError
 
 # A FIFO whose reader has not taken all the data after this long in all is given up (as
@@ -209,28 +210,11 @@ def _link_owner(name: str, directory: int) -> int | None:
 
 def _another_users_mount(mount_root: int) -> bool:
     """Whether the mount whose root mount_root is (an O_PATH descriptor) may be
-    another user's, as snapshot.c's npa_mount_is_another_users: in our mount
-    namespace only root makes mounts, but for the FUSE ones any user makes
-    through the setuid fusermount, whose /proc/self/mountinfo line has the
-    type fuse, fuse.<subtype> or fuseblk (.<subtype>) and the super option
-    user_id=<who made it>, which fusermount sets itself (a mount made in a
-    user namespace is not seen in ours). So the mount is another user's when
-    it is a FUSE one whose user_id is neither ours nor root's, or when that
-    cannot be told: its line is not found or names no type, or a FUSE one's
-    names no user_id. Both files are procfs', whose reading asks the mounted
-    file system nothing."""
-    try:
-        with open(f"/proc/self/fdinfo/{mount_root}", "rb") as f:
-            mount_id = next(line.split()[1] for line in f if line.startswith(b"mnt_id:"))
-        with open("/proc/self/mountinfo", "rb") as f:
-            fields = next(line.rstrip(b"\n").split(b" ") for line in f if line.split(b" ", 1)[0] == mount_id)
-        fs_type, _, options = fields[fields.index(b"-", 6) + 1:][:3]
-    except (OSError, StopIteration, IndexError, ValueError):
-        return True
-    if fs_type not in (b"fuse", b"fuseblk") and not fs_type.startswith((b"fuse.", b"fuseblk.")):
-        return False
-    user_id = next((option[8:] for option in options.split(b",") if option.startswith(b"user_id=")), None)
-    return user_id not in (b"0", str(os.geteuid()).encode())
+    another user's: a FUSE one whose user_id is neither ours nor root's, or
+    one that cannot be told. The reader library judges it by the rule and the
+    /proc/self reads the interposer judges an oom_snapshot path by
+    (interpose/src/mount_maker.h), never asking the mounted file system."""
+    return bool(reader_library().npualloc_reader_mount_is_another_users(mount_root) != 0)
 
 
 def _open_component(component: str, directory: int, path: str, action: str, follow_links: bool) -> int:

@@ -82,6 +82,12 @@ int32_t npualloc_reader_locked(int32_t dir_fd, const char *name, uint64_t inode)
  * caller checked, never one renamed over it since (unlink_checked.h): 0
  * removed, -1 not (gone, another file now, or no rename without replace). */
 int32_t npualloc_reader_unlink_checked(int32_t dir_fd, const char *name, uint64_t device, uint64_t inode);
+/* Whether the mount whose root mount_root is (an O_PATH descriptor of it)
+ * may be another user's: 1 it may (another user's FUSE mount, or it cannot
+ * be told), 0 not. Read from /proc/self alone, never asking the mounted
+ * file system (the rule: interpose/src/mount_maker.h, as the interposer
+ * judges an oom_snapshot path). */
+int32_t npualloc_reader_mount_is_another_users(int32_t mount_root);
 
 /* A consistent copy of one device's stats: copied between two reads of an
  * even, unchanged seq, at most `attempts` times (a yield between two). BUSY

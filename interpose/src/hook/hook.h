@@ -533,12 +533,6 @@ void npa_saver_lock_for_fork(void);
 void npa_saver_unlock_after_fork(void);
 void npa_saver_forget_after_fork(void); /* in the child, saver_lock held */
 
-/* ---- mount_maker.c -------------------------------------------------------- */
-
-/* Whether the mount whose root mount_root is (an O_PATH descriptor) may be
- * another user's, read from /proc/self alone (mount_maker.c states the rule). */
-bool npa_mount_is_another_users(int mount_root);
-
 /* ---- snapshot.c ----------------------------------------------------------- */
 
 /* Writes the torch snapshot pickle to name in the directory dir_fd (the

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "hook.h"
+#include "mount_maker.h"
 #include "nomount.h"
 #include "random_suffix.h"
 

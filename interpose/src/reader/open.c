@@ -4,6 +4,7 @@
 #define _GNU_SOURCE /* O_PATH (nomount.h), renameat2 (unlink_checked.h) */
 #include "npualloc_reader.h"
 #include "guard.h"
+#include "mount_maker.h"
 #include "nomount.h"
 #include "region_lock.h"
 #include "unlink_checked.h"
@@ -135,4 +136,9 @@ int32_t npualloc_reader_locked(int32_t dir_fd, const char *name, uint64_t inode)
 int32_t npualloc_reader_unlink_checked(int32_t dir_fd, const char *name, uint64_t device, uint64_t inode)
 {
     return npa_unlink_checked(dir_fd, name, (dev_t)device, (ino_t)inode);
+}
+
+int32_t npualloc_reader_mount_is_another_users(int32_t mount_root)
+{
+    return npa_mount_is_another_users(mount_root) ? 1 : 0;
 }

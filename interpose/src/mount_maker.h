@@ -1,6 +1,12 @@
-/* Who may have made a mount that a path to write a snapshot meets, told from
- * /proc/self without asking the mounted file system anything. */
-#define _GNU_SOURCE
+/* Who may have made a mount that a path to a file of ours meets, told from
+ * /proc/self without asking the mounted file system anything. Header-only:
+ * the interposer (an oom_snapshot path, hook/snapshot.c) and the reader
+ * library (the CLI's file paths, npualloc/files.py, through
+ * npualloc_reader_mount_is_another_users) both use it, so the rule and its
+ * parse of mountinfo are one. */
+#ifndef NPA_MOUNT_MAKER_H
+#define NPA_MOUNT_MAKER_H
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdbool.h>
@@ -8,9 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "hook.h"
-
-static ssize_t read_some(int fd, char *buffer, size_t size)
+static inline ssize_t npa_mount_read_some(int fd, char *buffer, size_t size)
 {
     ssize_t n;
     do
@@ -22,14 +26,14 @@ static ssize_t read_some(int fd, char *buffer, size_t size)
 /* The mount ID of fd's file, as text, from its fdinfo (procfs: no other
  * file system is asked, as a stat of a FUSE mount's root would ask its
  * server); false when it cannot be read. */
-static bool mount_id_of(int fd, char id[24])
+static inline bool npa_mount_id_of(int fd, char id[24])
 {
     char path[48], text[256];
     snprintf(path, sizeof path, "/proc/self/fdinfo/%d", fd);
     int info = open(path, O_RDONLY | O_CLOEXEC);
     if (info < 0)
         return false;
-    ssize_t n = read_some(info, text, sizeof text - 1);
+    ssize_t n = npa_mount_read_some(info, text, sizeof text - 1);
     close(info);
     if (n <= 0)
         return false;
@@ -53,10 +57,10 @@ static bool mount_id_of(int fd, char id[24])
  * one's names no user_id. The file is read a chunk at a time, each field
  * (each option, among the super options) kept to its first bytes, so a line
  * of any length costs no memory. */
-bool npa_mount_is_another_users(int mount_root)
+static inline bool npa_mount_is_another_users(int mount_root)
 {
     char id[24], ours[16], chunk[512], token[32];
-    int info = mount_id_of(mount_root, id) ? open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC) : -1;
+    int info = npa_mount_id_of(mount_root, id) ? open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC) : -1;
     if (info < 0)
         return true;
     snprintf(ours, sizeof ours, "%u", (unsigned)geteuid());
@@ -64,7 +68,7 @@ bool npa_mount_is_another_users(int mount_root)
     unsigned field = 0, type_field = 0; /* type_field 0: the "-" before the type not met yet */
     bool this_line = false, found = false, told = false, fuse = false, uid_said = false, uid_ours = false;
     ssize_t n;
-    while (!found && (n = read_some(info, chunk, sizeof chunk)) > 0) {
+    while (!found && (n = npa_mount_read_some(info, chunk, sizeof chunk)) > 0) {
         for (ssize_t i = 0; i < n && !found; i++) {
             char c = chunk[i];
             bool in_options = type_field != 0 && field == type_field + 2;
@@ -100,3 +104,5 @@ bool npa_mount_is_another_users(int mount_root)
     close(info);
     return !found || !told || (fuse && !uid_ours);
 }
+
+#endif

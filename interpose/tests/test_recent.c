@@ -250,28 +250,6 @@ static void test_fork_while_blocks_are_held(void) {
     fixture_destroy(&fx);
 }
 
-/* What the blocks say, to hold the stats against. */
-typedef struct block_totals {
-    long long inactive_split, inactive_split_bytes, active_bytes, allocated_bytes, largest_free;
-} block_totals;
-
-static void add_segment(const npa_segment_view *v, void *arg) {
-    block_totals *t = arg;
-    for (size_t i = 0; i < v->block_count; i++) {
-        const npa_block_view *b = &v->blocks[i];
-        if (b->state == NPA_BLOCK_INACTIVE) {
-            if (v->block_count > 1) {
-                t->inactive_split++;
-                t->inactive_split_bytes += (long long)b->size;
-            }
-            if ((long long)b->size > t->largest_free) t->largest_free = (long long)b->size;
-        } else {
-            t->active_bytes += (long long)b->size;
-            if (b->state == NPA_BLOCK_ACTIVE_ALLOCATED) t->allocated_bytes += (long long)b->size;
-        }
-    }
-}
-
 /* Random mallocs and frees, the cache filling, evicting, hit and missed:
  * after every call the stats equal what the blocks themselves say. Fenced:
  * frees enter the cache as their fences complete (each at its second
@@ -295,13 +273,13 @@ static void run_stats_match_the_blocks(bool fenced) {
             size_t size = (size_t)1 << (rng >> 8) % 22; /* 1 B to 2 MiB: mostly small blocks */
             *slot = alloc_exact(&fx, 0, size + (rng >> 32) % size);
         }
-        block_totals blocks = {0};
-        npa_visit_segments(fx.a, 0, add_segment, &blocks);
+        block_totals blocks = blocks_of(&fx, 0);
         npualloc_device_stats s = stats_of(&fx, 0);
-        mismatches += s.inactive_split[NPUALLOC_POOL_ALL].current != blocks.inactive_split ||
-                      s.inactive_split_bytes[NPUALLOC_POOL_ALL].current != blocks.inactive_split_bytes ||
-                      s.active_bytes[NPUALLOC_POOL_ALL].current != blocks.active_bytes ||
-                      s.allocated_bytes[NPUALLOC_POOL_ALL].current != blocks.allocated_bytes ||
+        const int all = NPUALLOC_POOL_ALL;
+        mismatches += s.inactive_split[all].current != blocks.inactive_split[all] ||
+                      s.inactive_split_bytes[all].current != blocks.inactive_split_bytes[all] ||
+                      s.active_bytes[all].current != blocks.active_bytes[all] ||
+                      s.allocated_bytes[all].current != blocks.allocated_bytes[all] ||
                       s.largest_free_block != blocks.largest_free;
     }
     CHECK_EQ(mismatches, 0);

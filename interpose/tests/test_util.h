@@ -87,4 +87,54 @@ static inline segment_shape shape_of(fixture *fx, int device) {
     return shape;
 }
 
+/* What a device's blocks say (npa_visit_segments, plain segments), per pool
+ * (NPUALLOC_POOL_*, [ALL] the sum of the two), to hold its stats against: an
+ * inactive block is split when its segment has other blocks; active bytes
+ * include pending frees, allocated bytes do not; largest_free is the biggest
+ * inactive block. */
+typedef struct block_totals {
+    long long segments[NPUALLOC_POOL_COUNT], reserved_bytes[NPUALLOC_POOL_COUNT];
+    long long allocated_blocks[NPUALLOC_POOL_COUNT];
+    long long allocated_bytes[NPUALLOC_POOL_COUNT], active_bytes[NPUALLOC_POOL_COUNT];
+    long long requested_bytes[NPUALLOC_POOL_COUNT];
+    long long inactive_split[NPUALLOC_POOL_COUNT], inactive_split_bytes[NPUALLOC_POOL_COUNT];
+    long long largest_free;
+} block_totals;
+
+static inline void add_to_pool(long long *stat, int pool, long long value) {
+    stat[NPUALLOC_POOL_ALL] += value;
+    stat[pool] += value;
+}
+
+static inline void add_segment(const npa_segment_view *v, void *arg) {
+    block_totals *t = arg;
+    int pool = v->is_small ? NPUALLOC_POOL_SMALL : NPUALLOC_POOL_LARGE;
+    add_to_pool(t->segments, pool, 1);
+    add_to_pool(t->reserved_bytes, pool, (long long)v->total_size);
+    for (size_t i = 0; i < v->block_count; i++) {
+        const npa_block_view *b = &v->blocks[i];
+        if (b->state == NPA_BLOCK_INACTIVE) {
+            if (v->block_count > 1) {
+                add_to_pool(t->inactive_split, pool, 1);
+                add_to_pool(t->inactive_split_bytes, pool, (long long)b->size);
+            }
+            if ((long long)b->size > t->largest_free) t->largest_free = (long long)b->size;
+        } else {
+            add_to_pool(t->active_bytes, pool, (long long)b->size);
+            add_to_pool(t->requested_bytes, pool, (long long)b->requested_size);
+            if (b->state == NPA_BLOCK_ACTIVE_ALLOCATED) {
+                add_to_pool(t->allocated_blocks, pool, 1);
+                add_to_pool(t->allocated_bytes, pool, (long long)b->size);
+            }
+        }
+    }
+}
+
+static inline block_totals blocks_of(fixture *fx, int device) {
+    block_totals t;
+    memset(&t, 0, sizeof t);
+    npa_visit_segments(fx->a, device, add_segment, &t);
+    return t;
+}
+
 #endif

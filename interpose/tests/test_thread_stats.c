@@ -92,22 +92,21 @@ static int64_t rounding_slack(const tally *t, int pool) {
     return pool == NPUALLOC_POOL_SMALL ? 0 : t->of[BLOCKS][NPUALLOC_POOL_LARGE] * (int64_t)MiB;
 }
 
-/* A CHECK that names the stat, its index, the field and the range. */
+/* A CHECK that names the stat, its index (a pool, or the place in the stat
+ * run; -1: none), the field and the range [low, low + slack]. */
 static void expect_within(int line, const char *stat, int index, const char *field, int64_t actual, int64_t low,
                           int64_t slack) {
     if (actual >= low && actual <= low + slack) return;
     check_failures++;
-    fprintf(stderr, "%s:%d: %s[%d].%s == %lld, expected %lld to %lld\n", __FILE__, line, stat, index, field,
-            (long long)actual, (long long)low, (long long)(low + slack));
+    fprintf(stderr, "%s:%d: %s[%d].%s == %lld, expected %lld", __FILE__, line, stat, index, field,
+            (long long)actual, (long long)low);
+    if (slack != 0) fprintf(stderr, " to %lld", (long long)(low + slack));
+    fputc('\n', stderr);
 }
 
-/* A CHECK_EQ that names the stat, its index (a pool, or the place in the
- * stat run; -1: none) and the field. */
+/* expect_within with no slack: a CHECK_EQ that names what it checks. */
 static void expect(int line, const char *stat, int index, const char *field, int64_t actual, int64_t expected) {
-    if (actual == expected) return;
-    check_failures++;
-    fprintf(stderr, "%s:%d: %s[%d].%s == %lld, expected %lld\n", __FILE__, line, stat, index, field,
-            (long long)actual, (long long)expected);
+    expect_within(line, stat, index, field, actual, expected, 0);
 }
 
 /* --- worker threads, one job at a time ------------------------------------ */

@@ -7,8 +7,14 @@
  * magic, then version, then header.size == sizeof(npualloc_region) before
  * trusting any other field. Stats are published with one seqlock per device
  * (npualloc_device_stats.seq: odd while a writer is inside); copy, re-read seq,
- * retry when it changed or was odd, then npualloc_stats_from_region on the
- * copy (each stat's freed is implied in the region). The header's config
+ * retry when it changed or was odd. Since version 9 a device's figures are
+ * its npualloc_device_stats plus its npualloc_thread_stats slots (below):
+ * read the device's seq, copy the device, copy each slot under its own
+ * seqlock, then check the device's seq unchanged (retry otherwise); add each
+ * slot's current and allocated into the [ALL] entry and the slot's pool's
+ * entry, and its num_cache_hits; largest_free_block is the largest of the
+ * device's and the slots' largest_held. Then npualloc_stats_from_region on
+ * the sum (each stat's freed is implied in the region). The header's config
  * text, which a config change rewrites, has its own (header.config_seq), and
  * so has the pause state with its byte counts (header.pause.seq).
  *
@@ -25,8 +31,9 @@
 
 /* cffi:begin */
 #define NPUALLOC_SHM_MAGIC 0x434f4c4c41555041
-#define NPUALLOC_SHM_VERSION 8
+#define NPUALLOC_SHM_VERSION 9
 #define NPUALLOC_MAX_DEVICES 16
+#define NPUALLOC_THREAD_SLOTS 32 /* per device: a thread beyond them has no cache */
 #define NPUALLOC_CONFIG_LEN 1024 /* the longest config text, every key at its longest, is 836 */
 #define NPUALLOC_CMDLINE_LEN 256
 
@@ -183,11 +190,42 @@ typedef struct npualloc_saver_stats {
     int64_t backup_bytes;    /* host memory holding paused contents */
 } npualloc_saver_stats;
 
+/* The stats npualloc_thread_stats carries, per pool, in this order: the
+ * index of each in its current[pool] and allocated[pool]. */
+#define NPUALLOC_THREAD_ALLOCATION 0
+#define NPUALLOC_THREAD_ALLOCATED_BYTES 1
+#define NPUALLOC_THREAD_ACTIVE 2
+#define NPUALLOC_THREAD_ACTIVE_BYTES 3
+#define NPUALLOC_THREAD_REQUESTED_BYTES 4
+#define NPUALLOC_THREAD_INACTIVE_SPLIT 5
+#define NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES 6
+#define NPUALLOC_THREAD_STAT_COUNT 7
+/* Pool index of a slot's current and allocated: NPUALLOC_POOL_SMALL - 1, NPUALLOC_POOL_LARGE - 1. */
+#define NPUALLOC_THREAD_POOL_COUNT 2
+
+/* The stat changes one thread's cache made without the device lock
+ * (version 9), to be added to its device's own figures (the reading rule
+ * above): the device's figures alone miss what the threads' caches lent
+ * and took back. Written by one thread at a time under its own seqlock
+ * (same protocol). A slot no thread holds is all zeros. The device's peaks
+ * already cover the sum: its writer keeps device.current plus what the
+ * slots may reach within the device's peak. */
+typedef struct npualloc_thread_stats {
+    uint64_t seq;
+    int64_t current[2][7];   /* [pool][NPUALLOC_THREAD_*]: moves of each stat's current */
+    int64_t allocated[2][7]; /* the sum of those stats' increases (torch's Stat.allocated) */
+    int64_t num_cache_hits;  /* mallocs the cache served */
+    int64_t largest_held;    /* the biggest free block the cache holds (largest_free_block) */
+    int64_t pad0;            /* a whole number of cache lines: no false sharing between threads */
+} npualloc_thread_stats;
+
 typedef struct npualloc_region {
     npualloc_region_header header;
     npualloc_command command;
     npualloc_device_stats devices[16];
     npualloc_saver_stats saver[16];
+    uint8_t pad0[56];        /* threads on a cache line boundary (the mapping is page aligned) */
+    npualloc_thread_stats threads[16][32]; /* [device][slot] (version 9) */
 } npualloc_region;
 /* cffi:end */
 
@@ -215,5 +253,16 @@ _Static_assert(sizeof(((npualloc_region *)0)->devices) / sizeof(npualloc_device_
                "device count");
 _Static_assert(sizeof(((npualloc_region *)0)->saver) / sizeof(npualloc_saver_stats) == NPUALLOC_MAX_DEVICES,
                "saver device count");
+_Static_assert(sizeof(((npualloc_thread_stats *)0)->current) ==
+                   NPUALLOC_THREAD_POOL_COUNT * NPUALLOC_THREAD_STAT_COUNT * sizeof(int64_t) &&
+                   sizeof(((npualloc_thread_stats *)0)->current[0]) == NPUALLOC_THREAD_STAT_COUNT * sizeof(int64_t) &&
+                   sizeof(((npualloc_thread_stats *)0)->allocated) == sizeof(((npualloc_thread_stats *)0)->current),
+               "thread stat counts");
+_Static_assert(sizeof(((npualloc_region *)0)->threads) ==
+                   NPUALLOC_MAX_DEVICES * NPUALLOC_THREAD_SLOTS * sizeof(npualloc_thread_stats) &&
+                   sizeof(((npualloc_region *)0)->threads[0]) == NPUALLOC_THREAD_SLOTS * sizeof(npualloc_thread_stats),
+               "thread slot counts");
+_Static_assert(sizeof(npualloc_thread_stats) % 64 == 0 && offsetof(npualloc_region, threads) % 64 == 0,
+               "each thread's slot on cache lines of its own");
 
 #endif

@@ -18,10 +18,11 @@ npualloc/lib/libnpualloc_reader.so: $(NPA_READER_LIB)
 
 lib: $(NPA_READER_LIB) $(call NPA_PACKAGE_LIBS,$(NPA_READER_LIB)) npualloc/include/npualloc_reader.h
 
-# The C test of the reader (a writer thread of the real core against reader
-# threads) links the reader's objects beside the core's, and so does the
-# thread stats test, whose reader copies the stats storage as the CLI does.
-$(BUILD)/ctest/test_reader $(BUILD)/ctest/test_thread_stats: $(NPA_READER_OBJS)
+# The C tests of the reader (a writer thread of the real core against reader
+# threads; the device figures' reading rule) link the reader's objects beside
+# the core's, and so does the thread stats test, whose reader copies the stats
+# storage as the CLI does.
+$(BUILD)/ctest/test_reader $(BUILD)/ctest/test_device_figures $(BUILD)/ctest/test_thread_stats: $(NPA_READER_OBJS)
 # The exports' stress test loads it to copy its own region (build.mk).
 exports-stress: $(NPA_READER_LIB)
 

@@ -83,6 +83,9 @@ typedef struct npa_backend {
     /* Where the stats of a device live (the shared-memory region), optional:
      * NULL or a NULL result makes the core keep them in its own memory. */
     npualloc_device_stats *(*stats_storage)(void *ctx, int device);
+    /* Where the NPUALLOC_THREAD_SLOTS stat slots of a device's threads live
+     * (the region's, beside its stats), optional, as stats_storage. */
+    npualloc_thread_stats *(*thread_stats_storage)(void *ctx, int device);
 
     /* Virtual memory, for expandable_segments:True; optional, all four or
      * none (NULL: plain segments only). va_reserve reserves size bytes of
@@ -286,6 +289,10 @@ void npa_sample_device_memory(npa_allocator *a, int device);
  * (a new runtime session's): each seqlock must have one writer, and two
  * allocators' devices have two locks and two section counts. */
 void npa_detach_stats_storage(npa_allocator *a);
+/* In a forked child: the parent's allocators are the parent's. No thread
+ * of the child folds its caches back into one of them, which could wait
+ * for a lock held by a thread that did not come along (core/tcache.c). */
+void npa_forget_threads_after_fork(void);
 
 /* Change the GC threshold at run time (0 turns GC off). -1, warned through
  * the backend, when a threshold is asked for while expandable segments are

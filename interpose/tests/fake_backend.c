@@ -352,6 +352,11 @@ static npualloc_device_stats *fake_stats_storage(void *ctx, int device) {
     return f->stats[device];
 }
 
+static npualloc_thread_stats *fake_thread_stats_storage(void *ctx, int device) {
+    fake_backend *f = ctx;
+    return f->threads[device];
+}
+
 npa_backend fake_iface(fake_backend *f) {
     npa_backend b = {
         .ctx = f,
@@ -362,6 +367,7 @@ npa_backend fake_iface(fake_backend *f) {
         .warn = fake_warn,
         .report_oom = fake_report_oom,
         .stats_storage = fake_stats_storage,
+        .thread_stats_storage = fake_thread_stats_storage,
     };
     if (f->vmm) {
         b.va_reserve = fake_va_reserve;

@@ -77,6 +77,9 @@ typedef struct fake_backend {
      * test points elsewhere (or at NULL: the core's own copy). */
     npualloc_device_stats *stats[NPUALLOC_MAX_DEVICES];
     npualloc_device_stats default_stats[NPUALLOC_MAX_DEVICES];
+    /* Where the core keeps each device's thread slots: NULL (the core's
+     * own) unless a test points at slots it writes by hand. */
+    npualloc_thread_stats *threads[NPUALLOC_MAX_DEVICES];
     /* Raw mallocs and frees, synchronizes and fence records made while the
      * device's stats (when stats[] gives them storage) were inside a
      * section, seq odd: the core must never hold one open across a backend

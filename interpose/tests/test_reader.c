@@ -482,6 +482,7 @@ static void test_snapshots_stay_consistent_under_a_writer(void) {
     fixture fx;
     fake_init(&fx.fake, 64 * GiB, false);
     fx.fake.stats[0] = &race.region->devices[0];
+    fx.fake.threads[0] = race.region->threads[0]; /* the writer's own cache counts there */
     fixture_start(&fx, NULL);
     pthread_t readers[READERS];
     for (int i = 0; i < READERS; i++) {

@@ -188,9 +188,9 @@ static void test_bounded_by_recent_blocks(void) {
     fixture_destroy(&fx);
 }
 
-/* The cache belongs to the device, not to a thread: what a thread freed
- * before it exited serves the next thread's malloc of that size, and
- * empty_cache gives it back. */
+/* The cache belongs to a thread: what a thread held when it exited goes
+ * back to the pool, merged (its segment whole again), and the stats count
+ * none of it held any more. */
 typedef struct freeing_thread {
     fixture *fx;
     void *blocks[3];
@@ -210,11 +210,14 @@ static void test_a_thread_that_exits_leaves_nothing_stranded(void) {
     pthread_t thread;
     CHECK_EQ(pthread_create(&thread, NULL, free_and_exit, &ft), 0);
     CHECK_EQ(pthread_join(thread, NULL), 0);
-    CHECK(alloc_exact(&fx, 0, 8192) == ft.blocks[1]); /* held after its thread is gone, reused here */
-    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);       /* the other two go back to the pool, merged */
     npualloc_device_stats s = stats_of(&fx, 0);
-    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the live block keeps its segment */
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);      /* merged: before it and after it */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0); /* merged: the segment is one free block */
+    CHECK_EQ(s.largest_free_block, 2 * MiB);
+    CHECK_EQ(s.num_cache_hits, 2);                            /* its two cache hits, folded into the device's */
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 3);
+    CHECK(alloc_exact(&fx, 0, 8192) == ft.blocks[0]);         /* cut from the merged block */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 2 * MiB); /* the live block keeps it */
     fixture_destroy(&fx);
 }
 

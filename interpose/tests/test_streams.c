@@ -559,10 +559,10 @@ static void test_a_stream_without_pools_destroyed_leaves_the_cache_alone(void) {
     fake_init(&fx.fake, GiB, false); /* no fences: plain frees are reusable at once, into the recent cache */
     fixture_start(&fx, NULL);
     CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 4096), 0, NULL), NPA_FREE_OK);
-    unsigned held = npa_device_get(fx.a, 0, false)->recent.count;
+    unsigned held = npa_tcache_mine(fx.a, 0)->stock.count; /* this thread's cache */
     CHECK(held > 0);
     destroy_stream(&fx, 3);
-    CHECK_EQ(npa_device_get(fx.a, 0, false)->recent.count, held);
+    CHECK_EQ(npa_tcache_mine(fx.a, 0)->stock.count, held);
     fixture_destroy(&fx);
 }
 

@@ -3,6 +3,7 @@
  * in oom.c, GC in gc.c, stream-safe deferral in pending.c. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -23,6 +24,7 @@ npa_allocator *npa_create(const npa_backend *backend, const npa_config *config) 
                                     !npa_config_excludes_expandable(&a->config);
     a->has_divisions = npa_config_has_divisions(&a->config);
     pthread_mutex_init(&a->init_lock, NULL);
+    npa_tcache_register_allocator(a);
     return a;
 }
 
@@ -80,7 +82,7 @@ static bool must_wait_before_release(const npa_device *d) {
 }
 
 static npa_error release_locked(npa_allocator *a, npa_device *d) {
-    npa_recent_flush(d);
+    npa_tcaches_flush(d);
     npa_error err = NPA_OK;
     if (must_wait_before_release(d)) {
         err = npa_synchronize_and_drain(a, d);
@@ -98,6 +100,7 @@ static npa_error release_locked(npa_allocator *a, npa_device *d) {
 
 static void device_destroy(npa_allocator *a, npa_device *d) {
     npa_lock_acquire(&d->lock);
+    npa_tcaches_destroy(d);
     release_locked(a, d);
     /* Batches still waiting (the device could not be synchronized) belong to
      * work that may yet run: their blocks and segments stay with the device;
@@ -139,6 +142,7 @@ static void device_destroy(npa_allocator *a, npa_device *d) {
 
 void npa_destroy(npa_allocator *a) {
     if (!a) return;
+    npa_tcache_unregister_allocator(a); /* no exiting thread folds into it from here */
     for (int i = 0; i < NPUALLOC_MAX_DEVICES; i++)
         if (a->devices[i]) device_destroy(a, a->devices[i]);
     pthread_mutex_destroy(&a->init_lock);
@@ -202,8 +206,9 @@ static size_t config_cap(npa_allocator *a, int id, size_t total_bytes) {
 }
 
 static npa_device *device_create(npa_allocator *a, int id) {
-    npa_device *d = calloc(1, sizeof *d);
+    npa_device *d = aligned_alloc(_Alignof(npa_device), sizeof *d); /* local_threads' alignment */
     if (!d) return NULL;
+    memset(d, 0, sizeof *d);
     if (!npa_block_map_init(&d->live, 256)) {
         free(d);
         return NULL;
@@ -211,7 +216,6 @@ static npa_device *device_create(npa_allocator *a, int id) {
     d->id = id;
     d->plain.small.is_small = true;
     d->plain.small.largest_moved = d->plain.large.largest_moved = &d->largest_moved;
-    d->recent.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) d->batches_tail[kind] = &d->batches[kind];
     d->backend = &a->backend;
     d->config = &a->config;
@@ -224,6 +228,8 @@ static npa_device *device_create(npa_allocator *a, int id) {
 
     d->stats = a->backend.stats_storage ? a->backend.stats_storage(a->backend.ctx, id) : NULL;
     if (!d->stats) d->stats = &d->local_stats;
+    d->threads = a->backend.thread_stats_storage ? a->backend.thread_stats_storage(a->backend.ctx, id) : NULL;
+    if (!d->threads) d->threads = d->local_threads;
     npa_stats_init(a, d, free_bytes);
     return d;
 }
@@ -386,6 +392,11 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
      * (19 instructions a pair, with the free's below, counted by callgrind). */
     bool is_small = b->is_small;
     int64_t bytes = (int64_t)b->size;
+    /* With threads' caches counting beside the device, the device's own
+     * figures may rise only as far as their ceilings leave below the peaks
+     * (tcache.c): else the fast paths stop while the peaks are set exactly. */
+    bool frozen = d->tcache_count && !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
+    if (__builtin_expect(frozen, 0)) npa_tcaches_freeze(d);
     npa_pool_stat_increase(s->allocation, is_small, 1);
     npa_pool_stat_increase(s->allocated_bytes, is_small, bytes);
     npa_pool_stat_increase(s->active, is_small, 1);
@@ -393,6 +404,10 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
     npa_pool_stat_increase(s->requested_bytes, is_small, (int64_t)requested);
     if ((size_t)bytes >= a->config.max_split_size) npa_stat_increase(&s->oversize_allocations, 1);
     npa_stat_add(cache_hit ? &s->num_cache_hits : &s->num_cache_misses, 1);
+    if (__builtin_expect(frozen, 0)) {
+        npa_tcaches_refit(d, false);
+        npa_tcaches_thaw(d);
+    }
     npa_stats_end_outermost(d);
 }
 
@@ -517,7 +532,7 @@ static void destroyed_on(npa_allocator *a, npa_device *d, void *arg) {
     uint64_t token = *(const uint64_t *)arg;
     settle_uses_on(d, token);
     if (!holds_retired(d, token)) return;
-    npa_recent_flush(d);
+    npa_tcaches_flush(d);
     release_retired(a, d, token);
     for (npa_pool_pair *p = d->streams; p; p = p->next)
         if (p->small.retired_by == token) p->small.retired_by = p->large.retired_by = NPA_STREAM_GONE;
@@ -538,30 +553,28 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
     if (token) npa_for_devices(a, -1, not_destroyed_on, &token);
 }
 
-/* A free block of pool for rounded bytes: a held block of exactly that
- * size, else best fit, else best fit once the held blocks are merged back
- * (they may fit it together with their neighbours); NULL on a miss. Held
+/* A free block of pool for rounded bytes: a block of exactly that size
+ * held by the calling thread's cache t (*lent: lent to the caller for
+ * requested bytes, npa_tcache_take), else best fit, else best fit once every thread's held blocks are merged
+ * back (they may fit it together with their neighbours); NULL on a miss. Held
  * blocks are not merged before a cut: a block beside one is cut at its own
  * start where torch, with the two merged, cuts at the held block's (the
  * layouts can differ by what the cache holds, 2 MiB a device at most;
  * README). Merging them first cost a malloc of a size the cache does not
  * hold a pool return each: 25% of the hot path's rate. ticks: the look is
  * one of torch's searches (get_free_block), counted on the GC clock. */
-static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_pool *pool, size_t rounded,
-                                           bool ticks) {
-    bool held = pool->is_small && d->recent.count;
-    if (held) {
-        npa_block *b = npa_recent_take(d, pool, rounded);
+static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_tcache *t, npa_pool *pool,
+                                           size_t rounded, size_t requested, bool ticks, bool *lent) {
+    if (t && pool->is_small) {
+        npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
         if (b) return b;
     }
     /* torch's GC clock: a search counts only while the threshold is set, so
      * what was cached before it is all of one age. */
     if (ticks && npa_gc_threshold(a) > 0.0) pool->search_count++;
     npa_block *b = best_fit(a, pool, rounded);
-    if (!b && held) { /* best fit left the held blocks as they were */
-        npa_recent_flush(d);
+    if (!b && pool->is_small && npa_tcaches_flush(d)) /* best fit left the held blocks as they were */
         b = best_fit(a, pool, rounded);
-    }
     if (b) npa_pool_remove(pool, b);
     return b;
 }
@@ -584,11 +597,12 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_device *d = npa_device_get(a, device, true);
     if (!d) return device < 0 || device >= NPUALLOC_MAX_DEVICES ? NPA_ERR_INVALID_PARAM : NPA_ERR_OOM;
 
+    npa_tcache *t = npa_tcache_get(a, d);
     npa_lock_acquire(&d->lock);
     npa_pending_poll(a, d);
     release_gone_freed(a, d);
     npa_block *b = NULL;
-    bool cache_hit = false;
+    bool cache_hit = false, lent = false;
     npa_refusal why = {0};
     size_t rounded = SIZE_MAX;
     npa_pool *pool = NULL; /* none for a request no pool can hold */
@@ -600,7 +614,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         if (!pair) pair = &d->plain;
         pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         uint64_t searches_before = pool->search_count;
-        b = take_cached_block(a, d, pool, rounded, true);
+        b = take_cached_block(a, d, t, pool, rounded, size, true, &lent);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             /* torch hands back the frees whose events completed before its
              * one search of a malloc (process_events): the look before them
@@ -613,7 +627,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             pool->search_count = searches_before;
             npa_pending_flush(a, d);
             release_gone_freed(a, d);
-            b = take_cached_block(a, d, pool, rounded, true);
+            b = take_cached_block(a, d, t, pool, rounded, size, true, &lent);
         }
         cache_hit = b != NULL;
         /* The OOM retry (in npa_grow) synchronized and handed back every
@@ -621,7 +635,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
          * at again; here every free may have been waiting, and one may fit.
          * torch has no search there, so the GC clock does not tick. */
         if (!b && !(b = npa_grow(a, d, pool, rounded, &why)) && why.error == NPA_OK) {
-            b = take_cached_block(a, d, pool, rounded, false);
+            b = take_cached_block(a, d, t, pool, rounded, size, false, &lent);
             cache_hit = b != NULL;
         }
     }
@@ -637,6 +651,11 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             a->backend.report_oom(a->backend.ctx, device, msg);
         return NPA_ERR_OOM;
     }
+    if (lent) { /* the thread's cache counted it */
+        *ptr = (void *)b->addr;
+        npa_lock_release(&d->lock);
+        return NPA_OK;
+    }
     alloc_found_block(a, d, b, rounded, size, cache_hit);
     /* The request first: a plain entry (aclrtMalloc) has none, and its
      * block's pool then need not be asked; the other order cost each malloc
@@ -648,7 +667,14 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     return NPA_OK;
 }
 
+/* The calling thread's cache serves it if it can, with no device lock
+ * (tcache.c); else the slow path. */
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
+    npa_tcache *t;
+    if (a && ptr && (unsigned)device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_mine(a, device)) && size != 0 &&
+        size <= NPA_MAX_REQUEST && (unsigned)entry <= NPA_ENTRY_EXACT &&
+        npa_tcache_malloc(t, npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)), size, ptr))
+        return NPA_OK;
     return malloc_on(a, device, size, entry, NULL, ptr);
 }
 
@@ -755,11 +781,6 @@ static void note_use(npa_block *b, uintptr_t stream) {
     set->streams[set->count++] = stream;
 }
 
-static bool plain_fence_needed(const npa_allocator *a) {
-    const atomic_int *needed = a->backend.fence_needed;
-    return a->backend.fence_record && (!needed || atomic_load_explicit(needed, memory_order_seq_cst) > 0);
-}
-
 /* A block of a stream whose destroy returned: that stream's work is done,
  * but the runtime may have given its handle to a new stream, and a use
  * there, recorded or freed on under that handle, reads as the block's own.
@@ -774,7 +795,7 @@ static void free_into_gone_pool(npa_allocator *a, npa_device *d, npa_block *b) {
 /* torch's free: the allocation ends now. A plain block becomes reusable now
  * or once the fence of its batch completes (the reuse policy); a stream's
  * block now, or once its other streams' events complete. */
-static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
+static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_block *b) {
     npualloc_device_stats *s = d->stats;
     npa_history_note(d, b->pool, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
     npa_stats_begin_outermost(d);
@@ -784,10 +805,9 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_block *b) {
         free_into_gone_pool(a, d, b);
     } else if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
         npa_pending_add_uses(a, d, b);
-    } else if (!b->pool->on_stream && plain_fence_needed(a)) {
+    } else if (!b->pool->on_stream && npa_plain_fence_needed(a)) {
         npa_pending_add(d, b);
-    } else if (npa_recent_admits(d, b)) { /* reusable at once: on its own stream, or eager */
-        npa_recent_put(d, b);
+    } else if (t && npa_tcache_keep(d, t, b)) { /* reusable at once: on its own stream, or eager */
     } else {
         npa_free_block(a, d, b);
     }
@@ -809,9 +829,11 @@ static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_o
     npa_lock_acquire(&d->lock);
     int result = 0;
     npa_block *b = op == OP_RECORD ? npa_block_map_find(&d->live, addr) : npa_block_map_take(&d->live, addr);
+    if (!b && d->tcache_count && npa_tcaches_reclaim(d, addr)) /* lent by a thread's cache: the device's again */
+        b = op == OP_RECORD ? npa_block_map_find(&d->live, addr) : npa_block_map_take(&d->live, addr);
     if (b) {
         if (op != OP_FREE && b->pool->on_stream) note_use(b, stream);
-        if (op != OP_RECORD) free_allocated(a, d, b);
+        if (op != OP_RECORD) free_allocated(a, d, npa_tcache_mine(a, d->id), b);
         release_gone_freed(a, d);
         result = 1;
     } else if (npa_segments_find(&d->segments, addr) >= 0) {
@@ -854,7 +876,15 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
     return NPA_FREE_NOT_OURS;
 }
 
+/* A block the calling thread's cache lent goes back there with no device
+ * lock (tcache.c); anything else takes the slow path. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
+    npa_tcache *t;
+    if (a && (unsigned)hint_device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_mine(a, hint_device)) &&
+        npa_tcache_free(a, t, (uintptr_t)ptr)) {
+        if (device_out) *device_out = hint_device;
+        return NPA_FREE_OK;
+    }
     return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE, 0);
 }
 
@@ -883,7 +913,7 @@ bool npa_empty_cache_would_synchronize(npa_allocator *a, int device) {
     npa_device *d = a ? npa_device_get(a, device, false) : NULL;
     if (!d) return false;
     npa_lock_acquire(&d->lock);
-    npa_recent_flush(d); /* as the release would first: its blocks may free a segment */
+    npa_tcaches_flush(d); /* as the release would first: their blocks may free a segment */
     bool wait = must_wait_before_release(d);
     npa_lock_release(&d->lock);
     return wait;

@@ -64,6 +64,7 @@ int npa_set_record_history(npa_allocator *a, size_t max_entries) {
         if (!d) continue;
         npa_lock_acquire(&d->lock);
         ok = npa_history_reset(&d->history, max_entries);
+        npa_tcaches_settle(d); /* every event through the device lock while recording */
         npa_lock_release(&d->lock);
     }
     if (!ok) { /* all off rather than some devices recording */
@@ -73,6 +74,7 @@ int npa_set_record_history(npa_allocator *a, size_t max_entries) {
             if (!d) continue;
             npa_lock_acquire(&d->lock);
             npa_history_reset(&d->history, 0);
+            npa_tcaches_settle(d);
             npa_lock_release(&d->lock);
         }
     }

@@ -40,8 +40,11 @@
  * mergeable until its fence completes (torch's event-deferred free). An
  * unmapped block is address space of an expandable segment with no memory
  * behind it: in no pool, merged only with unmapped neighbours. A recent
- * block is free and reusable, held whole in the device's recent cache
- * (recent.c) instead of its pool: not merged until it leaves the cache. */
+ * block is held by a thread's cache (tcache.c): free and reusable, whole in
+ * its stock (recent.c) instead of its pool, not merged until it leaves; or
+ * lent out of the stock by a fast malloc, allocated but in no live map (the
+ * fast paths never write a block's phase, which the device lock's holder
+ * reads in its neighbours' merges). */
 typedef enum npa_block_phase {
     NPA_PHASE_FREE = 0,
     NPA_PHASE_ALLOCATED = 1,
@@ -236,9 +239,10 @@ typedef struct npa_history {
 
 /* The recent cache (recent.c): small blocks freed with no fence needed,
  * kept whole for the next malloc of the same rounded size from the same
- * pool, so that pair skips the pool's search, split and merge. At most
- * capacity blocks and NPA_RECENT_BYTES bytes, in no order (a slot's stamp
- * says how old it is). Guarded by the device lock like the pools. */
+ * pool, so that pair skips the pool's search, split and merge. Each thread
+ * has one per device, the stock of its tcache (below). At most capacity
+ * blocks and NPA_RECENT_BYTES bytes, in no order (a slot's stamp says how
+ * old it is). Guarded by its tcache's lock. */
 #define NPA_RECENT_MAX 16
 #define NPA_RECENT_BYTES NPA_SMALL_BUFFER
 /* Every NPA_RECENT_JUDGED evictions: more than one in NPA_RECENT_EVICTED_SHARE
@@ -260,24 +264,69 @@ typedef struct npa_recent {
     unsigned evicted;
     unsigned bypass;
     /* Scanned on every small malloc: kept apart from the rest, with one
-     * slot past the last block for the scan's sentinel (npa_recent_take). */
+     * slot past the last block for the scan's sentinel (npa_stock_take). */
     size_t sizes[NPA_RECENT_MAX + 1];
     npa_block *blocks[NPA_RECENT_MAX];
     uint64_t stamps[NPA_RECENT_MAX];
+    bool splits[NPA_RECENT_MAX]; /* npa_block_is_split when put: a neighbour's merge rewrites prev and next
+                                  * under the device lock alone, but never whether a held block is split */
 } npa_recent;
 
+/* A block a tcache's fast malloc handed out (tcache.c), by address. */
+typedef struct npa_lent {
+    uintptr_t addr;          /* 0: an empty slot */
+    npa_block *block;
+    bool split;
+} npa_lent;
+#define NPA_LENT_SLOTS 64    /* open addressing, a power of two */
+#define NPA_LENT_MAX 48      /* then the fast malloc declines: probes stay short */
+
+/* The stats a tcache's fast malloc raises, in groups that share one ceiling:
+ * allocation and active (blocks), allocated_bytes and active_bytes, requested_bytes. */
+enum { NPA_CEIL_BLOCKS, NPA_CEIL_BYTES, NPA_CEIL_REQUESTED, NPA_CEILINGS };
+
+/* A thread's cache on one device (tcache.c): its stock of free blocks (the
+ * recent cache) and the blocks its fast paths lent out of it, served and
+ * taken back without the device lock. What the fast paths change in the
+ * stats goes to the thread's slot (npualloc_thread_stats), which readers
+ * add to the device's figures; ceilings keep the sum under the device's
+ * peaks (tcache.c says how). Lock: the owner takes it on its fast paths;
+ * any other thread only while it holds the device lock. */
+typedef struct npa_device npa_device;
+typedef struct npa_tcache npa_tcache;
+struct npa_tcache {
+    npa_lock lock;
+    bool enabled;            /* fast paths allowed: written under the device lock and this lock */
+    unsigned index;          /* in the device's tcaches and its thread slots */
+    npa_device *device;
+    npualloc_thread_stats *slot;
+    int64_t largest_published; /* stock.largest as the slot shows it */
+    int64_t ceiling[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS]; /* the slot's current may rise to these */
+    npa_recent stock;
+    unsigned lent_count;
+    npa_lent lent[NPA_LENT_SLOTS];
+};
+
 /* Lock order: hook/hook.h lists every lock of the library. For the core:
- * init_lock before any device lock, one device lock at a time. */
-typedef struct npa_device {
+ * the tcache registry lock (tcache.c) and init_lock before any device lock,
+ * one device lock at a time; under a device lock its tcaches' locks, in
+ * index order. A tcache's owner takes its own lock with no device lock and
+ * never takes one while holding it. */
+struct npa_device {
     npa_lock lock;           /* lock.h */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
-    bool largest_moved;      /* a pool's or the recent cache's largest block changed: largest_free_block is stale */
+    bool largest_moved;      /* a pool's largest block changed: largest_free_block is stale */
     bool gone_freed;         /* a block went back to a gone stream's pool: its segment may be free (release_gone_freed) */
     npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
-    npa_recent recent;
+    /* The threads' caches (tcache.c) by slot index, NULL where none; R, the
+     * sum of their ceilings; whether their fast paths are off (a pause). */
+    npa_tcache *tcaches[NPUALLOC_THREAD_SLOTS];
+    unsigned tcache_count;
+    bool paused;
+    int64_t reserve[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS];
     npa_block_map live;
     npa_segment_table segments;
     npa_slab slab;
@@ -299,9 +348,11 @@ typedef struct npa_device {
     size_t allowed_bytes;    /* the cap, else total_bytes: what GC measures against and a new range is sized by */
     npualloc_device_stats *stats; /* backend storage or local_stats */
     npualloc_device_stats local_stats;
+    npualloc_thread_stats *threads; /* its threads' NPUALLOC_THREAD_SLOTS slots: backend storage or local_threads */
+    _Alignas(64) npualloc_thread_stats local_threads[NPUALLOC_THREAD_SLOTS]; /* a slot's lines its thread's alone */
     const npa_backend *backend; /* the allocator's: its capture_stack names each recorded event's stack */
     const npa_config *config;   /* the allocator's: its record_context says whether the trace shows that stack */
-} npa_device;
+};
 
 struct npa_allocator {
     npa_backend backend;
@@ -313,7 +364,15 @@ struct npa_allocator {
     npa_device *devices[NPUALLOC_MAX_DEVICES];
     uint64_t retire_tokens; /* npa_stream_retire's, handed out atomically */
     bool has_divisions;     /* npa_config_has_divisions(&config), which no run-time key changes */
+    uint64_t id;            /* unique in the process, never reused: what a thread's caches are keyed by */
+    npa_allocator *next_live; /* the live allocators, under tcache.c's registry lock */
 };
+
+/* Whether a plain free made now waits for the reuse policy's fence. */
+static inline bool npa_plain_fence_needed(const npa_allocator *a) {
+    const atomic_int *needed = a->backend.fence_needed;
+    return a->backend.fence_record && (!needed || atomic_load_explicit(needed, memory_order_seq_cst) > 0);
+}
 
 static inline bool npa_backend_has_vmm(const npa_backend *b) {
     return b->va_reserve && b->page_map && b->page_unmap && b->va_release;
@@ -353,30 +412,102 @@ void npa_pool_return(npa_device *d, npa_block *b);
 void npa_block_absorb(npa_device *d, npa_block *lower, npa_block *upper);
 double npa_gc_threshold(const npa_allocator *a);
 
-/* recent.c, under the device lock. */
+/* recent.c: a tcache's stock. Under its lock; with the device lock too
+ * where a block enters or goes back to its pool. */
 /* Whether a block the program frees now, reusable at once, waits in the
- * recent cache: a small plain block, unless the cache is bypassed for now
- * (this free is then one of the bypass's). */
-static inline bool npa_recent_admits(npa_device *d, const npa_block *b) {
-    npa_recent *r = &d->recent;
+ * stock: a small block, unless the cache is bypassed for now (this free is
+ * then one of the bypass's). */
+static inline bool npa_recent_admits(npa_recent *r, const npa_block *b) {
     if (r->capacity == 0 || !b->is_small || b->in_expandable || b->size > NPA_RECENT_BYTES) return false;
     if (__builtin_expect(r->bypass == 0, 1)) return true;
     r->bypass--;
     return false;
 }
-/* Returns the oldest held blocks to their pools until a block of size fits. */
-void npa_recent_make_room(npa_device *d, size_t size);
-/* Ends b's allocation into the cache (making room first), counted as a
- * free to the pool would count it: below, beside the stats helpers. Called
- * inside the free's stats section (npa_stats_begin): it opens none of its
- * own, which on the hit path would cost a nested begin and end per free. */
-static NPA_ALWAYS_INLINE void npa_recent_put(npa_device *d, npa_block *b);
-/* A held block of pool of exactly size bytes, out of the cache (still
- * counted inactive, as a block out of a pool), or NULL. */
-npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size);
-/* Every held block back to its pool (merged), so nothing waits unmerged
- * where the pools, empty_cache or an OOM retry need it. */
-void npa_recent_flush(npa_device *d);
+/* Whether b fits without an eviction. */
+static inline bool npa_stock_has_room(const npa_recent *r, size_t size) {
+    return r->count < r->capacity && r->bytes + size <= NPA_RECENT_BYTES;
+}
+/* Ends b's allocation into the stock (making room first), counted in the
+ * device's stats as a free to the pool would count it. Device lock held,
+ * inside a stats section. */
+void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b);
+/* Holds b, whose allocation ended already; split: npa_block_is_split(b). */
+void npa_stock_hold(npa_recent *r, npa_block *b, bool split);
+/* A held block of pool of exactly size bytes, out of the stock (still
+ * counted inactive, as a block out of a pool), or NULL; *split: whether it
+ * is a split block. */
+npa_block *npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, bool *split);
+/* Every held block back to its pool (merged). Device lock held. */
+void npa_stock_flush(npa_device *d, npa_recent *r);
+
+/* tcache.c */
+/* The calling thread's caches, for one allocator at a time (tests make
+ * several): read on every call, at a fixed offset from the thread pointer. */
+typedef struct npa_thread_caches {
+    uint64_t allocator;      /* npa_allocator.id, 0: none */
+    unsigned refused;        /* devices with no slot left for this thread: bit per device */
+    npa_tcache *of_device[NPUALLOC_MAX_DEVICES];
+} npa_thread_caches;
+extern __thread __attribute__((tls_model("initial-exec"))) npa_thread_caches npa_my_caches;
+
+/* The calling thread's tcache on device, or NULL (no lookup of anything shared). */
+static inline npa_tcache *npa_tcache_mine(const npa_allocator *a, int device) {
+    return npa_my_caches.allocator == a->id ? npa_my_caches.of_device[device] : NULL;
+}
+/* npa_tcache_mine, made on the thread's first malloc on the device when
+ * the config keeps a recent cache. No device lock held. */
+npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d);
+/* npa_create and npa_destroy: the registry of live allocators. */
+void npa_tcache_register_allocator(npa_allocator *a);
+void npa_tcache_unregister_allocator(npa_allocator *a);
+/* The fast paths (no device lock): true when done, false to take the slow path. */
+bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr);
+bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr);
+/* With the device lock: a block some thread's cache lent, at addr, handed
+ * back to the device (counted there, in the live map), or NULL. */
+npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr);
+/* With the device lock: every stock back to the pools (lent blocks stay);
+ * false when every stock was empty. */
+bool npa_tcaches_flush(npa_device *d);
+/* With the device lock: the slow path's moves of t's stock. A held block
+ * of pool of exactly size bytes, or NULL: *lent when it went to the caller
+ * (for requested bytes) as a fast malloc's would, raising t's ceilings
+ * within the peaks' slack if need be; else counted inactive still, as a
+ * block out of a pool. And b, freed now, kept in the stock if it admits it
+ * (false: not kept). */
+npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
+                           bool *lent);
+bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b);
+/* With the device lock: every lent block back to the device too, the
+ * stock flushed, the fast paths on or off as the device says (history,
+ * pause): a pause and record_history. */
+void npa_tcaches_settle(npa_device *d);
+/* Freeze: every tcache's lock, in index order (their fast paths stop). */
+void npa_tcaches_freeze(npa_device *d);
+void npa_tcaches_thaw(npa_device *d);
+/* Whether a slow-path malloc of pool may add count blocks of bytes
+ * (requested) to the device's stats with every ceiling kept under the
+ * peaks; when not, it freezes, adds, then npa_tcaches_refit. */
+bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t bytes, int64_t requested);
+/* Frozen, in a stats section: the peaks of the slots' stats rise to the
+ * device's figure plus the slots' (reset: set to it), and every ceiling
+ * shrinks to its slot's current. */
+void npa_tcaches_refit(npa_device *d, bool reset);
+/* Frozen, in a stats section: the slots' allocated counts and cache hits
+ * go to the device's, for a reset of the accumulated counts. */
+void npa_tcaches_fold_accumulated(npa_device *d);
+/* Frozen, in a stats section: each slot's current added to the device's
+ * current_at_reset, so that the sum's freed reads 0 after a reset. */
+void npa_tcaches_add_slot_currents_at_reset(npa_device *d);
+/* Frozen, in a stats section: every lent block, stock and count of every
+ * tcache folded into the device's figures, so that every slot is zero. */
+void npa_tcaches_fold_all(npa_device *d);
+/* Frozen: each tcache's slot is its index's in d->threads again (moved). */
+void npa_tcaches_point_slots(npa_device *d);
+/* At destroy: every tcache folded back and freed. */
+void npa_tcaches_destroy(npa_device *d);
+/* The lent block at addr of any tcache of the device, or NULL: frozen. */
+const npa_lent *npa_tcaches_find_lent(const npa_device *d, uintptr_t addr);
 
 /* sizes.c */
 /* Whether some interval of config has roundup_power2_divisions above 1. */
@@ -525,12 +656,12 @@ static inline size_t npa_pair_largest(const npa_pool_pair *p) {
     return small > large ? small : large;
 }
 
-/* largest_free_block: the biggest block in any pool or the recent cache,
- * recomputed only when one of their largest blocks changed. */
+/* largest_free_block: the biggest block in any pool, recomputed only when
+ * one of their largest blocks changed (the threads' stocks publish their
+ * own in their slots). */
 static inline void npa_publish_largest(npa_device *d) {
     d->largest_moved = false;
     size_t largest = npa_pair_largest(&d->plain);
-    if (d->recent.largest > largest) largest = d->recent.largest;
     for (const npa_pool_pair *p = d->streams; p; p = p->next) {
         size_t l = npa_pair_largest(p);
         if (l > largest) largest = l;
@@ -587,6 +718,10 @@ void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes);
  * device memory changed hands: a cache miss that grew the pool, empty_cache,
  * an OOM; never on the hit path. */
 npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t *free_bytes, size_t *total_bytes);
+/* With d's lock held: its figures with its threads' slots added
+ * (device_figures.h), in the region's form (freed implied). What reports a
+ * stat reads, not d->stats alone, which misses what the caches moved. */
+void npa_device_figures(npa_device *d, npualloc_device_stats *out);
 
 /* snapshot.c: one device's segments, with its lock held. The views' blocks
  * live in *scratch (grown as needed, the caller frees it); false when it
@@ -610,39 +745,5 @@ static inline void npa_history_note(npa_device *d, const npa_pool *pool, npa_tra
 bool npa_history_reset(npa_history *h, size_t capacity);
 /* Every held event of the device, oldest first. */
 void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg);
-
-/* recent.c's put, inline for both its callers (see there): the block's
- * allocation ends into the cache, counted as a free to the pool counts a
- * block that merged with nothing. Always: LTO's growth limits otherwise
- * left it out of line once unrelated code changed (the free's hit path
- * then paid a call, 15 instructions a pair by callgrind). */
-static NPA_ALWAYS_INLINE void npa_recent_put(npa_device *d, npa_block *b) {
-    npa_recent *r = &d->recent;
-    size_t size = b->size, requested = b->requested;
-    if (r->count == r->capacity || r->bytes + size > NPA_RECENT_BYTES) npa_recent_make_room(d, size);
-
-    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
-    /* The cache's own fields before the stats: GCC reloads every field
-     * after a stat's atomic store (it may alias them). */
-    b->phase = NPA_PHASE_RECENT;
-    b->requested = 0;
-    r->sizes[r->count] = size;
-    r->blocks[r->count] = b;
-    r->stamps[r->count] = r->clock++;
-    r->count++;
-    r->bytes += size;
-    if (size > r->largest) {
-        r->largest = size;
-        d->largest_moved = true;
-    }
-    npualloc_device_stats *s = d->stats;
-    if (npa_block_is_split(b)) { /* counted as the pool counts an unmerged free block */
-        npa_pool_stat_increase(s->inactive_split, true, 1);
-        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)size);
-    }
-    npa_pool_stat_decrease(s->active, true, 1);
-    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)size);
-    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)requested);
-}
 
 #endif

@@ -57,7 +57,7 @@ static npa_block *grow_steps(npa_allocator *a, npa_device *d, npa_pool *pool, si
     if (why->error != NPA_OK) return NULL;
     /* A device that cannot be synchronized keeps its pending frees (their
      * work may still run) and its cache: the retry then gets what it gets. */
-    npa_recent_flush(d);
+    npa_tcaches_flush(d);
     if (npa_synchronize_and_drain(a, d) == NPA_OK) npa_release_cached_segments(a, d, 0);
     npa_stats_begin(d);
     npa_stat_add(&d->stats->num_alloc_retries, 1);
@@ -95,16 +95,17 @@ static const char *oom_hint(bool cap_hit, size_t rounded, size_t allocated, size
 
 void npa_oom_report(npa_allocator *a, npa_device *d, const npa_pool *pool, size_t requested, size_t rounded,
                     bool cap_hit, char *msg, size_t msg_len) {
-    npualloc_device_stats *s = d->stats;
     size_t free_bytes, total_bytes;
     npa_stats_sample_device_memory(a, d, &free_bytes, &total_bytes);
-    size_t allocated = (size_t)s->allocated_bytes[NPUALLOC_POOL_ALL].current;
-    size_t reserved = (size_t)s->reserved_bytes[NPUALLOC_POOL_ALL].current;
+    npualloc_device_stats figures;
+    npa_device_figures(d, &figures);
+    size_t allocated = (size_t)figures.allocated_bytes[NPUALLOC_POOL_ALL].current;
+    size_t reserved = (size_t)figures.reserved_bytes[NPUALLOC_POOL_ALL].current;
 
     /* torch's OOM event: the rounded size, and the device's free bytes as addr. */
     npa_history_note(d, pool, NPA_TRACE_OOM, (uintptr_t)free_bytes, rounded == SIZE_MAX ? requested : rounded);
     npa_stats_begin(d);
-    npa_stat_add(&s->num_ooms, 1);
+    npa_stat_add(&d->stats->num_ooms, 1);
     npa_stats_end(d);
 
     char cap[64] = "";

@@ -133,8 +133,13 @@ static npa_error map_back(npa_allocator *a, npa_paused *p, char *why, size_t len
 }
 
 static void unlock_all(npa_allocator *a) {
-    for (int i = NPUALLOC_MAX_DEVICES - 1; i >= 0; i--)
-        if (a->devices[i]) npa_lock_release(&a->devices[i]->lock);
+    for (int i = NPUALLOC_MAX_DEVICES - 1; i >= 0; i--) {
+        npa_device *d = a->devices[i];
+        if (!d) continue;
+        d->paused = false;
+        npa_tcaches_settle(d); /* the threads' fast paths run again */
+        npa_lock_release(&d->lock);
+    }
     pthread_mutex_unlock(&a->init_lock);
 }
 
@@ -167,6 +172,10 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
         npa_device *d = a->devices[i];
         if (!d) continue;
         npa_lock_acquire(&d->lock);
+        /* The blocks the threads' caches lent are backed up as live ones, and
+         * no thread's fast path runs until the resume. */
+        d->paused = true;
+        npa_tcaches_settle(d);
         for (size_t s = 0; s < d->segments.count; s++) {
             if (d->segments.items[s].expandable) pages += d->segments.items[s].expandable->page_count;
             else plain++;

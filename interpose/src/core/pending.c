@@ -61,7 +61,9 @@ static bool batch_full(const npa_device *d) {
  * events: which merges meet which neighbours free decides inactive_split's
  * peak and totals. */
 static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, bool whole) {
-    unsigned offered = whole ? 0 : d->recent.capacity;
+    npa_tcache *t = npa_tcache_mine(a, d->id); /* the polling thread's stock holds them */
+    unsigned capacity = t ? t->stock.capacity : 0;
+    unsigned offered = whole ? 0 : capacity;
     npa_block *merged = NULL; /* those not held, oldest first */
     npa_stats_begin(d);
     for (npa_block *b = blocks, *next; b; b = next) {
@@ -73,8 +75,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->unknown_by = 0;
         b->fence_own = false;
         npa_stat_add(&d->stats->num_pending_frees, -1);
-        if (offered < d->recent.capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_recent_admits(d, b)) {
-            npa_recent_put(d, b);
+        if (offered < capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_tcache_keep(d, t, b)) {
             offered++;
         } else {
             b->link = merged;

@@ -17,25 +17,24 @@
  * only once that has completed (pending.c); a block freed on its own stream
  * comes at once, and serves only that stream's pool again. When most of
  * what it holds is pushed out unused, it steps aside for a while (evict,
- * below). The put is inline (internal.h): the eager free path and the
- * fence's completion both make it, and as a call it cost an eager pair 7
- * instructions. */
+ * below). Each thread keeps its own per device, the stock of its tcache
+ * (tcache.c), whose fast paths take from it and put into it without the
+ * device lock; here are the moves that need it. */
 #include "internal.h"
 
 /* Unlinks slot i; the last slot moves into it. Inlined into every caller:
- * on the hit path (npa_recent_take) a call would cost more than its body. */
-static NPA_ALWAYS_INLINE npa_block *remove_at(npa_device *d, unsigned i) {
-    npa_recent *r = &d->recent;
+ * on the fast path (npa_stock_take) a call would cost more than its body. */
+static NPA_ALWAYS_INLINE npa_block *remove_at(npa_recent *r, unsigned i) {
     npa_block *b = r->blocks[i];
     size_t size = r->sizes[i];
     unsigned last = --r->count;
     r->sizes[i] = r->sizes[last];
     r->blocks[i] = r->blocks[last];
     r->stamps[i] = r->stamps[last];
+    r->splits[i] = r->splits[last];
     r->bytes -= size;
     if (size == r->largest) {
         r->largest = 0;
-        d->largest_moved = true;
         for (unsigned k = 0; k < r->count; k++)
             if (r->sizes[k] > r->largest) r->largest = r->sizes[k];
     }
@@ -67,37 +66,62 @@ static unsigned oldest(const npa_recent *r) {
  * it bypassed the cache for a program that frees what it allocated at once,
  * its best case). Judged here, so the hit path pays nothing but a free's
  * test of the bypass. */
-static void evict(npa_device *d, unsigned i) {
-    npa_recent *r = &d->recent;
-    npa_pool_return(d, remove_at(d, i));
+static void evict(npa_device *d, npa_recent *r, unsigned i) {
+    npa_pool_return(d, remove_at(r, i));
     if (++r->evicted < NPA_RECENT_JUDGED) return;
     if ((uint64_t)r->evicted * NPA_RECENT_EVICTED_SHARE > r->clock - r->judged_clock) r->bypass = NPA_RECENT_BYPASS;
     r->judged_clock = r->clock;
     r->evicted = 0;
 }
 
-void npa_recent_make_room(npa_device *d, size_t size) {
-    npa_recent *r = &d->recent;
-    while (r->count == r->capacity || r->bytes + size > NPA_RECENT_BYTES) evict(d, oldest(r));
+void npa_stock_hold(npa_recent *r, npa_block *b, bool split) {
+    size_t size = b->size;
+    r->sizes[r->count] = size;
+    r->blocks[r->count] = b;
+    r->stamps[r->count] = r->clock++;
+    r->splits[r->count] = split;
+    r->count++;
+    r->bytes += size;
+    if (size > r->largest) r->largest = size;
+}
+
+void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b) {
+    npa_recent *r = &t->stock;
+    size_t size = b->size, requested = b->requested;
+    while (!npa_stock_has_room(r, size)) evict(d, r, oldest(r));
+    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    bool split = npa_block_is_split(b);
+    b->phase = NPA_PHASE_RECENT;
+    b->requested = 0;
+    npa_stock_hold(r, b, split);
+    npualloc_device_stats *s = d->stats;
+    if (split) { /* counted as the pool counts an unmerged free block */
+        npa_pool_stat_increase(s->inactive_split, true, 1);
+        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)size);
+    }
+    npa_pool_stat_decrease(s->active, true, 1);
+    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)requested);
 }
 
 /* The size searched for is written past the last block, so the scan stops
  * on it without testing the bound at each slot (half the instructions of
  * the hit path's longest loop); finding it there means no block matched. */
-npa_block *npa_recent_take(npa_device *d, const npa_pool *pool, size_t size) {
-    npa_recent *r = &d->recent;
+npa_block *npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, bool *split) {
     r->sizes[r->count] = size;
     for (unsigned i = 0;; i++) {
         if (r->sizes[i] != size) continue;
         if (i == r->count) return NULL;
-        if (r->blocks[i]->pool == pool) return remove_at(d, i);
+        if (r->blocks[i]->pool == pool) {
+            *split = r->splits[i];
+            return remove_at(r, i);
+        }
     }
 }
 
-void npa_recent_flush(npa_device *d) {
-    npa_recent *r = &d->recent;
+void npa_stock_flush(npa_device *d, npa_recent *r) {
     if (r->count == 0) return;
     npa_stats_begin(d);
-    while (r->count > 0) npa_pool_return(d, remove_at(d, oldest(r)));
+    while (r->count > 0) npa_pool_return(d, remove_at(r, oldest(r)));
     npa_stats_end(d);
 }

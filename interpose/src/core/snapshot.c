@@ -4,10 +4,13 @@
 
 #include "internal.h"
 
-static npa_block_state view_state(const npa_block *b) {
+/* A recent block is a thread cache's: allocated if its fast malloc lent it
+ * (the tcaches are frozen), else free in its stock. */
+static npa_block_state view_state(const npa_device *d, const npa_block *b) {
     switch (b->phase) {
     case NPA_PHASE_ALLOCATED: return NPA_BLOCK_ACTIVE_ALLOCATED;
     case NPA_PHASE_PENDING: return NPA_BLOCK_ACTIVE_PENDING_FREE;
+    case NPA_PHASE_RECENT: return npa_tcaches_find_lent(d, b->addr) ? NPA_BLOCK_ACTIVE_ALLOCATED : NPA_BLOCK_INACTIVE;
     default: return NPA_BLOCK_INACTIVE;
     }
 }
@@ -31,7 +34,7 @@ static bool visit_run(npa_device *d, const npa_block *head, npa_segment_visitor 
                              .blocks = *scratch};
     size_t k = 0;
     for (const npa_block *b = head; k < count; b = b->next, k++) {
-        npa_block_state state = view_state(b);
+        npa_block_state state = view_state(d, b);
         (*scratch)[k] = (npa_block_view){.address = b->addr, .size = b->size,
                                          .requested_size = b->requested, .state = state};
         view.total_size += b->size;
@@ -45,15 +48,19 @@ static bool visit_run(npa_device *d, const npa_block *head, npa_segment_visitor 
     return true;
 }
 
+/* Frozen: what the threads' caches lend and hold stays as seen. */
 bool npa_visit_device_segments(npa_device *d, npa_segment_visitor visitor, void *arg, npa_block_view **scratch,
                                size_t *capacity) {
-    for (size_t i = 0; i < d->segments.count; i++) {
-        for (const npa_block *b = d->segments.items[i].first; b; b = b->next) {
+    bool complete = true;
+    npa_tcaches_freeze(d);
+    for (size_t i = 0; i < d->segments.count && complete; i++) {
+        for (const npa_block *b = d->segments.items[i].first; b && complete; b = b->next) {
             bool starts_run = b->phase != NPA_PHASE_UNMAPPED && (!b->prev || b->prev->phase == NPA_PHASE_UNMAPPED);
-            if (starts_run && !visit_run(d, b, visitor, arg, scratch, capacity)) return false;
+            if (starts_run) complete = visit_run(d, b, visitor, arg, scratch, capacity);
         }
     }
-    return true;
+    npa_tcaches_thaw(d);
+    return complete;
 }
 
 void npa_visit_segments(npa_allocator *a, int device, npa_segment_visitor visitor, void *arg) {

@@ -3,6 +3,7 @@
  * of the shared-memory copy sees seq odd, or a whole update. */
 #include <string.h>
 
+#include "device_figures.h"
 #include "internal.h"
 
 static npualloc_stat *stat_run(npualloc_device_stats *s) { return &s->allocation[0]; }
@@ -48,17 +49,39 @@ void npa_detach_stats_storage(npa_allocator *a) {
     if (!a) return;
     pthread_mutex_lock(&a->init_lock); /* device_create reads stats_storage under it */
     a->backend.stats_storage = NULL;
+    a->backend.thread_stats_storage = NULL;
     for (int id = 0; id < NPUALLOC_MAX_DEVICES; id++) {
         npa_device *d = a->devices[id];
         if (!d) continue;
         npa_lock_acquire(&d->lock); /* every access to d->stats is made under it, with no section open */
+        /* The threads' caches fold everything back first, their slots then
+         * all zero: no fast path writes the storage left behind. */
+        npa_tcaches_freeze(d);
+        npa_stats_begin(d);
+        npa_tcaches_fold_all(d);
+        npa_stats_end(d);
         if (d->stats != &d->local_stats) {
             memcpy(&d->local_stats, d->stats, sizeof d->local_stats);
             d->stats = &d->local_stats;
         }
+        /* The slots too, or npa_get_stats would read them in a region gone
+         * (and the figures would lose their part). */
+        if (d->threads != d->local_threads) {
+            memcpy(d->local_threads, d->threads, sizeof d->local_threads);
+            d->threads = d->local_threads;
+        }
+        npa_tcaches_point_slots(d);
+        npa_tcaches_thaw(d);
         npa_lock_release(&d->lock);
     }
     pthread_mutex_unlock(&a->init_lock);
+}
+
+void npa_device_figures(npa_device *d, npualloc_device_stats *out) {
+    /* Under the device lock its own figures hold still; the slots move
+     * (their threads' caches write them without it), each writer inside for
+     * a few stores: as many tries as it takes. */
+    (void)npa_read_device_figures(d->stats, d->threads, UINT32_MAX, out);
 }
 
 void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
@@ -70,7 +93,7 @@ void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {
         return;
     }
     npa_lock_acquire(&d->lock);
-    memcpy(out, d->stats, sizeof *out);
+    npa_device_figures(d, out);
     npa_lock_release(&d->lock);
     npualloc_stats_from_region(out);
 }
@@ -82,6 +105,9 @@ void npa_reset_peak_stats(npa_allocator *a, int device) {
     npa_stats_begin(d);
     npualloc_stat *run = stat_run(d->stats);
     for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) npa_stat_store(&run[i].peak, run[i].current);
+    npa_tcaches_freeze(d); /* the slots' stats: peak = the device's figure plus theirs */
+    npa_tcaches_refit(d, true);
+    npa_tcaches_thaw(d);
     npa_stats_end(d);
     npa_lock_release(&d->lock);
 }
@@ -93,10 +119,17 @@ void npa_reset_accumulated_stats(npa_allocator *a, int device) {
     npa_stats_begin(d);
     npualloc_device_stats *s = d->stats;
     npualloc_stat *run = stat_run(s);
+    /* The slots' counts are zeroed with the device's (folded in, then
+     * zeroed); their currents stay, and the device's current_at_reset
+     * holds the whole figure, so the freed of the sum reads 0 too. */
+    npa_tcaches_freeze(d);
+    npa_tcaches_fold_accumulated(d);
     for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) { /* freed, implied, reads 0 from here */
         npa_stat_store(&run[i].allocated, 0);
         npa_stat_store(&run[i].current_at_reset, run[i].current);
     }
+    npa_tcaches_add_slot_currents_at_reset(d);
+    npa_tcaches_thaw(d);
     int64_t *const accumulated[] = {&s->num_alloc_retries, &s->num_ooms,         &s->num_sync_all_streams,
                                     &s->num_device_alloc,  &s->num_device_free,  &s->num_cache_hits,
                                     &s->num_cache_misses,  &s->num_foreign_frees, &s->num_invalid_frees};

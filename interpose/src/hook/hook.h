@@ -54,13 +54,21 @@
  *      time, never two (except a pause: all, ascending, under 4; and
  *      aclrtDestroyStream takes each in turn, with none of ours held,
  *      before and after the runtime's destroy). It guards
- *      all of the device's state, the recent cache of freed small blocks
- *      (core recent.c) included. Under it the core calls the backend: raw
+ *      all of the device's state but its threads' caches (5a). Under it
+ *      the core takes 5a and calls the backend: raw
  *      malloc/free, synchronize, mem info, VMM calls (the runtime), and
  *      fences, which take
  *   6. that device's stream lock (streams.c dev_streams.lock), held across
  *      aclrtCreateEvent/RecordEvent/DestroyEvent but released before a
  *      synchronize. Only fork_prepare holds several, in ascending order.
+ *   5a. a thread's cache of a device (core tcache.c npa_tcache.lock, a
+ *      futex word): its owner takes it alone on its fast paths, holding
+ *      none of ours and taking nothing under it; any other thread only
+ *      under that device's lock (5), all of them in index order to freeze
+ *      the fast paths (snapshots, the peaks' ceilings). Before 4 and 5 comes
+ *      the core's registry of live allocators (tcache.c registry_lock): a
+ *      thread that exits or moves to another allocator folds its caches
+ *      back under it, taking each device lock (5) in turn.
  *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
  *      or free of one, by memory_saver's pause/resume and by the region
  *      (8) writes of their figures, with none of 1-6 held, and by a pause

@@ -255,6 +255,12 @@ static npualloc_device_stats *be_stats_storage(void *ctx, int device)
     return npa_region_device_stats(device);
 }
 
+static npualloc_thread_stats *be_thread_stats_storage(void *ctx, int device)
+{
+    (void)ctx;
+    return npa_region_thread_stats(device);
+}
+
 /* Virtual memory, for expandable segments: torch_npu's calls. A page is one
  * physical allocation of HBM huge pages mapped at its address, so any page
  * can be unmapped alone. */
@@ -349,6 +355,7 @@ static const npa_backend backend = {
     .warn = be_warn,
     .report_oom = be_report_oom,
     .stats_storage = be_stats_storage,
+    .thread_stats_storage = be_thread_stats_storage,
     .capture_stack = npa_pystack_capture,
     .visit_stack = npa_pystack_visit,
 };
@@ -601,6 +608,7 @@ static void fork_child(void)
     npa_region_forget_after_fork();
     npa_saver_forget_after_fork();
     npa_device_forget_after_fork();
+    npa_forget_threads_after_fork(); /* no thread of the child folds its caches into the dropped allocator */
     fork_parent();
 }
 

@@ -463,6 +463,12 @@ npualloc_device_stats *npa_region_device_stats(int device)
     return r ? &r->devices[device] : NULL;
 }
 
+npualloc_thread_stats *npa_region_thread_stats(int device)
+{
+    npualloc_region *r = region_for_device(device);
+    return r ? r->threads[device] : NULL;
+}
+
 npualloc_saver_stats *npa_region_saver_stats(int device)
 {
     npualloc_region *r = region_for_device(device);

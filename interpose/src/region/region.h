@@ -15,6 +15,8 @@
 npualloc_region *npa_region_get(void);
 /* Where the core should keep a device's stats: inside the region, or NULL. */
 npualloc_device_stats *npa_region_device_stats(int device);
+/* Where a device's threads keep their stat slots: inside the region, or NULL. */
+npualloc_thread_stats *npa_region_thread_stats(int device);
 /* Where saver.c publishes a device's memory_saver figures, or NULL. */
 npualloc_saver_stats *npa_region_saver_stats(int device);
 /* Records the config in force in a (its canonical text) in the header;

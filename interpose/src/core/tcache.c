@@ -1,0 +1,600 @@
+/* Per-thread caches (issue 14): two threads on one device each keep most of
+ * one thread's rate only if their hits take no shared lock and write no
+ * shared cache line. So each thread has, per device, a tcache: its own
+ * recent cache (the stock, recent.c) and the blocks its fast malloc lent
+ * out of it (an open-addressing table by address, not the device's live
+ * map), served and taken back under the tcache's own lock, which nobody
+ * else takes but under the device lock (a freeze: snapshots, empty_cache,
+ * the OOM retry, a free of a block another thread's cache lent).
+ *
+ * Stats stay exact. What the fast paths change goes to the thread's slot
+ * (npualloc_thread_stats), which readers add to the device's figures. The
+ * peaks are kept by ceilings: a fast malloc may raise its slot's current
+ * of a stat only up to the tcache's ceiling (else it declines), and the
+ * device keeps R, the sum of its tcaches' ceilings, with
+ *     device.current + R <= device.peak
+ * for every stat a fast path raises, in the pool's entry and in [ALL]. So
+ * the true total (device plus slots, each under its ceiling) never passes
+ * the peak unseen. A slow-path malloc that would break this freezes the
+ * fast paths, counts, sets each peak to the larger of it and the exact sum,
+ * and shrinks every ceiling to its slot's current (npa_tcaches_refit). A
+ * fast malloc short of headroom takes the slow path, which raises its
+ * ceilings within what the peaks leave (grant). The stats a fast free
+ * raises (inactive_split and its bytes) need no ceiling: a slot's figure
+ * there is minus what its lent split blocks took out of the device's, never
+ * above 0; the stats the fast malloc raises are, per slot, exactly what it
+ * lent, never below 0.
+ *
+ * A thread's caches are found from a thread-local keyed by the allocator's
+ * id; an allocator that is no longer the thread's is found in the registry
+ * of live ones (its caches folded back before the thread takes another's),
+ * and so is the one a thread's exit folds its caches into (a pthread key's
+ * destructor). A forked child forgets every allocator of its parent. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+__thread __attribute__((tls_model("initial-exec"))) npa_thread_caches npa_my_caches;
+
+/* The live allocators, for a thread that leaves one (its exit, another
+ * allocator): under registry_lock, taken before any device lock. */
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static npa_allocator *live_allocators;
+static uint64_t last_allocator_id;
+static pthread_key_t exit_key;
+static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
+static bool exit_key_made;
+
+/* ---- the slot: the thread's own seqlock section -------------------------- */
+
+static inline void slot_open(npualloc_thread_stats *slot) {
+    __atomic_store_n(&slot->seq, slot->seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static inline void slot_close(npualloc_thread_stats *slot) {
+    __atomic_store_n(&slot->seq, slot->seq + 1, __ATOMIC_RELEASE);
+}
+
+static inline void slot_add(int64_t *field, int64_t delta) { npa_stat_store(field, *field + delta); }
+
+/* One lent block's part of its slot's current, by NPUALLOC_THREAD_* index. */
+static void lent_share(const npa_block *b, bool split, int64_t share[NPUALLOC_THREAD_STAT_COUNT]) {
+    int64_t size = (int64_t)b->size;
+    share[NPUALLOC_THREAD_ALLOCATION] = share[NPUALLOC_THREAD_ACTIVE] = 1;
+    share[NPUALLOC_THREAD_ALLOCATED_BYTES] = share[NPUALLOC_THREAD_ACTIVE_BYTES] = size;
+    share[NPUALLOC_THREAD_REQUESTED_BYTES] = (int64_t)b->requested;
+    share[NPUALLOC_THREAD_INACTIVE_SPLIT] = split ? -1 : 0;
+    share[NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES] = split ? -size : 0;
+}
+
+static inline int pool_index(bool is_small) { return is_small ? 0 : 1; }
+
+/* The slot's largest_held follows the stock's: inside a slot section. */
+static inline void slot_note_largest(npa_tcache *t) {
+    if ((int64_t)t->stock.largest == t->largest_published) return;
+    t->largest_published = (int64_t)t->stock.largest;
+    npa_stat_store(&t->slot->largest_held, t->largest_published);
+}
+
+/* ---- the lent table ------------------------------------------------------ */
+
+static inline unsigned lent_home(uintptr_t addr) {
+    return (unsigned)(((addr >> 9) * 0x9e3779b97f4a7c15ull) >> 58) & (NPA_LENT_SLOTS - 1);
+}
+
+static inline unsigned lent_find(const npa_tcache *t, uintptr_t addr) {
+    unsigned i = lent_home(addr);
+    while (t->lent[i].addr != addr) {
+        if (t->lent[i].addr == 0) return NPA_LENT_SLOTS;
+        i = (i + 1) & (NPA_LENT_SLOTS - 1);
+    }
+    return i;
+}
+
+static inline void lent_insert(npa_tcache *t, npa_block *b, bool split) {
+    unsigned i = lent_home(b->addr);
+    while (t->lent[i].addr != 0) i = (i + 1) & (NPA_LENT_SLOTS - 1);
+    t->lent[i] = (npa_lent){.addr = b->addr, .block = b, .split = split};
+    t->lent_count++;
+}
+
+/* Linear probing's deletion: the entries after the hole that may not sit
+ * before their home move back into it, so no search stops early. */
+static inline void lent_remove(npa_tcache *t, unsigned hole) {
+    for (unsigned i = (hole + 1) & (NPA_LENT_SLOTS - 1); t->lent[i].addr != 0; i = (i + 1) & (NPA_LENT_SLOTS - 1)) {
+        unsigned home = lent_home(t->lent[i].addr);
+        if (((i - home) & (NPA_LENT_SLOTS - 1)) >= ((i - hole) & (NPA_LENT_SLOTS - 1))) {
+            t->lent[hole] = t->lent[i];
+            hole = i;
+        }
+    }
+    t->lent[hole].addr = 0;
+    t->lent_count--;
+}
+
+/* ---- the fast paths ------------------------------------------------------ */
+
+static inline bool under_ceilings(const npa_tcache *t, int p, int64_t size, int64_t requested) {
+    const int64_t *current = t->slot->current[p];
+    const int64_t *ceiling = t->ceiling[p];
+    return current[NPUALLOC_THREAD_ACTIVE] + 1 <= ceiling[NPA_CEIL_BLOCKS] &&
+           current[NPUALLOC_THREAD_ACTIVE_BYTES] + size <= ceiling[NPA_CEIL_BYTES] &&
+           current[NPUALLOC_THREAD_REQUESTED_BYTES] + requested <= ceiling[NPA_CEIL_REQUESTED];
+}
+
+/* b, out of the stock, becomes the caller's: lent, counted in the slot. */
+static inline void lend(npa_tcache *t, npa_block *b, bool split, size_t requested) {
+    b->requested = requested;
+    lent_insert(t, b, split);
+    int64_t share[NPUALLOC_THREAD_STAT_COUNT];
+    lent_share(b, split, share);
+    npualloc_thread_stats *slot = t->slot;
+    int p = pool_index(b->is_small);
+    slot_open(slot);
+    for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) {
+        if (!share[k]) continue;
+        slot_add(&slot->current[p][k], share[k]);
+        if (share[k] > 0) slot_add(&slot->allocated[p][k], share[k]);
+    }
+    slot_add(&slot->num_cache_hits, 1);
+    slot_note_largest(t);
+    slot_close(slot);
+}
+
+bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr) {
+    npa_device *d = t->device;
+    bool is_small = rounded <= NPA_SMALL_SIZE;
+    const npa_pool *pool = is_small ? &d->plain.small : &d->plain.large;
+    npa_lock_acquire(&t->lock);
+    /* Frees waiting for a fence: a slow malloc polls them first (pending.c). */
+    bool may = t->enabled && t->lent_count < NPA_LENT_MAX &&
+               under_ceilings(t, pool_index(is_small), (int64_t)rounded, (int64_t)requested) &&
+               __atomic_load_n(&d->stats->num_pending_frees, __ATOMIC_RELAXED) == 0;
+    bool split;
+    npa_block *b = may ? npa_stock_take(&t->stock, pool, rounded, &split) : NULL;
+    if (b) {
+        lend(t, b, split, requested);
+        *ptr = (void *)b->addr;
+    }
+    npa_lock_release(&t->lock);
+    return b != NULL;
+}
+
+bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
+    npa_lock_acquire(&t->lock);
+    unsigned at = lent_find(t, addr);
+    npa_block *b = at < NPA_LENT_SLOTS ? t->lent[at].block : NULL;
+    /* The stock full makes an eviction, which merges into a pool; a bypass
+     * sends the free to its pool: both the slow path's. */
+    bool done = b && t->enabled && t->stock.bypass == 0 && npa_stock_has_room(&t->stock, b->size) &&
+                !npa_plain_fence_needed(a);
+    if (done) {
+        bool split = t->lent[at].split;
+        int64_t share[NPUALLOC_THREAD_STAT_COUNT];
+        lent_share(b, split, share);
+        lent_remove(t, at);
+        b->requested = 0;
+        npa_stock_hold(&t->stock, b, split);
+        npualloc_thread_stats *slot = t->slot;
+        int p = pool_index(b->is_small);
+        slot_open(slot);
+        for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) {
+            if (!share[k]) continue;
+            slot_add(&slot->current[p][k], -share[k]);
+            if (share[k] < 0) slot_add(&slot->allocated[p][k], -share[k]);
+        }
+        slot_note_largest(t);
+        slot_close(slot);
+    }
+    npa_lock_release(&t->lock);
+    return done;
+}
+
+/* ---- ceilings ------------------------------------------------------------ */
+
+/* The device's stats a ceiling group covers. */
+static npualloc_stat *group_stat(npualloc_device_stats *s, int group, int which, int entry) {
+    switch (group) {
+    case NPA_CEIL_BLOCKS: return which ? &s->active[entry] : &s->allocation[entry];
+    case NPA_CEIL_BYTES: return which ? &s->active_bytes[entry] : &s->allocated_bytes[entry];
+    default: return &s->requested_bytes[entry];
+    }
+}
+
+/* The least slack of a group's stats in the pool's entry and in [ALL]:
+ * peak - current - R, with v more added to current. */
+static int64_t slack(const npa_device *d, int p, int group, int64_t v) {
+    int64_t least = INT64_MAX;
+    for (int e = 0; e < 2; e++) {
+        int entry = e ? NPUALLOC_POOL_ALL : p + 1;
+        int64_t reserve = e ? d->reserve[0][group] + d->reserve[1][group] : d->reserve[p][group];
+        for (int which = 0; which < (group == NPA_CEIL_REQUESTED ? 1 : 2); which++) {
+            const npualloc_stat *st = group_stat(d->stats, group, which, entry);
+            int64_t left = st->peak - st->current - v - reserve;
+            if (left < least) least = left;
+        }
+    }
+    return least;
+}
+
+bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t bytes, int64_t requested) {
+    int p = pool_index(is_small);
+    return slack(d, p, NPA_CEIL_BLOCKS, count) >= 0 && slack(d, p, NPA_CEIL_BYTES, bytes) >= 0 &&
+           slack(d, p, NPA_CEIL_REQUESTED, requested) >= 0;
+}
+
+/* Raises t's ceilings so that a lend of one block of size (requested)
+ * fits, by what it needs plus a share of the slack left (so a loop of
+ * mallocs and frees comes back here rarely), never past the peaks. */
+static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t requested) {
+    const int64_t *current = t->slot->current[p];
+    int64_t need[NPA_CEILINGS] = {current[NPUALLOC_THREAD_ACTIVE] + 1 - t->ceiling[p][NPA_CEIL_BLOCKS],
+                                  current[NPUALLOC_THREAD_ACTIVE_BYTES] + size - t->ceiling[p][NPA_CEIL_BYTES],
+                                  current[NPUALLOC_THREAD_REQUESTED_BYTES] + requested -
+                                      t->ceiling[p][NPA_CEIL_REQUESTED]};
+    int64_t left[NPA_CEILINGS];
+    for (int g = 0; g < NPA_CEILINGS; g++) {
+        if (need[g] < 0) need[g] = 0;
+        left[g] = slack(d, p, g, 0);
+        if (left[g] < need[g]) return false;
+    }
+    for (int g = 0; g < NPA_CEILINGS; g++) {
+        int64_t rise = need[g] + (left[g] - need[g]) / (2 * (int64_t)d->tcache_count);
+        t->ceiling[p][g] += rise;
+        d->reserve[p][g] += rise;
+    }
+    return true;
+}
+
+
+void npa_tcaches_freeze(npa_device *d) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
+        if (d->tcaches[i]) npa_lock_acquire(&d->tcaches[i]->lock);
+}
+
+void npa_tcaches_thaw(npa_device *d) {
+    for (unsigned i = NPUALLOC_THREAD_SLOTS; i-- > 0;)
+        if (d->tcaches[i]) npa_lock_release(&d->tcaches[i]->lock);
+}
+
+/* The device's stat a slot's NPUALLOC_THREAD_* index adds to. */
+static npualloc_stat *slot_stat(npualloc_device_stats *s, int k, int entry) {
+    npualloc_stat *const stats[NPUALLOC_THREAD_STAT_COUNT] = {
+        s->allocation, s->allocated_bytes, s->active, s->active_bytes, s->requested_bytes,
+        s->inactive_split, s->inactive_split_bytes};
+    return &stats[k][entry];
+}
+
+void npa_tcaches_refit(npa_device *d, bool reset) {
+    int64_t sum[NPUALLOC_THREAD_POOL_COUNT][NPUALLOC_THREAD_STAT_COUNT] = {{0}};
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++) {
+            const int64_t *current = t->slot->current[p];
+            for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) sum[p][k] += current[k];
+            t->ceiling[p][NPA_CEIL_BLOCKS] = current[NPUALLOC_THREAD_ACTIVE];
+            t->ceiling[p][NPA_CEIL_BYTES] = current[NPUALLOC_THREAD_ACTIVE_BYTES];
+            t->ceiling[p][NPA_CEIL_REQUESTED] = current[NPUALLOC_THREAD_REQUESTED_BYTES];
+        }
+    }
+    for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++) {
+        d->reserve[p][NPA_CEIL_BLOCKS] = sum[p][NPUALLOC_THREAD_ACTIVE];
+        d->reserve[p][NPA_CEIL_BYTES] = sum[p][NPUALLOC_THREAD_ACTIVE_BYTES];
+        d->reserve[p][NPA_CEIL_REQUESTED] = sum[p][NPUALLOC_THREAD_REQUESTED_BYTES];
+    }
+    for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++)
+        for (int entry = 0; entry < NPUALLOC_POOL_COUNT; entry++) {
+            npualloc_stat *st = slot_stat(d->stats, k, entry);
+            int64_t total = st->current + (entry == NPUALLOC_POOL_ALL ? sum[0][k] + sum[1][k] : sum[entry - 1][k]);
+            if (reset || total > st->peak) npa_stat_store(&st->peak, total);
+        }
+}
+
+/* ---- folding back -------------------------------------------------------- */
+
+/* The lent block in slot at of t goes back to the device: its share of the
+ * slot moves to the device's figures (no peak can move: the ceiling it was
+ * under goes down by as much), and it is live there. Device lock, t's
+ * lock, a stats section open. */
+static npa_block *unlend(npa_device *d, npa_tcache *t, unsigned at) {
+    npa_block *b = t->lent[at].block;
+    int64_t share[NPUALLOC_THREAD_STAT_COUNT];
+    lent_share(b, t->lent[at].split, share);
+    lent_remove(t, at);
+    int p = pool_index(b->is_small);
+    npualloc_thread_stats *slot = t->slot;
+    slot_open(slot);
+    for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) {
+        slot_add(&slot->current[p][k], -share[k]);
+        npa_stat_add(&slot_stat(d->stats, k, p + 1)->current, share[k]);
+        npa_stat_add(&slot_stat(d->stats, k, NPUALLOC_POOL_ALL)->current, share[k]);
+    }
+    slot_close(slot);
+    const int64_t moved[NPA_CEILINGS] = {1, share[NPUALLOC_THREAD_ACTIVE_BYTES], share[NPUALLOC_THREAD_REQUESTED_BYTES]};
+    for (int g = 0; g < NPA_CEILINGS; g++) {
+        t->ceiling[p][g] -= moved[g];
+        d->reserve[p][g] -= moved[g];
+    }
+    b->phase = NPA_PHASE_ALLOCATED;
+    npa_block_map_insert(&d->live, b);
+    return b;
+}
+
+npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        npa_lock_acquire(&t->lock);
+        unsigned at = lent_find(t, addr);
+        npa_block *b = NULL;
+        if (at < NPA_LENT_SLOTS) {
+            npa_stats_begin(d);
+            b = unlend(d, t, at);
+            npa_stats_end(d);
+        }
+        npa_lock_release(&t->lock);
+        if (b) return b;
+    }
+    return NULL;
+}
+
+static void flush_stock(npa_device *d, npa_tcache *t) {
+    npa_stock_flush(d, &t->stock);
+    slot_open(t->slot);
+    slot_note_largest(t);
+    slot_close(t->slot);
+}
+
+bool npa_tcaches_flush(npa_device *d) {
+    bool flushed = false;
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        npa_lock_acquire(&t->lock);
+        if (t->stock.count) {
+            flush_stock(d, t);
+            flushed = true;
+        }
+        npa_lock_release(&t->lock);
+    }
+    return flushed;
+}
+
+/* A block of the stock is lent, as a fast malloc would lend it, so that
+ * its free takes the fast path too: unless t is off or full, or the peaks
+ * leave no slack for t's ceilings. */
+npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
+                           bool *lent) {
+    npa_lock_acquire(&t->lock);
+    bool split;
+    npa_block *b = t->stock.count ? npa_stock_take(&t->stock, pool, size, &split) : NULL;
+    int p = pool_index(pool->is_small);
+    *lent = b && t->enabled && t->lent_count < NPA_LENT_MAX && !pool->on_stream &&
+            (under_ceilings(t, p, (int64_t)size, (int64_t)requested) ||
+             grant(d, t, p, (int64_t)size, (int64_t)requested));
+    if (*lent) {
+        lend(t, b, split, requested);
+    } else if (b) {
+        slot_open(t->slot);
+        slot_note_largest(t);
+        slot_close(t->slot);
+    }
+    npa_lock_release(&t->lock);
+    return b;
+}
+
+bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b) {
+    npa_lock_acquire(&t->lock);
+    bool kept = npa_recent_admits(&t->stock, b);
+    if (kept) {
+        npa_stock_put(d, t, b);
+        slot_open(t->slot);
+        slot_note_largest(t);
+        slot_close(t->slot);
+    }
+    npa_lock_release(&t->lock);
+    return kept;
+}
+
+/* Everything t holds back to the device: t's lock held, a stats section open. */
+static void empty_tcache(npa_device *d, npa_tcache *t) {
+    for (unsigned at = 0; t->lent_count > 0; at = (at + 1) & (NPA_LENT_SLOTS - 1))
+        while (t->lent[at].addr != 0) unlend(d, t, at); /* a removal may move another entry into at */
+    flush_stock(d, t);
+}
+
+void npa_tcaches_settle(npa_device *d) {
+    bool enabled = d->history.capacity == 0 && !d->paused;
+    npa_stats_begin(d);
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        npa_lock_acquire(&t->lock);
+        if (!enabled) empty_tcache(d, t);
+        t->enabled = enabled;
+        npa_lock_release(&t->lock);
+    }
+    npa_stats_end(d);
+}
+
+/* The slot's counts of increases and its hits go to the device's. */
+static void fold_accumulated(npa_device *d, npa_tcache *t) {
+    npualloc_thread_stats *slot = t->slot;
+    slot_open(slot);
+    for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++)
+        for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) {
+            int64_t x = slot->allocated[p][k];
+            if (!x) continue;
+            for (int e = 0; e < 2; e++) {
+                npualloc_stat *st = slot_stat(d->stats, k, e ? NPUALLOC_POOL_ALL : p + 1);
+                npa_stat_store(&st->allocated, (int64_t)((uint64_t)st->allocated + (uint64_t)x));
+            }
+            npa_stat_store(&slot->allocated[p][k], 0);
+        }
+    npa_stat_add(&d->stats->num_cache_hits, slot->num_cache_hits);
+    npa_stat_store(&slot->num_cache_hits, 0);
+    slot_close(slot);
+}
+
+void npa_tcaches_fold_accumulated(npa_device *d) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
+        if (d->tcaches[i]) fold_accumulated(d, d->tcaches[i]);
+}
+
+void npa_tcaches_add_slot_currents_at_reset(npa_device *d) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        const npa_tcache *t = d->tcaches[i];
+        for (int p = 0; t && p < NPUALLOC_THREAD_POOL_COUNT; p++)
+            for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++)
+                for (int e = 0; e < 2; e++)
+                    npa_stat_add(&slot_stat(d->stats, k, e ? NPUALLOC_POOL_ALL : p + 1)->current_at_reset,
+                                 t->slot->current[p][k]);
+    }
+}
+
+/* t leaves the device, everything it held and counted folded back, its
+ * slot all zero for the next thread. Device lock held. */
+static void retire(npa_device *d, npa_tcache *t) {
+    npa_lock_acquire(&t->lock);
+    npa_stats_begin(d);
+    empty_tcache(d, t);
+    fold_accumulated(d, t);
+    npa_stats_end(d);
+    for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++)
+        for (int g = 0; g < NPA_CEILINGS; g++) d->reserve[p][g] -= t->ceiling[p][g];
+    d->tcaches[t->index] = NULL;
+    d->tcache_count--;
+    npa_lock_release(&t->lock);
+    free(t);
+}
+
+void npa_tcaches_fold_all(npa_device *d) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        empty_tcache(d, t);
+        fold_accumulated(d, t);
+    }
+}
+
+void npa_tcaches_point_slots(npa_device *d) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
+        if (d->tcaches[i]) d->tcaches[i]->slot = &d->threads[i];
+}
+
+void npa_tcaches_destroy(npa_device *d) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
+        if (d->tcaches[i]) retire(d, d->tcaches[i]);
+}
+
+const npa_lent *npa_tcaches_find_lent(const npa_device *d, uintptr_t addr) {
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        const npa_tcache *t = d->tcaches[i];
+        unsigned at = t ? lent_find(t, addr) : NPA_LENT_SLOTS;
+        if (at < NPA_LENT_SLOTS) return &t->lent[at];
+    }
+    return NULL;
+}
+
+/* ---- threads and allocators ---------------------------------------------- */
+
+static npa_allocator *live_allocator(uint64_t id) {
+    for (npa_allocator *a = live_allocators; a; a = a->next_live)
+        if (a->id == id) return a;
+    return NULL;
+}
+
+/* The calling thread's caches go back to their devices: its exit, or its
+ * move to another allocator. Under registry_lock. */
+static void leave_allocator(void) {
+    npa_thread_caches *mine = &npa_my_caches;
+    npa_allocator *a = mine->allocator ? live_allocator(mine->allocator) : NULL;
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
+        npa_tcache *t = mine->of_device[i];
+        if (!t) continue;
+        npa_device *d = t->device;
+        npa_lock_acquire(&d->lock);
+        retire(d, t);
+        npa_lock_release(&d->lock);
+    }
+    memset(mine, 0, sizeof *mine);
+}
+
+static void thread_exits(void *value) {
+    (void)value;
+    pthread_mutex_lock(&registry_lock);
+    leave_allocator();
+    pthread_mutex_unlock(&registry_lock);
+}
+
+static void make_exit_key(void) { exit_key_made = pthread_key_create(&exit_key, thread_exits) == 0; }
+
+void npa_tcache_register_allocator(npa_allocator *a) {
+    pthread_mutex_lock(&registry_lock);
+    a->id = ++last_allocator_id;
+    a->next_live = live_allocators;
+    live_allocators = a;
+    pthread_mutex_unlock(&registry_lock);
+}
+
+void npa_tcache_unregister_allocator(npa_allocator *a) {
+    pthread_mutex_lock(&registry_lock);
+    for (npa_allocator **link = &live_allocators; *link; link = &(*link)->next_live)
+        if (*link == a) {
+            *link = a->next_live;
+            break;
+        }
+    pthread_mutex_unlock(&registry_lock);
+    if (npa_my_caches.allocator == a->id) memset(&npa_my_caches, 0, sizeof npa_my_caches);
+}
+
+void npa_forget_threads_after_fork(void) {
+    registry_lock = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    live_allocators = NULL;
+    memset(&npa_my_caches, 0, sizeof npa_my_caches);
+}
+
+/* Binds the calling thread to a: false when it cannot have caches there. */
+static bool bind_thread(npa_allocator *a) {
+    npa_thread_caches *mine = &npa_my_caches;
+    if (mine->allocator == a->id) return true;
+    pthread_once(&exit_key_once, make_exit_key);
+    if (!exit_key_made) return false;
+    pthread_mutex_lock(&registry_lock);
+    leave_allocator();
+    bool bound = pthread_setspecific(exit_key, mine) == 0;
+    if (bound) mine->allocator = a->id;
+    pthread_mutex_unlock(&registry_lock);
+    return bound;
+}
+
+npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d) {
+    npa_tcache *t = npa_tcache_mine(a, d->id);
+    if (t || a->config.recent_blocks == 0 || !bind_thread(a) || (npa_my_caches.refused & (1u << d->id)))
+        return t;
+    t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    t->device = d;
+    t->stock.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
+    npa_lock_acquire(&d->lock);
+    unsigned index = 0;
+    while (index < NPUALLOC_THREAD_SLOTS && d->tcaches[index]) index++;
+    if (index < NPUALLOC_THREAD_SLOTS) {
+        t->index = index;
+        t->slot = &d->threads[index];
+        t->enabled = d->history.capacity == 0 && !d->paused;
+        d->tcaches[index] = t;
+        d->tcache_count++;
+    }
+    npa_lock_release(&d->lock);
+    if (index == NPUALLOC_THREAD_SLOTS) { /* torch's rule for this thread: every free to its pool */
+        free(t);
+        npa_my_caches.refused |= 1u << d->id;
+        return NULL;
+    }
+    npa_my_caches.of_device[d->id] = t;
+    return t;
+}

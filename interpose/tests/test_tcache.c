@@ -1,0 +1,433 @@
+/* Per-thread caches (core/tcache.c): a thread's hits and their frees take
+ * no device lock and write no device stat, yet the stats a reader sums stay
+ * exact, peaks included (the ceilings), whatever the threads do meanwhile;
+ * a block one thread's cache lent is freed by another, folded back when
+ * its thread exits, shown allocated by snapshots; what a thread's stock
+ * holds goes back for another thread's OOM retry and for empty_cache.
+ * Failures inside helper threads are counted in their results, which the
+ * main thread checks. */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "check.h"
+#include "core/internal.h"
+#include "fake_backend.h"
+#include "test_util.h"
+
+/* A warm cache: size allocated and freed a few times, so the stock holds
+ * it and the ceilings cover it. */
+static void warm(fixture *fx, size_t size) {
+    for (int i = 0; i < 4; i++) CHECK_EQ(npa_free(fx->a, alloc_exact(fx, 0, size), 0, NULL), NPA_FREE_OK);
+}
+
+static uint64_t device_seq(fixture *fx) {
+    return __atomic_load_n(&npa_device_get(fx->a, 0, false)->stats->seq, __ATOMIC_ACQUIRE);
+}
+
+/* Once warm, a pair is the thread's own: the device's seqlock does not
+ * move, and the summed stats say what a torch allocator's would. */
+static void test_a_warm_pair_leaves_the_device_alone(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    warm(&fx, 4096);
+    npualloc_device_stats before = stats_of(&fx, 0);
+    uint64_t seq = device_seq(&fx);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(device_seq(&fx), seq);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_SMALL].current, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, before.allocation[NPUALLOC_POOL_ALL].allocated + 1);
+    CHECK_EQ(s.num_cache_hits, before.num_cache_hits + 1);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 1); /* the segment's tail only */
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(device_seq(&fx), seq);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, s.allocation[NPUALLOC_POOL_ALL].allocated);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* held whole, beside the tail */
+    fixture_destroy(&fx);
+}
+
+/* Two threads, each warm on its own size, then holding it at once in
+ * turn (barriers): the peak is exactly the two together, though each
+ * thread's malloc may have been a fast one. */
+typedef struct holder {
+    fixture *fx;
+    size_t size;
+    pthread_barrier_t *barrier;
+    long failures;
+} holder;
+
+static void *hold_in_turn(void *arg) {
+    holder *h = arg;
+    for (int i = 0; i < 8; i++) {
+        void *p = NULL;
+        h->failures += npa_malloc(h->fx->a, 0, h->size, NPA_ENTRY_EXACT, &p) != NPA_OK;
+        h->failures += npa_free(h->fx->a, p, 0, NULL) != NPA_FREE_OK;
+    }
+    pthread_barrier_wait(h->barrier); /* both warm */
+    void *p = NULL;
+    h->failures += npa_malloc(h->fx->a, 0, h->size, NPA_ENTRY_EXACT, &p) != NPA_OK;
+    pthread_barrier_wait(h->barrier); /* both hold */
+    pthread_barrier_wait(h->barrier); /* the main thread looked */
+    h->failures += npa_free(h->fx->a, p, 0, NULL) != NPA_FREE_OK;
+    pthread_barrier_wait(h->barrier); /* both freed */
+    pthread_barrier_wait(h->barrier); /* looked again */
+    return NULL;
+}
+
+static void test_two_threads_peak_exactly_together(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    pthread_barrier_t barrier;
+    pthread_barrier_init(&barrier, NULL, 3);
+    holder h[2] = {{.fx = &fx, .size = 3 * KiB, .barrier = &barrier},
+                   {.fx = &fx, .size = 5 * KiB, .barrier = &barrier}};
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++) CHECK_EQ(pthread_create(&threads[i], NULL, hold_in_turn, &h[i]), 0);
+    pthread_barrier_wait(&barrier);
+    npa_reset_peak_stats(fx.a, 0); /* nothing held: the peaks from here are the two holds' */
+    pthread_barrier_wait(&barrier);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 8 * KiB);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 8 * KiB);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_SMALL].peak, 2);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].peak, 8 * KiB);
+    pthread_barrier_wait(&barrier);
+    pthread_barrier_wait(&barrier);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 8 * KiB);
+    CHECK_EQ(s.active[NPUALLOC_POOL_ALL].peak, 2);
+    pthread_barrier_wait(&barrier);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(pthread_join(threads[i], NULL), 0);
+        CHECK_EQ(h[i].failures, 0);
+    }
+    pthread_barrier_destroy(&barrier);
+    fixture_destroy(&fx);
+}
+
+/* Threads looping mallocs and frees (each holding a few blocks) while a
+ * reader checks every summed read: no stat's current above its peak or
+ * below 0, allocated never going back, and in the end, all freed, the
+ * peak of allocated_bytes no more than what all threads could hold. */
+#define LOOP_SLOTS 4
+typedef struct looper {
+    fixture *fx;
+    int seed;
+    atomic_int *stop;
+    long failures, pairs;
+} looper;
+
+static void *loop_pairs(void *arg) {
+    looper *l = arg;
+    void *held[LOOP_SLOTS] = {0};
+    uint64_t rng = 0x9e3779b97f4a7c15ull * (uint64_t)(l->seed + 1);
+    while (!atomic_load(l->stop)) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        void **slot = &held[rng % LOOP_SLOTS];
+        if (*slot) {
+            l->failures += npa_free(l->fx->a, *slot, 0, NULL) != NPA_FREE_OK;
+            *slot = NULL;
+            __atomic_store_n(&l->pairs, l->pairs + 1, __ATOMIC_RELAXED); /* the main thread reads it */
+        } else {
+            size_t size = 512 * (1 + (rng >> 20) % 8); /* a few small sizes: most mallocs hit */
+            l->failures += npa_malloc(l->fx->a, 0, size, NPA_ENTRY_EXACT, slot) != NPA_OK;
+        }
+    }
+    for (int i = 0; i < LOOP_SLOTS; i++)
+        if (held[i]) l->failures += npa_free(l->fx->a, held[i], 0, NULL) != NPA_FREE_OK;
+    return NULL;
+}
+
+static long summed_stats_broken(const npualloc_device_stats *s, const npualloc_device_stats *last) {
+    long broken = 0;
+    const npualloc_stat *run = &s->allocation[0], *before = &last->allocation[0];
+    for (int i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) {
+        broken += run[i].current > run[i].peak || run[i].current < 0;
+        broken += (uint64_t)run[i].allocated < (uint64_t)before[i].allocated;
+        broken += run[i].peak < before[i].peak;
+    }
+    return broken;
+}
+
+static void run_threads_under_a_reader(int threads) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    atomic_int stop = 0;
+    looper loopers[4];
+    pthread_t ids[4];
+    for (int i = 0; i < threads; i++) {
+        loopers[i] = (looper){.fx = &fx, .seed = i, .stop = &stop};
+        CHECK_EQ(pthread_create(&ids[i], NULL, loop_pairs, &loopers[i]), 0);
+    }
+    npualloc_device_stats last = stats_of(&fx, 0), s;
+    long broken = 0, reads = 0, pairs = 0;
+    for (; reads < 20000 || pairs < 20000 * threads; reads++) {
+        s = stats_of(&fx, 0);
+        broken += summed_stats_broken(&s, &last);
+        last = s;
+        if (reads % 1000 == 0) {
+            pairs = 0;
+            for (int i = 0; i < threads; i++) pairs += __atomic_load_n(&loopers[i].pairs, __ATOMIC_RELAXED);
+        }
+    }
+    atomic_store(&stop, 1);
+    for (int i = 0; i < threads; i++) {
+        CHECK_EQ(pthread_join(ids[i], NULL), 0);
+        CHECK_EQ(loopers[i].failures, 0);
+    }
+    CHECK_EQ(broken, 0);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK(s.allocated_bytes[NPUALLOC_POOL_ALL].peak <= (int64_t)(threads * LOOP_SLOTS * 4 * KiB));
+    CHECK(s.allocation[NPUALLOC_POOL_ALL].peak <= threads * LOOP_SLOTS);
+    CHECK(s.num_cache_hits > 1000);
+    fixture_destroy(&fx);
+}
+
+static void test_threads_under_a_reader(void) {
+    run_threads_under_a_reader(2);
+    run_threads_under_a_reader(4);
+}
+
+/* A block another thread's cache lent: its free is the device's (found in
+ * that cache, folded back), and a second free of it is refused. */
+typedef struct lender {
+    fixture *fx;
+    void *block;
+    pthread_barrier_t *barrier;
+    long failures;
+} lender;
+
+static void *lend_and_wait(void *arg) {
+    lender *l = arg;
+    for (int i = 0; i < 4; i++) l->failures += npa_free(l->fx->a, alloc_exact(l->fx, 0, 4096), 0, NULL) != NPA_FREE_OK;
+    l->block = alloc_exact(l->fx, 0, 4096);
+    pthread_barrier_wait(l->barrier); /* lent */
+    pthread_barrier_wait(l->barrier); /* freed by the main thread */
+    return NULL;
+}
+
+static void test_a_foreign_free_and_its_double_free(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    pthread_barrier_t barrier;
+    pthread_barrier_init(&barrier, NULL, 2);
+    lender l = {.fx = &fx, .barrier = &barrier};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, lend_and_wait, &l), 0);
+    pthread_barrier_wait(&barrier);
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)l.block) == NULL); /* lent: no live block of the device's */
+    CHECK_EQ(npa_record_stream(fx.a, l.block, 3, 0), NPA_OK);         /* a plain block: nothing to note */
+    CHECK_EQ(npa_free(fx.a, l.block, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, l.block, 0, NULL), NPA_FREE_INVALID);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_invalid_frees, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    pthread_barrier_wait(&barrier);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    pthread_barrier_destroy(&barrier);
+    fixture_destroy(&fx);
+}
+
+/* A held block freed twice by its own thread, the first time through the
+ * fast path: the second is refused, nothing counted twice. */
+static void test_a_double_free_after_a_fast_free(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    warm(&fx, 4096);
+    void *p = alloc_exact(&fx, 0, 4096);
+    uint64_t seq = device_seq(&fx);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(device_seq(&fx), seq); /* the fast path's */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_INVALID);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_invalid_frees, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);
+    fixture_destroy(&fx);
+}
+
+/* A thread that exits holding a lent block and a stock: the block becomes
+ * the device's (freed by another thread after), the stock merged back. */
+static void *lend_and_exit(void *arg) {
+    lender *l = arg;
+    for (int i = 0; i < 4; i++) l->failures += npa_free(l->fx->a, alloc_exact(l->fx, 0, 4096), 0, NULL) != NPA_FREE_OK;
+    l->block = alloc_exact(l->fx, 0, 4096);
+    void *held = alloc_exact(l->fx, 0, 8192);
+    l->failures += npa_free(l->fx->a, held, 0, NULL) != NPA_FREE_OK; /* in the stock */
+    return NULL;
+}
+
+static void test_an_exiting_thread_folds_back(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    lender l = {.fx = &fx};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, lend_and_exit, &l), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    CHECK_EQ(d->tcache_count, 0);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)l.block) != NULL);
+    for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) CHECK_EQ(d->threads[0].current[0][k], 0);
+    CHECK_EQ(d->threads[0].num_cache_hits, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, 6);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 1); /* the rest of the segment, merged */
+    CHECK_EQ(npa_free(fx.a, l.block, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, 6);
+    fixture_destroy(&fx);
+}
+
+/* Another thread's stock holds the device's memory: the OOM retry and
+ * empty_cache get it back. */
+static void *fill_stock(void *arg) {
+    lender *l = arg;
+    void *p[2];
+    for (int i = 0; i < 2; i++) p[i] = alloc_exact(l->fx, 0, MiB); /* one small segment */
+    for (int i = 0; i < 2; i++) l->failures += npa_free(l->fx->a, p[i], 0, NULL) != NPA_FREE_OK;
+    pthread_barrier_wait(l->barrier); /* held in the stock */
+    pthread_barrier_wait(l->barrier); /* the main thread is done */
+    return NULL;
+}
+
+static void run_other_stock(bool oom) {
+    fixture fx;
+    fixture_init(&fx, oom ? 10 * MiB : GiB, NULL);
+    pthread_barrier_t barrier;
+    pthread_barrier_init(&barrier, NULL, 2);
+    lender l = {.fx = &fx, .barrier = &barrier};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, fill_stock, &l), 0);
+    pthread_barrier_wait(&barrier);
+    CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_SMALL].current, 2);
+    if (oom) { /* 8 MiB left until the small segment goes */
+        void *big = NULL;
+        CHECK_EQ(npa_malloc(fx.a, 0, 10 * MiB, NPA_ENTRY_EXACT, &big), NPA_OK);
+        CHECK_EQ(stats_of(&fx, 0).num_alloc_retries, 1);
+    } else {
+        CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    }
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_SMALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.largest_free_block, 0);
+    CHECK_EQ(fx.fake.raw_free_calls, 1);
+    pthread_barrier_wait(&barrier);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    pthread_barrier_destroy(&barrier);
+    fixture_destroy(&fx);
+}
+
+static void test_another_threads_stock_goes_back(void) {
+    run_other_stock(true);
+    run_other_stock(false);
+}
+
+/* A lent block is an allocated block in a snapshot, with its requested
+ * size; a stock block an inactive one. */
+typedef struct found_block {
+    uintptr_t addr;
+    npa_block_view view;
+    bool found;
+} found_block;
+
+static void find_block(const npa_segment_view *v, void *arg) {
+    found_block *f = arg;
+    for (size_t i = 0; i < v->block_count; i++)
+        if (v->blocks[i].address == f->addr) {
+            f->view = v->blocks[i];
+            f->found = true;
+        }
+}
+
+static void test_snapshots_show_lent_blocks_allocated(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    warm(&fx, 4000);
+    void *p = alloc_exact(&fx, 0, 4000);
+    found_block f = {.addr = (uintptr_t)p};
+    npa_visit_segments(fx.a, 0, find_block, &f);
+    CHECK(f.found);
+    CHECK_EQ(f.view.state, NPA_BLOCK_ACTIVE_ALLOCATED);
+    CHECK_EQ(f.view.requested_size, 4000);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    f.found = false;
+    npa_visit_segments(fx.a, 0, find_block, &f);
+    CHECK(f.found);
+    CHECK_EQ(f.view.state, NPA_BLOCK_INACTIVE);
+    fixture_destroy(&fx);
+}
+
+/* reset_accumulated_memory_stats with a block lent: the sum's allocated
+ * and freed read 0, and freeing the block after counts one free. */
+static void test_reset_accumulated_with_a_lent_block(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    warm(&fx, 4096);
+    void *p = alloc_exact(&fx, 0, 4096);
+    npa_reset_accumulated_stats(fx.a, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    check_stat(s.allocation[NPUALLOC_POOL_SMALL], 1, 1, 0, 0);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 4096, 4096, 0, 0);
+    CHECK_EQ(s.num_cache_hits, 0);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    check_stat(s.allocation[NPUALLOC_POOL_SMALL], 0, 1, 0, 1);
+    check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 0, 4096, 0, 4096);
+    fixture_destroy(&fx);
+}
+
+/* Recording history turns the fast paths off: every event goes through
+ * the device lock and is recorded. */
+static void count_events(const npa_trace_view *v, void *arg) {
+    (void)v;
+    ++*(int *)arg;
+}
+
+static void test_history_turns_the_fast_paths_off(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    warm(&fx, 4096);
+    void *p = alloc_exact(&fx, 0, 4096); /* lent: recording must fold it back */
+    CHECK_EQ(npa_set_record_history(fx.a, 100), 0);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 4096), 0, NULL), NPA_FREE_OK);
+    int events = 0;
+    npa_visit_trace(fx.a, 0, count_events, &events);
+    CHECK_EQ(events, 5); /* the lent block's free requested and completed, then alloc, free requested, completed */
+    fixture_destroy(&fx);
+}
+
+int main(void) {
+    RUN(test_a_warm_pair_leaves_the_device_alone);
+    RUN(test_two_threads_peak_exactly_together);
+    RUN(test_threads_under_a_reader);
+    RUN(test_a_foreign_free_and_its_double_free);
+    RUN(test_a_double_free_after_a_fast_free);
+    RUN(test_an_exiting_thread_folds_back);
+    RUN(test_another_threads_stock_goes_back);
+    RUN(test_snapshots_show_lent_blocks_allocated);
+    RUN(test_reset_accumulated_with_a_lent_block);
+    RUN(test_history_turns_the_fast_paths_off);
+    return check_report();
+}

@@ -53,6 +53,36 @@ static void test_a_warm_pair_leaves_the_device_alone(void) {
     fixture_destroy(&fx);
 }
 
+/* A thread whose small mallocs are fast and whose large ones are slow:
+ * the large ones' figures come out of its own headroom and go back to it,
+ * so its next small malloc is still a fast one, though it alone set every
+ * peak (one block at a time: allocation's peak is 1). */
+static void test_slow_mallocs_leave_the_fast_ones_fast(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    for (int i = 0; i < 3; i++) {
+        warm(&fx, 4096);
+        void *large = alloc_exact(&fx, 0, (size_t)(4 + i) * MiB);
+        CHECK_EQ(fx.fake.calls_in_stats_section, 0);
+        CHECK_EQ(npa_free(fx.a, large, 0, NULL), NPA_FREE_OK);
+        /* Room for the next small block under the thread's ceilings: its
+         * malloc takes no slow path for a grant. */
+        const npa_tcache *t = npa_tcache_mine(fx.a, 0);
+        CHECK(t->slot->current[0][NPUALLOC_THREAD_ACTIVE] + 1 <= t->ceiling[0][NPA_CEIL_BLOCKS]);
+        CHECK(t->slot->current[0][NPUALLOC_THREAD_ACTIVE_BYTES] + 4096 <= t->ceiling[0][NPA_CEIL_BYTES]);
+        uint64_t seq = device_seq(&fx);
+        void *p = alloc_exact(&fx, 0, 4096);
+        CHECK_EQ(device_seq(&fx), seq);
+        CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+        CHECK_EQ(device_seq(&fx), seq);
+    }
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].peak, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 6 * MiB);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_SMALL].peak, 4096);
+    fixture_destroy(&fx);
+}
+
 /* Two threads, each warm on its own size, then holding it at once in
  * turn (barriers): the peak is exactly the two together, though each
  * thread's malloc may have been a fast one. */
@@ -420,6 +450,7 @@ static void test_history_turns_the_fast_paths_off(void) {
 
 int main(void) {
     RUN(test_a_warm_pair_leaves_the_device_alone);
+    RUN(test_slow_mallocs_leave_the_fast_ones_fast);
     RUN(test_two_threads_peak_exactly_together);
     RUN(test_threads_under_a_reader);
     RUN(test_a_foreign_free_and_its_double_free);

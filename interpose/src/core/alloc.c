@@ -394,7 +394,10 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
     int64_t bytes = (int64_t)b->size;
     /* With threads' caches counting beside the device, the device's own
      * figures may rise only as far as their ceilings leave below the peaks
-     * (tcache.c): else the fast paths stop while the peaks are set exactly. */
+     * (tcache.c), the calling thread's own headroom used first: else the
+     * fast paths stop while the peaks are set exactly. */
+    npa_tcache *mine = d->tcache_count ? npa_tcache_mine(a, d->id) : NULL;
+    if (mine) npa_tcache_borrow(d, mine, 1, bytes, (int64_t)requested);
     bool frozen = d->tcache_count && !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
     if (__builtin_expect(frozen, 0)) npa_tcaches_freeze(d);
     npa_pool_stat_increase(s->allocation, is_small, 1);
@@ -817,6 +820,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_b
     npa_pool_stat_decrease(s->allocation, is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
+    if (t) npa_tcache_regrant(d, t); /* the room this free made, for the thread's fast mallocs */
     npa_stats_end_outermost(d);
 }
 

@@ -463,6 +463,11 @@ void npa_tcache_unregister_allocator(npa_allocator *a);
 /* The fast paths (no device lock): true when done, false to take the slow path. */
 bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr);
 bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr);
+/* With the device lock, the calling thread's t: its slow malloc's figures
+ * taken out of t's headroom (as far as it goes), and its slow free's given
+ * back to it (as far as the peaks leave). */
+void npa_tcache_borrow(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested);
+void npa_tcache_regrant(npa_device *d, npa_tcache *t);
 /* With the device lock: a block some thread's cache lent, at addr, handed
  * back to the device (counted there, in the live map), or NULL. */
 npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr);

@@ -124,23 +124,43 @@ static inline bool under_ceilings(const npa_tcache *t, int p, int64_t size, int6
            current[NPUALLOC_THREAD_REQUESTED_BYTES] + requested <= ceiling[NPA_CEIL_REQUESTED];
 }
 
+/* The slot's moves of one block lent (sign 1) or taken back (-1), in one
+ * section; straight-line, as the fast paths make them (a loop over
+ * lent_share's figures cost a pair 100 instructions more, by callgrind). */
+static inline void slot_move(npa_tcache *t, int p, int64_t sign, int64_t size, int64_t requested, bool split) {
+    npualloc_thread_stats *slot = t->slot;
+    int64_t *current = slot->current[p], *allocated = slot->allocated[p];
+    slot_open(slot);
+    slot_add(&current[NPUALLOC_THREAD_ALLOCATION], sign);
+    slot_add(&current[NPUALLOC_THREAD_ALLOCATED_BYTES], sign * size);
+    slot_add(&current[NPUALLOC_THREAD_ACTIVE], sign);
+    slot_add(&current[NPUALLOC_THREAD_ACTIVE_BYTES], sign * size);
+    slot_add(&current[NPUALLOC_THREAD_REQUESTED_BYTES], sign * requested);
+    if (sign > 0) { /* each stat's allocated counts its increases */
+        slot_add(&allocated[NPUALLOC_THREAD_ALLOCATION], 1);
+        slot_add(&allocated[NPUALLOC_THREAD_ALLOCATED_BYTES], size);
+        slot_add(&allocated[NPUALLOC_THREAD_ACTIVE], 1);
+        slot_add(&allocated[NPUALLOC_THREAD_ACTIVE_BYTES], size);
+        slot_add(&allocated[NPUALLOC_THREAD_REQUESTED_BYTES], requested);
+        slot_add(&slot->num_cache_hits, 1);
+    }
+    if (split) { /* an inactive split block of the device's while held */
+        slot_add(&current[NPUALLOC_THREAD_INACTIVE_SPLIT], -sign);
+        slot_add(&current[NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES], -sign * size);
+        if (sign < 0) {
+            slot_add(&allocated[NPUALLOC_THREAD_INACTIVE_SPLIT], 1);
+            slot_add(&allocated[NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES], size);
+        }
+    }
+    slot_note_largest(t);
+    slot_close(slot);
+}
+
 /* b, out of the stock, becomes the caller's: lent, counted in the slot. */
 static inline void lend(npa_tcache *t, npa_block *b, bool split, size_t requested) {
     b->requested = requested;
     lent_insert(t, b, split);
-    int64_t share[NPUALLOC_THREAD_STAT_COUNT];
-    lent_share(b, split, share);
-    npualloc_thread_stats *slot = t->slot;
-    int p = pool_index(b->is_small);
-    slot_open(slot);
-    for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) {
-        if (!share[k]) continue;
-        slot_add(&slot->current[p][k], share[k]);
-        if (share[k] > 0) slot_add(&slot->allocated[p][k], share[k]);
-    }
-    slot_add(&slot->num_cache_hits, 1);
-    slot_note_largest(t);
-    slot_close(slot);
+    slot_move(t, pool_index(b->is_small), 1, (int64_t)b->size, (int64_t)requested, split);
 }
 
 bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr) {
@@ -172,21 +192,11 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
                 !npa_plain_fence_needed(a);
     if (done) {
         bool split = t->lent[at].split;
-        int64_t share[NPUALLOC_THREAD_STAT_COUNT];
-        lent_share(b, split, share);
+        int64_t requested = (int64_t)b->requested;
         lent_remove(t, at);
         b->requested = 0;
         npa_stock_hold(&t->stock, b, split);
-        npualloc_thread_stats *slot = t->slot;
-        int p = pool_index(b->is_small);
-        slot_open(slot);
-        for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) {
-            if (!share[k]) continue;
-            slot_add(&slot->current[p][k], -share[k]);
-            if (share[k] < 0) slot_add(&slot->allocated[p][k], -share[k]);
-        }
-        slot_note_largest(t);
-        slot_close(slot);
+        slot_move(t, pool_index(b->is_small), -1, (int64_t)b->size, requested, split);
     }
     npa_lock_release(&t->lock);
     return done;
@@ -194,35 +204,45 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
 
 /* ---- ceilings ------------------------------------------------------------ */
 
-/* The device's stats a ceiling group covers. */
-static npualloc_stat *group_stat(npualloc_device_stats *s, int group, int which, int entry) {
-    switch (group) {
-    case NPA_CEIL_BLOCKS: return which ? &s->active[entry] : &s->allocation[entry];
-    case NPA_CEIL_BYTES: return which ? &s->active_bytes[entry] : &s->allocated_bytes[entry];
-    default: return &s->requested_bytes[entry];
-    }
-}
-
 /* The least slack of a group's stats in the pool's entry and in [ALL]:
- * peak - current - R, with v more added to current. */
+ * peak - current - R, with v more added to current. Straight-line: every
+ * slow malloc and free asks it. */
+static inline int64_t stat_slack(const npualloc_stat *st, int64_t reserve) { return st->peak - st->current - reserve; }
+
 static int64_t slack(const npa_device *d, int p, int group, int64_t v) {
-    int64_t least = INT64_MAX;
-    for (int e = 0; e < 2; e++) {
-        int entry = e ? NPUALLOC_POOL_ALL : p + 1;
-        int64_t reserve = e ? d->reserve[0][group] + d->reserve[1][group] : d->reserve[p][group];
-        for (int which = 0; which < (group == NPA_CEIL_REQUESTED ? 1 : 2); which++) {
-            const npualloc_stat *st = group_stat(d->stats, group, which, entry);
-            int64_t left = st->peak - st->current - v - reserve;
-            if (left < least) least = left;
-        }
+    const npualloc_device_stats *s = d->stats;
+    const npualloc_stat *first, *second; /* the group's stats, by entry */
+    switch (group) {
+    case NPA_CEIL_BLOCKS: first = s->allocation, second = s->active; break;
+    case NPA_CEIL_BYTES: first = s->allocated_bytes, second = s->active_bytes; break;
+    default: first = second = s->requested_bytes;
     }
-    return least;
+    int64_t in_pool = d->reserve[p][group], in_all = d->reserve[0][group] + d->reserve[1][group];
+    int entry = NPUALLOC_POOL_SMALL + p;
+    int64_t least = stat_slack(&first[entry], in_pool), left;
+    if ((left = stat_slack(&second[entry], in_pool)) < least) least = left;
+    if ((left = stat_slack(&first[NPUALLOC_POOL_ALL], in_all)) < least) least = left;
+    if ((left = stat_slack(&second[NPUALLOC_POOL_ALL], in_all)) < least) least = left;
+    return least - v;
 }
 
 bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t bytes, int64_t requested) {
     int p = pool_index(is_small);
     return slack(d, p, NPA_CEIL_BLOCKS, count) >= 0 && slack(d, p, NPA_CEIL_BYTES, bytes) >= 0 &&
            slack(d, p, NPA_CEIL_REQUESTED, requested) >= 0;
+}
+
+/* The most a ceiling is raised past what a lend needs: a stock's worth
+ * (its blocks, its bytes). More headroom would spare a thread only rare
+ * grants, and would make the slow path's own mallocs freeze the tcaches
+ * more often (its figures may rise only as far as the ceilings leave). */
+static const int64_t extra_at_most[NPA_CEILINGS] = {NPA_RECENT_MAX, (int64_t)NPA_RECENT_BYTES,
+                                                     (int64_t)NPA_RECENT_BYTES};
+
+/* A share of left for one of count tcaches. */
+static inline int64_t share_of(int g, int64_t left, unsigned count) {
+    int64_t share = left / (int64_t)count;
+    return share < extra_at_most[g] ? share : extra_at_most[g];
 }
 
 /* Raises t's ceilings so that a lend of one block of size (requested)
@@ -241,13 +261,56 @@ static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t req
         if (left[g] < need[g]) return false;
     }
     for (int g = 0; g < NPA_CEILINGS; g++) {
-        int64_t rise = need[g] + (left[g] - need[g]) / (2 * (int64_t)d->tcache_count);
+        int64_t rise = need[g] + share_of(g, left[g] - need[g], d->tcache_count);
         t->ceiling[p][g] += rise;
         d->reserve[p][g] += rise;
     }
     return true;
 }
 
+
+/* The slow path's own mallocs and frees move the device's figures, which
+ * its thread's headroom covers first: a malloc takes what it adds out of
+ * the thread's ceilings (which only lowers R), a free gives the room back
+ * to them within what the peaks leave. Else a thread whose slow and fast
+ * mallocs alternate (a large block, then a small one) would freeze every
+ * tcache at each slow one, its own ceilings leaving the device no room
+ * under a peak it set alone. */
+void npa_tcache_borrow(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested) {
+    int64_t want[NPA_CEILINGS] = {count, bytes, requested};
+    npa_lock_acquire(&t->lock);
+    for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++) {
+        const int64_t *current = t->slot->current[p];
+        const int64_t held[NPA_CEILINGS] = {current[NPUALLOC_THREAD_ACTIVE], current[NPUALLOC_THREAD_ACTIVE_BYTES],
+                                            current[NPUALLOC_THREAD_REQUESTED_BYTES]};
+        for (int g = 0; g < NPA_CEILINGS; g++) {
+            int64_t take = t->ceiling[p][g] - held[g];
+            if (take > want[g]) take = want[g];
+            if (take <= 0) continue;
+            t->ceiling[p][g] -= take;
+            d->reserve[p][g] -= take;
+            want[g] -= take;
+        }
+    }
+    npa_lock_release(&t->lock);
+}
+
+void npa_tcache_regrant(npa_device *d, npa_tcache *t) {
+    npa_lock_acquire(&t->lock);
+    const int p = 0; /* the stock holds small blocks only */
+    const int64_t *current = t->slot->current[p];
+    const int64_t held[NPA_CEILINGS] = {current[NPUALLOC_THREAD_ACTIVE], current[NPUALLOC_THREAD_ACTIVE_BYTES],
+                                        current[NPUALLOC_THREAD_REQUESTED_BYTES]};
+    for (int g = 0; g < NPA_CEILINGS; g++) {
+        int64_t rise = held[g] + extra_at_most[g] - t->ceiling[p][g];
+        int64_t share = share_of(g, slack(d, p, g, 0), d->tcache_count);
+        if (rise > share) rise = share;
+        if (rise <= 0) continue;
+        t->ceiling[p][g] += rise;
+        d->reserve[p][g] += rise;
+    }
+    npa_lock_release(&t->lock);
+}
 
 void npa_tcaches_freeze(npa_device *d) {
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
@@ -290,6 +353,17 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
             npualloc_stat *st = slot_stat(d->stats, k, entry);
             int64_t total = st->current + (entry == NPUALLOC_POOL_ALL ? sum[0][k] + sum[1][k] : sum[entry - 1][k]);
             if (reset || total > st->peak) npa_stat_store(&st->peak, total);
+        }
+    /* What the peaks leave, shared out again (at most half of it), so the
+     * fast paths do not all come back for a grant after a freeze. */
+    for (int p = 0; d->tcache_count && p < NPUALLOC_THREAD_POOL_COUNT; p++)
+        for (int g = 0; g < NPA_CEILINGS; g++) {
+            int64_t share = share_of(g, slack(d, p, g, 0), d->tcache_count);
+            for (unsigned i = 0; share > 0 && i < NPUALLOC_THREAD_SLOTS; i++) {
+                if (!d->tcaches[i]) continue;
+                d->tcaches[i]->ceiling[p][g] += share;
+                d->reserve[p][g] += share;
+            }
         }
 }
 

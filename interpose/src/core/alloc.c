@@ -884,8 +884,8 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
  * lock (tcache.c); anything else takes the slow path. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
     npa_tcache *t;
-    if (a && (unsigned)hint_device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_mine(a, hint_device)) &&
-        npa_tcache_free(a, t, (uintptr_t)ptr)) {
+    if (a && ptr && (unsigned)hint_device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_mine(a, hint_device)) &&
+        npa_tcache_free(a, t, (uintptr_t)ptr)) { /* not NULL: the lent table's empty slots say 0 */
         if (device_out) *device_out = hint_device;
         return NPA_FREE_OK;
     }

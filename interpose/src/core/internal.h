@@ -237,6 +237,19 @@ typedef struct npa_history {
     npa_trace_entry *entries;
 } npa_history;
 
+/* A block a tcache holds, with what its fast paths need to know of it, so
+ * that they never touch the block's struct: its cache lines are shared with
+ * its neighbours', which the device lock's holder rewrites (merges, the
+ * pools' treaps). */
+typedef struct npa_lent {
+    uintptr_t addr;
+    npa_block *block;
+    size_t size;
+    size_t requested;        /* the caller's, while lent (the block's own field says 0) */
+    bool split;              /* npa_block_is_split when it entered the stock: a neighbour's merge rewrites
+                              * prev and next under the device lock alone, but never whether a held block is split */
+} npa_lent;
+
 /* The recent cache (recent.c): small blocks freed with no fence needed,
  * kept whole for the next malloc of the same rounded size from the same
  * pool, so that pair skips the pool's search, split and merge. Each thread
@@ -268,18 +281,12 @@ typedef struct npa_recent {
     size_t sizes[NPA_RECENT_MAX + 1];
     npa_block *blocks[NPA_RECENT_MAX];
     uint64_t stamps[NPA_RECENT_MAX];
-    bool splits[NPA_RECENT_MAX]; /* npa_block_is_split when put: a neighbour's merge rewrites prev and next
-                                  * under the device lock alone, but never whether a held block is split */
+    uintptr_t addrs[NPA_RECENT_MAX];
+    const npa_pool *pools[NPA_RECENT_MAX];
+    bool splits[NPA_RECENT_MAX];
 } npa_recent;
 
-/* A block a tcache's fast malloc handed out (tcache.c), by address. */
-typedef struct npa_lent {
-    uintptr_t addr;          /* 0: an empty slot */
-    npa_block *block;
-    bool split;
-} npa_lent;
-#define NPA_LENT_SLOTS 64    /* open addressing, a power of two */
-#define NPA_LENT_MAX 48      /* then the fast malloc declines: probes stay short */
+#define NPA_LENT_MAX 48      /* then the fast malloc declines: scans stay short */
 
 /* The stats a tcache's fast malloc raises, in groups that share one ceiling:
  * allocation and active (blocks), allocated_bytes and active_bytes, requested_bytes. */
@@ -304,7 +311,7 @@ struct npa_tcache {
     int64_t ceiling[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS]; /* the slot's current may rise to these */
     npa_recent stock;
     unsigned lent_count;
-    npa_lent lent[NPA_LENT_SLOTS];
+    npa_lent lent[NPA_LENT_MAX + 1]; /* lent_count of them, then the scan's sentinel (tcache.c) */
 };
 
 /* Lock order: hook/hook.h lists every lock of the library. For the core:
@@ -352,6 +359,9 @@ struct npa_device {
     _Alignas(64) npualloc_thread_stats local_threads[NPUALLOC_THREAD_SLOTS]; /* a slot's lines its thread's alone */
     const npa_backend *backend; /* the allocator's: its capture_stack names each recorded event's stack */
     const npa_config *config;   /* the allocator's: its record_context says whether the trace shows that stack */
+    /* num_pending_frees != 0, for the threads' fast mallocs (pending.c):
+     * last, on a cache line of its own, written only when it changes. */
+    _Alignas(64) bool pending_any;
 };
 
 struct npa_allocator {
@@ -431,12 +441,11 @@ static inline bool npa_stock_has_room(const npa_recent *r, size_t size) {
  * device's stats as a free to the pool would count it. Device lock held,
  * inside a stats section. */
 void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b);
-/* Holds b, whose allocation ended already; split: npa_block_is_split(b). */
-void npa_stock_hold(npa_recent *r, npa_block *b, bool split);
+/* Holds the block of held (of pool), whose allocation ended already. */
+void npa_stock_hold(npa_recent *r, const npa_lent *held, const npa_pool *pool);
 /* A held block of pool of exactly size bytes, out of the stock (still
- * counted inactive, as a block out of a pool), or NULL; *split: whether it
- * is a split block. */
-npa_block *npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, bool *split);
+ * counted inactive, as a block out of a pool), into *held; false when none. */
+bool npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, npa_lent *held);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
 
@@ -462,8 +471,8 @@ void npa_tcache_register_allocator(npa_allocator *a);
 void npa_tcache_unregister_allocator(npa_allocator *a);
 /* The fast paths (no device lock): true when done, false to take the slow path. */
 bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr);
-bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr);
-/* With the device lock, the calling thread's t: its slow malloc's figures
+bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr); /* addr not 0 */
+/* With the device lock, t the calling thread's own: its slow malloc's figures
  * taken out of t's headroom (as far as it goes), and its slow free's given
  * back to it (as far as the peaks leave). */
 void npa_tcache_borrow(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested);
@@ -474,7 +483,8 @@ npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr);
 /* With the device lock: every stock back to the pools (lent blocks stay);
  * false when every stock was empty. */
 bool npa_tcaches_flush(npa_device *d);
-/* With the device lock: the slow path's moves of t's stock. A held block
+/* With the device lock, t the calling thread's own (its lock not taken:
+ * tcache.c): the slow path's moves of t's stock. A held block
  * of pool of exactly size bytes, or NULL: *lent when it went to the caller
  * (for requested bytes) as a fast malloc's would, raising t's ceilings
  * within the peaks' slack if need be; else counted inactive still, as a

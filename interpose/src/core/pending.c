@@ -43,6 +43,14 @@
  * then, and torch's stop counting them at the first malloc after. */
 #define NPA_POLL_BACKOFF_MAX 64
 
+/* num_pending_frees moves, and pending_any with it: the fast mallocs' one
+ * look at the device (tcache.c), on a line nothing else writes. */
+static void count_pending(npa_device *d, int64_t delta) {
+    npa_stat_add(&d->stats->num_pending_frees, delta);
+    bool any = d->stats->num_pending_frees != 0;
+    if (any != __atomic_load_n(&d->pending_any, __ATOMIC_RELAXED)) __atomic_store_n(&d->pending_any, any, __ATOMIC_RELAXED);
+}
+
 static bool batch_full(const npa_device *d) {
     if (d->open_blocks >= NPA_FENCE_BATCH_BLOCKS) return true;
     size_t share = (size_t)d->stats->reserved_bytes[NPUALLOC_POOL_ALL].current / NPA_FENCE_BATCH_RESERVED_SHARE;
@@ -74,7 +82,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->uses_unknown = false;
         b->unknown_by = 0;
         b->fence_own = false;
-        npa_stat_add(&d->stats->num_pending_frees, -1);
+        count_pending(d, -1);
         if (offered < capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_tcache_keep(d, t, b)) {
             offered++;
         } else {
@@ -156,7 +164,7 @@ static void open_add(npa_device *d, npa_block **open, npa_block *b) {
     b->phase = NPA_PHASE_PENDING;
     b->link = *open;
     *open = b;
-    npa_stat_add(&d->stats->num_pending_frees, 1);
+    count_pending(d, 1);
 }
 
 void npa_pending_add(npa_device *d, npa_block *b) {

@@ -31,6 +31,8 @@ static NPA_ALWAYS_INLINE npa_block *remove_at(npa_recent *r, unsigned i) {
     r->sizes[i] = r->sizes[last];
     r->blocks[i] = r->blocks[last];
     r->stamps[i] = r->stamps[last];
+    r->addrs[i] = r->addrs[last];
+    r->pools[i] = r->pools[last];
     r->splits[i] = r->splits[last];
     r->bytes -= size;
     if (size == r->largest) {
@@ -74,12 +76,14 @@ static void evict(npa_device *d, npa_recent *r, unsigned i) {
     r->evicted = 0;
 }
 
-void npa_stock_hold(npa_recent *r, npa_block *b, bool split) {
-    size_t size = b->size;
+void npa_stock_hold(npa_recent *r, const npa_lent *held, const npa_pool *pool) {
+    size_t size = held->size;
     r->sizes[r->count] = size;
-    r->blocks[r->count] = b;
+    r->blocks[r->count] = held->block;
     r->stamps[r->count] = r->clock++;
-    r->splits[r->count] = split;
+    r->addrs[r->count] = held->addr;
+    r->pools[r->count] = pool;
+    r->splits[r->count] = held->split;
     r->count++;
     r->bytes += size;
     if (size > r->largest) r->largest = size;
@@ -93,7 +97,7 @@ void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b) {
     bool split = npa_block_is_split(b);
     b->phase = NPA_PHASE_RECENT;
     b->requested = 0;
-    npa_stock_hold(r, b, split);
+    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split}, b->pool);
     npualloc_device_stats *s = d->stats;
     if (split) { /* counted as the pool counts an unmerged free block */
         npa_pool_stat_increase(s->inactive_split, true, 1);
@@ -107,14 +111,15 @@ void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b) {
 /* The size searched for is written past the last block, so the scan stops
  * on it without testing the bound at each slot (half the instructions of
  * the hit path's longest loop); finding it there means no block matched. */
-npa_block *npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, bool *split) {
+bool npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, npa_lent *held) {
     r->sizes[r->count] = size;
     for (unsigned i = 0;; i++) {
         if (r->sizes[i] != size) continue;
-        if (i == r->count) return NULL;
-        if (r->blocks[i]->pool == pool) {
-            *split = r->splits[i];
-            return remove_at(r, i);
+        if (i == r->count) return false;
+        if (r->pools[i] == pool) {
+            *held = (npa_lent){.addr = r->addrs[i], .size = size, .split = r->splits[i]};
+            held->block = remove_at(r, i);
+            return true;
         }
     }
 }

@@ -4,13 +4,10 @@
 
 #include "internal.h"
 
-/* A recent block is a thread cache's: allocated if its fast malloc lent it
- * (the tcaches are frozen), else free in its stock. */
-static npa_block_state view_state(const npa_device *d, const npa_block *b) {
+static npa_block_state view_state(const npa_block *b) {
     switch (b->phase) {
     case NPA_PHASE_ALLOCATED: return NPA_BLOCK_ACTIVE_ALLOCATED;
     case NPA_PHASE_PENDING: return NPA_BLOCK_ACTIVE_PENDING_FREE;
-    case NPA_PHASE_RECENT: return npa_tcaches_find_lent(d, b->addr) ? NPA_BLOCK_ACTIVE_ALLOCATED : NPA_BLOCK_INACTIVE;
     default: return NPA_BLOCK_INACTIVE;
     }
 }
@@ -34,14 +31,22 @@ static bool visit_run(npa_device *d, const npa_block *head, npa_segment_visitor 
                              .blocks = *scratch};
     size_t k = 0;
     for (const npa_block *b = head; k < count; b = b->next, k++) {
-        npa_block_state state = view_state(d, b);
+        npa_block_state state = view_state(b);
+        size_t requested = b->requested;
+        /* A recent block is a thread cache's: allocated if its fast malloc
+         * lent it (the tcaches are frozen), else free in its stock. */
+        const npa_lent *lent = b->phase == NPA_PHASE_RECENT ? npa_tcaches_find_lent(d, b->addr) : NULL;
+        if (lent) {
+            state = NPA_BLOCK_ACTIVE_ALLOCATED;
+            requested = lent->requested;
+        }
         (*scratch)[k] = (npa_block_view){.address = b->addr, .size = b->size,
-                                         .requested_size = b->requested, .state = state};
+                                         .requested_size = requested, .state = state};
         view.total_size += b->size;
         if (state == NPA_BLOCK_ACTIVE_ALLOCATED) view.allocated_size += b->size;
         if (state != NPA_BLOCK_INACTIVE) {
             view.active_size += b->size;
-            view.requested_size += b->requested;
+            view.requested_size += requested;
         }
     }
     visitor(&view, arg);

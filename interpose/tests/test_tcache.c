@@ -25,11 +25,73 @@ static uint64_t device_seq(fixture *fx) {
     return __atomic_load_n(&npa_device_get(fx->a, 0, false)->stats->seq, __ATOMIC_ACQUIRE);
 }
 
+/* The fast paths run only while two threads have a cache on the device: a
+ * companion thread makes one (a malloc and a free) and stays until told. */
+typedef struct companion {
+    fixture *fx;
+    pthread_t thread;
+    pthread_barrier_t barrier;
+    long failures;
+} companion;
+
+static void *keep_company(void *arg) {
+    companion *c = arg;
+    c->failures += npa_free(c->fx->a, alloc_exact(c->fx, 0, 512), 0, NULL) != NPA_FREE_OK;
+    pthread_barrier_wait(&c->barrier); /* its cache made */
+    pthread_barrier_wait(&c->barrier); /* told to go */
+    return NULL;
+}
+
+static void companion_start(companion *c, fixture *fx) {
+    c->fx = fx;
+    c->failures = 0;
+    pthread_barrier_init(&c->barrier, NULL, 2);
+    CHECK_EQ(pthread_create(&c->thread, NULL, keep_company, c), 0);
+    pthread_barrier_wait(&c->barrier);
+}
+
+static void companion_stop(companion *c) {
+    pthread_barrier_wait(&c->barrier);
+    CHECK_EQ(pthread_join(c->thread, NULL), 0);
+    CHECK_EQ(c->failures, 0);
+    pthread_barrier_destroy(&c->barrier);
+}
+
+/* A thread alone on its device takes the device lock for everything (it
+ * waits for nobody there), and its cache lends nothing: its stats are the
+ * device's. A second thread turns the fast paths on; its exit, off again,
+ * every figure back in the device's. */
+static void test_fast_paths_need_two_threads(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    warm(&fx, 4096);
+    uint64_t seq = device_seq(&fx);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(device_seq(&fx), seq + 2);
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)p) != NULL);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    companion c;
+    companion_start(&c, &fx);
+    warm(&fx, 4096);
+    p = alloc_exact(&fx, 0, 4096);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)p) == NULL); /* lent */
+    companion_stop(&c);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)p) != NULL); /* folded back: one thread left */
+    CHECK_EQ(d->threads[0].current[0][NPUALLOC_THREAD_ALLOCATION], 0);
+    CHECK_EQ(stats_of(&fx, 0).allocation[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).allocation[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
 /* Once warm, a pair is the thread's own: the device's seqlock does not
  * move, and the summed stats say what a torch allocator's would. */
 static void test_a_warm_pair_leaves_the_device_alone(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     warm(&fx, 4096);
     npualloc_device_stats before = stats_of(&fx, 0);
     uint64_t seq = device_seq(&fx);
@@ -42,14 +104,15 @@ static void test_a_warm_pair_leaves_the_device_alone(void) {
     CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 4096);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, before.allocation[NPUALLOC_POOL_ALL].allocated + 1);
     CHECK_EQ(s.num_cache_hits, before.num_cache_hits + 1);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 1); /* the segment's tail only */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* the companion's block and the segment's tail */
     CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 4096);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(device_seq(&fx), seq);
     s = stats_of(&fx, 0);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, s.allocation[NPUALLOC_POOL_ALL].allocated);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2); /* held whole, beside the tail */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3); /* held whole, beside the tail */
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -60,6 +123,8 @@ static void test_a_warm_pair_leaves_the_device_alone(void) {
 static void test_slow_mallocs_leave_the_fast_ones_fast(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     for (int i = 0; i < 3; i++) {
         warm(&fx, 4096);
         void *large = alloc_exact(&fx, 0, (size_t)(4 + i) * MiB);
@@ -80,6 +145,7 @@ static void test_slow_mallocs_leave_the_fast_ones_fast(void) {
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].peak, 1);
     CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 6 * MiB);
     CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_SMALL].peak, 4096);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -253,6 +319,7 @@ static void test_a_foreign_free_and_its_double_free(void) {
     pthread_barrier_t barrier;
     pthread_barrier_init(&barrier, NULL, 2);
     lender l = {.fx = &fx, .barrier = &barrier};
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 512), 0, NULL), NPA_FREE_OK); /* this thread's cache: two */
     pthread_t thread;
     CHECK_EQ(pthread_create(&thread, NULL, lend_and_wait, &l), 0);
     pthread_barrier_wait(&barrier);
@@ -278,6 +345,8 @@ static void test_a_foreign_free_and_its_double_free(void) {
 static void test_a_double_free_after_a_fast_free(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     warm(&fx, 4096);
     void *p = alloc_exact(&fx, 0, 4096);
     uint64_t seq = device_seq(&fx);
@@ -287,7 +356,8 @@ static void test_a_double_free_after_a_fast_free(void) {
     npualloc_device_stats s = stats_of(&fx, 0);
     CHECK_EQ(s.num_invalid_frees, 1);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
-    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3); /* the companion's held too */
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -393,6 +463,8 @@ static void find_block(const npa_segment_view *v, void *arg) {
 static void test_snapshots_show_lent_blocks_allocated(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     warm(&fx, 4000);
     void *p = alloc_exact(&fx, 0, 4000);
     found_block f = {.addr = (uintptr_t)p};
@@ -405,6 +477,7 @@ static void test_snapshots_show_lent_blocks_allocated(void) {
     npa_visit_segments(fx.a, 0, find_block, &f);
     CHECK(f.found);
     CHECK_EQ(f.view.state, NPA_BLOCK_INACTIVE);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -413,6 +486,8 @@ static void test_snapshots_show_lent_blocks_allocated(void) {
 static void test_reset_accumulated_with_a_lent_block(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     warm(&fx, 4096);
     void *p = alloc_exact(&fx, 0, 4096);
     npa_reset_accumulated_stats(fx.a, 0);
@@ -424,6 +499,7 @@ static void test_reset_accumulated_with_a_lent_block(void) {
     s = stats_of(&fx, 0);
     check_stat(s.allocation[NPUALLOC_POOL_SMALL], 0, 1, 0, 1);
     check_stat(s.allocated_bytes[NPUALLOC_POOL_ALL], 0, 4096, 0, 4096);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -437,6 +513,8 @@ static void count_events(const npa_trace_view *v, void *arg) {
 static void test_history_turns_the_fast_paths_off(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     warm(&fx, 4096);
     void *p = alloc_exact(&fx, 0, 4096); /* lent: recording must fold it back */
     CHECK_EQ(npa_set_record_history(fx.a, 100), 0);
@@ -445,10 +523,12 @@ static void test_history_turns_the_fast_paths_off(void) {
     int events = 0;
     npa_visit_trace(fx.a, 0, count_events, &events);
     CHECK_EQ(events, 5); /* the lent block's free requested and completed, then alloc, free requested, completed */
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
 int main(void) {
+    RUN(test_fast_paths_need_two_threads);
     RUN(test_a_warm_pair_leaves_the_device_alone);
     RUN(test_slow_mallocs_leave_the_fast_ones_fast);
     RUN(test_two_threads_peak_exactly_together);

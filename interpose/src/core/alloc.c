@@ -396,9 +396,9 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
      * figures may rise only as far as their ceilings leave below the peaks
      * (tcache.c), the calling thread's own headroom used first: else the
      * fast paths stop while the peaks are set exactly. */
-    npa_tcache *mine = d->tcache_count ? npa_tcache_mine(a, d->id) : NULL;
+    npa_tcache *mine = d->lending ? npa_tcache_mine(a, d->id) : NULL;
     if (mine) npa_tcache_borrow(d, mine, 1, bytes, (int64_t)requested);
-    bool frozen = d->tcache_count && !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
+    bool frozen = d->lending && !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
     if (__builtin_expect(frozen, 0)) npa_tcaches_freeze(d);
     npa_pool_stat_increase(s->allocation, is_small, 1);
     npa_pool_stat_increase(s->allocated_bytes, is_small, bytes);
@@ -674,7 +674,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
  * (tcache.c); else the slow path. */
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
     npa_tcache *t;
-    if (a && ptr && (unsigned)device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_mine(a, device)) && size != 0 &&
+    if (a && ptr && (unsigned)device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_serving(a, device)) && size != 0 &&
         size <= NPA_MAX_REQUEST && (unsigned)entry <= NPA_ENTRY_EXACT &&
         npa_tcache_malloc(t, npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)), size, ptr))
         return NPA_OK;
@@ -803,7 +803,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_b
     npa_history_note(d, b->pool, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
     npa_stats_begin_outermost(d);
     bool is_small = b->is_small;
-    size_t size = b->size;
+    size_t size = b->size, requested = b->requested;
     if (__builtin_expect(b->pool->retired_by == NPA_STREAM_GONE, 0)) {
         free_into_gone_pool(a, d, b);
     } else if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
@@ -820,7 +820,8 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_b
     npa_pool_stat_decrease(s->allocation, is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (t) npa_tcache_regrant(d, t); /* the room this free made, for the thread's fast mallocs */
+    if (t && d->lending) /* the room this free made, for the thread's fast mallocs */
+        npa_tcache_regrant(d, t, 1, (int64_t)size, (int64_t)requested);
     npa_stats_end_outermost(d);
 }
 
@@ -884,7 +885,7 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
  * lock (tcache.c); anything else takes the slow path. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
     npa_tcache *t;
-    if (a && ptr && (unsigned)hint_device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_mine(a, hint_device)) &&
+    if (a && ptr && (unsigned)hint_device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_serving(a, hint_device)) &&
         npa_tcache_free(a, t, (uintptr_t)ptr)) { /* not NULL: the lent table's empty slots say 0 */
         if (device_out) *device_out = hint_device;
         return NPA_FREE_OK;

@@ -303,7 +303,8 @@ typedef struct npa_device npa_device;
 typedef struct npa_tcache npa_tcache;
 struct npa_tcache {
     npa_lock lock;
-    bool enabled;            /* fast paths allowed: written under the device lock and this lock */
+    bool enabled;            /* fast paths allowed (the device's lending): written under the device lock and
+                              * this lock, atomic (the fast paths look before taking the lock) */
     unsigned index;          /* in the device's tcaches and its thread slots */
     npa_device *device;
     npualloc_thread_stats *slot;
@@ -329,10 +330,12 @@ struct npa_device {
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
     /* The threads' caches (tcache.c) by slot index, NULL where none; R, the
-     * sum of their ceilings; whether their fast paths are off (a pause). */
+     * sum of their ceilings; whether their fast paths run (npa_tcaches_settle:
+     * not paused, no history, two threads or more). */
     npa_tcache *tcaches[NPUALLOC_THREAD_SLOTS];
     unsigned tcache_count;
     bool paused;
+    bool lending;
     int64_t reserve[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS];
     npa_block_map live;
     npa_segment_table segments;
@@ -463,6 +466,13 @@ extern __thread __attribute__((tls_model("initial-exec"))) npa_thread_caches npa
 static inline npa_tcache *npa_tcache_mine(const npa_allocator *a, int device) {
     return npa_my_caches.allocator == a->id ? npa_my_caches.of_device[device] : NULL;
 }
+/* The calling thread's tcache on device when its fast paths run (two
+ * threads or more there, npa_tcaches_settle), else NULL: asked before the
+ * size is rounded, which a lone thread's slow path does anyway. */
+static inline npa_tcache *npa_tcache_serving(const npa_allocator *a, int device) {
+    npa_tcache *t = npa_tcache_mine(a, device);
+    return t && __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) ? t : NULL;
+}
 /* npa_tcache_mine, made on the thread's first malloc on the device when
  * the config keeps a recent cache. No device lock held. */
 npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d);
@@ -474,9 +484,9 @@ bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **p
 bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr); /* addr not 0 */
 /* With the device lock, t the calling thread's own: its slow malloc's figures
  * taken out of t's headroom (as far as it goes), and its slow free's given
- * back to it (as far as the peaks leave). */
+ * back to it (no more than the free released, as far as the peaks leave). */
 void npa_tcache_borrow(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested);
-void npa_tcache_regrant(npa_device *d, npa_tcache *t);
+void npa_tcache_regrant(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested);
 /* With the device lock: a block some thread's cache lent, at addr, handed
  * back to the device (counted there, in the live map), or NULL. */
 npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr);

@@ -151,11 +151,14 @@ bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **p
     npa_device *d = t->device;
     bool is_small = rounded <= NPA_SMALL_SIZE;
     const npa_pool *pool = is_small ? &d->plain.small : &d->plain.large;
+    /* Frees waiting for a fence: a slow malloc polls them first (pending.c).
+     * Both looked at before the lock, so a declined call costs it nothing;
+     * enabled again under it, where its writers change it. */
+    if (!__atomic_load_n(&t->enabled, __ATOMIC_RELAXED) || __atomic_load_n(&d->pending_any, __ATOMIC_RELAXED))
+        return false;
     npa_lock_acquire(&t->lock);
-    /* Frees waiting for a fence: a slow malloc polls them first (pending.c). */
-    bool may = t->enabled && t->lent_count < NPA_LENT_MAX &&
-               under_ceilings(t, pool_index(is_small), (int64_t)rounded, (int64_t)requested) &&
-               !__atomic_load_n(&d->pending_any, __ATOMIC_RELAXED);
+    bool may = __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && t->lent_count < NPA_LENT_MAX &&
+               under_ceilings(t, pool_index(is_small), (int64_t)rounded, (int64_t)requested);
     npa_lent held;
     bool hit = may && npa_stock_take(&t->stock, pool, rounded, &held);
     if (hit) {
@@ -167,12 +170,13 @@ bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **p
 }
 
 bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
+    if (!__atomic_load_n(&t->enabled, __ATOMIC_RELAXED) || npa_plain_fence_needed(a)) return false;
     npa_lock_acquire(&t->lock);
     unsigned at = lent_find(t, addr);
     /* The stock full makes an eviction, which merges into a pool; a bypass
      * sends the free to its pool: both the slow path's. */
-    bool done = at < t->lent_count && t->enabled && t->stock.bypass == 0 &&
-                npa_stock_has_room(&t->stock, t->lent[at].size) && !npa_plain_fence_needed(a);
+    bool done = at < t->lent_count && __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && t->stock.bypass == 0 &&
+                npa_stock_has_room(&t->stock, t->lent[at].size);
     if (done) {
         npa_lent held = t->lent[at];
         lent_remove(t, at);
@@ -220,9 +224,12 @@ bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t 
 static const int64_t extra_at_most[NPA_CEILINGS] = {NPA_RECENT_MAX, (int64_t)NPA_RECENT_BYTES,
                                                      (int64_t)NPA_RECENT_BYTES};
 
-/* A share of left for one of count tcaches. */
-static inline int64_t share_of(int g, int64_t left, unsigned count) {
-    int64_t share = left / (int64_t)count;
+/* A share of left for one of count tcaches, rounded up (one tcache's
+ * grant: slack 1 between two threads must still give the one that asks a
+ * block), or down (every tcache's at once: the shares must sum to no more
+ * than left). */
+static inline int64_t share_of(int g, int64_t left, unsigned count, bool up) {
+    int64_t share = (left + (up ? (int64_t)count - 1 : 0)) / (int64_t)count;
     return share < extra_at_most[g] ? share : extra_at_most[g];
 }
 
@@ -242,7 +249,7 @@ static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t req
         if (left[g] < need[g]) return false;
     }
     for (int g = 0; g < NPA_CEILINGS; g++) {
-        int64_t rise = need[g] + share_of(g, left[g] - need[g], d->tcache_count);
+        int64_t rise = need[g] + share_of(g, left[g] - need[g], d->tcache_count, true);
         t->ceiling[p][g] += rise;
         d->reserve[p][g] += rise;
     }
@@ -280,15 +287,17 @@ void npa_tcache_borrow(npa_device *d, npa_tcache *t, int64_t count, int64_t byte
     }
 }
 
-void npa_tcache_regrant(npa_device *d, npa_tcache *t) {
+void npa_tcache_regrant(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested) {
+    const int64_t freed[NPA_CEILINGS] = {count, bytes, requested};
     const int p = 0; /* the stock holds small blocks only */
     const int64_t *current = t->slot->current[p];
     const int64_t held[NPA_CEILINGS] = {current[NPUALLOC_THREAD_ACTIVE], current[NPUALLOC_THREAD_ACTIVE_BYTES],
                                         current[NPUALLOC_THREAD_REQUESTED_BYTES]};
     for (int g = 0; g < NPA_CEILINGS; g++) {
         int64_t rise = held[g] + extra_at_most[g] - t->ceiling[p][g];
-        int64_t share = share_of(g, slack(d, p, g, 0), d->tcache_count);
-        if (rise > share) rise = share;
+        if (rise > freed[g]) rise = freed[g]; /* what this free made room for, no more */
+        int64_t left = slack(d, p, g, 0);
+        if (rise > left) rise = left;
         if (rise <= 0) continue;
         t->ceiling[p][g] += rise;
         d->reserve[p][g] += rise;
@@ -341,7 +350,7 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
      * fast paths do not all come back for a grant after a freeze. */
     for (int p = 0; d->tcache_count && p < NPUALLOC_THREAD_POOL_COUNT; p++)
         for (int g = 0; g < NPA_CEILINGS; g++) {
-            int64_t share = share_of(g, slack(d, p, g, 0), d->tcache_count);
+            int64_t share = share_of(g, slack(d, p, g, 0), d->tcache_count, false);
             for (unsigned i = 0; share > 0 && i < NPUALLOC_THREAD_SLOTS; i++) {
                 if (!d->tcaches[i]) continue;
                 d->tcaches[i]->ceiling[p][g] += share;
@@ -429,7 +438,7 @@ npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, s
     npa_lent held;
     npa_block *b = t->stock.count && npa_stock_take(&t->stock, pool, size, &held) ? held.block : NULL;
     int p = pool_index(pool->is_small);
-    *lent = b && t->enabled && t->lent_count < NPA_LENT_MAX && !pool->on_stream &&
+    *lent = b && __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && t->lent_count < NPA_LENT_MAX && !pool->on_stream &&
             (under_ceilings(t, p, (int64_t)size, (int64_t)requested) ||
              grant(d, t, p, (int64_t)size, (int64_t)requested));
     if (*lent) {
@@ -459,17 +468,28 @@ static void empty_tcache(npa_device *d, npa_tcache *t) {
     flush_stock(d, t);
 }
 
+/* The fast paths run only while two threads or more have a cache on the
+ * device: a lone thread gains nothing from them that the device lock costs
+ * it (nobody waits for that lock), and their ceilings and slots would cost
+ * its slow calls (make bench: 52 against 43 ns a pair). Off, nothing is
+ * lent and every ceiling is 0, so the slow path's stats are today's. */
 void npa_tcaches_settle(npa_device *d) {
-    bool enabled = d->history.capacity == 0 && !d->paused;
+    bool quiet = d->history.capacity == 0 && !d->paused;
+    d->lending = quiet && d->tcache_count >= 2;
     npa_stats_begin(d);
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];
         if (!t) continue;
         npa_lock_acquire(&t->lock);
-        if (!enabled) empty_tcache(d, t);
-        t->enabled = enabled;
+        if (!d->lending) {
+            while (t->lent_count > 0) unlend(d, t, t->lent_count - 1);
+            if (!quiet) flush_stock(d, t);
+            memset(t->ceiling, 0, sizeof t->ceiling);
+        }
+        __atomic_store_n(&t->enabled, d->lending, __ATOMIC_RELAXED);
         npa_lock_release(&t->lock);
     }
+    if (!d->lending) memset(d->reserve, 0, sizeof d->reserve);
     npa_stats_end(d);
 }
 
@@ -522,6 +542,7 @@ static void retire(npa_device *d, npa_tcache *t) {
     d->tcache_count--;
     npa_lock_release(&t->lock);
     free(t);
+    npa_tcaches_settle(d); /* maybe one thread left */
 }
 
 void npa_tcaches_fold_all(npa_device *d) {
@@ -641,9 +662,9 @@ npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d) {
     if (index < NPUALLOC_THREAD_SLOTS) {
         t->index = index;
         t->slot = &d->threads[index];
-        t->enabled = d->history.capacity == 0 && !d->paused;
         d->tcaches[index] = t;
         d->tcache_count++;
+        npa_tcaches_settle(d); /* maybe a second thread */
     }
     npa_lock_release(&d->lock);
     if (index == NPUALLOC_THREAD_SLOTS) { /* torch's rule for this thread: every free to its pool */

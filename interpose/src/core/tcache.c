@@ -348,7 +348,7 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
         }
     /* What the peaks leave, shared out again (at most half of it), so the
      * fast paths do not all come back for a grant after a freeze. */
-    for (int p = 0; d->tcache_count && p < NPUALLOC_THREAD_POOL_COUNT; p++)
+    for (int p = 0; d->lending && p < NPUALLOC_THREAD_POOL_COUNT; p++) /* off: every ceiling stays 0 */
         for (int g = 0; g < NPA_CEILINGS; g++) {
             int64_t share = share_of(g, slack(d, p, g, 0), d->tcache_count, false);
             for (unsigned i = 0; share > 0 && i < NPUALLOC_THREAD_SLOTS; i++) {

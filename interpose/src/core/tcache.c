@@ -78,6 +78,15 @@ static inline void slot_note_largest(npa_tcache *t) {
     npa_stat_store(&t->slot->largest_held, t->largest_published);
 }
 
+/* The same in a section of its own, opened only when it changed: the slow
+ * path's stock moves, most of which leave it as it was. */
+static inline void slot_publish_largest(npa_tcache *t) {
+    if ((int64_t)t->stock.largest == t->largest_published) return;
+    slot_open(t->slot);
+    slot_note_largest(t);
+    slot_close(t->slot);
+}
+
 /* ---- the lent table ------------------------------------------------------ */
 
 /* A dense array, scanned: a program holds few blocks of a thread's cache at
@@ -410,9 +419,7 @@ npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr) {
 
 static void flush_stock(npa_device *d, npa_tcache *t) {
     npa_stock_flush(d, &t->stock);
-    slot_open(t->slot);
-    slot_note_largest(t);
-    slot_close(t->slot);
+    slot_publish_largest(t);
 }
 
 bool npa_tcaches_flush(npa_device *d) {
@@ -444,9 +451,7 @@ npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, s
     if (*lent) {
         lend(t, &held, requested);
     } else if (b) {
-        slot_open(t->slot);
-        slot_note_largest(t);
-        slot_close(t->slot);
+        slot_publish_largest(t);
     }
     return b;
 }
@@ -455,9 +460,7 @@ bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b) {
     bool kept = npa_recent_admits(&t->stock, b);
     if (kept) {
         npa_stock_put(d, t, b);
-        slot_open(t->slot);
-        slot_note_largest(t);
-        slot_close(t->slot);
+        slot_publish_largest(t);
     }
     return kept;
 }

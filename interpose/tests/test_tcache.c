@@ -443,6 +443,26 @@ static void test_another_threads_stock_goes_back(void) {
     run_other_stock(false);
 }
 
+/* An exit's empty_cache from a signal handler that interrupted the
+ * thread's own fast path (its tcache's lock held, as here by hand) gives
+ * back what it can and returns: it must not wait for the lock its own
+ * thread holds. The other threads' stocks go back as ever. */
+static void test_an_exit_inside_the_own_fast_path_returns(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    warm(&fx, 4096);
+    npa_tcache *t = npa_tcache_mine(fx.a, 0);
+    CHECK(t != NULL && t->stock.count > 0);
+    npa_lock_acquire(&t->lock);
+    CHECK_EQ(npa_empty_cache_unless_busy(fx.a, 1), 0);
+    CHECK(t->stock.count > 0); /* left as it was */
+    npa_lock_release(&t->lock);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 /* A lent block is an allocated block in a snapshot, with its requested
  * size; a stock block an inactive one. */
 typedef struct found_block {
@@ -537,6 +557,7 @@ int main(void) {
     RUN(test_a_double_free_after_a_fast_free);
     RUN(test_an_exiting_thread_folds_back);
     RUN(test_another_threads_stock_goes_back);
+    RUN(test_an_exit_inside_the_own_fast_path_returns);
     RUN(test_snapshots_show_lent_blocks_allocated);
     RUN(test_reset_accumulated_with_a_lent_block);
     RUN(test_history_turns_the_fast_paths_off);

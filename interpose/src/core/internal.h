@@ -307,6 +307,7 @@ struct npa_tcache {
                               * this lock, atomic (the fast paths look before taking the lock) */
     unsigned index;          /* in the device's tcaches and its thread slots */
     npa_device *device;
+    const void *owner;       /* its thread's npa_my_caches: tells the owner apart (npa_tcaches_flush) */
     npualloc_thread_stats *slot;
     int64_t largest_published; /* stock.largest as the slot shows it */
     int64_t ceiling[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS]; /* the slot's current may rise to these */

@@ -422,12 +422,17 @@ static void flush_stock(npa_device *d, npa_tcache *t) {
     slot_publish_largest(t);
 }
 
+/* The calling thread's own tcache is only tried: it is held only if a
+ * signal handler's call (an exit's empty_cache, which tries the device
+ * lock for the same reason) interrupted the thread's own fast path, which
+ * would never give it back. Another thread's fast path always does. */
 bool npa_tcaches_flush(npa_device *d) {
     bool flushed = false;
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];
         if (!t) continue;
-        npa_lock_acquire(&t->lock);
+        if (t->owner != &npa_my_caches) npa_lock_acquire(&t->lock);
+        else if (!npa_lock_try_acquire(&t->lock)) continue;
         if (t->stock.count) {
             flush_stock(d, t);
             flushed = true;
@@ -658,6 +663,7 @@ npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d) {
     if (!t) return NULL;
     memset(t, 0, size);
     t->device = d;
+    t->owner = &npa_my_caches;
     t->stock.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     npa_lock_acquire(&d->lock);
     unsigned index = 0;

@@ -588,6 +588,17 @@ typedef struct stream_request {
     npa_stream_flags flags;
 } stream_request;
 
+/* The calling thread's cache serves a plain malloc if it can, with no
+ * device lock (tcache.c): only while the device lends, which malloc_on
+ * asks first, so that a lone thread pays one test for it and no call. */
+static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *d, size_t size, npa_entry entry,
+                                                  void **ptr) {
+    npa_tcache *t = npa_tcache_serving(a, d->id);
+    return t && size <= NPA_MAX_REQUEST &&
+           npa_tcache_malloc(t, npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)), size,
+                             ptr);
+}
+
 /* on: NULL for a plain malloc. One pointer, not the stream, its flags and
  * whether there is one: with six arguments or fewer nothing goes through
  * the stack (x86-64 and aarch64 pass six and eight in registers), which
@@ -599,6 +610,8 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     if (!a || size == 0 || (unsigned)entry > NPA_ENTRY_EXACT) return NPA_ERR_INVALID_PARAM;
     npa_device *d = npa_device_get(a, device, true);
     if (!d) return device < 0 || device >= NPUALLOC_MAX_DEVICES ? NPA_ERR_INVALID_PARAM : NPA_ERR_OOM;
+    if (!on && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && malloc_fast(a, d, size, entry, ptr))
+        return NPA_OK;
 
     npa_tcache *t = npa_tcache_get(a, d);
     npa_lock_acquire(&d->lock);
@@ -670,14 +683,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     return NPA_OK;
 }
 
-/* The calling thread's cache serves it if it can, with no device lock
- * (tcache.c); else the slow path. */
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {
-    npa_tcache *t;
-    if (a && ptr && (unsigned)device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_serving(a, device)) && size != 0 &&
-        size <= NPA_MAX_REQUEST && (unsigned)entry <= NPA_ENTRY_EXACT &&
-        npa_tcache_malloc(t, npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)), size, ptr))
-        return NPA_OK;
     return malloc_on(a, device, size, entry, NULL, ptr);
 }
 
@@ -853,6 +859,13 @@ static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_o
     return result;
 }
 
+/* A block the calling thread's cache lent goes back there with no device
+ * lock (tcache.c): asked only while the hinted device lends. */
+static __attribute__((noinline)) bool free_fast(npa_allocator *a, npa_device *d, void *ptr) {
+    npa_tcache *t = npa_tcache_serving(a, d->id);
+    return t && npa_tcache_free(a, t, (uintptr_t)ptr); /* not NULL: the lent table's empty slots say 0 */
+}
+
 static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint_device, int *device_out,
                                            block_op op, uintptr_t stream) {
     if (!a || !ptr) return NPA_FREE_NOT_OURS;
@@ -863,6 +876,11 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
         if (i >= 0 && dev == first) continue;
         npa_device *d = npa_device_get(a, dev, false);
         if (!d) continue;
+        if (op == OP_FREE && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && i < 0 &&
+            hint_valid && free_fast(a, d, ptr)) {
+            if (device_out) *device_out = dev;
+            return NPA_FREE_OK;
+        }
         int found = op_on_device(a, d, (uintptr_t)ptr, op, stream);
         if (found < 0) return NPA_FREE_INVALID;
         if (found > 0) {
@@ -881,15 +899,7 @@ static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint
     return NPA_FREE_NOT_OURS;
 }
 
-/* A block the calling thread's cache lent goes back there with no device
- * lock (tcache.c); anything else takes the slow path. */
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
-    npa_tcache *t;
-    if (a && ptr && (unsigned)hint_device < NPUALLOC_MAX_DEVICES && (t = npa_tcache_serving(a, hint_device)) &&
-        npa_tcache_free(a, t, (uintptr_t)ptr)) { /* not NULL: the lent table's empty slots say 0 */
-        if (device_out) *device_out = hint_device;
-        return NPA_FREE_OK;
-    }
     return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE, 0);
 }
 

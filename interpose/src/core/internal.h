@@ -331,12 +331,10 @@ struct npa_device {
     npa_pool_pair plain;     /* callers that name no stream */
     npa_pool_pair *streams;  /* one pair per stream used through npa_malloc_stream, most recent first */
     /* The threads' caches (tcache.c) by slot index, NULL where none; R, the
-     * sum of their ceilings; whether their fast paths run (npa_tcaches_settle:
-     * not paused, no history, two threads or more). */
+     * sum of their ceilings (lending, below: whether their fast paths run). */
     npa_tcache *tcaches[NPUALLOC_THREAD_SLOTS];
     unsigned tcache_count;
     bool paused;
-    bool lending;
     int64_t reserve[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS];
     npa_block_map live;
     npa_segment_table segments;
@@ -366,6 +364,12 @@ struct npa_device {
     /* num_pending_frees != 0, for the threads' fast mallocs (pending.c):
      * last, on a cache line of its own, written only when it changes. */
     _Alignas(64) bool pending_any;
+    /* Whether the threads' fast paths run (npa_tcaches_settle: not paused, no
+     * history, two threads or more); written under the lock, atomic. Every
+     * malloc and free asks it first, a lone thread's one test for them
+     * (malloc_on, block_op_any_device): on this line, which the fast malloc
+     * reads anyway and the slow paths never write. */
+    bool lending;
 };
 
 struct npa_allocator {

@@ -483,7 +483,7 @@ static void empty_tcache(npa_device *d, npa_tcache *t) {
  * lent and every ceiling is 0, so the slow path's stats are today's. */
 void npa_tcaches_settle(npa_device *d) {
     bool quiet = d->history.capacity == 0 && !d->paused;
-    d->lending = quiet && d->tcache_count >= 2;
+    __atomic_store_n(&d->lending, quiet && d->tcache_count >= 2, __ATOMIC_RELAXED); /* malloc_on reads it unlocked */
     npa_stats_begin(d);
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];

@@ -566,11 +566,19 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
  * README). Merging them first cost a malloc of a size the cache does not
  * hold a pool return each: 25% of the hot path's rate. ticks: the look is
  * one of torch's searches (get_free_block), counted on the GC clock. */
-static inline npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_tcache *t, npa_pool *pool,
+static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_tcache *t, npa_pool *pool,
                                            size_t rounded, size_t requested, bool ticks, bool *lent) {
     if (t && pool->is_small) {
-        npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
-        if (b) return b;
+        if (__builtin_expect(d->lending, 0)) { /* it may be lent */
+            npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
+            if (b) return b;
+        } else if (t->stock.count) { /* npa_tcache_take's, with t not lending: inline, as main's hit */
+            npa_lent held;
+            if (npa_stock_take(&t->stock, pool, rounded, &held)) {
+                if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);
+                return held.block;
+            }
+        }
     }
     /* torch's GC clock: a search counts only while the threshold is set, so
      * what was cached before it is all of one age. */

@@ -445,15 +445,64 @@ static inline bool npa_recent_admits(npa_recent *r, const npa_block *b) {
 static inline bool npa_stock_has_room(const npa_recent *r, size_t size) {
     return r->count < r->capacity && r->bytes + size <= NPA_RECENT_BYTES;
 }
+/* Returns the oldest held blocks to their pools until a block of size fits. */
+void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size);
+/* Unlinks slot i; the last slot moves into it. Inlined into every caller:
+ * on the hit path (npa_stock_take) a call would cost more than its body. */
+static NPA_ALWAYS_INLINE npa_block *npa_stock_remove_at(npa_recent *r, unsigned i) {
+    npa_block *b = r->blocks[i];
+    size_t size = r->sizes[i];
+    unsigned last = --r->count;
+    r->sizes[i] = r->sizes[last];
+    r->blocks[i] = r->blocks[last];
+    r->stamps[i] = r->stamps[last];
+    r->addrs[i] = r->addrs[last];
+    r->pools[i] = r->pools[last];
+    r->splits[i] = r->splits[last];
+    r->bytes -= size;
+    if (size == r->largest) {
+        r->largest = 0;
+        for (unsigned k = 0; k < r->count; k++)
+            if (r->sizes[k] > r->largest) r->largest = r->sizes[k];
+    }
+    return b;
+}
+/* Holds the block of held (of pool), whose allocation ended already. */
+static NPA_ALWAYS_INLINE void npa_stock_hold(npa_recent *r, const npa_lent *held, const npa_pool *pool) {
+    size_t size = held->size;
+    r->sizes[r->count] = size;
+    r->blocks[r->count] = held->block;
+    r->stamps[r->count] = r->clock++;
+    r->addrs[r->count] = held->addr;
+    r->pools[r->count] = pool;
+    r->splits[r->count] = held->split;
+    r->count++;
+    r->bytes += size;
+    if (size > r->largest) r->largest = size;
+}
+/* A held block of pool of exactly size bytes, out of the stock (still
+ * counted inactive, as a block out of a pool), into *held; false when none.
+ * The size searched for is written past the last block, so the scan stops
+ * on it without testing the bound at each slot (half the instructions of
+ * the hit path's longest loop); finding it there means no block matched.
+ * Inline, as npa_stock_put below, for the slow path's hit and the fast
+ * malloc alike (recent.c says why). */
+static NPA_ALWAYS_INLINE bool npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, npa_lent *held) {
+    r->sizes[r->count] = size;
+    for (unsigned i = 0;; i++) {
+        if (r->sizes[i] != size) continue;
+        if (i == r->count) return false;
+        if (r->pools[i] == pool) {
+            *held = (npa_lent){.addr = r->addrs[i], .size = size, .split = r->splits[i]};
+            held->block = npa_stock_remove_at(r, i);
+            return true;
+        }
+    }
+}
 /* Ends b's allocation into the stock (making room first), counted in the
  * device's stats as a free to the pool would count it. Device lock held,
- * inside a stats section. */
-void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b);
-/* Holds the block of held (of pool), whose allocation ended already. */
-void npa_stock_hold(npa_recent *r, const npa_lent *held, const npa_pool *pool);
-/* A held block of pool of exactly size bytes, out of the stock (still
- * counted inactive, as a block out of a pool), into *held; false when none. */
-bool npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, npa_lent *held);
+ * inside a stats section: below, beside the stats helpers. */
+static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
 
@@ -507,7 +556,10 @@ bool npa_tcaches_flush(npa_device *d);
  * (false: not kept). */
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            bool *lent);
-bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b);
+static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b); /* below */
+/* The slot's largest_held set to the stock's largest, which changed: in a
+ * slot section of its own. */
+void npa_tcache_publish_largest(npa_tcache *t);
 /* With the device lock: every lent block back to the device too, the
  * stock flushed, the fast paths on or off as the device says (history,
  * pause): a pause and record_history. */
@@ -775,5 +827,40 @@ static inline void npa_history_note(npa_device *d, const npa_pool *pool, npa_tra
 bool npa_history_reset(npa_history *h, size_t capacity);
 /* Every held event of the device, oldest first. */
 void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg);
+
+/* recent.c's put and tcache.c's keep, inline for both their callers (the
+ * eager free path and the fence's completion), as main's npa_recent_put:
+ * LTO's growth limits otherwise left them out of line (the free's hit path
+ * then paid calls, 60 instructions a lone thread's pair with the take by
+ * callgrind). */
+static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b) {
+    npa_recent *r = &t->stock;
+    size_t size = b->size, requested = b->requested;
+    if (!npa_stock_has_room(r, size)) npa_stock_make_room(d, r, size);
+    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
+    bool split = npa_block_is_split(b);
+    /* The stock's own fields before the stats: GCC reloads every field
+     * after a stat's atomic store (it may alias them). */
+    b->phase = NPA_PHASE_RECENT;
+    b->requested = 0;
+    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split}, b->pool);
+    npualloc_device_stats *s = d->stats;
+    if (split) { /* counted as the pool counts an unmerged free block */
+        npa_pool_stat_increase(s->inactive_split, true, 1);
+        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)size);
+    }
+    npa_pool_stat_decrease(s->active, true, 1);
+    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)requested);
+}
+
+/* b, freed now (device lock held, t the calling thread's own), kept in
+ * t's stock if it admits it; false: not kept. */
+static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b) {
+    if (!npa_recent_admits(&t->stock, b)) return false;
+    npa_stock_put(d, t, b);
+    if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);
+    return true;
+}
 
 #endif

@@ -461,14 +461,7 @@ npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, s
     return b;
 }
 
-bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b) {
-    bool kept = npa_recent_admits(&t->stock, b);
-    if (kept) {
-        npa_stock_put(d, t, b);
-        slot_publish_largest(t);
-    }
-    return kept;
-}
+void npa_tcache_publish_largest(npa_tcache *t) { slot_publish_largest(t); } /* npa_tcache_keep's, inline */
 
 /* Everything t holds back to the device: t's lock held, a stats section open. */
 static void empty_tcache(npa_device *d, npa_tcache *t) {

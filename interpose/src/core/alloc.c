@@ -350,6 +350,21 @@ static bool should_split(const npa_allocator *a, const npa_block *b, size_t size
 /* torch's alloc_found_block: b is out of its pool; split off the tail if the
  * rules allow, then account the allocation. inactive_split leaves expandable
  * segments out, as torch: their free pages can always be given back. */
+/* With threads' caches counting beside the device, the device's own
+ * figures may rise only as far as their ceilings leave below the peaks
+ * (tcache.c), the calling thread's own headroom used first: else the fast
+ * paths stop while the peaks are set exactly. True when the caller must
+ * count with every tcache frozen, then refit and thaw them. Out of line:
+ * a lone thread's malloc pays the test of d->lending alone. */
+static __attribute__((noinline)) bool lending_alloc_freezes(npa_allocator *a, npa_device *d, bool is_small,
+                                                             int64_t bytes, size_t requested) {
+    npa_tcache *mine = npa_tcache_mine(a, d->id);
+    if (mine) npa_tcache_borrow(d, mine, 1, bytes, (int64_t)requested);
+    bool frozen = !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
+    if (frozen) npa_tcaches_freeze(d);
+    return frozen;
+}
+
 static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size, size_t requested,
                               bool cache_hit) {
     npualloc_device_stats *s = d->stats;
@@ -392,14 +407,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
      * (19 instructions a pair, with the free's below, counted by callgrind). */
     bool is_small = b->is_small;
     int64_t bytes = (int64_t)b->size;
-    /* With threads' caches counting beside the device, the device's own
-     * figures may rise only as far as their ceilings leave below the peaks
-     * (tcache.c), the calling thread's own headroom used first: else the
-     * fast paths stop while the peaks are set exactly. */
-    npa_tcache *mine = d->lending ? npa_tcache_mine(a, d->id) : NULL;
-    if (mine) npa_tcache_borrow(d, mine, 1, bytes, (int64_t)requested);
-    bool frozen = d->lending && !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
-    if (__builtin_expect(frozen, 0)) npa_tcaches_freeze(d);
+    bool frozen = __builtin_expect(d->lending, 0) && lending_alloc_freezes(a, d, is_small, bytes, requested);
     npa_pool_stat_increase(s->allocation, is_small, 1);
     npa_pool_stat_increase(s->allocated_bytes, is_small, bytes);
     npa_pool_stat_increase(s->active, is_small, 1);
@@ -599,12 +607,10 @@ typedef struct stream_request {
 /* The calling thread's cache serves a plain malloc if it can, with no
  * device lock (tcache.c): only while the device lends, which malloc_on
  * asks first, so that a lone thread pays one test for it and no call. */
-static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *d, size_t size, npa_entry entry,
+static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *d, size_t size, size_t rounded,
                                                   void **ptr) {
     npa_tcache *t = npa_tcache_serving(a, d->id);
-    return t && size <= NPA_MAX_REQUEST &&
-           npa_tcache_malloc(t, npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)), size,
-                             ptr);
+    return t && size <= NPA_MAX_REQUEST && npa_tcache_malloc(t, rounded, size, ptr);
 }
 
 /* on: NULL for a plain malloc. One pointer, not the stream, its flags and
@@ -618,7 +624,13 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     if (!a || size == 0 || (unsigned)entry > NPA_ENTRY_EXACT) return NPA_ERR_INVALID_PARAM;
     npa_device *d = npa_device_get(a, device, true);
     if (!d) return device < 0 || device >= NPUALLOC_MAX_DEVICES ? NPA_ERR_INVALID_PARAM : NPA_ERR_OOM;
-    if (!on && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && malloc_fast(a, d, size, entry, ptr))
+    /* Rounded before the lock, which the config's rounding needs not (no
+     * key of it changes at run time): one call for both paths, which LTO
+     * inlines, as on main, where two left it a call (6 instructions a pair). */
+    size_t rounded =
+        size <= NPA_MAX_REQUEST ? npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)) : SIZE_MAX;
+    if (!on && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) &&
+        malloc_fast(a, d, size, rounded, ptr))
         return NPA_OK;
 
     npa_tcache *t = npa_tcache_get(a, d);
@@ -628,10 +640,8 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_block *b = NULL;
     bool cache_hit = false, lent = false;
     npa_refusal why = {0};
-    size_t rounded = SIZE_MAX;
     npa_pool *pool = NULL; /* none for a request no pool can hold */
     if (size <= NPA_MAX_REQUEST) {
-        rounded = npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size));
         /* Without host memory for a stream's pools the block is served as a
          * plain one: fenced when freed, which is safe on any stream. */
         npa_pool_pair *pair = on != NULL ? stream_pools(d, on->stream) : &d->plain;
@@ -834,7 +844,7 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_b
     npa_pool_stat_decrease(s->allocation, is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (t && d->lending) /* the room this free made, for the thread's fast mallocs */
+    if (__builtin_expect(d->lending, 0) && t) /* the room this free made, for the thread's fast mallocs */
         npa_tcache_regrant(d, t, 1, (int64_t)size, (int64_t)requested);
     npa_stats_end_outermost(d);
 }

@@ -1,15 +1,10 @@
 /* Live blocks by start address, so npa_free finds its block in O(1). Chained
  * through block->link (no per-entry allocation); the table doubles when the
- * load passes 1, and simply stays denser if that allocation fails. */
+ * load passes 1, and simply stays denser if that allocation fails. The
+ * insert is inline (internal.h). */
 #include <stdlib.h>
 
 #include "internal.h"
-
-/* Blocks start on 512-byte boundaries: drop those bits, then mix. */
-static size_t bucket_of(const npa_block_map *map, uintptr_t addr) {
-    uint64_t h = ((uint64_t)addr >> 9) * 0x9e3779b97f4a7c15ULL;
-    return (size_t)(h >> 32) & map->mask;
-}
 
 bool npa_block_map_init(npa_block_map *map, size_t buckets) {
     map->buckets = calloc(buckets, sizeof *map->buckets);
@@ -23,7 +18,7 @@ void npa_block_map_destroy(npa_block_map *map) {
     map->buckets = NULL;
 }
 
-static void grow(npa_block_map *map) {
+void npa_block_map_grow(npa_block_map *map) {
     size_t old_size = map->mask + 1;
     npa_block **old = map->buckets;
     npa_block **fresh = calloc(old_size * 2, sizeof *fresh);
@@ -33,7 +28,7 @@ static void grow(npa_block_map *map) {
     for (size_t i = 0; i < old_size; i++) {
         for (npa_block *b = old[i], *next; b; b = next) {
             next = b->link;
-            size_t k = bucket_of(map, b->addr);
+            size_t k = npa_block_map_bucket(map, b->addr);
             b->link = fresh[k];
             fresh[k] = b;
         }
@@ -41,16 +36,8 @@ static void grow(npa_block_map *map) {
     free(old);
 }
 
-void npa_block_map_insert(npa_block_map *map, npa_block *b) {
-    if (map->count > map->mask) grow(map);
-    size_t k = bucket_of(map, b->addr);
-    b->link = map->buckets[k];
-    map->buckets[k] = b;
-    map->count++;
-}
-
 npa_block *npa_block_map_take(npa_block_map *map, uintptr_t addr) {
-    for (npa_block **link = &map->buckets[bucket_of(map, addr)]; *link; link = &(*link)->link) {
+    for (npa_block **link = &map->buckets[npa_block_map_bucket(map, addr)]; *link; link = &(*link)->link) {
         npa_block *b = *link;
         if (b->addr == addr) {
             *link = b->link;
@@ -63,7 +50,7 @@ npa_block *npa_block_map_take(npa_block_map *map, uintptr_t addr) {
 }
 
 npa_block *npa_block_map_find(const npa_block_map *map, uintptr_t addr) {
-    for (npa_block *b = map->buckets[bucket_of(map, addr)]; b; b = b->link)
+    for (npa_block *b = map->buckets[npa_block_map_bucket(map, addr)]; b; b = b->link)
         if (b->addr == addr) return b;
     return NULL;
 }

@@ -155,7 +155,23 @@ typedef struct npa_block_map {
 
 bool npa_block_map_init(npa_block_map *map, size_t buckets);
 void npa_block_map_destroy(npa_block_map *map);
-void npa_block_map_insert(npa_block_map *map, npa_block *b);
+/* Blocks start on 512-byte boundaries: drop those bits, then mix. */
+static inline size_t npa_block_map_bucket(const npa_block_map *map, uintptr_t addr) {
+    uint64_t h = ((uint64_t)addr >> 9) * 0x9e3779b97f4a7c15ULL;
+    return (size_t)(h >> 32) & map->mask;
+}
+/* Doubles the table (left as it is when that memory cannot be had). */
+void npa_block_map_grow(npa_block_map *map);
+/* Inline: every slow malloc's, and it has two callers (alloc_found_block
+ * and tcache.c's unlend), where LTO inlined main's one and left these a
+ * call (17 instructions a pair by callgrind). */
+static inline void npa_block_map_insert(npa_block_map *map, npa_block *b) {
+    if (map->count > map->mask) npa_block_map_grow(map);
+    size_t k = npa_block_map_bucket(map, b->addr);
+    b->link = map->buckets[k];
+    map->buckets[k] = b;
+    map->count++;
+}
 /* Removes and returns the block starting at addr, or NULL. */
 npa_block *npa_block_map_take(npa_block_map *map, uintptr_t addr);
 /* The block starting at addr, left in the map, or NULL. */

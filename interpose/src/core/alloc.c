@@ -350,19 +350,36 @@ static bool should_split(const npa_allocator *a, const npa_block *b, size_t size
 /* torch's alloc_found_block: b is out of its pool; split off the tail if the
  * rules allow, then account the allocation. inactive_split leaves expandable
  * segments out, as torch: their free pages can always be given back. */
-/* With threads' caches counting beside the device, the device's own
- * figures may rise only as far as their ceilings leave below the peaks
- * (tcache.c), the calling thread's own headroom used first: else the fast
- * paths stop while the peaks are set exactly. True when the caller must
- * count with every tcache frozen, then refit and thaw them. Out of line:
- * a lone thread's malloc pays the test of d->lending alone. */
-static __attribute__((noinline)) bool lending_alloc_freezes(npa_allocator *a, npa_device *d, bool is_small,
-                                                             int64_t bytes, size_t requested) {
+/* The allocation's stats (alloc_found_block's), inside its section. */
+static NPA_ALWAYS_INLINE void count_alloc(const npa_allocator *a, npualloc_device_stats *s, bool is_small,
+                                          int64_t bytes, size_t requested, bool cache_hit) {
+    npa_pool_stat_increase(s->allocation, is_small, 1);
+    npa_pool_stat_increase(s->allocated_bytes, is_small, bytes);
+    npa_pool_stat_increase(s->active, is_small, 1);
+    npa_pool_stat_increase(s->active_bytes, is_small, bytes);
+    npa_pool_stat_increase(s->requested_bytes, is_small, (int64_t)requested);
+    if ((size_t)bytes >= a->config.max_split_size) npa_stat_increase(&s->oversize_allocations, 1);
+    npa_stat_add(cache_hit ? &s->num_cache_hits : &s->num_cache_misses, 1);
+}
+
+/* count_alloc while the device lends: with threads' caches counting beside
+ * the device, the device's own figures may rise only as far as their
+ * ceilings leave below the peaks (tcache.c), the calling thread's own
+ * headroom used first; else every tcache is frozen, the figures counted,
+ * the ceilings refitted. Else the fast paths stop while the peaks are set
+ * exactly. Out of line: a lone thread's malloc pays the test of d->lending
+ * alone. */
+static __attribute__((noinline)) void count_alloc_lending(npa_allocator *a, npa_device *d, bool is_small,
+                                                           int64_t bytes, size_t requested, bool cache_hit) {
     npa_tcache *mine = npa_tcache_mine(a, d->id);
     if (mine) npa_tcache_borrow(d, mine, 1, bytes, (int64_t)requested);
     bool frozen = !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
     if (frozen) npa_tcaches_freeze(d);
-    return frozen;
+    count_alloc(a, d->stats, is_small, bytes, requested, cache_hit);
+    if (frozen) {
+        npa_tcaches_refit(d, false);
+        npa_tcaches_thaw(d);
+    }
 }
 
 static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size, size_t requested,
@@ -407,18 +424,8 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
      * (19 instructions a pair, with the free's below, counted by callgrind). */
     bool is_small = b->is_small;
     int64_t bytes = (int64_t)b->size;
-    bool frozen = __builtin_expect(d->lending, 0) && lending_alloc_freezes(a, d, is_small, bytes, requested);
-    npa_pool_stat_increase(s->allocation, is_small, 1);
-    npa_pool_stat_increase(s->allocated_bytes, is_small, bytes);
-    npa_pool_stat_increase(s->active, is_small, 1);
-    npa_pool_stat_increase(s->active_bytes, is_small, bytes);
-    npa_pool_stat_increase(s->requested_bytes, is_small, (int64_t)requested);
-    if ((size_t)bytes >= a->config.max_split_size) npa_stat_increase(&s->oversize_allocations, 1);
-    npa_stat_add(cache_hit ? &s->num_cache_hits : &s->num_cache_misses, 1);
-    if (__builtin_expect(frozen, 0)) {
-        npa_tcaches_refit(d, false);
-        npa_tcaches_thaw(d);
-    }
+    if (__builtin_expect(d->lending, 0)) count_alloc_lending(a, d, is_small, bytes, requested, cache_hit);
+    else count_alloc(a, s, is_small, bytes, requested, cache_hit);
     npa_stats_end_outermost(d);
 }
 
@@ -580,7 +587,7 @@ static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_devi
         if (__builtin_expect(d->lending, 0)) { /* it may be lent */
             npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
             if (b) return b;
-        } else if (t->stock.count) { /* npa_tcache_take's, with t not lending: inline, as main's hit */
+        } else { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty stock's scan stops at once) */
             npa_lent held;
             if (npa_stock_take(&t->stock, pool, rounded, &held)) {
                 if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);
@@ -822,12 +829,13 @@ static void free_into_gone_pool(npa_allocator *a, npa_device *d, npa_block *b) {
 /* torch's free: the allocation ends now. A plain block becomes reusable now
  * or once the fence of its batch completes (the reuse policy); a stream's
  * block now, or once its other streams' events complete. */
-static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_block *b) {
+static NPA_ALWAYS_INLINE void free_allocated_as(npa_allocator *a, npa_device *d, npa_tcache *t, npa_block *b,
+                                                bool lending) {
     npualloc_device_stats *s = d->stats;
     npa_history_note(d, b->pool, NPA_TRACE_FREE_REQUESTED, b->addr, b->requested);
     npa_stats_begin_outermost(d);
     bool is_small = b->is_small;
-    size_t size = b->size, requested = b->requested;
+    size_t size = b->size, requested = lending ? b->requested : 0;
     if (__builtin_expect(b->pool->retired_by == NPA_STREAM_GONE, 0)) {
         free_into_gone_pool(a, d, b);
     } else if (b->pool->on_stream && (b->uses || b->uses_unknown || npa_block_fences_own(b))) {
@@ -844,9 +852,21 @@ static void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_b
     npa_pool_stat_decrease(s->allocation, is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (__builtin_expect(d->lending, 0) && t) /* the room this free made, for the thread's fast mallocs */
+    if (lending && t) /* the room this free made, for the thread's fast mallocs */
         npa_tcache_regrant(d, t, 1, (int64_t)size, (int64_t)requested);
     npa_stats_end_outermost(d);
+}
+
+/* The free while the device lends, out of line: a lone thread's pays the
+ * test of d->lending alone (free_allocated). */
+static __attribute__((noinline)) void free_allocated_lending(npa_allocator *a, npa_device *d, npa_tcache *t,
+                                                              npa_block *b) {
+    free_allocated_as(a, d, t, b, true);
+}
+
+static inline void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_block *b) {
+    if (__builtin_expect(d->lending, 0)) free_allocated_lending(a, d, t, b);
+    else free_allocated_as(a, d, t, b, false);
 }
 
 /* What a call does to the live block it names. */

@@ -382,8 +382,8 @@ static __attribute__((noinline)) void count_alloc_lending(npa_allocator *a, npa_
     }
 }
 
-static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size, size_t requested,
-                              bool cache_hit) {
+static NPA_ALWAYS_INLINE void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size,
+                                                size_t requested, bool cache_hit, bool lending) {
     npualloc_device_stats *s = d->stats;
     bool already_split = npa_block_is_split(b);
     npa_block *rest = should_split(a, b, size) ? npa_slab_get(&d->slab) : NULL;
@@ -424,7 +424,7 @@ static void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, siz
      * (19 instructions a pair, with the free's below, counted by callgrind). */
     bool is_small = b->is_small;
     int64_t bytes = (int64_t)b->size;
-    if (__builtin_expect(d->lending, 0)) count_alloc_lending(a, d, is_small, bytes, requested, cache_hit);
+    if (lending) count_alloc_lending(a, d, is_small, bytes, requested, cache_hit);
     else count_alloc(a, s, is_small, bytes, requested, cache_hit);
     npa_stats_end_outermost(d);
 }
@@ -582,9 +582,10 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
  * hold a pool return each: 25% of the hot path's rate. ticks: the look is
  * one of torch's searches (get_free_block), counted on the GC clock. */
 static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_tcache *t, npa_pool *pool,
-                                           size_t rounded, size_t requested, bool ticks, bool *lent) {
+                                           size_t rounded, size_t requested, bool ticks, bool lending,
+                                           bool *lent) {
     if (t && pool->is_small) {
-        if (__builtin_expect(d->lending, 0)) { /* it may be lent */
+        if (lending) { /* it may be lent */
             npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
             if (b) return b;
         } else { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty stock's scan stops at once) */
@@ -620,6 +621,12 @@ static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *
     return t && size <= NPA_MAX_REQUEST && npa_tcache_malloc(t, rounded, size, ptr);
 }
 
+static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d, npa_tcache *t, size_t size,
+                                                 size_t rounded, const stream_request *on, void **ptr,
+                                                 bool lending);
+static npa_error malloc_locked_lending(npa_allocator *a, npa_device *d, npa_tcache *t, size_t size, size_t rounded,
+                                       const stream_request *on, void **ptr);
+
 /* on: NULL for a plain malloc. One pointer, not the stream, its flags and
  * whether there is one: with six arguments or fewer nothing goes through
  * the stack (x86-64 and aarch64 pass six and eight in registers), which
@@ -644,6 +651,17 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_lock_acquire(&d->lock);
     npa_pending_poll(a, d);
     release_gone_freed(a, d);
+    if (__builtin_expect(d->lending, 0)) return malloc_locked_lending(a, d, t, size, rounded, on, ptr);
+    return malloc_locked(a, d, t, size, rounded, on, ptr, false);
+}
+
+/* malloc_on's under the device lock after the poll (released before it
+ * returns), for t the calling thread's tcache or NULL; lending: the device's, which a
+ * lone thread's malloc tests once (malloc_on) for everything here. */
+static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d, npa_tcache *t, size_t size,
+                                                 size_t rounded, const stream_request *on, void **ptr,
+                                                 bool lending) {
+    int device = d->id;
     npa_block *b = NULL;
     bool cache_hit = false, lent = false;
     npa_refusal why = {0};
@@ -655,7 +673,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         if (!pair) pair = &d->plain;
         pool = rounded <= NPA_SMALL_SIZE ? &pair->small : &pair->large;
         uint64_t searches_before = pool->search_count;
-        b = take_cached_block(a, d, t, pool, rounded, size, true, &lent);
+        b = take_cached_block(a, d, t, pool, rounded, size, true, lending, &lent);
         if (!b && npa_pending_any(d)) { /* what is pending may be done by now: fence the open frees, look again */
             /* torch hands back the frees whose events completed before its
              * one search of a malloc (process_events): the look before them
@@ -668,7 +686,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
             pool->search_count = searches_before;
             npa_pending_flush(a, d);
             release_gone_freed(a, d);
-            b = take_cached_block(a, d, t, pool, rounded, size, true, &lent);
+            b = take_cached_block(a, d, t, pool, rounded, size, true, lending, &lent);
         }
         cache_hit = b != NULL;
         /* The OOM retry (in npa_grow) synchronized and handed back every
@@ -676,7 +694,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
          * at again; here every free may have been waiting, and one may fit.
          * torch has no search there, so the GC clock does not tick. */
         if (!b && !(b = npa_grow(a, d, pool, rounded, &why)) && why.error == NPA_OK) {
-            b = take_cached_block(a, d, t, pool, rounded, size, false, &lent);
+            b = take_cached_block(a, d, t, pool, rounded, size, false, lending, &lent);
             cache_hit = b != NULL;
         }
     }
@@ -697,7 +715,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
         npa_lock_release(&d->lock);
         return NPA_OK;
     }
-    alloc_found_block(a, d, b, rounded, size, cache_hit);
+    alloc_found_block(a, d, b, rounded, size, cache_hit, lending);
     /* The request first: a plain entry (aclrtMalloc) has none, and its
      * block's pool then need not be asked; the other order cost each malloc
      * 3 more instructions by callgrind (make bench's hot path). */
@@ -706,6 +724,12 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     *ptr = (void *)b->addr;
     npa_lock_release(&d->lock);
     return NPA_OK;
+}
+
+static __attribute__((noinline)) npa_error malloc_locked_lending(npa_allocator *a, npa_device *d, npa_tcache *t,
+                                                                 size_t size, size_t rounded,
+                                                                 const stream_request *on, void **ptr) {
+    return malloc_locked(a, d, t, size, rounded, on, ptr, true);
 }
 
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {

@@ -643,8 +643,8 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
      * inlines, as on main, where two left it a call (6 instructions a pair). */
     size_t rounded =
         size <= NPA_MAX_REQUEST ? npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)) : SIZE_MAX;
-    if (!on && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) &&
-        malloc_fast(a, d, size, rounded, ptr))
+    if (__builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && !on && /* the flag first: on is */
+        malloc_fast(a, d, size, rounded, ptr))                                         /* no constant here */
         return NPA_OK;
 
     npa_tcache *t = npa_tcache_get(a, d);

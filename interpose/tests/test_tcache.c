@@ -85,6 +85,30 @@ static void test_fast_paths_need_two_threads(void) {
     fixture_destroy(&fx);
 }
 
+/* A lone thread's stock keeps no index for the fast paths (its moves skip
+ * addrs, pools and splits); the second thread's arrival writes it, so the
+ * block the thread stocked alone is the one its next malloc gets, and a
+ * pair on it is then the thread's own. Without the index the scans by
+ * pool miss it, and best fit cuts another. */
+static void test_a_lone_threads_stock_serves_the_fast_paths(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK); /* stocked, the thread alone */
+    companion c;
+    companion_start(&c, &fx);
+    void *q = alloc_exact(&fx, 0, 4096); /* slow: no ceilings yet */
+    CHECK(q == p);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    uint64_t seq = device_seq(&fx);
+    q = alloc_exact(&fx, 0, 4096);
+    CHECK(q == p);
+    CHECK_EQ(npa_free(fx.a, q, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(device_seq(&fx), seq);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 /* Once warm, a pair is the thread's own: the device's seqlock does not
  * move, and the summed stats say what a torch allocator's would. */
 static void test_a_warm_pair_leaves_the_device_alone(void) {
@@ -549,6 +573,7 @@ static void test_history_turns_the_fast_paths_off(void) {
 
 int main(void) {
     RUN(test_fast_paths_need_two_threads);
+    RUN(test_a_lone_threads_stock_serves_the_fast_paths);
     RUN(test_a_warm_pair_leaves_the_device_alone);
     RUN(test_slow_mallocs_leave_the_fast_ones_fast);
     RUN(test_two_threads_peak_exactly_together);

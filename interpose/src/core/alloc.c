@@ -590,7 +590,7 @@ static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_devi
             if (b) return b;
         } else { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty stock's scan stops at once) */
             npa_lent held;
-            if (npa_stock_take(&t->stock, pool, rounded, &held)) {
+            if (npa_stock_take(&t->stock, pool, rounded, &held, false)) {
                 if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);
                 return held.block;
             }
@@ -866,7 +866,7 @@ static NPA_ALWAYS_INLINE void free_allocated_as(npa_allocator *a, npa_device *d,
         npa_pending_add_uses(a, d, b);
     } else if (!b->pool->on_stream && npa_plain_fence_needed(a)) {
         npa_pending_add(d, b);
-    } else if (t && npa_tcache_keep(d, t, b)) { /* reusable at once: on its own stream, or eager */
+    } else if (t && npa_tcache_keep(d, t, b, lending)) { /* reusable at once: on its own stream, or eager */
     } else {
         npa_free_block(a, d, b);
     }

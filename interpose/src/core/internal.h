@@ -297,6 +297,9 @@ typedef struct npa_recent {
     size_t sizes[NPA_RECENT_MAX + 1];
     npa_block *blocks[NPA_RECENT_MAX];
     uint64_t stamps[NPA_RECENT_MAX];
+    /* What the fast paths know of each block without reading its struct
+     * (npa_lent): kept only while the device lends (full moves, below), and
+     * written for every held block when it begins to (npa_stock_index). */
     uintptr_t addrs[NPA_RECENT_MAX];
     const npa_pool *pools[NPA_RECENT_MAX];
     bool splits[NPA_RECENT_MAX];
@@ -463,18 +466,23 @@ static inline bool npa_stock_has_room(const npa_recent *r, size_t size) {
 }
 /* Returns the oldest held blocks to their pools until a block of size fits. */
 void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size);
+/* Every move below takes full: whether it keeps the fast paths' arrays
+ * (addrs, pools, splits), which only a device that lends needs; a lone
+ * thread's hit path leaves them (10 instructions a pair by callgrind). */
 /* Unlinks slot i; the last slot moves into it. Inlined into every caller:
  * on the hit path (npa_stock_take) a call would cost more than its body. */
-static NPA_ALWAYS_INLINE npa_block *npa_stock_remove_at(npa_recent *r, unsigned i) {
+static NPA_ALWAYS_INLINE npa_block *npa_stock_remove_at(npa_recent *r, unsigned i, bool full) {
     npa_block *b = r->blocks[i];
     size_t size = r->sizes[i];
     unsigned last = --r->count;
     r->sizes[i] = r->sizes[last];
     r->blocks[i] = r->blocks[last];
     r->stamps[i] = r->stamps[last];
-    r->addrs[i] = r->addrs[last];
-    r->pools[i] = r->pools[last];
-    r->splits[i] = r->splits[last];
+    if (full) {
+        r->addrs[i] = r->addrs[last];
+        r->pools[i] = r->pools[last];
+        r->splits[i] = r->splits[last];
+    }
     r->bytes -= size;
     if (size == r->largest) {
         r->largest = 0;
@@ -484,14 +492,16 @@ static NPA_ALWAYS_INLINE npa_block *npa_stock_remove_at(npa_recent *r, unsigned 
     return b;
 }
 /* Holds the block of held (of pool), whose allocation ended already. */
-static NPA_ALWAYS_INLINE void npa_stock_hold(npa_recent *r, const npa_lent *held, const npa_pool *pool) {
+static NPA_ALWAYS_INLINE void npa_stock_hold(npa_recent *r, const npa_lent *held, const npa_pool *pool, bool full) {
     size_t size = held->size;
     r->sizes[r->count] = size;
     r->blocks[r->count] = held->block;
     r->stamps[r->count] = r->clock++;
-    r->addrs[r->count] = held->addr;
-    r->pools[r->count] = pool;
-    r->splits[r->count] = held->split;
+    if (full) {
+        r->addrs[r->count] = held->addr;
+        r->pools[r->count] = pool;
+        r->splits[r->count] = held->split;
+    }
     r->count++;
     r->bytes += size;
     if (size > r->largest) r->largest = size;
@@ -503,22 +513,34 @@ static NPA_ALWAYS_INLINE void npa_stock_hold(npa_recent *r, const npa_lent *held
  * the hit path's longest loop); finding it there means no block matched.
  * Inline, as npa_stock_put below, for the slow path's hit and the fast
  * malloc alike (recent.c says why). */
-static NPA_ALWAYS_INLINE bool npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, npa_lent *held) {
+/* Not full, only held->block is set. */
+static NPA_ALWAYS_INLINE bool npa_stock_take(npa_recent *r, const npa_pool *pool, size_t size, npa_lent *held,
+                                             bool full) {
     r->sizes[r->count] = size;
     for (unsigned i = 0;; i++) {
         if (r->sizes[i] != size) continue;
         if (i == r->count) return false;
-        if (r->pools[i] == pool) {
-            *held = (npa_lent){.addr = r->addrs[i], .size = size, .split = r->splits[i]};
-            held->block = npa_stock_remove_at(r, i);
+        if (full ? r->pools[i] == pool : r->blocks[i]->pool == pool) {
+            if (full) *held = (npa_lent){.addr = r->addrs[i], .size = size, .split = r->splits[i]};
+            held->block = npa_stock_remove_at(r, i, full);
             return true;
         }
+    }
+}
+/* The fast paths' arrays written for every held block: the device begins
+ * to lend. Device lock held. */
+static inline void npa_stock_index(npa_recent *r) {
+    for (unsigned i = 0; i < r->count; i++) {
+        const npa_block *b = r->blocks[i];
+        r->addrs[i] = b->addr;
+        r->pools[i] = b->pool;
+        r->splits[i] = npa_block_is_split(b);
     }
 }
 /* Ends b's allocation into the stock (making room first), counted in the
  * device's stats as a free to the pool would count it. Device lock held,
  * inside a stats section: below, beside the stats helpers. */
-static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b);
+static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
 
@@ -572,7 +594,7 @@ bool npa_tcaches_flush(npa_device *d);
  * (false: not kept). */
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            bool *lent);
-static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b); /* below */
+static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending); /* below */
 /* The slot's largest_held set to the stock's largest, which changed: in a
  * slot section of its own. */
 void npa_tcache_publish_largest(npa_tcache *t);
@@ -849,7 +871,7 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
  * LTO's growth limits otherwise left them out of line (the free's hit path
  * then paid calls, 60 instructions a lone thread's pair with the take by
  * callgrind). */
-static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b) {
+static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full) {
     npa_recent *r = &t->stock;
     size_t size = b->size, requested = b->requested;
     if (!npa_stock_has_room(r, size)) npa_stock_make_room(d, r, size);
@@ -859,7 +881,7 @@ static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_bl
      * after a stat's atomic store (it may alias them). */
     b->phase = NPA_PHASE_RECENT;
     b->requested = 0;
-    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split}, b->pool);
+    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split}, b->pool, full);
     npualloc_device_stats *s = d->stats;
     if (split) { /* counted as the pool counts an unmerged free block */
         npa_pool_stat_increase(s->inactive_split, true, 1);
@@ -871,10 +893,10 @@ static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_bl
 }
 
 /* b, freed now (device lock held, t the calling thread's own), kept in
- * t's stock if it admits it; false: not kept. */
-static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b) {
+ * t's stock if it admits it; false: not kept. lending: d->lending. */
+static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending) {
     if (!npa_recent_admits(&t->stock, b)) return false;
-    npa_stock_put(d, t, b);
+    npa_stock_put(d, t, b, lending);
     if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);
     return true;
 }

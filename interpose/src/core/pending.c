@@ -83,7 +83,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->unknown_by = 0;
         b->fence_own = false;
         count_pending(d, -1);
-        if (offered < capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_tcache_keep(d, t, b)) {
+        if (offered < capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_tcache_keep(d, t, b, d->lending)) {
             offered++;
         } else {
             b->link = merged;

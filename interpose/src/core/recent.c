@@ -50,7 +50,7 @@ static unsigned oldest(const npa_recent *r) {
  * its best case). Judged here, so the hit path pays nothing but a free's
  * test of the bypass. */
 static void evict(npa_device *d, npa_recent *r, unsigned i) {
-    npa_pool_return(d, npa_stock_remove_at(r, i));
+    npa_pool_return(d, npa_stock_remove_at(r, i, true));
     if (++r->evicted < NPA_RECENT_JUDGED) return;
     if ((uint64_t)r->evicted * NPA_RECENT_EVICTED_SHARE > r->clock - r->judged_clock) r->bypass = NPA_RECENT_BYPASS;
     r->judged_clock = r->clock;
@@ -64,6 +64,6 @@ void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size) {
 void npa_stock_flush(npa_device *d, npa_recent *r) {
     if (r->count == 0) return;
     npa_stats_begin(d);
-    while (r->count > 0) npa_pool_return(d, npa_stock_remove_at(r, oldest(r)));
+    while (r->count > 0) npa_pool_return(d, npa_stock_remove_at(r, oldest(r), true));
     npa_stats_end(d);
 }

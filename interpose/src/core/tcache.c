@@ -169,7 +169,7 @@ bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **p
     bool may = __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && t->lent_count < NPA_LENT_MAX &&
                under_ceilings(t, pool_index(is_small), (int64_t)rounded, (int64_t)requested);
     npa_lent held;
-    bool hit = may && npa_stock_take(&t->stock, pool, rounded, &held);
+    bool hit = may && npa_stock_take(&t->stock, pool, rounded, &held, true);
     if (hit) {
         lend(t, &held, requested);
         *ptr = (void *)held.addr;
@@ -189,7 +189,7 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
     if (done) {
         npa_lent held = t->lent[at];
         lent_remove(t, at);
-        npa_stock_hold(&t->stock, &held, &t->device->plain.small); /* lent: a plain pool's */
+        npa_stock_hold(&t->stock, &held, &t->device->plain.small, true); /* lent: a plain pool's */
         slot_move(t, 0, -1, (int64_t)held.size, (int64_t)held.requested, held.split);
     }
     npa_lock_release(&t->lock);
@@ -448,7 +448,7 @@ bool npa_tcaches_flush(npa_device *d) {
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            bool *lent) {
     npa_lent held;
-    npa_block *b = t->stock.count && npa_stock_take(&t->stock, pool, size, &held) ? held.block : NULL;
+    npa_block *b = t->stock.count && npa_stock_take(&t->stock, pool, size, &held, true) ? held.block : NULL;
     int p = pool_index(pool->is_small);
     *lent = b && __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && t->lent_count < NPA_LENT_MAX && !pool->on_stream &&
             (under_ceilings(t, p, (int64_t)size, (int64_t)requested) ||
@@ -487,6 +487,7 @@ void npa_tcaches_settle(npa_device *d) {
             if (!quiet) flush_stock(d, t);
             memset(t->ceiling, 0, sizeof t->ceiling);
         }
+        if (d->lending && !t->enabled) npa_stock_index(&t->stock); /* a lone thread's stock kept no index */
         __atomic_store_n(&t->enabled, d->lending, __ATOMIC_RELAXED);
         npa_lock_release(&t->lock);
     }

@@ -590,10 +590,7 @@ static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_devi
             if (b) return b;
         } else { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty stock's scan stops at once) */
             npa_lent held;
-            if (npa_stock_take(&t->stock, pool, rounded, &held, false)) {
-                if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);
-                return held.block;
-            }
+            if (npa_stock_take(&t->stock, pool, rounded, &held, false)) return held.block; /* largest published */
         }
     }
     /* torch's GC clock: a search counts only while the threshold is set, so
@@ -621,11 +618,11 @@ static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *
     return t && size <= NPA_MAX_REQUEST && npa_tcache_malloc(t, rounded, size, ptr);
 }
 
-static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d, npa_tcache *t, size_t size,
-                                                 size_t rounded, const stream_request *on, void **ptr,
+static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d, npa_tcache *t, int device,
+                                                 size_t size, size_t rounded, const stream_request *on, void **ptr,
                                                  bool lending);
-static npa_error malloc_locked_lending(npa_allocator *a, npa_device *d, npa_tcache *t, size_t size, size_t rounded,
-                                       const stream_request *on, void **ptr);
+static npa_error malloc_locked_lending(npa_allocator *a, npa_device *d, npa_tcache *t, int device, size_t size,
+                                       size_t rounded, const stream_request *on, void **ptr);
 
 /* on: NULL for a plain malloc. One pointer, not the stream, its flags and
  * whether there is one: with six arguments or fewer nothing goes through
@@ -651,17 +648,16 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
     npa_lock_acquire(&d->lock);
     npa_pending_poll(a, d);
     release_gone_freed(a, d);
-    if (__builtin_expect(d->lending, 0)) return malloc_locked_lending(a, d, t, size, rounded, on, ptr);
-    return malloc_locked(a, d, t, size, rounded, on, ptr, false);
+    if (__builtin_expect(d->lending, 0)) return malloc_locked_lending(a, d, t, device, size, rounded, on, ptr);
+    return malloc_locked(a, d, t, device, size, rounded, on, ptr, false);
 }
 
 /* malloc_on's under the device lock after the poll (released before it
  * returns), for t the calling thread's tcache or NULL; lending: the device's, which a
  * lone thread's malloc tests once (malloc_on) for everything here. */
-static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d, npa_tcache *t, size_t size,
-                                                 size_t rounded, const stream_request *on, void **ptr,
+static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d, npa_tcache *t, int device,
+                                                 size_t size, size_t rounded, const stream_request *on, void **ptr,
                                                  bool lending) {
-    int device = d->id;
     npa_block *b = NULL;
     bool cache_hit = false, lent = false;
     npa_refusal why = {0};
@@ -727,9 +723,9 @@ static NPA_ALWAYS_INLINE npa_error malloc_locked(npa_allocator *a, npa_device *d
 }
 
 static __attribute__((noinline)) npa_error malloc_locked_lending(npa_allocator *a, npa_device *d, npa_tcache *t,
-                                                                 size_t size, size_t rounded,
+                                                                 int device, size_t size, size_t rounded,
                                                                  const stream_request *on, void **ptr) {
-    return malloc_locked(a, d, t, size, rounded, on, ptr, true);
+    return malloc_locked(a, d, t, device, size, rounded, on, ptr, true);
 }
 
 npa_error npa_malloc(npa_allocator *a, int device, size_t size, npa_entry entry, void **ptr) {

@@ -469,8 +469,14 @@ void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size);
 /* Every move below takes full: whether it keeps the fast paths' arrays
  * (addrs, pools, splits), which only a device that lends needs; a lone
  * thread's hit path leaves them (10 instructions a pair by callgrind). */
+/* The slot's largest_held set to the stock's largest, which changed: in a
+ * slot section of its own (tcache.c). */
+void npa_tcache_publish_largest(npa_tcache *t);
 /* Unlinks slot i; the last slot moves into it. Inlined into every caller:
- * on the hit path (npa_stock_take) a call would cost more than its body. */
+ * on the hit path (npa_stock_take) a call would cost more than its body.
+ * Not full, the caller is a lone thread's slow path, and its slot learns
+ * the stock's largest here when it changed (the others publish it
+ * themselves, in their own sections). */
 static NPA_ALWAYS_INLINE npa_block *npa_stock_remove_at(npa_recent *r, unsigned i, bool full) {
     npa_block *b = r->blocks[i];
     size_t size = r->sizes[i];
@@ -488,6 +494,7 @@ static NPA_ALWAYS_INLINE npa_block *npa_stock_remove_at(npa_recent *r, unsigned 
         r->largest = 0;
         for (unsigned k = 0; k < r->count; k++)
             if (r->sizes[k] > r->largest) r->largest = r->sizes[k];
+        if (!full) npa_tcache_publish_largest((npa_tcache *)((char *)r - offsetof(npa_tcache, stock)));
     }
     return b;
 }
@@ -595,9 +602,6 @@ bool npa_tcaches_flush(npa_device *d);
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            bool *lent);
 static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending); /* below */
-/* The slot's largest_held set to the stock's largest, which changed: in a
- * slot section of its own. */
-void npa_tcache_publish_largest(npa_tcache *t);
 /* With the device lock: every lent block back to the device too, the
  * stock flushed, the fast paths on or off as the device says (history,
  * pause): a pause and record_history. */

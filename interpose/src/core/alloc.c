@@ -609,11 +609,12 @@ typedef struct stream_request {
     npa_stream_flags flags;
 } stream_request;
 
-/* The calling thread's cache serves a plain malloc if it can, with no
- * device lock (tcache.c): only while the device lends, which malloc_on
+/* The calling thread's cache serves a plain malloc (on NULL) if it can,
+ * with no device lock (tcache.c): only while the device lends, which malloc_on
  * asks first, so that a lone thread pays one test for it and no call. */
-static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *d, size_t size, size_t rounded,
-                                                  void **ptr) {
+static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *d, const void *on, size_t size,
+                                                  size_t rounded, void **ptr) {
+    if (on) return false; /* asked here: on is no constant in malloc_on's one out-of-line copy */
     npa_tcache *t = npa_tcache_serving(a, d->id);
     return t && size <= NPA_MAX_REQUEST && npa_tcache_malloc(t, rounded, size, ptr);
 }
@@ -640,8 +641,7 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
      * inlines, as on main, where two left it a call (6 instructions a pair). */
     size_t rounded =
         size <= NPA_MAX_REQUEST ? npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)) : SIZE_MAX;
-    if (__builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && !on && /* the flag first: on is */
-        malloc_fast(a, d, size, rounded, ptr))                                         /* no constant here */
+    if (__builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && malloc_fast(a, d, on, size, rounded, ptr))
         return NPA_OK;
 
     npa_tcache *t = npa_tcache_get(a, d);

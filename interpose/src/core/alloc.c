@@ -884,7 +884,7 @@ static __attribute__((noinline)) void free_allocated_lending(npa_allocator *a, n
     free_allocated_as(a, d, t, b, true);
 }
 
-static inline void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_block *b) {
+static NPA_ALWAYS_INLINE void free_allocated(npa_allocator *a, npa_device *d, npa_tcache *t, npa_block *b) {
     if (__builtin_expect(d->lending, 0)) free_allocated_lending(a, d, t, b);
     else free_allocated_as(a, d, t, b, false);
 }
@@ -894,7 +894,7 @@ typedef enum block_op { OP_FREE, OP_FREE_ON_STREAM, OP_RECORD } block_op;
 
 /* Which device owns ptr: 1 done, 0 not in this device, -1 inside one of its
  * segments but not a live block start. */
-static int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_op op, uintptr_t stream) {
+static NPA_ALWAYS_INLINE int op_on_device(npa_allocator *a, npa_device *d, uintptr_t addr, block_op op, uintptr_t stream) {
     npa_lock_acquire(&d->lock);
     int result = 0;
     npa_block *b = op == OP_RECORD ? npa_block_map_find(&d->live, addr) : npa_block_map_take(&d->live, addr);
@@ -924,7 +924,7 @@ static __attribute__((noinline)) bool free_fast(npa_allocator *a, npa_device *d,
     return t && npa_tcache_free(a, t, (uintptr_t)ptr); /* not NULL: the lent table's empty slots say 0 */
 }
 
-static npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint_device, int *device_out,
+static NPA_ALWAYS_INLINE npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint_device, int *device_out,
                                            block_op op, uintptr_t stream) {
     if (!a || !ptr) return NPA_FREE_NOT_OURS;
     bool hint_valid = hint_device >= 0 && hint_device < NPUALLOC_MAX_DEVICES;

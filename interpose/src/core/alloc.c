@@ -935,7 +935,7 @@ static NPA_ALWAYS_INLINE npa_free_result block_op_any_device(npa_allocator *a, v
         npa_device *d = npa_device_get(a, dev, false);
         if (!d) continue;
         if (op == OP_FREE && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && i < 0 &&
-            hint_valid && free_fast(a, d, ptr)) {
+            dev == hint_device && free_fast(a, d, ptr)) { /* the hinted device's own (a valid hint) */
             if (device_out) *device_out = dev;
             return NPA_FREE_OK;
         }

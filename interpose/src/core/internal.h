@@ -387,7 +387,7 @@ struct npa_device {
      * history, two threads or more); written under the lock, atomic. Every
      * malloc and free asks it first, a lone thread's one test for them
      * (malloc_on, block_op_any_device): on this line, which the fast malloc
-     * reads anyway and the slow paths never write. */
+     * reads anyway and the slow paths write only as pending_any changes. */
     bool lending;
 };
 

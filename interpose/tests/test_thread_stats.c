@@ -262,7 +262,10 @@ typedef struct scene {
 static void scene_start(scene *sc, size_t capacity, int workers, npualloc_region *region) {
     memset(sc, 0, sizeof *sc);
     fake_init(&sc->fx.fake, capacity, false);
-    if (region) sc->fx.fake.stats[0] = &region->devices[0];
+    if (region) { /* the device's figures and its threads' slots, where a reader finds them */
+        sc->fx.fake.stats[0] = &region->devices[0];
+        sc->fx.fake.threads[0] = region->threads[0];
+    }
     fixture_start(&sc->fx, NULL);
     sc->count = workers;
     for (int i = 0; i < workers; i++) worker_start(&sc->workers[i], (char)('A' + i), sc->fx.a);

@@ -287,13 +287,23 @@ static void warn_backend(void *arg, const char *message, npa_config_kept kept) {
     if (a->backend.warn) a->backend.warn(a->backend.ctx, message);
 }
 
+static void flush_large_stocks_on(npa_allocator *a, npa_device *d, void *unused) {
+    (void)a, (void)unused;
+    npa_tcaches_flush_some(d, NPA_FLUSH_LARGE);
+}
+
 /* The two setters check torch_npu's rule against each other's key: under
- * init_lock, so two threads cannot each pass the check and end with both. */
+ * init_lock, so two threads cannot each pass the check and end with both.
+ * Either one set stops the threads' caches holding large blocks (tcache.c:
+ * GC frees them by age, an expandable pool splits to the page), so what
+ * they hold goes back to the pools, where GC sees it, cached since now as
+ * torch's clock (which ticks only while a threshold is set) would have it. */
 int npa_set_gc_threshold(npa_allocator *a, double threshold) {
     if (!a || !(threshold >= 0.0 && threshold < 1.0)) return -1;
     pthread_mutex_lock(&a->init_lock);
     bool set = npa_config_set_gc_threshold(&a->config, threshold, warn_backend, a);
     pthread_mutex_unlock(&a->init_lock);
+    if (set && threshold > 0.0) npa_for_devices(a, -1, flush_large_stocks_on, NULL);
     return set ? 0 : -1;
 }
 
@@ -307,6 +317,7 @@ int npa_set_expandable_segments(npa_allocator *a, bool on) {
     pthread_mutex_lock(&a->init_lock);
     bool set = npa_config_set_expandable(&a->config, on, warn_backend, a);
     pthread_mutex_unlock(&a->init_lock);
+    if (set && on) npa_for_devices(a, -1, flush_large_stocks_on, NULL);
     return set ? 0 : -1;
 }
 
@@ -372,12 +383,12 @@ static NPA_ALWAYS_INLINE void count_alloc(const npa_allocator *a, npualloc_devic
 static __attribute__((noinline)) void count_alloc_lending(npa_allocator *a, npa_device *d, bool is_small,
                                                            int64_t bytes, size_t requested, bool cache_hit) {
     npa_tcache *mine = npa_tcache_mine(a, d->id);
-    if (mine) npa_tcache_borrow(d, mine, 1, bytes, (int64_t)requested);
+    if (mine) npa_tcache_borrow(d, mine, is_small, 1, bytes, (int64_t)requested);
     bool frozen = !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
     if (frozen) npa_tcaches_freeze(d);
     count_alloc(a, d->stats, is_small, bytes, requested, cache_hit);
     if (frozen) {
-        npa_tcaches_refit(d, false);
+        npa_tcaches_refit(d, mine, false);
         npa_tcaches_thaw(d);
     }
 }
@@ -571,10 +582,13 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
     if (token) npa_for_devices(a, -1, not_destroyed_on, &token);
 }
 
-/* A free block of pool for rounded bytes: a block of exactly that size
- * held by the calling thread's cache t (*lent: lent to the caller for
- * requested bytes, npa_tcache_take), else best fit, else best fit once every thread's held blocks are merged
- * back (they may fit it together with their neighbours); NULL on a miss. Held
+/* A free block of pool for rounded bytes: a block held by the calling
+ * thread's cache t (of exactly that size, or for the plain large pool one
+ * torch would hand out whole; *lent: lent to the caller for requested
+ * bytes, npa_tcache_take), else best fit, else best fit once every thread's
+ * held blocks are merged back (they may fit it together with their
+ * neighbours: a miss of either pool flushes the stocks of its blocks before
+ * the pool asks the device for memory); NULL on a miss. Held
  * blocks are not merged before a cut: a block beside one is cut at its own
  * start where torch, with the two merged, cuts at the held block's (the
  * layouts can differ by what the cache holds, 2 MiB a device at most;
@@ -584,20 +598,24 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
 static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_tcache *t, npa_pool *pool,
                                            size_t rounded, size_t requested, bool ticks, bool lending,
                                            bool *lent) {
-    if (t && pool->is_small) {
-        if (lending) { /* it may be lent */
+    if (lending) { /* it may be lent; the large stock holds blocks only while the device lends */
+        if (t) {
             npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
             if (b) return b;
-        } else { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty stock's scan stops at once) */
-            npa_lent held;
-            if (npa_stock_take(&t->stock, pool, rounded, &held, false)) return held.block; /* largest published */
         }
+    } else if (t && pool->is_small) { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty
+                                       * stock's scan stops at once) */
+        npa_lent held;
+        if (npa_stock_take(&t->stock, pool, rounded, &held, false)) return held.block; /* largest published */
     }
     /* torch's GC clock: a search counts only while the threshold is set, so
      * what was cached before it is all of one age. */
     if (ticks && npa_gc_threshold(a) > 0.0) pool->search_count++;
     npa_block *b = best_fit(a, pool, rounded);
-    if (!b && pool->is_small && npa_tcaches_flush(d)) /* best fit left the held blocks as they were */
+    /* Best fit left the held blocks of the pool's size class as they were
+     * (a small block never serves a large request, nor a large one a small). */
+    if (!b && (pool->is_small || lending) &&
+        npa_tcaches_flush_some(d, pool->is_small ? NPA_FLUSH_SMALL : NPA_FLUSH_LARGE))
         b = best_fit(a, pool, rounded);
     if (b) npa_pool_remove(pool, b);
     return b;
@@ -873,7 +891,7 @@ static NPA_ALWAYS_INLINE void free_allocated_as(npa_allocator *a, npa_device *d,
     npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
     if (lending && t) /* the room this free made, for the thread's fast mallocs */
-        npa_tcache_regrant(d, t, 1, (int64_t)size, (int64_t)requested);
+        npa_tcache_regrant(d, t, is_small, 1, (int64_t)size, (int64_t)requested);
     npa_stats_end_outermost(d);
 }
 

@@ -264,6 +264,8 @@ typedef struct npa_lent {
     size_t requested;        /* the caller's, while lent (the block's own field says 0) */
     bool split;              /* npa_block_is_split when it entered the stock: a neighbour's merge rewrites
                               * prev and next under the device lock alone, but never whether a held block is split */
+    bool is_small;           /* its pool's: which stock and which of the slot's pools (a small block may pass
+                              * NPA_SMALL_SIZE by less than NPA_MIN_BLOCK_SIZE, so its size does not say) */
 } npa_lent;
 
 /* The recent cache (recent.c): small blocks freed with no fence needed,
@@ -280,8 +282,13 @@ typedef struct npa_lent {
 #define NPA_RECENT_JUDGED 32
 #define NPA_RECENT_EVICTED_SHARE 8
 #define NPA_RECENT_BYPASS 4096
+/* A tcache's second stock holds plain large-pool blocks (tcache.c says
+ * when): at most NPA_LARGE_STOCK_MAX blocks and NPA_LARGE_STOCK_BYTES
+ * bytes a thread, chosen by make bench (README). */
+#define NPA_LARGE_STOCK_MAX 8
+#define NPA_LARGE_STOCK_BYTES ((size_t)32 << 20)
 typedef struct npa_recent {
-    unsigned capacity;       /* config recent_blocks, at most NPA_RECENT_MAX */
+    unsigned capacity;       /* config recent_blocks, at most NPA_RECENT_MAX (the large stock: NPA_LARGE_STOCK_MAX) */
     unsigned count;
     size_t bytes;
     size_t largest;          /* the biggest block held, for largest_free_block */
@@ -292,6 +299,7 @@ typedef struct npa_recent {
     uint64_t judged_clock;
     unsigned evicted;
     unsigned bypass;
+    bool unjudged;           /* the large stock: never bypassed (tcache.c, large_admits) */
     /* Scanned on every small malloc: kept apart from the rest, with one
      * slot past the last block for the scan's sentinel (npa_stock_take). */
     size_t sizes[NPA_RECENT_MAX + 1];
@@ -310,6 +318,8 @@ typedef struct npa_recent {
 /* The stats a tcache's fast malloc raises, in groups that share one ceiling:
  * allocation and active (blocks), allocated_bytes and active_bytes, requested_bytes. */
 enum { NPA_CEIL_BLOCKS, NPA_CEIL_BYTES, NPA_CEIL_REQUESTED, NPA_CEILINGS };
+/* The entries a ceiling is kept for: the two pools (by index), then [ALL]. */
+enum { NPA_CEIL_ALL = NPUALLOC_THREAD_POOL_COUNT, NPA_CEIL_ENTRIES };
 
 /* A thread's cache on one device (tcache.c): its stock of free blocks (the
  * recent cache) and the blocks its fast paths lent out of it, served and
@@ -328,9 +338,11 @@ struct npa_tcache {
     npa_device *device;
     const void *owner;       /* its thread's npa_my_caches: tells the owner apart (npa_tcaches_flush) */
     npualloc_thread_stats *slot;
-    int64_t largest_published; /* stock.largest as the slot shows it */
-    int64_t ceiling[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS]; /* the slot's current may rise to these */
+    int64_t largest_published; /* the stocks' largest as the slot shows it */
+    int64_t ceiling[NPA_CEIL_ENTRIES][NPA_CEILINGS]; /* the slot's current may rise to these, by pool
+                                                      * and both together ([ALL]) */
     npa_recent stock;
+    npa_recent large;        /* plain large-pool blocks, only while the fast paths run (tcache.c) */
     unsigned lent_count;
     npa_lent lent[NPA_LENT_MAX + 1]; /* lent_count of them, then the scan's sentinel (tcache.c) */
 };
@@ -354,7 +366,7 @@ struct npa_device {
     npa_tcache *tcaches[NPUALLOC_THREAD_SLOTS];
     unsigned tcache_count;
     bool paused;
-    int64_t reserve[NPUALLOC_THREAD_POOL_COUNT][NPA_CEILINGS];
+    int64_t reserve[NPA_CEIL_ENTRIES][NPA_CEILINGS];
     npa_block_map live;
     npa_segment_table segments;
     npa_slab slab;
@@ -460,12 +472,12 @@ static inline bool npa_recent_admits(npa_recent *r, const npa_block *b) {
     r->bypass--;
     return false;
 }
-/* Whether b fits without an eviction. */
-static inline bool npa_stock_has_room(const npa_recent *r, size_t size) {
-    return r->count < r->capacity && r->bytes + size <= NPA_RECENT_BYTES;
+/* Whether b fits without an eviction, in the small stock or the large. */
+static inline bool npa_stock_has_room(const npa_recent *r, size_t size, bool is_small) {
+    return r->count < r->capacity && r->bytes + size <= (is_small ? NPA_RECENT_BYTES : NPA_LARGE_STOCK_BYTES);
 }
 /* Returns the oldest held blocks to their pools until a block of size fits. */
-void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size);
+void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size); /* the small stock's */
 /* Every move below takes full: whether it keeps the fast paths' arrays
  * (addrs, pools, splits), which only a device that lends needs; a lone
  * thread's hit path leaves them (10 instructions a pair by callgrind). */
@@ -528,7 +540,7 @@ static NPA_ALWAYS_INLINE bool npa_stock_take(npa_recent *r, const npa_pool *pool
         if (r->sizes[i] != size) continue;
         if (i == r->count) return false;
         if (full ? r->pools[i] == pool : r->blocks[i]->pool == pool) {
-            if (full) *held = (npa_lent){.addr = r->addrs[i], .size = size, .split = r->splits[i]};
+            if (full) *held = (npa_lent){.addr = r->addrs[i], .size = size, .split = r->splits[i], .is_small = true};
             held->block = npa_stock_remove_at(r, i, full);
             return true;
         }
@@ -548,6 +560,17 @@ static inline void npa_stock_index(npa_recent *r) {
  * device's stats as a free to the pool would count it. Device lock held,
  * inside a stats section: below, beside the stats helpers. */
 static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full);
+/* The large stock's put (recent.c): always full, the large stock holding
+ * blocks only while the device lends. Out of line: inlined beside the
+ * small one, it cost the small one's callers their inlining. */
+void npa_stock_put_large(npa_device *d, npa_recent *r, npa_block *b);
+/* The large stock's rule, torch's for a large block it hands out whole
+ * (should_split: what is left not above NPA_SMALL_SIZE): the smallest held
+ * block of at least size bytes and at most NPA_SMALL_SIZE more (and at most
+ * at_most bytes), out of the stock into *held; false when none. Its blocks
+ * are all below max_split_size (npa_tcache_keep), so none is split at or
+ * above it. */
+bool npa_stock_take_fit(npa_recent *r, size_t size, size_t at_most, npa_lent *held);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
 
@@ -584,14 +607,18 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr); /* 
 /* With the device lock, t the calling thread's own: its slow malloc's figures
  * taken out of t's headroom (as far as it goes), and its slow free's given
  * back to it (no more than the free released, as far as the peaks leave). */
-void npa_tcache_borrow(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested);
-void npa_tcache_regrant(npa_device *d, npa_tcache *t, int64_t count, int64_t bytes, int64_t requested);
+void npa_tcache_borrow(npa_device *d, npa_tcache *t, bool is_small, int64_t count, int64_t bytes,
+                       int64_t requested);
+void npa_tcache_regrant(npa_device *d, npa_tcache *t, bool is_small, int64_t count, int64_t bytes,
+                        int64_t requested);
 /* With the device lock: a block some thread's cache lent, at addr, handed
  * back to the device (counted there, in the live map), or NULL. */
 npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr);
 /* With the device lock: every stock back to the pools (lent blocks stay);
  * false when every stock was empty. */
-bool npa_tcaches_flush(npa_device *d);
+enum { NPA_FLUSH_SMALL = 1, NPA_FLUSH_LARGE = 2 };
+bool npa_tcaches_flush_some(npa_device *d, unsigned which); /* the small stocks, the large or both */
+static inline bool npa_tcaches_flush(npa_device *d) { return npa_tcaches_flush_some(d, NPA_FLUSH_SMALL | NPA_FLUSH_LARGE); }
 /* With the device lock, t the calling thread's own (its lock not taken:
  * tcache.c): the slow path's moves of t's stock. A held block
  * of pool of exactly size bytes, or NULL: *lent when it went to the caller
@@ -602,6 +629,9 @@ bool npa_tcaches_flush(npa_device *d);
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            bool *lent);
 static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending); /* below */
+/* npa_tcache_keep's large part (tcache.c, out of line): b kept in t's large
+ * stock if it may hold it (only while the device lends). */
+bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b);
 /* With the device lock: every lent block back to the device too, the
  * stock flushed, the fast paths on or off as the device says (history,
  * pause): a pause and record_history. */
@@ -615,8 +645,9 @@ void npa_tcaches_thaw(npa_device *d);
 bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t bytes, int64_t requested);
 /* Frozen, in a stats section: the peaks of the slots' stats rise to the
  * device's figure plus the slots' (reset: set to it), and every ceiling
- * shrinks to its slot's current. */
-void npa_tcaches_refit(npa_device *d, bool reset);
+ * shrinks to its slot's current; what the peaks leave is shared out again,
+ * caller's tcache first (the thread whose malloc froze them, or NULL). */
+void npa_tcaches_refit(npa_device *d, npa_tcache *caller, bool reset);
 /* Frozen, in a stats section: the slots' allocated counts and cache hits
  * go to the device's, for a reset of the accumulated counts. */
 void npa_tcaches_fold_accumulated(npa_device *d);
@@ -878,14 +909,15 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
 static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full) {
     npa_recent *r = &t->stock;
     size_t size = b->size, requested = b->requested;
-    if (!npa_stock_has_room(r, size)) npa_stock_make_room(d, r, size);
+    if (!npa_stock_has_room(r, size, true)) npa_stock_make_room(d, r, size);
     npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
     bool split = npa_block_is_split(b);
     /* The stock's own fields before the stats: GCC reloads every field
      * after a stat's atomic store (it may alias them). */
     b->phase = NPA_PHASE_RECENT;
     b->requested = 0;
-    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split}, b->pool, full);
+    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split, .is_small = true},
+                   b->pool, full);
     npualloc_device_stats *s = d->stats;
     if (split) { /* counted as the pool counts an unmerged free block */
         npa_pool_stat_increase(s->inactive_split, true, 1);
@@ -899,6 +931,10 @@ static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_bl
 /* b, freed now (device lock held, t the calling thread's own), kept in
  * t's stock if it admits it; false: not kept. lending: d->lending. */
 static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending) {
+    /* A large block only while the device lends (its stock holds none else):
+     * with lending a constant false, a lone thread's free tests nothing more,
+     * the small stock's admission refusing large blocks. */
+    if (lending && __builtin_expect(!b->is_small, 0)) return npa_tcache_keep_large(d, t, b);
     if (!npa_recent_admits(&t->stock, b)) return false;
     npa_stock_put(d, t, b, lending);
     if ((int64_t)t->stock.largest != t->largest_published) npa_tcache_publish_largest(t);

@@ -571,6 +571,180 @@ static void test_history_turns_the_fast_paths_off(void) {
     fixture_destroy(&fx);
 }
 
+/* ---- the large stock ------------------------------------------------------ */
+
+/* The calling thread's cache on device 0. */
+static npa_tcache *my_tcache(fixture *fx) { return npa_tcache_mine(fx->a, 0); }
+
+/* Allocates and frees each size, all held at once, so that the thread's
+ * large stock holds them (the frees in the order given). */
+static void hold_large(fixture *fx, const size_t *sizes, int count, void **addrs) {
+    void *p[16];
+    for (int i = 0; i < count; i++) p[i] = alloc_exact(fx, 0, sizes[i]);
+    for (int i = 0; i < count; i++) {
+        if (addrs) addrs[i] = p[i];
+        CHECK_EQ(npa_free(fx->a, p[i], 0, NULL), NPA_FREE_OK);
+    }
+}
+
+/* A held large block B serves a request R as torch's pool hands a block
+ * out whole: R <= B and B - R not above 1 MiB, the smallest such B; its
+ * figures are the slow path's (allocated and active B, requested R), and
+ * a warm pair of it takes no device lock. Anything else goes to the pool. */
+static void test_large_blocks_serve_as_torch_would(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    void *held[2];
+    hold_large(&fx, (const size_t[]){3 * MiB, 5 * MiB / 2}, 2, held);
+    CHECK_EQ(my_tcache(&fx)->large.count, 2);
+    /* 2.4 MiB: both fit; the smaller, 2.5 MiB, serves it. */
+    void *p = alloc_exact(&fx, 0, 12 * MiB / 5);
+    CHECK(p == held[1]);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(5 * MiB / 2));
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(5 * MiB / 2));
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(12 * MiB / 5));
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_LARGE].current, 1);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 1);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    /* Warm: the same pair again takes no device lock. */
+    uint64_t seq = device_seq(&fx);
+    p = alloc_exact(&fx, 0, 12 * MiB / 5);
+    CHECK(p == held[1]);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(device_seq(&fx), seq);
+    /* 2 MiB - 512: 3 MiB would leave more than 1 MiB (torch splits it), and
+     * 2.5 MiB leaves exactly 0.5 MiB + 512: served by the 2.5 MiB block. */
+    p = alloc_exact(&fx, 0, 2 * MiB - 512);
+    CHECK(p == held[1]);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    /* 1.25 MiB: 2.5 MiB would leave 1.25 MiB, above 1 MiB: from the pool,
+     * split to the request. */
+    p = alloc_exact(&fx, 0, 5 * MiB / 4);
+    CHECK(p != held[0] && p != held[1]);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(5 * MiB / 4));
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    /* 3.5 MiB: none is big enough. */
+    p = alloc_exact(&fx, 0, 7 * MiB / 2);
+    CHECK(p != held[0] && p != held[1]);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].allocated, s.allocation[NPUALLOC_POOL_ALL].freed);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].peak, (int64_t)(11 * MiB / 2)); /* the two held at first */
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
+/* A thread's large stock holds at most NPA_LARGE_STOCK_MAX blocks and
+ * NPA_LARGE_STOCK_BYTES bytes (the oldest go back to the pool), and no
+ * block bigger than that. */
+static void test_large_stock_bounds(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    size_t sizes[NPA_LARGE_STOCK_MAX + 1];
+    for (int i = 0; i <= NPA_LARGE_STOCK_MAX; i++) sizes[i] = 2 * MiB;
+    hold_large(&fx, sizes, NPA_LARGE_STOCK_MAX + 1, NULL);
+    npa_tcache *t = my_tcache(&fx);
+    CHECK_EQ(t->large.count, NPA_LARGE_STOCK_MAX);
+    CHECK_EQ(t->large.bytes, NPA_LARGE_STOCK_MAX * 2 * MiB);
+    size_t big[7] = {5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB, 5 * MiB};
+    hold_large(&fx, big, 7, NULL);
+    CHECK(t->large.bytes <= NPA_LARGE_STOCK_BYTES);
+    CHECK_EQ(t->large.count, 6); /* 30 MiB: a seventh 5 MiB block would pass 32 */
+    npa_empty_cache(fx.a, 0);
+    hold_large(&fx, (const size_t[]){NPA_LARGE_STOCK_BYTES + 512}, 1, NULL);
+    CHECK_EQ(t->large.count, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 0);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
+/* What a thread's large stock holds goes back to the pool before the large
+ * pool asks the device for memory, for empty_cache, when a GC threshold or
+ * expandable segments are set at run time (and nothing is held from then
+ * on), when the fast paths stop (one thread left) and at a thread's exit. */
+static void *hold_and_exit(void *arg) {
+    lender *l = arg;
+    void *p = alloc_exact(l->fx, 0, 3 * MiB);
+    l->failures += npa_free(l->fx->a, p, 0, NULL) != NPA_FREE_OK;
+    l->failures += npa_tcache_mine(l->fx->a, 0)->large.count != 1;
+    return NULL;
+}
+
+static void test_large_stock_flushes(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.vmm = true;
+    fixture_start(&fx, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    npa_tcache *t = NULL;
+    /* A miss of the large pool: the 20 MiB segment's blocks, all held,
+     * merge back whole before a 25 MiB request grows the pool. */
+    hold_large(&fx, (const size_t[]){8 * MiB, 8 * MiB}, 2, NULL);
+    t = my_tcache(&fx);
+    CHECK_EQ(t->large.count, 2);
+    long grows = fx.fake.raw_malloc_calls;
+    void *p = alloc_exact(&fx, 0, 25 * MiB);
+    CHECK_EQ(fx.fake.raw_malloc_calls, grows + 1);
+    CHECK_EQ(t->large.count, 0);
+    CHECK_EQ(stats_of(&fx, 0).inactive_split[NPUALLOC_POOL_LARGE].current, 0); /* merged: 20 MiB whole */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(t->large.count, 1); /* 25 MiB: held */
+    /* empty_cache. */
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 2);
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(t->large.count, 0);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_LARGE].current, 0);
+    /* A GC threshold set at run time: flushed, and nothing held since. */
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 1);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.5), 0);
+    CHECK_EQ(t->large.count, 0);
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 0);
+    CHECK_EQ(npa_set_gc_threshold(fx.a, 0.0), 0);
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 1);
+    /* Expandable segments switched on: the same. */
+    CHECK_EQ(npa_set_expandable_segments(fx.a, true), 0);
+    CHECK_EQ(t->large.count, 0);
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 0);
+    CHECK_EQ(npa_set_expandable_segments(fx.a, false), 0);
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 1);
+    /* Another thread's exit: its stock folds back. */
+    lender l = {.fx = &fx};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, hold_and_exit, &l), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    /* The companion leaves: one thread, no fast paths, nothing held large. */
+    companion_stop(&c);
+    CHECK_EQ(t->large.count, 0);
+    hold_large(&fx, (const size_t[]){3 * MiB}, 1, NULL);
+    CHECK_EQ(t->large.count, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_LARGE].current, 0); /* every block merged back */
+    CHECK_EQ(npa_empty_cache(fx.a, 0), NPA_OK);
+    CHECK_EQ(stats_of(&fx, 0).reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_fast_paths_need_two_threads);
     RUN(test_a_lone_threads_stock_serves_the_fast_paths);
@@ -586,5 +760,8 @@ int main(void) {
     RUN(test_snapshots_show_lent_blocks_allocated);
     RUN(test_reset_accumulated_with_a_lent_block);
     RUN(test_history_turns_the_fast_paths_off);
+    RUN(test_large_blocks_serve_as_torch_would);
+    RUN(test_large_stock_bounds);
+    RUN(test_large_stock_flushes);
     return check_report();
 }

@@ -388,7 +388,7 @@ static __attribute__((noinline)) void count_alloc_lending(npa_allocator *a, npa_
     if (frozen) npa_tcaches_freeze(d);
     count_alloc(a, d->stats, is_small, bytes, requested, cache_hit);
     if (frozen) {
-        npa_tcaches_refit(d, mine, false);
+        npa_tcaches_refit(d, false);
         npa_tcaches_thaw(d);
     }
 }

@@ -337,6 +337,8 @@ struct npa_tcache {
     unsigned index;          /* in the device's tcaches and its thread slots */
     npa_device *device;
     const void *owner;       /* its thread's npa_my_caches: tells the owner apart (npa_tcaches_flush) */
+    const npa_config *config; /* the device's d->config, read here by the fast paths: the device's own
+                               * field shares a cache line the device lock's holder writes */
     npualloc_thread_stats *slot;
     int64_t largest_published; /* the stocks' largest as the slot shows it */
     int64_t ceiling[NPA_CEIL_ENTRIES][NPA_CEILINGS]; /* the slot's current may rise to these, by pool
@@ -645,9 +647,8 @@ void npa_tcaches_thaw(npa_device *d);
 bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t bytes, int64_t requested);
 /* Frozen, in a stats section: the peaks of the slots' stats rise to the
  * device's figure plus the slots' (reset: set to it), and every ceiling
- * shrinks to its slot's current; what the peaks leave is shared out again,
- * caller's tcache first (the thread whose malloc froze them, or NULL). */
-void npa_tcaches_refit(npa_device *d, npa_tcache *caller, bool reset);
+ * shrinks to its slot's current. */
+void npa_tcaches_refit(npa_device *d, bool reset);
 /* Frozen, in a stats section: the slots' allocated counts and cache hits
  * go to the device's, for a reset of the accumulated counts. */
 void npa_tcaches_fold_accumulated(npa_device *d);

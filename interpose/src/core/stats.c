@@ -106,7 +106,7 @@ void npa_reset_peak_stats(npa_allocator *a, int device) {
     npualloc_stat *run = stat_run(d->stats);
     for (size_t i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) npa_stat_store(&run[i].peak, run[i].current);
     npa_tcaches_freeze(d); /* the slots' stats: peak = the device's figure plus theirs */
-    npa_tcaches_refit(d, NULL, true);
+    npa_tcaches_refit(d, true);
     npa_tcaches_thaw(d);
     npa_stats_end(d);
     npa_lock_release(&d->lock);

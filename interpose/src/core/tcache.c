@@ -88,10 +88,10 @@ static inline int pool_index(bool is_small) { return is_small ? 0 : 1; }
 
 /* Whether large blocks may be held and served (the file's comment says
  * why): the settings written at run time, read as the slow path reads them. */
-static inline bool large_stock_on(const npa_device *d) {
+static inline bool large_stock_on(const npa_config *c) {
     double gc;
-    __atomic_load(&d->config->garbage_collection_threshold, &gc, __ATOMIC_RELAXED);
-    return gc <= 0.0 && !__atomic_load_n(&d->config->expandable_segments, __ATOMIC_RELAXED);
+    __atomic_load(&c->garbage_collection_threshold, &gc, __ATOMIC_RELAXED);
+    return gc <= 0.0 && !__atomic_load_n(&c->expandable_segments, __ATOMIC_RELAXED);
 }
 
 /* The slot's largest_held follows the stocks': inside a slot section. */
@@ -195,7 +195,7 @@ static __attribute__((noinline)) bool take_large(npa_tcache *t, size_t rounded, 
     int64_t room_all = t->ceiling[NPA_CEIL_ALL][NPA_CEIL_BYTES] - small[NPUALLOC_THREAD_ACTIVE_BYTES] -
                        large[NPUALLOC_THREAD_ACTIVE_BYTES];
     if (room_all < room) room = room_all;
-    return t->large.count && room >= (int64_t)rounded && large_stock_on(t->device) &&
+    return t->large.count && room >= (int64_t)rounded && large_stock_on(t->config) &&
            npa_stock_take_fit(&t->large, rounded, (size_t)room, held);
 }
 
@@ -231,7 +231,7 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
     bool small = at < t->lent_count && t->lent[at].is_small;
     npa_recent *stock = small ? &t->stock : &t->large;
     bool done = at < t->lent_count && __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && stock->bypass == 0 &&
-                npa_stock_has_room(stock, t->lent[at].size, small) && (small || large_stock_on(t->device));
+                npa_stock_has_room(stock, t->lent[at].size, small) && (small || large_stock_on(t->config));
     if (done) {
         npa_lent held = t->lent[at];
         lent_remove(t, at);
@@ -411,50 +411,46 @@ static npualloc_stat *slot_stat(npualloc_device_stats *s, int k, int entry) {
     return &stats[k][entry];
 }
 
-void npa_tcaches_refit(npa_device *d, npa_tcache *caller, bool reset) {
+void npa_tcaches_refit(npa_device *d, bool reset) {
     int64_t sum[NPUALLOC_THREAD_POOL_COUNT][NPUALLOC_THREAD_STAT_COUNT] = {{0}};
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];
-        if (!t) continue;
-        for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++) {
-            const int64_t *current = t->slot->current[p];
-            for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) sum[p][k] += current[k];
-        }
-        for (int e = 0; e < NPA_CEIL_ENTRIES; e++)
-            for (int g = 0; g < NPA_CEILINGS; g++) t->ceiling[e][g] = held_in(t, e, g);
+        for (int p = 0; t && p < NPUALLOC_THREAD_POOL_COUNT; p++)
+            for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++) sum[p][k] += t->slot->current[p][k];
     }
-    for (int p = 0; p < NPUALLOC_THREAD_POOL_COUNT; p++) {
-        d->reserve[p][NPA_CEIL_BLOCKS] = sum[p][NPUALLOC_THREAD_ACTIVE];
-        d->reserve[p][NPA_CEIL_BYTES] = sum[p][NPUALLOC_THREAD_ACTIVE_BYTES];
-        d->reserve[p][NPA_CEIL_REQUESTED] = sum[p][NPUALLOC_THREAD_REQUESTED_BYTES];
-    }
-    for (int g = 0; g < NPA_CEILINGS; g++) d->reserve[NPA_CEIL_ALL][g] = d->reserve[0][g] + d->reserve[1][g];
     for (int k = 0; k < NPUALLOC_THREAD_STAT_COUNT; k++)
         for (int entry = 0; entry < NPUALLOC_POOL_COUNT; entry++) {
             npualloc_stat *st = slot_stat(d->stats, k, entry);
             int64_t total = st->current + (entry == NPUALLOC_POOL_ALL ? sum[0][k] + sum[1][k] : sum[entry - 1][k]);
             if (reset || total > st->peak) npa_stat_store(&st->peak, total);
         }
-    /* What the peaks leave, shared out again (at most half of it), so the
-     * fast paths do not all come back for a grant after a freeze. */
-    for (int e = 0; d->lending && e < NPA_CEIL_ENTRIES; e++) /* off: every ceiling stays 0 */
+    /* Only the entries whose ceilings the peaks no longer cover shrink to
+     * the slots (all of them for a reset): a large malloc that passed the
+     * large pool's peak leaves the small pool's ceilings as they were (shrunk
+     * and shared again, an idle thread's share of a one-block slack left the
+     * busy one half a block, and its next small malloc went slow). What the
+     * peaks leave is shared out again (at most half of it), so the fast
+     * paths do not all come back for a grant after a freeze. */
+    for (int e = 0; e < NPA_CEIL_ENTRIES; e++) {
+        bool covered = !reset;
+        for (int g = 0; covered && g < NPA_CEILINGS; g++) covered = entry_slack(d, e, g) >= 0;
+        if (covered) continue;
         for (int g = 0; g < NPA_CEILINGS; g++) {
-            /* The thread whose malloc froze them first, up to a stock's
-             * worth: shared evenly, a pool's slack of one block between
-             * two threads was half a block each, and its next fast malloc
-             * of that pool went slow. */
-            if (caller) {
-                int64_t first = share_of(e, g, entry_slack(d, e, g), 1, false);
-                caller->ceiling[e][g] += first;
-                d->reserve[e][g] += first;
+            d->reserve[e][g] = 0;
+            for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+                npa_tcache *t = d->tcaches[i];
+                if (!t) continue;
+                t->ceiling[e][g] = held_in(t, e, g);
+                d->reserve[e][g] += t->ceiling[e][g];
             }
-            int64_t share = share_of(e, g, entry_slack(d, e, g), d->tcache_count, false);
-            for (unsigned i = 0; share > 0 && i < NPUALLOC_THREAD_SLOTS; i++) {
+            int64_t share = d->lending ? share_of(e, g, entry_slack(d, e, g), d->tcache_count, false) : 0;
+            for (unsigned i = 0; share > 0 && i < NPUALLOC_THREAD_SLOTS; i++) { /* off: every ceiling stays 0 */
                 if (!d->tcaches[i]) continue;
                 d->tcaches[i]->ceiling[e][g] += share;
                 d->reserve[e][g] += share;
             }
         }
+    }
 }
 
 /* ---- folding back -------------------------------------------------------- */
@@ -560,7 +556,7 @@ static NPA_ALWAYS_INLINE npa_block *lend_or_hand(npa_device *d, npa_tcache *t, c
 static __attribute__((noinline)) npa_block *take_large_held(npa_device *d, npa_tcache *t, const npa_pool *pool,
                                                             size_t size, size_t requested, bool *lent) {
     npa_lent held;
-    if (!t->large.count || pool != &d->plain.large || !large_stock_on(d) ||
+    if (!t->large.count || pool != &d->plain.large || !large_stock_on(t->config) ||
         !npa_stock_take_fit(&t->large, size, SIZE_MAX, &held))
         return NULL;
     return lend_or_hand(d, t, pool, &held, requested, lent);
@@ -583,7 +579,7 @@ npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, s
  * have made anyway. */
 static bool large_admits(const npa_device *d, npa_recent *r, const npa_block *b) {
     return d->lending && r->capacity != 0 && !b->is_small && !b->in_expandable && b->pool == &d->plain.large &&
-           b->size <= NPA_LARGE_STOCK_BYTES && b->size < d->config->max_split_size && large_stock_on(d);
+           b->size <= NPA_LARGE_STOCK_BYTES && b->size < d->config->max_split_size && large_stock_on(d->config);
 }
 
 /* Out of line, as take_large_held. */
@@ -794,6 +790,7 @@ npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d) {
     memset(t, 0, size);
     t->device = d;
     t->owner = &npa_my_caches;
+    t->config = d->config;
     t->stock.capacity = a->config.recent_blocks < NPA_RECENT_MAX ? a->config.recent_blocks : NPA_RECENT_MAX;
     t->large.capacity = NPA_LARGE_STOCK_MAX;
     t->large.unjudged = true;

@@ -1,0 +1,58 @@
+"""exit() from a signal handler that lands on a thread inside its own
+per-thread cache's fast path (issue 14): the hook's at_exit gives the cache
+back without waiting for any lock of ours, that thread's cache lock
+included (h96a review)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import SIM_LIB, compile_c, preload_env
+
+EXIT_IN_FAST_PATH = r"""
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/time.h>
+
+int main(int argc, char **argv)
+{
+    void *runtime = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
+    if (!runtime)
+        return 2;
+    int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
+    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
+    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
+    int (*npu_free)(void *) = (int (*)(void *))dlsym(RTLD_DEFAULT, "aclrtFree");
+    if (init(NULL) != 0 || set_device(0) != 0)
+        return 3;
+    signal(SIGALRM, (void (*)(int))exit);
+    struct itimerval when = {.it_value = {.tv_sec = 0, .tv_usec = atoi(argv[2])}};
+    setitimer(ITIMER_REAL, &when, NULL);
+    for (;;) { /* warm after the first pairs: each later pair is the fast path's */
+        void *p = NULL;
+        if (npu_malloc(&p, 4096, 0) != 0 || npu_free(p) != 0)
+            return 4;
+    }
+}
+"""
+
+
+def test_exit_from_a_signal_handler_inside_the_fast_path_ends_the_process(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    program = compile_c(tmp_path_factory, "exit_in_fast_path", EXIT_IN_FAST_PATH)
+    procs = [subprocess.Popen([str(program), str(SIM_LIB / "libascendcl.so"), str(20000 + 37 * i)],
+                              env=preload_env(NPUALLOC_SHM_DIR=str(tmp_path), NPUSIM_MALLOC_US="0",
+                                              NPUSIM_FREE_US="0"),
+                              stderr=subprocess.PIPE, text=True) for i in range(24)]
+    hung = 0
+    for proc in procs:
+        try:
+            proc.communicate(timeout=20)
+            assert proc.returncode == 14, proc.returncode  # exit(SIGALRM's number), from the handler
+        except subprocess.TimeoutExpired:
+            hung += 1
+            proc.kill()
+            proc.communicate()
+    assert hung == 0, f"{hung} of {len(procs)} processes never ended"

@@ -1,6 +1,9 @@
 /* Review of the per-thread caches (issue 14, h96a): cases that failed on
  * the first implementation (dc45998). */
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,6 +59,26 @@ static void test_inactive_split_peak_after_a_reset(void) {
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].peak, 2);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    fixture_destroy(&fx);
+}
+
+/* reset_peak_memory_stats with a split block lent: the peak became the
+ * sum (the lent block out of the device's figure), and the fast free that
+ * puts the block back in the stock raised the sum past it, unseen: a
+ * reader saw inactive_split's current above its peak. */
+static void test_inactive_split_never_passes_its_peak_after_a_reset(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    void *p = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    p = alloc_exact(&fx, 0, 4096); /* lent */
+    npa_reset_peak_stats(fx.a, 0);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK); /* the fast path: back in the stock */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);
+    CHECK(s.inactive_split[NPUALLOC_POOL_ALL].current <= s.inactive_split[NPUALLOC_POOL_ALL].peak);
+    CHECK(s.inactive_split[NPUALLOC_POOL_SMALL].current <= s.inactive_split[NPUALLOC_POOL_SMALL].peak);
+    CHECK(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current <= s.inactive_split_bytes[NPUALLOC_POOL_ALL].peak);
     fixture_destroy(&fx);
 }
 
@@ -196,11 +219,106 @@ static void test_an_allocator_destroyed_under_threads_caches(void) {
     pthread_barrier_destroy(&barrier);
 }
 
+/* Everything that freezes or folds the caches, from a control thread,
+ * while looping threads hit them, trade blocks (foreign frees) and exit
+ * and come back (new threads), under a reader: no stat's current above its
+ * peak or below 0 in any summed read. For TSAN too. */
+typedef struct chaos {
+    fixture *fx;
+    atomic_int *stop;
+    void *_Atomic *mailbox; /* a block handed to the next thread that looks */
+    int seed;
+    long failures;
+} chaos;
+
+static void *chaos_loop(void *arg) {
+    chaos *c = arg;
+    uint64_t rng = 0x9e3779b97f4a7c15ull * (uint64_t)(c->seed + 7);
+    while (!atomic_load(c->stop)) {
+        void *held[6] = {0};
+        for (int i = 0; i < 400; i++) {
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+            void **slot = &held[rng % 6];
+            if (*slot) {
+                if (rng % 17 == 0) *slot = atomic_exchange(c->mailbox, *slot); /* another thread frees it */
+                if (*slot) c->failures += npa_free(c->fx->a, *slot, 0, NULL) != NPA_FREE_OK;
+                *slot = NULL;
+            } else {
+                size_t size = rng % 29 == 0 ? 3 * MiB : 512 * (1 + (rng >> 20) % 8);
+                c->failures += npa_malloc(c->fx->a, 0, size, NPA_ENTRY_EXACT, slot) != NPA_OK;
+            }
+        }
+        for (int i = 0; i < 6; i++)
+            if (held[i]) c->failures += npa_free(c->fx->a, held[i], 0, NULL) != NPA_FREE_OK;
+        if (rng % 3 == 0) break; /* exits: its caches fold back; the main thread starts another */
+    }
+    return NULL;
+}
+
+static void count_nothing(const npa_segment_view *v, void *arg) { (void)v, (void)arg; }
+
+static void test_chaos_under_a_reader(void) {
+    fixture fx;
+    fixture_init(&fx, 4 * GiB, NULL);
+    atomic_int stop = 0;
+    void *_Atomic mailbox = NULL;
+    enum { N = 3 };
+    chaos c[N];
+    pthread_t ids[N];
+    int seeds = 0;
+    for (int i = 0; i < N; i++) {
+        c[i] = (chaos){.fx = &fx, .stop = &stop, .mailbox = &mailbox, .seed = seeds++};
+        CHECK_EQ(pthread_create(&ids[i], NULL, chaos_loop, &c[i]), 0);
+    }
+    long broken = 0, failures = 0;
+    for (int round = 0; round < 20000 || seeds < 200; round++) {
+        npualloc_device_stats s = stats_of(&fx, 0);
+        const npualloc_stat *run = &s.allocation[0];
+        for (int i = 0; i < NPUALLOC_STAT_RUN_LENGTH; i++) {
+            if (run[i].current > run[i].peak || run[i].current < 0) {
+                if (broken < 5) fprintf(stderr, "stat %d: current %lld peak %lld\n", i, (long long)run[i].current, (long long)run[i].peak);
+                broken++;
+            }
+        }
+        switch (round % 9) {
+        case 0: npa_reset_peak_stats(fx.a, 0); break;
+        case 1: npa_visit_segments(fx.a, 0, count_nothing, NULL); break;
+        case 2: npa_empty_cache(fx.a, 0); break;
+        case 3: npa_reset_accumulated_stats(fx.a, 0); break;
+        case 4: CHECK_EQ(npa_set_record_history(fx.a, round % 2 ? 64 : 0), 0); break;
+        case 5: CHECK_EQ(npa_set_record_history(fx.a, 0), 0); break;
+        default: break;
+        }
+        for (int i = 0; i < N; i++) /* a thread that left: joined, another started */
+            if (pthread_tryjoin_np(ids[i], NULL) == 0) {
+                failures += c[i].failures;
+                c[i] = (chaos){.fx = &fx, .stop = &stop, .mailbox = &mailbox, .seed = seeds++};
+                CHECK_EQ(pthread_create(&ids[i], NULL, chaos_loop, &c[i]), 0);
+            }
+    }
+    atomic_store(&stop, 1);
+    for (int i = 0; i < N; i++) {
+        CHECK_EQ(pthread_join(ids[i], NULL), 0);
+        failures += c[i].failures;
+    }
+    void *left = atomic_exchange(&mailbox, NULL);
+    if (left) CHECK_EQ(npa_free(fx.a, left, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(failures, 0);
+    CHECK_EQ(broken, 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_inactive_split_peak_counts_lent_blocks_out);
     RUN(test_inactive_split_peak_after_a_reset);
+    RUN(test_inactive_split_never_passes_its_peak_after_a_reset);
     RUN(test_empty_cache_unless_busy_never_waits_for_a_tcache);
     RUN(test_the_33rd_thread);
     RUN(test_an_allocator_destroyed_under_threads_caches);
+    RUN(test_chaos_under_a_reader);
     return check_report();
 }

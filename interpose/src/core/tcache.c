@@ -422,6 +422,11 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
         for (int entry = 0; entry < NPUALLOC_POOL_COUNT; entry++) {
             npualloc_stat *st = slot_stat(d->stats, k, entry);
             int64_t total = st->current + (entry == NPUALLOC_POOL_ALL ? sum[0][k] + sum[1][k] : sum[entry - 1][k]);
+            /* inactive_split has no ceiling: a slot's figure (minus its lent
+             * split blocks) rises on a fast free with no peak checked, up
+             * to 0, so its peak may never be set below the device's own
+             * figure (it overstates the sum by the blocks lent meanwhile). */
+            if (k >= NPUALLOC_THREAD_INACTIVE_SPLIT && total < st->current) total = st->current;
             if (reset || total > st->peak) npa_stat_store(&st->peak, total);
         }
     /* Only the entries whose ceilings the peaks no longer cover shrink to

@@ -312,6 +312,58 @@ static void test_chaos_under_a_reader(void) {
     fixture_destroy(&fx);
 }
 
+typedef struct lender2 {
+    fixture *fx;
+    void *block;
+    long failures;
+} lender2;
+
+/* A thread with caches on two devices: a block one lent freed with the
+ * other device as the hint (the slow path finds it), its exit folding both
+ * back. */
+static void *two_devices(void *arg) {
+    lender2 *l = arg;
+    for (int dev = 0; dev < 2; dev++)
+        for (int i = 0; i < 4; i++) {
+            void *p = NULL;
+            l->failures += npa_malloc(l->fx->a, dev, 4096, NPA_ENTRY_EXACT, &p) != NPA_OK;
+            l->failures += npa_free(l->fx->a, p, dev, NULL) != NPA_FREE_OK;
+        }
+    void *p0 = NULL, *p1 = NULL, *kept = NULL;
+    l->failures += npa_malloc(l->fx->a, 0, 4096, NPA_ENTRY_EXACT, &p0) != NPA_OK;
+    l->failures += npa_malloc(l->fx->a, 1, 4096, NPA_ENTRY_EXACT, &p1) != NPA_OK;
+    l->failures += npa_malloc(l->fx->a, 1, 4096, NPA_ENTRY_EXACT, &kept) != NPA_OK;
+    int where = -1;
+    l->failures += npa_free(l->fx->a, p1, 0, &where) != NPA_FREE_OK; /* the wrong hint */
+    l->failures += where != 1;
+    l->failures += npa_free(l->fx->a, p0, 1, &where) != NPA_FREE_OK;
+    l->failures += where != 0;
+    l->failures += npa_free(l->fx->a, p0, 0, NULL) != NPA_FREE_INVALID;
+    l->block = kept; /* lent on device 1 at exit */
+    return NULL;
+}
+
+static void test_a_thread_on_two_devices(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    lender2 l = {.fx = &fx};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, two_devices, &l), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    for (int dev = 0; dev < 2; dev++) {
+        npa_device *d = npa_device_get(fx.a, dev, false);
+        CHECK_EQ(d->tcache_count, 0);
+        npualloc_device_stats s = stats_of(&fx, dev);
+        CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, dev == 1 ? 1 : 0);
+        CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].peak, dev == 1 ? 2 : 1);
+        CHECK_EQ(s.num_invalid_frees, dev == 0 ? 1 : 0);
+    }
+    CHECK_EQ(npa_free(fx.a, l.block, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 1).allocation[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_inactive_split_peak_counts_lent_blocks_out);
     RUN(test_inactive_split_peak_after_a_reset);
@@ -320,5 +372,6 @@ int main(void) {
     RUN(test_the_33rd_thread);
     RUN(test_an_allocator_destroyed_under_threads_caches);
     RUN(test_chaos_under_a_reader);
+    RUN(test_a_thread_on_two_devices);
     return check_report();
 }

@@ -16,6 +16,37 @@
 #include "fake_backend.h"
 #include "test_util.h"
 
+/* Another thread with a cache on device 0, alive until companion_end: the
+ * fast paths run only while two threads or more have one (h95a b54b0a5). */
+typedef struct companion {
+    fixture *fx;
+    pthread_barrier_t barrier;
+    pthread_t thread;
+} companion;
+
+static void *companion_main(void *arg) {
+    companion *c = arg;
+    void *p = NULL;
+    if (npa_malloc(c->fx->a, 0, 512, NPA_ENTRY_EXACT, &p) == NPA_OK) npa_free(c->fx->a, p, 0, NULL);
+    pthread_barrier_wait(&c->barrier); /* has its cache */
+    pthread_barrier_wait(&c->barrier); /* the test is done */
+    return NULL;
+}
+
+static void companion_start(companion *c, fixture *fx) {
+    c->fx = fx;
+    pthread_barrier_init(&c->barrier, NULL, 2);
+    CHECK_EQ(pthread_create(&c->thread, NULL, companion_main, c), 0);
+    pthread_barrier_wait(&c->barrier);
+    CHECK_EQ(npa_empty_cache(fx->a, 0), NPA_OK); /* its block back: the device starts empty */
+}
+
+static void companion_end(companion *c) {
+    pthread_barrier_wait(&c->barrier);
+    CHECK_EQ(pthread_join(c->thread, NULL), 0);
+    pthread_barrier_destroy(&c->barrier);
+}
+
 /* inactive_split's peak is the most inactive split blocks there ever were.
  * A split block the thread's cache lends stays counted inactive in the
  * device's figure (its slot says -1), so a slow path that adds an inactive
@@ -25,6 +56,8 @@
 static void test_inactive_split_peak_counts_lent_blocks_out(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);      /* a new small segment: its tail is an inactive split block */
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK); /* held in the stock: 2 inactive split blocks */
     p = alloc_exact(&fx, 0, 4096);            /* lent out of the stock: 1 (the tail) */
@@ -38,6 +71,7 @@ static void test_inactive_split_peak_counts_lent_blocks_out(void) {
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].peak, 2);
     CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].peak, (int64_t)(2 * MiB)); /* p held beside the tail */
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    companion_end(&c);
     fixture_destroy(&fx);
 }
 
@@ -47,6 +81,8 @@ static void test_inactive_split_peak_counts_lent_blocks_out(void) {
 static void test_inactive_split_peak_after_a_reset(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     p = alloc_exact(&fx, 0, 4096); /* lent */
@@ -59,6 +95,7 @@ static void test_inactive_split_peak_after_a_reset(void) {
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].peak, 2);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    companion_end(&c);
     fixture_destroy(&fx);
 }
 
@@ -69,6 +106,8 @@ static void test_inactive_split_peak_after_a_reset(void) {
 static void test_inactive_split_never_passes_its_peak_after_a_reset(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     p = alloc_exact(&fx, 0, 4096); /* lent */
@@ -79,6 +118,7 @@ static void test_inactive_split_never_passes_its_peak_after_a_reset(void) {
     CHECK(s.inactive_split[NPUALLOC_POOL_ALL].current <= s.inactive_split[NPUALLOC_POOL_ALL].peak);
     CHECK(s.inactive_split[NPUALLOC_POOL_SMALL].current <= s.inactive_split[NPUALLOC_POOL_SMALL].peak);
     CHECK(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current <= s.inactive_split_bytes[NPUALLOC_POOL_ALL].peak);
+    companion_end(&c);
     fixture_destroy(&fx);
 }
 

@@ -12,9 +12,26 @@ from conftest import SIM_LIB, compile_c, preload_env
 
 EXIT_IN_FAST_PATH = r"""
 #include <dlfcn.h>
+#include <pthread.h>
+#include <unistd.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/time.h>
+
+static int (*npu_malloc)(void **, size_t, int);
+static int (*npu_free)(void *);
+
+/* A second thread with a cache on the device: the fast paths run only while
+ * two threads or more have one. */
+static void *companion(void *arg)
+{
+    (void)arg;
+    void *p = NULL;
+    if (npu_malloc(&p, 512, 0) == 0)
+        npu_free(p);
+    for (;;)
+        pause();
+}
 
 int main(int argc, char **argv)
 {
@@ -23,10 +40,14 @@ int main(int argc, char **argv)
         return 2;
     int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
     int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
-    int (*npu_malloc)(void **, size_t, int) = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
-    int (*npu_free)(void *) = (int (*)(void *))dlsym(RTLD_DEFAULT, "aclrtFree");
+    npu_malloc = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
+    npu_free = (int (*)(void *))dlsym(RTLD_DEFAULT, "aclrtFree");
     if (init(NULL) != 0 || set_device(0) != 0)
         return 3;
+    pthread_t other;
+    if (pthread_create(&other, NULL, companion, NULL) != 0)
+        return 5;
+    usleep(20000); /* it has its cache */
     signal(SIGALRM, (void (*)(int))exit);
     struct itimerval when = {.it_value = {.tv_sec = 0, .tv_usec = atoi(argv[2])}};
     setitimer(ITIMER_REAL, &when, NULL);

@@ -20,6 +20,7 @@ EXIT_IN_FAST_PATH = r"""
 
 static int (*npu_malloc)(void **, size_t, int);
 static int (*npu_free)(void *);
+static int (*set_device)(int);
 
 /* A second thread with a cache on the device: the fast paths run only while
  * two threads or more have one. */
@@ -27,7 +28,7 @@ static void *companion(void *arg)
 {
     (void)arg;
     void *p = NULL;
-    if (npu_malloc(&p, 512, 0) == 0)
+    if (set_device(0) == 0 && npu_malloc(&p, 512, 0) == 0)
         npu_free(p);
     for (;;)
         pause();
@@ -39,7 +40,7 @@ int main(int argc, char **argv)
     if (!runtime)
         return 2;
     int (*init)(const char *) = (int (*)(const char *))dlsym(runtime, "aclInit");
-    int (*set_device)(int) = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
+    set_device = (int (*)(int))dlsym(runtime, "aclrtSetDevice");
     npu_malloc = (int (*)(void **, size_t, int))dlsym(RTLD_DEFAULT, "aclrtMalloc");
     npu_free = (int (*)(void *))dlsym(RTLD_DEFAULT, "aclrtFree");
     if (init(NULL) != 0 || set_device(0) != 0)

@@ -219,6 +219,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) d->batches_tail[kind] = &d->batches[kind];
     d->backend = &a->backend;
     d->config = &a->config;
+    d->allocator_id = a->id;
     npa_history_reset(&d->history, __atomic_load_n(&a->config.record_history, __ATOMIC_RELAXED));
 
     size_t free_bytes = 0, total_bytes = 0;
@@ -384,12 +385,14 @@ static __attribute__((noinline)) void count_alloc_lending(npa_allocator *a, npa_
                                                            int64_t bytes, size_t requested, bool cache_hit) {
     npa_tcache *mine = npa_tcache_mine(a, d->id);
     if (mine) npa_tcache_borrow(d, mine, is_small, 1, bytes, (int64_t)requested);
-    bool frozen = !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested);
+    bool frozen = !npa_tcaches_fit(d, is_small, 1, bytes, (int64_t)requested) ||
+                  d->freeze_at_close; /* the split before it froze (npa_stats_end_outermost) */
     if (frozen) npa_tcaches_freeze(d);
     count_alloc(a, d->stats, is_small, bytes, requested, cache_hit);
     if (frozen) {
         npa_tcaches_refit(d, false);
         npa_tcaches_thaw(d);
+        if (d->freeze_at_close) npa_tcaches_thaw_at_close(d);
     }
 }
 
@@ -418,8 +421,8 @@ static NPA_ALWAYS_INLINE void alloc_found_block(npa_allocator *a, npa_device *d,
             /* An inactive split block shrinks by the part handed out. */
             npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)size);
         } else if (counts_split) {
-            npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, (int64_t)rest->size);
-            npa_pool_stat_increase(s->inactive_split, b->is_small, 1);
+            npa_split_stat_increase(d, s->inactive_split_bytes, b->is_small, (int64_t)rest->size);
+            npa_split_stat_increase(d, s->inactive_split, b->is_small, 1);
         }
     } else if (counts_split && already_split) {
         npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)b->size);
@@ -795,9 +798,9 @@ static void merge_into_pool(npa_device *d, npa_block *b, bool counted) {
     if (b->in_expandable) inactive_blocks = inactive_bytes = 0; /* left out, as in alloc_found_block */
 
     npa_stats_begin(d);
-    if (inactive_blocks > 0) npa_pool_stat_increase(s->inactive_split, b->is_small, inactive_blocks);
+    if (inactive_blocks > 0) npa_split_stat_increase(d, s->inactive_split, b->is_small, inactive_blocks);
     else if (inactive_blocks < 0) npa_pool_stat_decrease(s->inactive_split, b->is_small, -inactive_blocks);
-    if (inactive_bytes > 0) npa_pool_stat_increase(s->inactive_split_bytes, b->is_small, inactive_bytes);
+    if (inactive_bytes > 0) npa_split_stat_increase(d, s->inactive_split_bytes, b->is_small, inactive_bytes);
     else if (inactive_bytes < 0) npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, -inactive_bytes);
     npa_stats_end(d);
 }
@@ -890,8 +893,11 @@ static NPA_ALWAYS_INLINE void free_allocated_as(npa_allocator *a, npa_device *d,
     npa_pool_stat_decrease(s->allocation, is_small, 1);
     npa_pool_stat_decrease(s->allocated_bytes, is_small, (int64_t)size);
     if (size >= a->config.max_split_size) npa_stat_decrease(&s->oversize_allocations, 1);
-    if (lending && t) /* the room this free made, for the thread's fast mallocs */
-        npa_tcache_regrant(d, t, is_small, 1, (int64_t)size, (int64_t)requested);
+    if (lending) {
+        if (t) /* the room this free made, for the thread's fast mallocs */
+            npa_tcache_regrant(d, t, is_small, 1, (int64_t)size, (int64_t)requested);
+        if (d->freeze_at_close) npa_tcaches_thaw_at_close(d); /* the way chosen froze (npa_stats_end_outermost) */
+    }
     npa_stats_end_outermost(d);
 }
 

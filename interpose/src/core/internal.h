@@ -315,9 +315,13 @@ typedef struct npa_recent {
 
 #define NPA_LENT_MAX 48      /* then the fast malloc declines: scans stay short */
 
-/* The stats a tcache's fast malloc raises, in groups that share one ceiling:
- * allocation and active (blocks), allocated_bytes and active_bytes, requested_bytes. */
-enum { NPA_CEIL_BLOCKS, NPA_CEIL_BYTES, NPA_CEIL_REQUESTED, NPA_CEILINGS };
+/* The stats a tcache's fast paths raise, in groups that share one ceiling:
+ * the fast malloc's allocation and active (blocks), allocated_bytes and
+ * active_bytes, requested_bytes (the first NPA_CEIL_MALLOC groups); the
+ * fast free's inactive_split and inactive_split_bytes (a lent split block
+ * it takes back is inactive again). */
+enum { NPA_CEIL_BLOCKS, NPA_CEIL_BYTES, NPA_CEIL_REQUESTED, NPA_CEIL_SPLIT, NPA_CEIL_SPLIT_BYTES, NPA_CEILINGS };
+#define NPA_CEIL_MALLOC 3
 /* The entries a ceiling is kept for: the two pools (by index), then [ALL]. */
 enum { NPA_CEIL_ALL = NPUALLOC_THREAD_POOL_COUNT, NPA_CEIL_ENTRIES };
 
@@ -358,7 +362,8 @@ struct npa_device {
     npa_lock lock;           /* lock.h */
     int id;
     unsigned stats_depth;    /* nesting of open seqlock write sections */
-    bool largest_moved;      /* a pool's largest block changed: largest_free_block is stale */
+    bool largest_moved;      /* a pool's largest block changed: largest_free_block is stale; or a freeze
+                              * ends with the outermost section (freeze_at_close): the closing's slow way */
     bool gone_freed;         /* a block went back to a gone stream's pool: its segment may be free (release_gone_freed) */
     npa_history history;     /* beside the lock: in cache whenever the device is */
     npa_pool_pair plain;     /* callers that name no stream */
@@ -368,6 +373,15 @@ struct npa_device {
     npa_tcache *tcaches[NPUALLOC_THREAD_SLOTS];
     unsigned tcache_count;
     bool paused;
+    /* Freezes (npa_tcaches_freeze) open, their locks taken at the first
+     * (all but maybe the caller's own, frozen_without); an increase of
+     * inactive_split that froze, to end with the outermost section (refit,
+     * thaw); a freeze that must refit when it ends. */
+    unsigned freeze_depth;
+    npa_tcache *frozen_without; /* the caller's own, its lock held below it (npa_tcaches_freeze) */
+    bool freeze_at_close;
+    bool refit_due;
+    uint64_t allocator_id;   /* npa_allocator.id: the calling thread's own tcache (tcache.c's own_tcache) */
     int64_t reserve[NPA_CEIL_ENTRIES][NPA_CEILINGS];
     npa_block_map live;
     npa_segment_table segments;
@@ -638,9 +652,22 @@ bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b);
  * stock flushed, the fast paths on or off as the device says (history,
  * pause): a pause and record_history. */
 void npa_tcaches_settle(npa_device *d);
-/* Freeze: every tcache's lock, in index order (their fast paths stop). */
+/* Freeze: every tcache's lock, in index order (their fast paths stop);
+ * the caller's own only tried (tcache.c). Nested freezes take them once;
+ * the last thaw gives them back, after a refit when an increase of
+ * inactive_split passed the ceilings meanwhile (npa_split_past_peak). */
 void npa_tcaches_freeze(npa_device *d);
 void npa_tcaches_thaw(npa_device *d);
+/* The stats' closing: a freeze that an increase of inactive_split began
+ * ends with the outermost section (refit, then thaw). */
+void npa_tcaches_thaw_at_close(npa_device *d);
+/* With the device lock, in a stats section, the fast paths running: a
+ * slow path's increase of inactive_split or its bytes (already counted)
+ * passed the device's own figure of a peak. It stays if device.current + R
+ * is still within the peaks; else the calling thread's own headroom is
+ * used first, else every tcache freezes until the outermost section ends,
+ * the peaks raised to the exact sum meanwhile (tcache.c). */
+__attribute__((noinline, cold)) void npa_split_past_peak(npa_device *d, bool is_small);
 /* Whether a slow-path malloc of pool may add count blocks of bytes
  * (requested) to the device's stats with every ceiling kept under the
  * peaks; when not, it freezes, adds, then npa_tcaches_refit. */
@@ -825,10 +852,15 @@ static inline void npa_publish_largest(npa_device *d) {
     npa_stat_store(&d->stats->largest_free_block, (int64_t)largest);
 }
 
-/* The outermost section's closing: largest_free_block, then seq even. */
+/* The outermost section's closing: a freeze an increase of inactive_split
+ * began ends (npa_split_past_peak sets largest_moved too: one test for
+ * both), largest_free_block, then seq even. */
 static inline void npa_stats_close(npa_device *d) {
     npualloc_device_stats *s = d->stats;
-    if (d->largest_moved) npa_publish_largest(d);
+    if (d->largest_moved) {
+        if (d->freeze_at_close) npa_tcaches_thaw_at_close(d);
+        npa_publish_largest(d);
+    }
     __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
 }
 
@@ -836,10 +868,15 @@ static inline void npa_stats_end(npa_device *d) {
     if (--d->stats_depth == 0) npa_stats_close(d);
 }
 
-/* Closes npa_stats_begin_outermost's section. */
+/* Closes npa_stats_begin_outermost's section. Its two callers end a
+ * freeze begun in it themselves, in the branches they take anyway while
+ * the threads' fast paths run (npa_split_past_peak freezes only then): a
+ * call here, never made, cost a lone thread's pair a few register moves. */
 static inline void npa_stats_end_outermost(npa_device *d) {
+    npualloc_device_stats *s = d->stats;
     d->stats_depth = 0;
-    npa_stats_close(d);
+    if (d->largest_moved) npa_publish_largest(d);
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
 }
 
 /* allocated only grows (until a reset): allocated_bytes passes INT64_MAX
@@ -865,6 +902,33 @@ static inline void npa_pool_stat_increase(npualloc_stat st[NPUALLOC_POOL_COUNT],
 static inline void npa_pool_stat_decrease(npualloc_stat st[NPUALLOC_POOL_COUNT], bool is_small, int64_t x) {
     npa_stat_decrease(&st[NPUALLOC_POOL_ALL], x);
     npa_stat_decrease(&st[is_small ? NPUALLOC_POOL_SMALL : NPUALLOC_POOL_LARGE], x);
+}
+
+/* inactive_split or its bytes (st) rise by x on the slow path, in [ALL]
+ * and the block's pool. While the threads' fast paths run, a split block
+ * one of them lent stays counted inactive in the device's figure (its slot
+ * takes it out), which then is only an upper bound of the sum: no peak is
+ * set from it, the ceilings keep it (tcache.c). Their sum R is never above
+ * 0 there (a slot's figure never is), so a figure within its peak keeps
+ * device.current + R within it: only one past it is the slow way
+ * (npa_split_past_peak). With the fast paths off every slot is 0 there
+ * (npa_tcaches_settle folds every lent block back), and the peak becomes
+ * the figure, today's rule. So the common case is npa_stat_increase's, to
+ * the instruction (make bench's hot path). */
+static inline void npa_split_stat_raise(npa_device *d, npualloc_stat *st, bool is_small, int64_t x) {
+    int64_t current = st->current + x;
+    npa_stat_store(&st->current, current);
+    if (__builtin_expect(current > st->peak, 0)) {
+        if (__builtin_expect(d->lending, 0)) npa_split_past_peak(d, is_small);
+        else npa_stat_store(&st->peak, current);
+    }
+    npa_stat_store(&st->allocated, (int64_t)((uint64_t)st->allocated + (uint64_t)x));
+}
+
+static inline void npa_split_stat_increase(npa_device *d, npualloc_stat st[NPUALLOC_POOL_COUNT], bool is_small,
+                                           int64_t x) {
+    npa_split_stat_raise(d, &st[NPUALLOC_POOL_ALL], is_small, x);
+    npa_split_stat_raise(d, &st[is_small ? NPUALLOC_POOL_SMALL : NPUALLOC_POOL_LARGE], is_small, x);
 }
 
 void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes);
@@ -921,8 +985,8 @@ static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_bl
                    b->pool, full);
     npualloc_device_stats *s = d->stats;
     if (split) { /* counted as the pool counts an unmerged free block */
-        npa_pool_stat_increase(s->inactive_split, true, 1);
-        npa_pool_stat_increase(s->inactive_split_bytes, true, (int64_t)size);
+        npa_split_stat_increase(d, s->inactive_split, true, 1);
+        npa_split_stat_increase(d, s->inactive_split_bytes, true, (int64_t)size);
     }
     npa_pool_stat_decrease(s->active, true, 1);
     npa_pool_stat_decrease(s->active_bytes, true, (int64_t)size);

@@ -77,8 +77,8 @@ __attribute__((noinline)) void npa_stock_put_large(npa_device *d, npa_recent *r,
                    b->pool, true);
     npualloc_device_stats *s = d->stats;
     if (split) { /* counted as the pool counts an unmerged free block */
-        npa_pool_stat_increase(s->inactive_split, false, 1);
-        npa_pool_stat_increase(s->inactive_split_bytes, false, (int64_t)size);
+        npa_split_stat_increase(d, s->inactive_split, false, 1);
+        npa_split_stat_increase(d, s->inactive_split_bytes, false, (int64_t)size);
     }
     npa_pool_stat_decrease(s->active, false, 1);
     npa_pool_stat_decrease(s->active_bytes, false, (int64_t)size);

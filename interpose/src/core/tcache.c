@@ -20,10 +20,15 @@
  * and shrinks every ceiling to its slot's current (npa_tcaches_refit). A
  * fast malloc short of headroom takes the slow path, which raises its
  * ceilings within what the peaks leave (grant). The stats a fast free
- * raises (inactive_split and its bytes) need no ceiling: a slot's figure
- * there is minus what its lent split blocks took out of the device's, never
- * above 0; the stats the fast malloc raises are, per slot, exactly what it
- * lent, never below 0.
+ * raises, inactive_split and its bytes, have ceilings too: a split block
+ * the cache lends stays counted inactive in the device's figure and its
+ * slot says minus it (a slot's figure there is never above 0), so the fast
+ * free that takes it back raises the sum, up to the ceiling (at most 0: a
+ * ceiling below 0 holds back the free of a block lent before the last
+ * refit). The device's figure of these two, while blocks are lent, is more
+ * than the sum: a slow path's increase of them never sets a peak from it
+ * alone (npa_split_stat_raise). The stats the fast malloc raises are,
+ * per slot, exactly what it lent, never below 0.
  *
  * While the fast paths run, a tcache holds plain large-pool blocks too, in a
  * stock of their own (t->large), and serves a large request from them as
@@ -133,6 +138,19 @@ static inline void lent_remove(npa_tcache *t, unsigned at) { t->lent[at] = t->le
 
 /* ---- the fast paths ------------------------------------------------------ */
 
+/* A fast free of a lent split block of pool p makes it inactive again: its
+ * slot's figure rises by one block of size, up to the ceilings (the pool's
+ * and [ALL]'s). */
+static inline bool split_under_ceilings(const npa_tcache *t, int p, int64_t size) {
+    const int64_t *current = t->slot->current[p], *small = t->slot->current[0], *large = t->slot->current[1];
+    const int64_t *ceiling = t->ceiling[p], *all = t->ceiling[NPA_CEIL_ALL];
+    return current[NPUALLOC_THREAD_INACTIVE_SPLIT] + 1 <= ceiling[NPA_CEIL_SPLIT] &&
+           current[NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES] + size <= ceiling[NPA_CEIL_SPLIT_BYTES] &&
+           small[NPUALLOC_THREAD_INACTIVE_SPLIT] + large[NPUALLOC_THREAD_INACTIVE_SPLIT] + 1 <= all[NPA_CEIL_SPLIT] &&
+           small[NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES] + large[NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES] + size <=
+               all[NPA_CEIL_SPLIT_BYTES];
+}
+
 /* The pool's ceilings and [ALL]'s (both pools' figures together). */
 static inline bool under_ceilings(const npa_tcache *t, int p, int64_t size, int64_t requested) {
     const int64_t *current = t->slot->current[p], *small = t->slot->current[0], *large = t->slot->current[1];
@@ -231,7 +249,8 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
     bool small = at < t->lent_count && t->lent[at].is_small;
     npa_recent *stock = small ? &t->stock : &t->large;
     bool done = at < t->lent_count && __atomic_load_n(&t->enabled, __ATOMIC_RELAXED) && stock->bypass == 0 &&
-                npa_stock_has_room(stock, t->lent[at].size, small) && (small || large_stock_on(t->config));
+                npa_stock_has_room(stock, t->lent[at].size, small) && (small || large_stock_on(t->config)) &&
+                (!t->lent[at].split || split_under_ceilings(t, pool_index(small), (int64_t)t->lent[at].size));
     if (done) {
         npa_lent held = t->lent[at];
         lent_remove(t, at);
@@ -252,12 +271,16 @@ bool npa_tcache_free(const npa_allocator *a, npa_tcache *t, uintptr_t addr) {
  * pool but only one in [ALL], whose peak (one block a thread) would not
  * cover two. */
 
+/* The slot's stat a group's ceiling bounds. */
+static const int group_stat[NPA_CEILINGS] = {NPUALLOC_THREAD_ACTIVE, NPUALLOC_THREAD_ACTIVE_BYTES,
+                                             NPUALLOC_THREAD_REQUESTED_BYTES, NPUALLOC_THREAD_INACTIVE_SPLIT,
+                                             NPUALLOC_THREAD_INACTIVE_SPLIT_BYTES};
+
 /* The thread's figure of a group in entry e. */
 static inline int64_t held_in(const npa_tcache *t, int e, int g) {
-    static const int stat_of[NPA_CEILINGS] = {NPUALLOC_THREAD_ACTIVE, NPUALLOC_THREAD_ACTIVE_BYTES,
-                                              NPUALLOC_THREAD_REQUESTED_BYTES};
     const int64_t(*current)[NPUALLOC_THREAD_STAT_COUNT] = t->slot->current;
-    return e == NPA_CEIL_ALL ? current[0][stat_of[g]] + current[1][stat_of[g]] : current[e][stat_of[g]];
+    int k = group_stat[g];
+    return e == NPA_CEIL_ALL ? current[0][k] + current[1][k] : current[e][k];
 }
 
 /* The least slack of a group's stats in one entry: peak - current - R.
@@ -270,7 +293,9 @@ static int64_t entry_slack(const npa_device *d, int e, int group) {
     switch (group) {
     case NPA_CEIL_BLOCKS: first = s->allocation, second = s->active; break;
     case NPA_CEIL_BYTES: first = s->allocated_bytes, second = s->active_bytes; break;
-    default: first = second = s->requested_bytes;
+    case NPA_CEIL_REQUESTED: first = second = s->requested_bytes; break;
+    case NPA_CEIL_SPLIT: first = second = s->inactive_split; break;
+    default: first = second = s->inactive_split_bytes;
     }
     int entry = e == NPA_CEIL_ALL ? NPUALLOC_POOL_ALL : NPUALLOC_POOL_SMALL + e;
     int64_t least = stat_slack(&first[entry], d->reserve[e][group]), left;
@@ -294,12 +319,24 @@ bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t 
  * (its blocks, its bytes), by entry ([ALL]: both stocks'). More headroom
  * would spare a thread only rare grants, and would make the slow path's
  * own mallocs freeze the tcaches more often (its figures may rise only as
- * far as the ceilings leave). */
+ * far as the ceilings leave). inactive_split's: no more than to 0
+ * (split_room), which lets every lent split block back. */
 static const int64_t extra_at_most[NPA_CEIL_ENTRIES][NPA_CEILINGS] = {
-    {NPA_RECENT_MAX, (int64_t)NPA_RECENT_BYTES, (int64_t)NPA_RECENT_BYTES},
-    {NPA_LARGE_STOCK_MAX, (int64_t)NPA_LARGE_STOCK_BYTES, (int64_t)NPA_LARGE_STOCK_BYTES},
+    {NPA_RECENT_MAX, (int64_t)NPA_RECENT_BYTES, (int64_t)NPA_RECENT_BYTES, INT64_MAX, INT64_MAX},
+    {NPA_LARGE_STOCK_MAX, (int64_t)NPA_LARGE_STOCK_BYTES, (int64_t)NPA_LARGE_STOCK_BYTES, INT64_MAX, INT64_MAX},
     {NPA_RECENT_MAX + NPA_LARGE_STOCK_MAX, (int64_t)(NPA_RECENT_BYTES + NPA_LARGE_STOCK_BYTES),
-     (int64_t)(NPA_RECENT_BYTES + NPA_LARGE_STOCK_BYTES)}};
+     (int64_t)(NPA_RECENT_BYTES + NPA_LARGE_STOCK_BYTES), INT64_MAX, INT64_MAX}};
+
+/* How far a split group's ceiling may still rise: the slot's figure is
+ * never above 0, so neither is a useful ceiling (more would only hold the
+ * device's figure lower below the peaks). */
+static inline int64_t split_room(const npa_tcache *t, int e, int g) { return -t->ceiling[e][g]; }
+
+/* The calling thread's own tcache on d, with the device lock: its ceilings
+ * need no lock of their own (only its owner's fast paths read them). */
+static inline npa_tcache *own_tcache(const npa_device *d) {
+    return npa_my_caches.allocator == d->allocator_id ? npa_my_caches.of_device[d->id] : NULL;
+}
 
 /* A share of left for one of count tcaches, rounded up (one tcache's
  * grant: slack 1 between two threads must still give the one that asks a
@@ -315,11 +352,11 @@ static inline int64_t share_of(int e, int g, int64_t left, unsigned count, bool 
  * (so a loop of mallocs and frees comes back here rarely), never past the
  * peaks. */
 static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t requested) {
-    const int64_t adds[NPA_CEILINGS] = {1, size, requested};
+    const int64_t adds[NPA_CEIL_MALLOC] = {1, size, requested};
     const int entries[2] = {p, NPA_CEIL_ALL};
-    int64_t need[2][NPA_CEILINGS], left[2][NPA_CEILINGS];
+    int64_t need[2][NPA_CEIL_MALLOC], left[2][NPA_CEIL_MALLOC];
     for (int i = 0; i < 2; i++)
-        for (int g = 0; g < NPA_CEILINGS; g++) {
+        for (int g = 0; g < NPA_CEIL_MALLOC; g++) {
             int e = entries[i];
             need[i][g] = held_in(t, e, g) + adds[g] - t->ceiling[e][g];
             if (need[i][g] < 0) need[i][g] = 0;
@@ -327,7 +364,7 @@ static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t req
             if (left[i][g] < need[i][g]) return false;
         }
     for (int i = 0; i < 2; i++)
-        for (int g = 0; g < NPA_CEILINGS; g++) {
+        for (int g = 0; g < NPA_CEIL_MALLOC; g++) {
             int e = entries[i];
             int64_t rise = need[i][g] + share_of(e, g, left[i][g] - need[i][g], d->tcache_count, true);
             t->ceiling[e][g] += rise;
@@ -355,16 +392,30 @@ static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t req
  * slow malloc and free (callgrind: 8 instructions a pair). */
 __attribute__((noinline)) void npa_tcache_borrow(npa_device *d, npa_tcache *t, bool is_small, int64_t count,
                                                  int64_t bytes, int64_t requested) {
-    const int64_t want[NPA_CEILINGS] = {count, bytes, requested};
+    const int64_t want[NPA_CEIL_MALLOC] = {count, bytes, requested};
     const int entries[2] = {pool_index(is_small), NPA_CEIL_ALL};
     for (int i = 0; i < 2; i++)
-        for (int g = 0; g < NPA_CEILINGS; g++) {
+        for (int g = 0; g < NPA_CEIL_MALLOC; g++) {
             int e = entries[i];
             int64_t take = t->ceiling[e][g] - held_in(t, e, g);
             if (take > want[g]) take = want[g];
             if (take <= 0) continue;
             t->ceiling[e][g] -= take;
             d->reserve[e][g] -= take;
+        }
+}
+
+/* inactive_split's ceilings back up to 0, within the slack, in every
+ * entry: the fast frees of the split blocks lent before the last refit go
+ * fast again. */
+static __attribute__((noinline, cold)) void regrant_split(npa_device *d, npa_tcache *t) {
+    for (int e = 0; e < NPA_CEIL_ENTRIES; e++)
+        for (int g = NPA_CEIL_SPLIT; g <= NPA_CEIL_SPLIT_BYTES; g++) {
+            int64_t rise = split_room(t, e, g), left = entry_slack(d, e, g);
+            if (rise > left) rise = left;
+            if (rise <= 0) continue;
+            t->ceiling[e][g] += rise;
+            d->reserve[e][g] += rise;
         }
 }
 
@@ -375,11 +426,11 @@ __attribute__((noinline)) void npa_tcache_borrow(npa_device *d, npa_tcache *t, b
  * freeze shares a pool's slack of 1 between two threads as 0 each. */
 __attribute__((noinline)) void npa_tcache_regrant(npa_device *d, npa_tcache *t, bool is_small, int64_t count,
                                                   int64_t bytes, int64_t requested) {
-    const int64_t freed[NPA_CEILINGS] = {count, bytes, requested};
+    const int64_t freed[NPA_CEIL_MALLOC] = {count, bytes, requested};
     const int p = pool_index(is_small);
     const int entries[3] = {p, NPA_CEIL_ALL, 1 - p};
     for (int i = 0; i < 3; i++)
-        for (int g = 0; g < NPA_CEILINGS; g++) {
+        for (int g = 0; g < NPA_CEIL_MALLOC; g++) {
             int e = entries[i];
             int64_t rise = held_in(t, e, g) + extra_at_most[e][g] - t->ceiling[e][g];
             if (rise <= 0) continue;
@@ -391,16 +442,48 @@ __attribute__((noinline)) void npa_tcache_regrant(npa_device *d, npa_tcache *t, 
             t->ceiling[e][g] += rise;
             d->reserve[e][g] += rise;
         }
+    bool split_low = false;
+    for (int e = 0; e < NPA_CEIL_ENTRIES; e++)
+        split_low |= t->ceiling[e][NPA_CEIL_SPLIT] < 0 || t->ceiling[e][NPA_CEIL_SPLIT_BYTES] < 0;
+    if (split_low) regrant_split(d, t);
 }
 
+/* The calling thread's own tcache is only tried: it is held only if a
+ * signal handler's call (an exit's empty_cache) interrupted the thread's
+ * own fast path, which never gives it back; it stays as it is
+ * (frozen_without: npa_tcaches_flush leaves its stock), and its owner, the
+ * caller, cannot move it meanwhile. Another thread's fast path always
+ * gives its lock back. */
 void npa_tcaches_freeze(npa_device *d) {
-    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
-        if (d->tcaches[i]) npa_lock_acquire(&d->tcaches[i]->lock);
+    if (d->freeze_depth++) return;
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        if (t->owner != &npa_my_caches) npa_lock_acquire(&t->lock);
+        else if (!npa_lock_try_acquire(&t->lock)) d->frozen_without = t;
+    }
+}
+
+static void unfreeze(npa_device *d) {
+    for (unsigned i = NPUALLOC_THREAD_SLOTS; i-- > 0;)
+        if (d->tcaches[i] && d->tcaches[i] != d->frozen_without) npa_lock_release(&d->tcaches[i]->lock);
+    d->frozen_without = NULL;
 }
 
 void npa_tcaches_thaw(npa_device *d) {
-    for (unsigned i = NPUALLOC_THREAD_SLOTS; i-- > 0;)
-        if (d->tcaches[i]) npa_lock_release(&d->tcaches[i]->lock);
+    if (--d->freeze_depth) return;
+    if (d->refit_due) { /* an increase of inactive_split passed the ceilings meanwhile */
+        npa_stats_begin(d);
+        npa_tcaches_refit(d, false);
+        npa_stats_end(d);
+    }
+    unfreeze(d);
+}
+
+void npa_tcaches_thaw_at_close(npa_device *d) {
+    d->freeze_at_close = false;
+    if (d->refit_due) npa_tcaches_refit(d, false); /* the section still open */
+    if (--d->freeze_depth == 0) unfreeze(d);
 }
 
 /* The device's stat a slot's NPUALLOC_THREAD_* index adds to. */
@@ -422,13 +505,9 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
         for (int entry = 0; entry < NPUALLOC_POOL_COUNT; entry++) {
             npualloc_stat *st = slot_stat(d->stats, k, entry);
             int64_t total = st->current + (entry == NPUALLOC_POOL_ALL ? sum[0][k] + sum[1][k] : sum[entry - 1][k]);
-            /* inactive_split has no ceiling: a slot's figure (minus its lent
-             * split blocks) rises on a fast free with no peak checked, up
-             * to 0, so its peak may never be set below the device's own
-             * figure (it overstates the sum by the blocks lent meanwhile). */
-            if (k >= NPUALLOC_THREAD_INACTIVE_SPLIT && total < st->current) total = st->current;
             if (reset || total > st->peak) npa_stat_store(&st->peak, total);
         }
+    d->refit_due = false;
     /* Only the entries whose ceilings the peaks no longer cover shrink to
      * the slots (all of them for a reset): a large malloc that passed the
      * large pool's peak leaves the small pool's ceilings as they were (shrunk
@@ -450,12 +529,73 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
             }
             int64_t share = d->lending ? share_of(e, g, entry_slack(d, e, g), d->tcache_count, false) : 0;
             for (unsigned i = 0; share > 0 && i < NPUALLOC_THREAD_SLOTS; i++) { /* off: every ceiling stays 0 */
-                if (!d->tcaches[i]) continue;
-                d->tcaches[i]->ceiling[e][g] += share;
-                d->reserve[e][g] += share;
+                npa_tcache *t = d->tcaches[i];
+                if (!t) continue;
+                /* a split group's ceiling never above 0 (split_room) */
+                int64_t rise = g < NPA_CEIL_MALLOC || share <= split_room(t, e, g) ? share : split_room(t, e, g);
+                t->ceiling[e][g] += rise;
+                d->reserve[e][g] += rise;
             }
         }
     }
+}
+
+/* A slow path's increase of inactive_split or its bytes, counted, with
+ * the fast paths running, took the device's figure past a peak
+ * (npa_split_stat_raise). The device's figure counts the split blocks lent
+ * as inactive (their slots take them out), so it is only an upper bound of
+ * the sum: the peak is kept by the ceilings, as the fast malloc's stats'
+ * are. The increase stays if device.current + R is within the peak
+ * (pool's entry and [ALL], each with its own R); else the calling thread's
+ * own headroom there is used first (lowering its ceiling lowers R), else
+ * every tcache freezes until the outermost section ends
+ * (npa_tcaches_thaw_at_close refits), and meanwhile each such increase
+ * raises the peak to the device's figure plus the frozen slots', so that
+ * one a later decrease in the section takes back is counted too. Device
+ * lock, a stats section open. */
+static void split_past_peak(npa_device *d, int g, bool is_small) {
+    npualloc_stat *st = g == NPA_CEIL_SPLIT ? d->stats->inactive_split : d->stats->inactive_split_bytes;
+    int p = pool_index(is_small), k = group_stat[g];
+    const int entries[2] = {NPA_CEIL_ALL, p};
+    npa_tcache *mine = own_tcache(d);
+    if (mine == d->frozen_without) mine = NULL; /* its fast path interrupted (npa_tcaches_freeze): left as it is */
+    bool short_left = false;
+    for (int i = 0; i < 2; i++) {
+        int e = entries[i];
+        int64_t short_by = -entry_slack(d, e, g);
+        if (short_by <= 0) continue;
+        int64_t take = mine ? mine->ceiling[e][g] - held_in(mine, e, g) : 0;
+        if (take > short_by) take = short_by;
+        if (take > 0) {
+            mine->ceiling[e][g] -= take;
+            d->reserve[e][g] -= take;
+        }
+        if (take < short_by) short_left = true;
+    }
+    if (!short_left) return;
+    if (d->freeze_depth == 0) {
+        npa_tcaches_freeze(d);
+        d->freeze_at_close = true;
+        d->largest_moved = true; /* the closing's slow way */
+    }
+    d->refit_due = true;
+    int64_t sum[NPUALLOC_THREAD_POOL_COUNT] = {0};
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        const npa_tcache *t = d->tcaches[i];
+        for (int q = 0; t && q < NPUALLOC_THREAD_POOL_COUNT; q++) sum[q] += t->slot->current[q][k];
+    }
+    for (int e = 0; e < 2; e++) {
+        npualloc_stat *s = &st[e == 0 ? NPUALLOC_POOL_ALL : NPUALLOC_POOL_SMALL + p];
+        int64_t total = s->current + (e == 0 ? sum[0] + sum[1] : sum[p]);
+        if (total > s->peak) npa_stat_store(&s->peak, total);
+    }
+}
+
+/* Both stats: which one passed is not said, and the other's check costs
+ * nothing when it fits. */
+void npa_split_past_peak(npa_device *d, bool is_small) {
+    split_past_peak(d, NPA_CEIL_SPLIT, is_small);
+    split_past_peak(d, NPA_CEIL_SPLIT_BYTES, is_small);
 }
 
 /* ---- folding back -------------------------------------------------------- */
@@ -479,13 +619,17 @@ static npa_block *unlend(npa_device *d, npa_tcache *t, unsigned at) {
         npa_stat_add(&slot_stat(d->stats, k, NPUALLOC_POOL_ALL)->current, share[k]);
     }
     slot_close(slot);
-    const int64_t moved[NPA_CEILINGS] = {1, share[NPUALLOC_THREAD_ACTIVE_BYTES], share[NPUALLOC_THREAD_REQUESTED_BYTES]};
-    for (int g = 0; g < NPA_CEILINGS; g++) {
-        t->ceiling[p][g] -= moved[g];
-        d->reserve[p][g] -= moved[g];
-        t->ceiling[NPA_CEIL_ALL][g] -= moved[g];
-        d->reserve[NPA_CEIL_ALL][g] -= moved[g];
-    }
+    const int entries[2] = {p, NPA_CEIL_ALL};
+    for (int i = 0; i < 2; i++)
+        for (int g = 0; g < NPA_CEILINGS; g++) {
+            int e = entries[i];
+            int64_t moved = share[group_stat[g]];
+            /* inactive_split's share is minus the block: its ceiling rises as
+             * far as its slot, but never past 0 (split_room) */
+            if (g >= NPA_CEIL_MALLOC && moved < -split_room(t, e, g)) moved = -split_room(t, e, g);
+            t->ceiling[e][g] -= moved;
+            d->reserve[e][g] -= moved;
+        }
     b->phase = NPA_PHASE_ALLOCATED;
     npa_block_map_insert(&d->live, b);
     return b;
@@ -518,23 +662,32 @@ static void flush_stocks(npa_device *d, npa_tcache *t, unsigned which) {
 
 static void flush_stock(npa_device *d, npa_tcache *t) { flush_stocks(d, t, NPA_FLUSH_SMALL | NPA_FLUSH_LARGE); }
 
-/* The calling thread's own tcache is only tried: it is held only if a
- * signal handler's call (an exit's empty_cache, which tries the device
- * lock for the same reason) interrupted the thread's own fast path, which
- * would never give it back. Another thread's fast path always does. */
+/* While the fast paths run, frozen, not one lock after another: a merge
+ * may raise inactive_split past what the ceilings leave, which freezes
+ * (npa_split_past_peak). Off, a merge never freezes, and a lone
+ * thread's small-pool misses pay for one lock, not a freeze's two walks.
+ * Either way the calling thread's own tcache is only tried (see
+ * npa_tcaches_freeze), and its stocks left as they are when held. */
 bool npa_tcaches_flush_some(npa_device *d, unsigned which) {
-    bool flushed = false;
+    bool flushed = false, lending = d->lending;
+    if (lending) npa_tcaches_freeze(d);
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];
         if (!t) continue;
-        if (t->owner != &npa_my_caches) npa_lock_acquire(&t->lock);
-        else if (!npa_lock_try_acquire(&t->lock)) continue;
+        if (lending) {
+            if (t == d->frozen_without) continue;
+        } else if (t->owner != &npa_my_caches) {
+            npa_lock_acquire(&t->lock);
+        } else if (!npa_lock_try_acquire(&t->lock)) {
+            continue;
+        }
         if (((which & NPA_FLUSH_SMALL) && t->stock.count) || ((which & NPA_FLUSH_LARGE) && t->large.count)) {
             flush_stocks(d, t, which);
             flushed = true;
         }
-        npa_lock_release(&t->lock);
+        if (!lending) npa_lock_release(&t->lock);
     }
+    if (lending) npa_tcaches_thaw(d);
     return flushed;
 }
 
@@ -612,23 +765,31 @@ static void empty_tcache(npa_device *d, npa_tcache *t) {
  * lent and every ceiling is 0, so the slow path's stats are today's. */
 void npa_tcaches_settle(npa_device *d) {
     bool quiet = d->history.capacity == 0 && !d->paused;
-    __atomic_store_n(&d->lending, quiet && d->tcache_count >= 2, __ATOMIC_RELAXED); /* malloc_on reads it unlocked */
+    bool lending = quiet && d->tcache_count >= 2;
     npa_stats_begin(d);
+    npa_tcaches_freeze(d);
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];
         if (!t) continue;
-        npa_lock_acquire(&t->lock);
-        if (!d->lending) {
+        if (!lending) {
             while (t->lent_count > 0) unlend(d, t, t->lent_count - 1);
-            if (!quiet) flush_stock(d, t);
-            else if (t->large.count) flush_stocks(d, t, NPA_FLUSH_LARGE); /* held only while the fast paths run */
             memset(t->ceiling, 0, sizeof t->ceiling);
         }
-        if (d->lending && !t->enabled) npa_stock_index(&t->stock); /* a lone thread's stock kept no index */
-        __atomic_store_n(&t->enabled, d->lending, __ATOMIC_RELAXED);
-        npa_lock_release(&t->lock);
+        if (lending && !t->enabled) npa_stock_index(&t->stock); /* a lone thread's stock kept no index */
+        __atomic_store_n(&t->enabled, lending, __ATOMIC_RELAXED);
     }
-    if (!d->lending) memset(d->reserve, 0, sizeof d->reserve);
+    if (!lending) memset(d->reserve, 0, sizeof d->reserve);
+    /* Off only once every lent block is back: every slot is 0 from here,
+     * and the device's figures are the sums (npa_split_stat_increase).
+     * Atomic: malloc_on reads it unlocked. */
+    __atomic_store_n(&d->lending, lending, __ATOMIC_RELAXED);
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t) continue;
+        if (!quiet) flush_stock(d, t);
+        else if (!lending && t->large.count) flush_stocks(d, t, NPA_FLUSH_LARGE); /* held only while lending */
+    }
+    npa_tcaches_thaw(d);
     npa_stats_end(d);
 }
 
@@ -670,16 +831,20 @@ void npa_tcaches_add_slot_currents_at_reset(npa_device *d) {
 /* t leaves the device, everything it held and counted folded back, its
  * slot all zero for the next thread. Device lock held. */
 static void retire(npa_device *d, npa_tcache *t) {
-    npa_lock_acquire(&t->lock);
+    /* Every tcache frozen, not t alone: its stocks' merges may raise
+     * inactive_split past what the ceilings leave, which freezes. */
     npa_stats_begin(d);
+    npa_tcaches_freeze(d);
     empty_tcache(d, t);
     fold_accumulated(d, t);
-    npa_stats_end(d);
     for (int e = 0; e < NPA_CEIL_ENTRIES; e++)
         for (int g = 0; g < NPA_CEILINGS; g++) d->reserve[e][g] -= t->ceiling[e][g];
     d->tcaches[t->index] = NULL;
     d->tcache_count--;
-    npa_lock_release(&t->lock);
+    if (t == d->frozen_without) d->frozen_without = NULL; /* its lock not taken */
+    else npa_lock_release(&t->lock);
+    npa_tcaches_thaw(d); /* the others, refit if need be */
+    npa_stats_end(d);
     free(t);
     npa_tcaches_settle(d); /* maybe one thread left */
 }

@@ -341,6 +341,8 @@ struct npa_tcache {
     unsigned index;          /* in the device's tcaches and its thread slots */
     npa_device *device;
     const void *owner;       /* its thread's npa_my_caches: tells the owner apart (npa_tcaches_flush) */
+    bool owner_gone;         /* its thread ended while the device was paused: the resume retires it
+                              * (under the device's exit_lock) */
     const npa_config *config; /* the device's d->config, read here by the fast paths: the device's own
                                * field shares a cache line the device lock's holder writes */
     npualloc_thread_stats *slot;
@@ -357,7 +359,8 @@ struct npa_tcache {
  * the tcache registry lock (tcache.c) and init_lock before any device lock,
  * one device lock at a time; under a device lock its tcaches' locks, in
  * index order. A tcache's owner takes its own lock with no device lock and
- * never takes one while holding it. */
+ * never takes one while holding it. A device's exit_lock is a leaf, taken
+ * under the device lock or the registry lock. */
 struct npa_device {
     npa_lock lock;           /* lock.h */
     int id;
@@ -372,7 +375,13 @@ struct npa_device {
      * sum of their ceilings (lending, below: whether their fast paths run). */
     npa_tcache *tcaches[NPUALLOC_THREAD_SLOTS];
     unsigned tcache_count;
+    /* A pause holds the device lock until its resume (pausable.c): paused
+     * changes under the lock and exit_lock too, so that a thread's exit,
+     * which cannot have the lock meanwhile, reads it under exit_lock alone
+     * and leaves its tcache for the resume (owner_gone, tcache.c's
+     * leave_device) instead of waiting for it. exit_lock is a leaf. */
     bool paused;
+    npa_lock exit_lock;
     /* Freezes (npa_tcaches_freeze) open, their locks taken at the first
      * (all but maybe the caller's own, frozen_without); an increase of
      * inactive_split that froze, to end with the outermost section (refit,
@@ -652,6 +661,10 @@ bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b);
  * stock flushed, the fast paths on or off as the device says (history,
  * pause): a pause and record_history. */
 void npa_tcaches_settle(npa_device *d);
+/* A pause's start and end (pausable.c), device lock held: paused as the
+ * exits read it (exit_lock), then settled; the end first retires the
+ * tcaches of threads that ended meanwhile (owner_gone). */
+void npa_tcaches_set_paused(npa_device *d, bool paused);
 /* Freeze: every tcache's lock, in index order (their fast paths stop);
  * the caller's own only tried (tcache.c). Nested freezes take them once;
  * the last thaw gives them back, after a refit when an increase of

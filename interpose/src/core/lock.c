@@ -115,6 +115,13 @@ void npa_lock_wait_with(npa_lock *l, const npa_lock_spin *spin) {
         syscall(SYS_futex, &l->state, FUTEX_WAIT_PRIVATE, 2, NULL, NULL, 0);
 }
 
+bool npa_lock_acquire_within(npa_lock *l, long ns) {
+    if (__atomic_exchange_n(&l->state, 2, __ATOMIC_ACQUIRE) == 0) return true;
+    struct timespec wait = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
+    syscall(SYS_futex, &l->state, FUTEX_WAIT_PRIVATE, 2, &wait, NULL, 0);
+    return __atomic_exchange_n(&l->state, 2, __ATOMIC_ACQUIRE) == 0;
+}
+
 void npa_lock_released_contended(npa_lock *l, int state) {
     __atomic_add_fetch(&l->releases, 1, __ATOMIC_RELAXED);
     if (state == 2) syscall(SYS_futex, &l->state, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);

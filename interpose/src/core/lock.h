@@ -58,6 +58,11 @@ static inline bool npa_lock_try_acquire(npa_lock *l) {
     return __atomic_compare_exchange_n(&l->state, &expected, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
 }
 
+/* A wait of at most about ns nanoseconds (a futex sleep: the holder's
+ * release wakes it): for a thread's exit, which must not wait for good on a
+ * device a pause holds (tcache.c's leave_device looks between two waits). */
+__attribute__((noinline, cold)) bool npa_lock_acquire_within(npa_lock *l, long ns);
+
 static inline void npa_lock_release(npa_lock *l) {
     int state = __atomic_exchange_n(&l->state, 0, __ATOMIC_RELEASE);
     if (state >= 2) npa_lock_released_contended(l, state);

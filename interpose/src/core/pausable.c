@@ -136,8 +136,7 @@ static void unlock_all(npa_allocator *a) {
     for (int i = NPUALLOC_MAX_DEVICES - 1; i >= 0; i--) {
         npa_device *d = a->devices[i];
         if (!d) continue;
-        d->paused = false;
-        npa_tcaches_settle(d); /* the threads' fast paths run again */
+        npa_tcaches_set_paused(d, false); /* the threads' fast paths run again */
         npa_lock_release(&d->lock);
     }
     pthread_mutex_unlock(&a->init_lock);
@@ -174,8 +173,7 @@ npa_error npa_pause(npa_allocator *a, npa_paused **out, char *why, size_t len) {
         npa_lock_acquire(&d->lock);
         /* The blocks the threads' caches lent are backed up as live ones, and
          * no thread's fast path runs until the resume. */
-        d->paused = true;
-        npa_tcaches_settle(d);
+        npa_tcaches_set_paused(d, true);
         for (size_t s = 0; s < d->segments.count; s++) {
             if (d->segments.items[s].expandable) pages += d->segments.items[s].expandable->page_count;
             else plain++;

@@ -885,19 +885,47 @@ static npa_allocator *live_allocator(uint64_t id) {
     return NULL;
 }
 
+void npa_tcaches_set_paused(npa_device *d, bool paused) {
+    npa_lock_acquire(&d->exit_lock);
+    d->paused = paused;
+    npa_lock_release(&d->exit_lock);
+    /* Resumed: no exit leaves its tcache from here on (leave_device) */
+    for (unsigned i = 0; !paused && i < NPUALLOC_THREAD_SLOTS; i++)
+        if (d->tcaches[i] && d->tcaches[i]->owner_gone) retire(d, d->tcaches[i]);
+    npa_tcaches_settle(d);
+}
+
+/* How long an exit waits for a device lock before it looks again whether a
+ * pause holds it: a pause that began while it waited wakes nobody. */
+#define EXIT_LOOK_NS 1000000
+
+/* The calling thread's t goes back to d: now, or, while a pause holds the
+ * device lock, at the resume. Its exit must not wait for the resume (a
+ * program may join it first), and leaving t costs nothing meanwhile: the
+ * pause's settle took back every block t lent or held and zeroed its
+ * ceilings, and nothing fills it while paused. Only the counts its slot
+ * keeps (allocated, hits) wait for the resume's fold, which readers add
+ * meanwhile as they did. */
+static void leave_device(npa_device *d, npa_tcache *t) {
+    while (!npa_lock_try_acquire(&d->lock)) {
+        npa_lock_acquire(&d->exit_lock);
+        bool paused = d->paused;
+        if (paused) t->owner_gone = true;
+        npa_lock_release(&d->exit_lock);
+        if (paused) return;
+        if (npa_lock_acquire_within(&d->lock, EXIT_LOOK_NS)) break;
+    }
+    retire(d, t);
+    npa_lock_release(&d->lock);
+}
+
 /* The calling thread's caches go back to their devices: its exit, or its
  * move to another allocator. Under registry_lock. */
 static void leave_allocator(void) {
     npa_thread_caches *mine = &npa_my_caches;
     npa_allocator *a = mine->allocator ? live_allocator(mine->allocator) : NULL;
-    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++) {
-        npa_tcache *t = mine->of_device[i];
-        if (!t) continue;
-        npa_device *d = t->device;
-        npa_lock_acquire(&d->lock);
-        retire(d, t);
-        npa_lock_release(&d->lock);
-    }
+    for (int i = 0; a && i < NPUALLOC_MAX_DEVICES; i++)
+        if (mine->of_device[i]) leave_device(mine->of_device[i]->device, mine->of_device[i]);
     memset(mine, 0, sizeof *mine);
 }
 

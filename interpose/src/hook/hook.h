@@ -68,7 +68,9 @@
  *      the fast paths (snapshots, the peaks' ceilings). Before 4 and 5 comes
  *      the core's registry of live allocators (tcache.c registry_lock): a
  *      thread that exits or moves to another allocator folds its caches
- *      back under it, taking each device lock (5) in turn.
+ *      back under it, taking each device lock (5) in turn; a device's
+ *      exit_lock (core internal.h), a leaf under 5 or the registry lock,
+ *      tells it the device is paused, its cache then left for the resume.
  *   6b. saver_lock (saver.c): the pausable allocations. Taken by a malloc
  *      or free of one, by memory_saver's pause/resume and by the region
  *      (8) writes of their figures, with none of 1-6 held, and by a pause

@@ -2,8 +2,9 @@
  * reading rule): its npualloc_device_stats plus the moves its threads'
  * caches made in their npualloc_thread_stats slots, without the device
  * lock. Header-only: the reader library (npualloc_reader_stats, which the
- * Python package, the CLI and the exporter go through) and the core
- * (npa_get_stats, the process's own figures) both read so, with one rule. */
+ * Python package, the CLI and the exporter go through) reads so, and the
+ * core (npa_get_stats, the process's own figures) adds the slots by the
+ * same rule, reading them with the caches frozen (stats.c). */
 #ifndef NPA_DEVICE_FIGURES_H
 #define NPA_DEVICE_FIGURES_H
 

@@ -4,8 +4,8 @@
  * fence, seq again. The acquire fence keeps the copy's loads before the
  * second seq load; on aarch64 nothing else would (x86-64 never reorders
  * loads with loads). Header-only: the reader library (another process's
- * region) and the core (npa_get_stats, its own threads' stat slots) both
- * read so. */
+ * region) reads so, and the core copies its own frozen slots with the same
+ * word copy (npa_get_stats). */
 #ifndef NPA_SEQLOCK_READ_H
 #define NPA_SEQLOCK_READ_H
 

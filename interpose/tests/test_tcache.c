@@ -6,9 +6,12 @@
  * holds goes back for another thread's OOM retry and for empty_cache.
  * Failures inside helper threads are counted in their results, which the
  * main thread checks. */
+#define _GNU_SOURCE /* pthread_timedjoin_np */
+#include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "check.h"
 #include "core/internal.h"
@@ -749,6 +752,53 @@ static void test_large_stock_flushes(void) {
     fixture_destroy(&fx);
 }
 
+static void *read_own_stats(void *arg) {
+    fixture *fx = arg;
+    static npualloc_device_stats out;
+    npa_get_stats(fx->a, 0, &out);
+    return &out;
+}
+
+/* The process's own npa_get_stats holds the device lock, so it freezes the
+ * threads' caches and reads their slots with no writer inside: exact, at
+ * once, whatever their seqlocks say. It retried a slot's seqlock without
+ * bound, so a thread that its every look met inside its fast path starved
+ * it (here a slot's seq left odd, as such a look sees it; the join's bound
+ * only ends the old behaviour, which never returned). */
+static void test_own_stats_never_wait_on_a_slot(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    warm(&fx, 4096);
+    void *p = alloc_exact(&fx, 0, 4096); /* lent: this thread's slot counts it */
+    npualloc_device_stats expected = stats_of(&fx, 0);
+    CHECK_EQ(expected.allocation[NPUALLOC_POOL_ALL].current, 1);
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    npualloc_thread_stats *slot = NULL;
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++)
+        if (d->tcaches[i] && d->tcaches[i] != npa_tcache_mine(fx.a, 0)) slot = d->tcaches[i]->slot;
+    CHECK(slot != NULL);
+    if (!slot) return;
+    uint64_t seq = __atomic_load_n(&slot->seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&slot->seq, seq + 1, __ATOMIC_RELAXED);
+    pthread_t reader;
+    CHECK_EQ(pthread_create(&reader, NULL, read_own_stats, &fx), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5;
+    void *got = NULL;
+    int joined = pthread_timedjoin_np(reader, &got, &until);
+    CHECK_EQ(joined, 0);
+    __atomic_store_n(&slot->seq, seq, __ATOMIC_RELAXED);
+    if (joined == ETIMEDOUT) CHECK_EQ(pthread_join(reader, &got), 0);
+    const npualloc_device_stats *read = got;
+    CHECK(read && memcmp(read, &expected, sizeof expected) == 0);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_fast_paths_need_two_threads);
     RUN(test_a_lone_threads_stock_serves_the_fast_paths);
@@ -767,5 +817,6 @@ int main(void) {
     RUN(test_large_blocks_serve_as_torch_would);
     RUN(test_large_stock_bounds);
     RUN(test_large_stock_flushes);
+    RUN(test_own_stats_never_wait_on_a_slot);
     return check_report();
 }

@@ -952,8 +952,9 @@ void npa_stats_init(npa_allocator *a, npa_device *d, size_t free_bytes);
  * an OOM; never on the hit path. */
 npa_error npa_stats_sample_device_memory(npa_allocator *a, npa_device *d, size_t *free_bytes, size_t *total_bytes);
 /* With d's lock held: its figures with its threads' slots added
- * (device_figures.h), in the region's form (freed implied). What reports a
- * stat reads, not d->stats alone, which misses what the caches moved. */
+ * (device_figures.h), in the region's form (freed implied), the caches
+ * frozen meanwhile (exact, no retry). What reports a stat reads, not
+ * d->stats alone, which misses what the caches moved. */
 void npa_device_figures(npa_device *d, npualloc_device_stats *out);
 
 /* snapshot.c: one device's segments, with its lock held. The views' blocks

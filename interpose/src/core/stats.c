@@ -78,10 +78,21 @@ void npa_detach_stats_storage(npa_allocator *a) {
 }
 
 void npa_device_figures(npa_device *d, npualloc_device_stats *out) {
-    /* Under the device lock its own figures hold still; the slots move
-     * (their threads' caches write them without it), each writer inside for
-     * a few stores: as many tries as it takes. */
-    (void)npa_read_device_figures(d->stats, d->threads, UINT32_MAX, out);
+    /* Under the device lock its own figures hold still, and frozen so do
+     * the slots (only their threads' fast paths write them without it): one
+     * copy, exact, where their seqlocks would have this lock's holder retry
+     * without bound while a thread hot in its fast path is inside at each
+     * look. A slot whose owner's own fast path a signal handler interrupted
+     * (frozen_without: the caller is its owner) is read as it stands.
+     * Relaxed loads all the same: the figures are the storage's atomics. */
+    npa_tcaches_freeze(d);
+    npa_seqlock_copy_words(out, d->stats, sizeof *out);
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npualloc_thread_stats slot;
+        npa_seqlock_copy_words(&slot, &d->threads[i], sizeof slot);
+        npa_device_figures_add_slot(out, &slot);
+    }
+    npa_tcaches_thaw(d);
 }
 
 void npa_get_stats(npa_allocator *a, int device, npualloc_device_stats *out) {

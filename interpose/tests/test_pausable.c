@@ -270,6 +270,40 @@ static void test_a_thread_ending_while_paused_is_joined_before_the_resume(void) 
     fixture_destroy(&fx);
 }
 
+/* Not paused, only busy: the ending thread waits for the device lock and
+ * folds its cache back itself, every figure as before. The lock's word
+ * turns 2 once it sleeps on it; the holder then lets it go. */
+static void test_a_thread_ending_while_the_device_is_busy_folds_its_cache_itself(void) {
+    fixture fx;
+    start(&fx, true);
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 512), 0, NULL), NPA_FREE_OK);
+    worker w = {.fx = &fx};
+    pthread_barrier_init(&w.barrier, NULL, 2);
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, hit_then_wait, &w), 0);
+    pthread_barrier_wait(&w.barrier);
+    npualloc_device_stats before;
+    npa_get_stats(fx.a, 0, &before);
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    npa_lock_acquire(&d->lock);
+    pthread_barrier_wait(&w.barrier);
+    int joined = EBUSY; /* or it ended without waiting, which the count below refuses */
+    while (__atomic_load_n(&d->lock.state, __ATOMIC_RELAXED) != 2 &&
+           (joined = pthread_tryjoin_np(thread, NULL)) == EBUSY)
+        sched_yield();
+    npa_lock_release(&d->lock);
+    if (joined != 0) CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(w.failures, 0);
+    pthread_barrier_destroy(&w.barrier);
+    CHECK_EQ(d->tcache_count, 1);
+    npualloc_device_stats after;
+    npa_get_stats(fx.a, 0, &after);
+    CHECK_EQ(after.num_cache_hits, before.num_cache_hits);
+    CHECK_EQ(after.allocation[NPUALLOC_POOL_ALL].allocated, before.allocation[NPUALLOC_POOL_ALL].allocated);
+    CHECK_EQ(after.allocation[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_pause_releases_everything_and_resume_restores);
     RUN(test_resume_without_memory_stays_paused_and_retries);
@@ -279,5 +313,6 @@ int main(void) {
     RUN(test_plain_segments_are_refused_untouched);
     RUN(test_switched_on_at_run_time_pausable_once_plain_blocks_are_freed);
     RUN(test_a_thread_ending_while_paused_is_joined_before_the_resume);
+    RUN(test_a_thread_ending_while_the_device_is_busy_folds_its_cache_itself);
     return check_report();
 }

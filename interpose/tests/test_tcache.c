@@ -10,8 +10,10 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "core/internal.h"
@@ -799,6 +801,49 @@ static void test_own_stats_never_wait_on_a_slot(void) {
     fixture_destroy(&fx);
 }
 
+/* A signal handler's npa_get_stats on a thread whose own fast path it
+ * interrupted (its tcache's lock held, its slot's seq odd): the freeze only
+ * tries that lock and reads the slot as it stands, where the seqlock's
+ * retries met that writer inside for good. */
+static void *read_inside_own_fast_path(void *arg) {
+    fixture *fx = arg;
+    warm(fx, 4096);
+    npa_tcache *t = npa_tcache_mine(fx->a, 0);
+    if (!t) return NULL;
+    npa_lock_acquire(&t->lock);
+    uint64_t seq = __atomic_load_n(&t->slot->seq, __ATOMIC_RELAXED);
+    __atomic_store_n(&t->slot->seq, seq + 1, __ATOMIC_RELAXED);
+    static npualloc_device_stats out;
+    npa_get_stats(fx->a, 0, &out);
+    __atomic_store_n(&t->slot->seq, seq, __ATOMIC_RELAXED);
+    npa_lock_release(&t->lock);
+    return &out;
+}
+
+static void test_own_stats_inside_own_fast_path(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, read_inside_own_fast_path, &fx), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5; /* the old read never returned: the test's bound, then its process ends failed */
+    void *got = NULL;
+    int joined = pthread_timedjoin_np(thread, &got, &until);
+    CHECK_EQ(joined, 0);
+    if (joined != 0) {
+        fprintf(stderr, "FAILED: test_own_stats_inside_own_fast_path (the read never returned)\n");
+        _exit(1);
+    }
+    const npualloc_device_stats *read = got;
+    CHECK(read != NULL);
+    if (read) CHECK_EQ(read->num_cache_hits, stats_of(&fx, 0).num_cache_hits);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 int main(void) {
     RUN(test_fast_paths_need_two_threads);
     RUN(test_a_lone_threads_stock_serves_the_fast_paths);
@@ -818,5 +863,6 @@ int main(void) {
     RUN(test_large_stock_bounds);
     RUN(test_large_stock_flushes);
     RUN(test_own_stats_never_wait_on_a_slot);
+    RUN(test_own_stats_inside_own_fast_path);
     return check_report();
 }

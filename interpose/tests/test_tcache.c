@@ -754,6 +754,47 @@ static void test_large_stock_flushes(void) {
     fixture_destroy(&fx);
 }
 
+/* torch's pool serves a large request from its best fit, the smallest free
+ * block of at least the request's size, over every free block (the held
+ * ones included, which torch does not hold apart); only then does
+ * should_split decide whether it is cut. A held block B with B - R <= 1 MiB
+ * must not be served while the pool has a smaller block that fits: torch
+ * would have served (and counted) that one. Here the pool holds 4.5 MiB
+ * (Y, 2 MiB, freed by a thread with no cache, merged with nothing: X is
+ * held, G allocated) and the stock X (2.5 MiB): torch (X merged into Y's
+ * block) cuts 2 MiB at Y's address, allocated_bytes G + 2 MiB; the large
+ * stock serves X, allocated_bytes G + 2.5 MiB. */
+static void *free_without_cache(void *arg) {
+    lender *l = arg;
+    l->failures += npa_tcache_mine(l->fx->a, 0) != NULL;
+    l->failures += npa_free(l->fx->a, l->block, 0, NULL) != NPA_FREE_OK;
+    return NULL;
+}
+
+static void test_a_held_large_block_yields_to_the_pools_best_fit(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    void *y = alloc_exact(&fx, 0, 2 * MiB), *x = alloc_exact(&fx, 0, 5 * MiB / 2),
+         *g = alloc_exact(&fx, 0, 31 * MiB / 2); /* the 20 MiB segment's rest */
+    CHECK_EQ(npa_free(fx.a, x, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(my_tcache(&fx)->large.count, 1);
+    lender l = {.fx = &fx, .block = y};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, free_without_cache, &l), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    void *p = alloc_exact(&fx, 0, 2 * MiB);
+    CHECK(p == y); /* torch: Y's block (4.5 MiB with X) cut at its start */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(35 * MiB / 2)); /* torch's: G + 2 MiB */
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, g, 0, NULL), NPA_FREE_OK);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 static void *read_own_stats(void *arg) {
     fixture *fx = arg;
     static npualloc_device_stats out;
@@ -864,5 +905,6 @@ int main(void) {
     RUN(test_large_stock_flushes);
     RUN(test_own_stats_never_wait_on_a_slot);
     RUN(test_own_stats_inside_own_fast_path);
+    RUN(test_a_held_large_block_yields_to_the_pools_best_fit);
     return check_report();
 }

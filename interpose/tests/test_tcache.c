@@ -598,8 +598,10 @@ static void hold_large(fixture *fx, const size_t *sizes, int count, void **addrs
 
 /* A held large block B serves a request R as torch's pool hands a block
  * out whole: R <= B and B - R not above 1 MiB, the smallest such B; its
- * figures are the slow path's (allocated and active B, requested R), and
- * a warm pair of it takes no device lock. Anything else goes to the pool. */
+ * figures are the slow path's (allocated and active B, requested R). A
+ * warm pair takes no device lock only for B of R's rounded size: the fast
+ * path cannot see whether the pool holds a block between R and B, which
+ * torch would hand out instead (test_held_large_blocks_weighed_against_the_pool). Anything else goes to the pool. */
 static void test_large_blocks_serve_as_torch_would(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
@@ -618,9 +620,12 @@ static void test_large_blocks_serve_as_torch_would(void) {
     CHECK_EQ(s.allocation[NPUALLOC_POOL_LARGE].current, 1);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 1);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
-    /* Warm: the same pair again takes no device lock. */
+    /* Warm: the fast path declines a request below the block's size (2.25
+     * MiB, rounded already), which the slow path weighs against the pool;
+     * a pair of the block's own size takes no device lock. */
+    CHECK(!npa_tcache_malloc(my_tcache(&fx), 9 * MiB / 4, 9 * MiB / 4, &p));
     uint64_t seq = device_seq(&fx);
-    p = alloc_exact(&fx, 0, 12 * MiB / 5);
+    p = alloc_exact(&fx, 0, 5 * MiB / 2);
     CHECK(p == held[1]);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     CHECK_EQ(device_seq(&fx), seq);
@@ -795,6 +800,90 @@ static void test_a_held_large_block_yields_to_the_pools_best_fit(void) {
     fixture_destroy(&fx);
 }
 
+/* The slow path weighs the held blocks against the pool's best fit P as
+ * torch's one search would (size, then address): P serves when it is
+ * smaller than the held block B, or as big and at a lower address; B
+ * serves otherwise, P staying in the pool. The fast path serves only B of
+ * the request's rounded size, whatever the pool holds: torch's figures
+ * (allocated, active), though torch would take a pooled block of that
+ * size at a lower address (README: the layout's difference). One 20 MiB
+ * segment: the first block, the second, the rest allocated; the pooled
+ * one freed by a thread with no cache (merged with nothing), the held one
+ * by this thread (into its large stock). */
+typedef struct weighing {
+    size_t pooled, held, request;
+    bool pooled_first, pool_serves, fast;
+} weighing;
+
+static void weigh_once(const weighing *w) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    size_t first = w->pooled_first ? w->pooled : w->held, second = w->pooled_first ? w->held : w->pooled;
+    size_t rest = 20 * MiB - first - second;
+    void *a = alloc_exact(&fx, 0, first), *b = alloc_exact(&fx, 0, second), *g = alloc_exact(&fx, 0, rest);
+    void *pooled = w->pooled_first ? a : b, *held = w->pooled_first ? b : a;
+    CHECK_EQ(npa_free(fx.a, held, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(my_tcache(&fx)->large.count, 1);
+    lender l = {.fx = &fx, .block = pooled};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, free_without_cache, &l), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    void *p = NULL; /* the fast path first, as npa_malloc asks it (request: rounded already) */
+    CHECK_EQ(npa_tcache_malloc(my_tcache(&fx), w->request, w->request, &p), w->fast);
+    if (!p) p = alloc_exact(&fx, 0, w->request);
+    CHECK(p == (w->pool_serves ? pooled : held));
+    CHECK_EQ(my_tcache(&fx)->large.count, w->pool_serves ? 1 : 0);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(rest + (w->pool_serves ? w->pooled : w->held)));
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, (int64_t)(rest + (w->pool_serves ? w->pooled : w->held)));
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, g, 0, NULL), NPA_FREE_OK);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
+static void test_held_large_blocks_weighed_against_the_pool(void) {
+    const size_t r = 9 * MiB / 4; /* 2.25 MiB, rounded already */
+    const weighing cases[] = {
+        /* P between R and B: P, whatever the addresses. */
+        {.pooled = 5 * MiB / 2, .held = 3 * MiB, .request = r, .pooled_first = false, .pool_serves = true},
+        /* as big as B, at a lower address: P, torch's tie. */
+        {.pooled = 5 * MiB / 2, .held = 5 * MiB / 2, .request = r, .pooled_first = true, .pool_serves = true},
+        /* as big, at a higher address: B, lent; P stays. */
+        {.pooled = 5 * MiB / 2, .held = 5 * MiB / 2, .request = r, .pooled_first = false, .pool_serves = false},
+        /* bigger than B: B. */
+        {.pooled = 3 * MiB, .held = 5 * MiB / 2, .request = r, .pooled_first = true, .pool_serves = false},
+        /* B of R's size: the fast path's, P unseen (torch: P, as big, lower). */
+        {.pooled = 5 * MiB / 2, .held = 5 * MiB / 2, .request = 5 * MiB / 2, .pooled_first = true, .fast = true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) weigh_once(&cases[i]);
+}
+
+/* Two held blocks of one size: the one at the lower address serves, as in
+ * the pool's order, whichever the stock took first. */
+static void test_held_large_blocks_tie_by_address(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    void *low = alloc_exact(&fx, 0, 5 * MiB / 2), *high = alloc_exact(&fx, 0, 5 * MiB / 2);
+    CHECK((uintptr_t)low < (uintptr_t)high);
+    CHECK_EQ(npa_free(fx.a, high, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, low, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(my_tcache(&fx)->large.count, 2);
+    void *p = alloc_exact(&fx, 0, 9 * MiB / 4); /* the slow path's */
+    CHECK(p == low);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    p = alloc_exact(&fx, 0, 5 * MiB / 2); /* the fast path's */
+    CHECK(p == low);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 static void *read_own_stats(void *arg) {
     fixture *fx = arg;
     static npualloc_device_stats out;
@@ -906,5 +995,7 @@ int main(void) {
     RUN(test_own_stats_never_wait_on_a_slot);
     RUN(test_own_stats_inside_own_fast_path);
     RUN(test_a_held_large_block_yields_to_the_pools_best_fit);
+    RUN(test_held_large_blocks_weighed_against_the_pool);
+    RUN(test_held_large_blocks_tie_by_address);
     return check_report();
 }

@@ -587,12 +587,13 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
 
 /* A free block of pool for rounded bytes: a block held by the calling
  * thread's cache t (of exactly that size, or for the plain large pool one
- * torch would hand out whole; *lent: lent to the caller for requested
- * bytes, npa_tcache_take), else best fit, else best fit once every thread's
- * held blocks are merged back (they may fit it together with their
- * neighbours: a miss of either pool flushes the stocks of its blocks before
- * the pool asks the device for memory); NULL on a miss. Held
- * blocks are not merged before a cut: a block beside one is cut at its own
+ * torch would hand out whole that comes before the pool's best fit, by
+ * size then address: torch's one search over both; *lent: lent to the
+ * caller for requested bytes, npa_tcache_take), else best fit, else best
+ * fit once every thread's held blocks are merged back (they may fit it
+ * together with their neighbours: a miss of either pool flushes the stocks
+ * of its blocks before the pool asks the device for memory); NULL on a
+ * miss. Held blocks are not merged before a cut: a block beside one is cut at its own
  * start where torch, with the two merged, cuts at the held block's (the
  * layouts can differ by what the cache holds, 2 MiB a device at most;
  * README). Merging them first cost a malloc of a size the cache does not
@@ -601,9 +602,15 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
 static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_device *d, npa_tcache *t, npa_pool *pool,
                                            size_t rounded, size_t requested, bool ticks, bool lending,
                                            bool *lent) {
+    npa_block *fit = NULL;
+    bool fitted = false; /* fit is the pool's best fit, looked up once for both */
     if (lending) { /* it may be lent; the large stock holds blocks only while the device lends */
         if (t) {
-            npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, lent);
+            if (!pool->is_small) {
+                fit = best_fit(a, pool, rounded);
+                fitted = true;
+            }
+            npa_block *b = npa_tcache_take(d, t, pool, rounded, requested, fit, lent);
             if (b) return b;
         }
     } else if (t && pool->is_small) { /* npa_tcache_take's, with t not lending: inline, as main's hit (an empty
@@ -614,7 +621,7 @@ static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_devi
     /* torch's GC clock: a search counts only while the threshold is set, so
      * what was cached before it is all of one age. */
     if (ticks && npa_gc_threshold(a) > 0.0) pool->search_count++;
-    npa_block *b = best_fit(a, pool, rounded);
+    npa_block *b = fitted ? fit : best_fit(a, pool, rounded);
     /* Best fit left the held blocks of the pool's size class as they were
      * (a small block never serves a large request, nor a large one a small). */
     if (!b && (pool->is_small || lending) &&

@@ -589,13 +589,15 @@ static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_bl
  * blocks only while the device lends. Out of line: inlined beside the
  * small one, it cost the small one's callers their inlining. */
 void npa_stock_put_large(npa_device *d, npa_recent *r, npa_block *b);
-/* The large stock's rule, torch's for a large block it hands out whole
- * (should_split: what is left not above NPA_SMALL_SIZE): the smallest held
- * block of at least size bytes and at most NPA_SMALL_SIZE more (and at most
- * at_most bytes), out of the stock into *held; false when none. Its blocks
- * are all below max_split_size (npa_tcache_keep), so none is split at or
- * above it. */
-bool npa_stock_take_fit(npa_recent *r, size_t size, size_t at_most, npa_lent *held);
+/* The large stock's rule, torch's best fit for a block it hands out whole
+ * (should_split: what is left not above NPA_SMALL_SIZE): the first held
+ * block in the pool's order (size, then address) of at least size bytes
+ * and at most NPA_SMALL_SIZE more that comes before (before_size,
+ * before_addr) in that order (the pool's own best fit, which torch's one
+ * search would weigh the held blocks against), out of the stock into
+ * *held; false when none. Its blocks are all below max_split_size
+ * (npa_tcache_keep), so none is split at or above it. */
+bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr, npa_lent *held);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
 
@@ -645,14 +647,15 @@ enum { NPA_FLUSH_SMALL = 1, NPA_FLUSH_LARGE = 2 };
 bool npa_tcaches_flush_some(npa_device *d, unsigned which); /* the small stocks, the large or both */
 static inline bool npa_tcaches_flush(npa_device *d) { return npa_tcaches_flush_some(d, NPA_FLUSH_SMALL | NPA_FLUSH_LARGE); }
 /* With the device lock, t the calling thread's own (its lock not taken:
- * tcache.c): the slow path's moves of t's stock. A held block
- * of pool of exactly size bytes, or NULL: *lent when it went to the caller
- * (for requested bytes) as a fast malloc's would, raising t's ceilings
- * within the peaks' slack if need be; else counted inactive still, as a
- * block out of a pool. And b, freed now, kept in the stock if it admits it
+ * tcache.c): the slow path's moves of t's stock. A held block of pool of
+ * exactly size bytes (of the plain large pool, npa_stock_take_fit's, which
+ * must come before rival, the pool's best fit, or NULL: none), or NULL:
+ * *lent when it went to the caller (for requested bytes) as a fast
+ * malloc's would, raising t's ceilings within the peaks' slack if need be;
+ * else counted inactive still, as a block out of a pool. And b, freed now, kept in the stock if it admits it
  * (false: not kept). */
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
-                           bool *lent);
+                           const npa_block *rival, bool *lent);
 static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending); /* below */
 /* npa_tcache_keep's large part (tcache.c, out of line): b kept in t's large
  * stock if it may hold it (only while the device lends). */

@@ -85,17 +85,21 @@ __attribute__((noinline)) void npa_stock_put_large(npa_device *d, npa_recent *r,
     npa_pool_stat_decrease(s->requested_bytes, false, (int64_t)requested);
 }
 
-/* A few blocks at most: a plain scan for the smallest that fits. */
-bool npa_stock_take_fit(npa_recent *r, size_t size, size_t at_most, npa_lent *held) {
+/* A few blocks at most: a plain scan, each block that fits and comes first
+ * so far becoming the bound the next must come before. */
+bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr, npa_lent *held) {
     unsigned at = r->count;
-    size_t best = (at_most < size + NPA_SMALL_SIZE ? at_most : size + NPA_SMALL_SIZE) + 1;
-    for (unsigned i = 0; i < r->count; i++)
-        if (r->sizes[i] >= size && r->sizes[i] < best) {
-            best = r->sizes[i];
+    for (unsigned i = 0; i < r->count; i++) {
+        size_t s = r->sizes[i];
+        if (s >= size && s - size <= NPA_SMALL_SIZE &&
+            (s < before_size || (s == before_size && r->addrs[i] < before_addr))) {
+            before_size = s;
+            before_addr = r->addrs[i];
             at = i;
         }
+    }
     if (at == r->count) return false;
-    *held = (npa_lent){.addr = r->addrs[at], .size = best, .split = r->splits[at], .is_small = false};
+    *held = (npa_lent){.addr = before_addr, .size = before_size, .split = r->splits[at], .is_small = false};
     held->block = npa_stock_remove_at(r, at, true);
     return true;
 }

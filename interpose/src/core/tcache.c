@@ -203,10 +203,13 @@ static inline void lend(npa_tcache *t, npa_lent *held, size_t requested) {
     slot_move(t, pool_index(held->is_small), 1, (int64_t)held->size, (int64_t)requested, held->split);
 }
 
-/* A large block of the stock for rounded bytes whose size the byte ceiling
- * still allows (the block's size, not the request's, is what it counts).
- * Out of line: the fast malloc's callers kept it inlined and paid its
- * registers on every call. */
+/* A large block of the stock of exactly rounded bytes, if the byte ceiling
+ * still allows it. Exactly: without the device lock the pool's blocks are
+ * out of sight, and one between rounded bytes and a bigger held block's
+ * size is what torch's best fit would hand out (the slow path weighs the
+ * two, take_large_held); a held block of the rounded size is torch's size
+ * whatever the pool holds. Out of line: the fast malloc's callers kept it
+ * inlined and paid its registers on every call. */
 static __attribute__((noinline)) bool take_large(npa_tcache *t, size_t rounded, npa_lent *held) {
     const int64_t *small = t->slot->current[0], *large = t->slot->current[1];
     int64_t room = t->ceiling[1][NPA_CEIL_BYTES] - large[NPUALLOC_THREAD_ACTIVE_BYTES];
@@ -214,7 +217,7 @@ static __attribute__((noinline)) bool take_large(npa_tcache *t, size_t rounded, 
                        large[NPUALLOC_THREAD_ACTIVE_BYTES];
     if (room_all < room) room = room_all;
     return t->large.count && room >= (int64_t)rounded && large_stock_on(t->config) &&
-           npa_stock_take_fit(&t->large, rounded, (size_t)room, held);
+           npa_stock_take_fit(&t->large, rounded, rounded, UINTPTR_MAX, held);
 }
 
 bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr) {
@@ -710,19 +713,22 @@ static NPA_ALWAYS_INLINE npa_block *lend_or_hand(npa_device *d, npa_tcache *t, c
 }
 
 /* The large stock's part, out of line (the small one's callers paid its
- * registers, by callgrind). Empty while the fast paths are off. */
+ * registers, by callgrind). Empty while the fast paths are off. A held
+ * block serves only where it comes before the pool's best fit (rival) in
+ * the pool's order, as in torch's one search over both. */
 static __attribute__((noinline)) npa_block *take_large_held(npa_device *d, npa_tcache *t, const npa_pool *pool,
-                                                            size_t size, size_t requested, bool *lent) {
+                                                            size_t size, size_t requested, const npa_block *rival,
+                                                            bool *lent) {
     npa_lent held;
     if (!t->large.count || pool != &d->plain.large || !large_stock_on(t->config) ||
-        !npa_stock_take_fit(&t->large, size, SIZE_MAX, &held))
+        !npa_stock_take_fit(&t->large, size, rival ? rival->size : SIZE_MAX, rival ? rival->addr : 0, &held))
         return NULL;
     return lend_or_hand(d, t, pool, &held, requested, lent);
 }
 
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
-                           bool *lent) {
-    if (__builtin_expect(!pool->is_small, 0)) return take_large_held(d, t, pool, size, requested, lent);
+                           const npa_block *rival, bool *lent) {
+    if (__builtin_expect(!pool->is_small, 0)) return take_large_held(d, t, pool, size, requested, rival, lent);
     npa_lent held;
     if (!t->stock.count || !npa_stock_take(&t->stock, pool, size, &held, true)) return NULL;
     return lend_or_hand(d, t, pool, &held, requested, lent);

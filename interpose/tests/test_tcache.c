@@ -178,6 +178,77 @@ static void test_slow_mallocs_leave_the_fast_ones_fast(void) {
     fixture_destroy(&fx);
 }
 
+/* A slow malloc's block out of a pool, while the fast paths run, is lent
+ * to the thread as a block of its stock would be, its figures the slow
+ * path's, and its free is a fast one into the stock (the device's seqlock
+ * stays) unless it sets a peak: the free of a block cut from a pool's tail
+ * leaves one more inactive split block than ever before, a peak the slow
+ * path sets. A block the stocks would not take back (above the large
+ * stock's bytes) and one a miss cut from new memory stay the device's. */
+static void test_a_pool_block_is_lent(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx); /* its 512 bytes held, its segment's tail in the pool */
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    /* 8 KiB first: a malloc that sets a peak is the device's (no ceiling
+     * covers it), and this one leaves the peaks room for the next. */
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 8192), 0, NULL), NPA_FREE_OK);
+    void *p = alloc_exact(&fx, 0, 4096); /* cut from the tail */
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)p) == NULL);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_SMALL].current, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.active_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 4096);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, 8192);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3); /* the companion's block, the 8 KiB, the tail */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].peak, 3);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, (int64_t)(2 * MiB - 4096));
+    CHECK_EQ(s.num_cache_hits, 2);
+    CHECK_EQ(s.num_cache_misses, 1);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_tcache_mine(fx.a, 0)->stock.count, 2);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, s.allocation[NPUALLOC_POOL_ALL].allocated);
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 4); /* held whole, beside the tail */
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].peak, 4);
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current, (int64_t)(2 * MiB));
+
+    /* 12 MiB, a segment of its own; held, then back in the pool whole when
+     * a 14 MiB miss flushes the large stock first; served from there. */
+    void *x = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)x) != NULL); /* a miss */
+    CHECK_EQ(npa_free(fx.a, x, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 14 * MiB), 0, NULL), NPA_FREE_OK);
+    void *y = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK(y == x);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)y) == NULL);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(12 * MiB));
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(12 * MiB));
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_LARGE].current, 1);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].peak, (int64_t)(14 * MiB));
+    uint64_t seq = device_seq(&fx);
+    CHECK_EQ(npa_free(fx.a, y, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(device_seq(&fx), seq);
+
+    size_t big = NPA_LARGE_STOCK_BYTES + 2 * MiB;
+    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, big), 0, NULL), NPA_FREE_OK); /* cached in the pool */
+    void *r = alloc_exact(&fx, 0, big);
+    CHECK(npa_block_map_find(&d->live, (uintptr_t)r) != NULL);
+    CHECK_EQ(npa_free(fx.a, r, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.requested_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, s.allocation[NPUALLOC_POOL_ALL].allocated);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_ALL].peak, (int64_t)big);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 /* Two threads, each warm on its own size, then holding it at once in
  * turn (barriers): the peak is exactly the two together, though each
  * thread's malloc may have been a fast one. */
@@ -979,6 +1050,7 @@ int main(void) {
     RUN(test_a_lone_threads_stock_serves_the_fast_paths);
     RUN(test_a_warm_pair_leaves_the_device_alone);
     RUN(test_slow_mallocs_leave_the_fast_ones_fast);
+    RUN(test_a_pool_block_is_lent);
     RUN(test_two_threads_peak_exactly_together);
     RUN(test_threads_under_a_reader);
     RUN(test_a_foreign_free_and_its_double_free);

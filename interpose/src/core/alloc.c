@@ -359,9 +359,6 @@ static bool should_split(const npa_allocator *a, const npa_block *b, size_t size
     return size < a->config.max_split_size && remaining > NPA_SMALL_SIZE;
 }
 
-/* torch's alloc_found_block: b is out of its pool; split off the tail if the
- * rules allow, then account the allocation. inactive_split leaves expandable
- * segments out, as torch: their free pages can always be given back. */
 /* The allocation's stats (alloc_found_block's), inside its section. */
 static NPA_ALWAYS_INLINE void count_alloc(const npa_allocator *a, npualloc_device_stats *s, bool is_small,
                                           int64_t bytes, size_t requested, bool cache_hit) {
@@ -396,14 +393,14 @@ static __attribute__((noinline)) void count_alloc_lending(npa_allocator *a, npa_
     }
 }
 
-static NPA_ALWAYS_INLINE void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size,
-                                                size_t requested, bool cache_hit, bool lending) {
+/* torch's alloc_found_block's cut: b is out of its pool; rest (NULL: no
+ * cut) takes its tail past size, back into the pool, inside a stats
+ * section. inactive_split leaves expandable segments out, as torch: their
+ * free pages can always be given back. */
+static NPA_ALWAYS_INLINE void cut_found_block(npa_device *d, npa_block *b, npa_block *rest, size_t size) {
     npualloc_device_stats *s = d->stats;
     bool already_split = npa_block_is_split(b);
-    npa_block *rest = should_split(a, b, size) ? npa_slab_get(&d->slab) : NULL;
     bool counts_split = !b->in_expandable;
-
-    npa_stats_begin_outermost(d);
     if (rest) {
         rest->addr = b->addr + size;
         rest->size = b->size - size;
@@ -428,6 +425,16 @@ static NPA_ALWAYS_INLINE void alloc_found_block(npa_allocator *a, npa_device *d,
         npa_pool_stat_decrease(s->inactive_split_bytes, b->is_small, (int64_t)b->size);
         npa_pool_stat_decrease(s->inactive_split, b->is_small, 1);
     }
+}
+
+/* torch's alloc_found_block: b is out of its pool; split off the tail if
+ * the rules allow, then account the allocation. */
+static NPA_ALWAYS_INLINE void alloc_found_block(npa_allocator *a, npa_device *d, npa_block *b, size_t size,
+                                                size_t requested, bool cache_hit, bool lending) {
+    npualloc_device_stats *s = d->stats;
+    npa_block *rest = should_split(a, b, size) ? npa_slab_get(&d->slab) : NULL;
+    npa_stats_begin_outermost(d);
+    cut_found_block(d, b, rest, size);
 
     b->phase = NPA_PHASE_ALLOCATED;
     b->requested = requested;
@@ -585,6 +592,31 @@ void npa_stream_not_destroyed(npa_allocator *a, uint64_t token) {
     if (token) npa_for_devices(a, -1, not_destroyed_on, &token);
 }
 
+/* While the device lends, a block best fit found for the calling thread t
+ * is lent to it as a block of its stock would be (npa_tcache_lend_found),
+ * cut first as the malloc cuts it: its free is then a fast one into the
+ * stock, where from d->live it took the device lock (make bench's two
+ * threads: half the calls that took it). Only a block t's stock would take
+ * back, whose lend t's ceilings allow: decided before the cut, so that
+ * otherwise b goes on as it was (alloc_found_block cuts and counts it). */
+static __attribute__((noinline)) npa_block *lend_found_block(npa_allocator *a, npa_device *d, npa_tcache *t,
+                                                             npa_block *b, size_t size, size_t requested,
+                                                             bool *lent) {
+    bool cuts = should_split(a, b, size);
+    npa_block *rest = cuts ? npa_slab_get(&d->slab) : NULL;
+    if (cuts && !rest) return b; /* no host memory for the cut: alloc_found_block's way */
+    if (!npa_tcache_lends_found(d, t, b, cuts ? size : b->size, requested)) {
+        if (rest) npa_slab_put(&d->slab, rest);
+        return b;
+    }
+    npa_stats_begin(d);
+    cut_found_block(d, b, rest, size);
+    npa_tcache_lend_found(d, t, b, requested);
+    npa_stats_end(d);
+    *lent = true;
+    return b;
+}
+
 /* A free block of pool for rounded bytes: a block held by the calling
  * thread's cache t (of exactly that size, or for the plain large pool one
  * torch would hand out whole that comes before the pool's best fit, by
@@ -628,6 +660,7 @@ static NPA_ALWAYS_INLINE npa_block *take_cached_block(npa_allocator *a, npa_devi
         npa_tcaches_flush_some(d, pool->is_small ? NPA_FLUSH_SMALL : NPA_FLUSH_LARGE))
         b = best_fit(a, pool, rounded);
     if (b) npa_pool_remove(pool, b);
+    if (lending && b && t) b = lend_found_block(a, d, t, b, rounded, requested, lent);
     return b;
 }
 

@@ -502,7 +502,7 @@ static inline bool npa_stock_has_room(const npa_recent *r, size_t size, bool is_
     return r->count < r->capacity && r->bytes + size <= (is_small ? NPA_RECENT_BYTES : NPA_LARGE_STOCK_BYTES);
 }
 /* Returns the oldest held blocks to their pools until a block of size fits. */
-void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size); /* the small stock's */
+void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size, bool is_small);
 /* Every move below takes full: whether it keeps the fast paths' arrays
  * (addrs, pools, splits), which only a device that lends needs; a lone
  * thread's hit path leaves them (10 instructions a pair by callgrind). */
@@ -657,6 +657,13 @@ static inline bool npa_tcaches_flush(npa_device *d) { return npa_tcaches_flush_s
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            const npa_block *rival, bool *lent);
 static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending); /* below */
+/* While the device lends, a slow malloc's block b found in a pool, to be
+ * cut to kept bytes, lent to t as its stock's would be (alloc.c): whether
+ * t's stock would take it back from a free, and t's ceilings allow its
+ * lend (raised within the peaks' slack if need be); then, cut, b lent for
+ * requested bytes, room made in the stock for its return. Device lock. */
+bool npa_tcache_lends_found(npa_device *d, npa_tcache *t, const npa_block *b, size_t kept, size_t requested);
+void npa_tcache_lend_found(npa_device *d, npa_tcache *t, npa_block *b, size_t requested);
 /* npa_tcache_keep's large part (tcache.c, out of line): b kept in t's large
  * stock if it may hold it (only while the device lends). */
 bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b);
@@ -991,7 +998,7 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
 static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full) {
     npa_recent *r = &t->stock;
     size_t size = b->size, requested = b->requested;
-    if (!npa_stock_has_room(r, size, true)) npa_stock_make_room(d, r, size);
+    if (!npa_stock_has_room(r, size, true)) npa_stock_make_room(d, r, size, true);
     npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
     bool split = npa_block_is_split(b);
     /* The stock's own fields before the stats: GCC reloads every field

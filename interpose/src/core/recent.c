@@ -57,8 +57,8 @@ static void evict(npa_device *d, npa_recent *r, unsigned i) {
     r->evicted = 0;
 }
 
-void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size) {
-    while (!npa_stock_has_room(r, size, true)) evict(d, r, oldest(r));
+void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size, bool is_small) {
+    while (!npa_stock_has_room(r, size, is_small)) evict(d, r, oldest(r));
 }
 
 /* npa_stock_put's for the large stock (internal.h's inline one is the
@@ -68,7 +68,7 @@ void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size) {
  * instructions a pair more). */
 __attribute__((noinline)) void npa_stock_put_large(npa_device *d, npa_recent *r, npa_block *b) {
     size_t size = b->size, requested = b->requested;
-    while (!npa_stock_has_room(r, size, false)) evict(d, r, oldest(r));
+    npa_stock_make_room(d, r, size, false);
     npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
     bool split = npa_block_is_split(b);
     b->phase = NPA_PHASE_RECENT;

@@ -741,17 +741,51 @@ npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, s
  * blocks and 32 MiB (one in four with 4 and 16 MiB), which would bypass
  * it, while an eviction costs only the merge the free's slow path would
  * have made anyway. */
-static bool large_admits(const npa_device *d, npa_recent *r, const npa_block *b) {
+static bool large_admits(const npa_device *d, const npa_recent *r, const npa_block *b, size_t size) {
     return d->lending && r->capacity != 0 && !b->is_small && !b->in_expandable && b->pool == &d->plain.large &&
-           b->size <= NPA_LARGE_STOCK_BYTES && b->size < d->config->max_split_size && large_stock_on(d->config);
+           size <= NPA_LARGE_STOCK_BYTES && size < d->config->max_split_size && large_stock_on(d->config);
 }
 
 /* Out of line, as take_large_held. */
 static __attribute__((noinline)) bool keep_large(npa_device *d, npa_tcache *t, npa_block *b) {
-    if (!large_admits(d, &t->large, b)) return false;
+    if (!large_admits(d, &t->large, b, b->size)) return false;
     npa_stock_put_large(d, &t->large, b);
     slot_publish_largest(t);
     return true;
+}
+
+/* npa_recent_admits' and large_admits' rules without a bypass's count
+ * (the free, when it comes, counts), then lend_or_hand's. Before the cut,
+ * so that grant's ceilings are in place before anything the cut and the
+ * evictions count (a refit they need waits for the section's close). */
+bool npa_tcache_lends_found(npa_device *d, npa_tcache *t, const npa_block *b, size_t kept, size_t requested) {
+    if (!t->enabled || t->lent_count >= NPA_LENT_MAX) return false;
+    bool small = b->pool == &d->plain.small;
+    if (small ? t->stock.capacity == 0 || t->stock.bypass != 0 || b->in_expandable || kept > NPA_RECENT_BYTES
+              : !large_admits(d, &t->large, b, kept))
+        return false;
+    int p = pool_index(small);
+    return under_ceilings(t, p, (int64_t)kept, (int64_t)requested) ||
+           grant(d, t, p, (int64_t)kept, (int64_t)requested);
+}
+
+/* b, cut, is lent, and counted in the device's figures as the stock
+ * counts a block it holds (a free block that merged with nothing): lent
+ * first, so that a peak this sets is the sum's with b's slot taking it out
+ * (else an inactive_split peak one block above any the threads reached).
+ * Its phase before all, so that the evictions making room for its return
+ * never merge it. A stats section open. */
+void npa_tcache_lend_found(npa_device *d, npa_tcache *t, npa_block *b, size_t requested) {
+    bool small = b->is_small, split = npa_block_is_split(b);
+    b->phase = NPA_PHASE_RECENT;
+    b->requested = 0;
+    npa_stock_make_room(d, small ? &t->stock : &t->large, b->size, small);
+    lend(t, &(npa_lent){.addr = b->addr, .block = b, .size = b->size, .split = split, .is_small = small}, requested);
+    if (split) {
+        npualloc_device_stats *s = d->stats;
+        npa_split_stat_increase(d, s->inactive_split, small, 1);
+        npa_split_stat_increase(d, s->inactive_split_bytes, small, (int64_t)b->size);
+    }
 }
 
 void npa_tcache_publish_largest(npa_tcache *t) { slot_publish_largest(t); } /* npa_tcache_keep's, inline */

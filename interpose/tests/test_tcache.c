@@ -754,6 +754,39 @@ static void test_large_stock_bounds(void) {
     fixture_destroy(&fx);
 }
 
+/* While the fast paths run, a miss of a pool gives the held blocks back
+ * one at a time until best fit finds one: the oldest held block (the
+ * first freed) merges with the segment's tail into room for 12 MiB, and
+ * the other two stay held, where a flush of every stock left none. The
+ * segment serves it: no new memory, the figures exact. */
+static void test_a_miss_takes_back_only_what_fits(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    void *x[3];
+    for (int i = 0; i < 3; i++) x[i] = alloc_exact(&fx, 0, 3 * MiB); /* a 20 MiB segment, 11 MiB left */
+    for (int i = 3; i-- > 0;) CHECK_EQ(npa_free(fx.a, x[i], 0, NULL), NPA_FREE_OK); /* the tail's neighbour first */
+    npa_tcache *t = my_tcache(&fx);
+    CHECK_EQ(t->large.count, 3);
+    long grows = fx.fake.raw_malloc_calls;
+    void *p = alloc_exact(&fx, 0, 12 * MiB);
+    CHECK(p == x[2]);
+    CHECK_EQ(fx.fake.raw_malloc_calls, grows);
+    CHECK_EQ(t->large.count, 2);
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocated_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(12 * MiB));
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(20 * MiB));
+    CHECK_EQ(s.inactive_split[NPUALLOC_POOL_LARGE].current, 3); /* the two held, the 2 MiB tail */
+    CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_LARGE].current, (int64_t)(8 * MiB));
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    s = stats_of(&fx, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].freed, s.allocation[NPUALLOC_POOL_ALL].allocated);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 /* What a thread's large stock holds goes back to the pool before the large
  * pool asks the device for memory, for empty_cache, when a GC threshold or
  * expandable segments are set at run time (and nothing is held from then
@@ -1063,6 +1096,7 @@ int main(void) {
     RUN(test_history_turns_the_fast_paths_off);
     RUN(test_large_blocks_serve_as_torch_would);
     RUN(test_large_stock_bounds);
+    RUN(test_a_miss_takes_back_only_what_fits);
     RUN(test_large_stock_flushes);
     RUN(test_own_stats_never_wait_on_a_slot);
     RUN(test_own_stats_inside_own_fast_path);

@@ -600,6 +600,8 @@ void npa_stock_put_large(npa_device *d, npa_recent *r, npa_block *b);
 bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr, npa_lent *held);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
+/* Its oldest block (there is one) back to its pool. Device lock held. */
+void npa_stock_return_oldest(npa_device *d, npa_recent *r);
 
 /* tcache.c */
 /* The calling thread's caches, for one allocator at a time (tests make
@@ -646,6 +648,10 @@ npa_block *npa_tcaches_reclaim(npa_device *d, uintptr_t addr);
 enum { NPA_FLUSH_SMALL = 1, NPA_FLUSH_LARGE = 2 };
 bool npa_tcaches_flush_some(npa_device *d, unsigned which); /* the small stocks, the large or both */
 static inline bool npa_tcaches_flush(npa_device *d) { return npa_tcaches_flush_some(d, NPA_FLUSH_SMALL | NPA_FLUSH_LARGE); }
+/* Frozen, while the fast paths run: one held block of which's stocks (a
+ * single class) back to its pool, the oldest of the stock that holds the
+ * most bytes; false when they are all empty. */
+bool npa_tcaches_return_one(npa_device *d, unsigned which);
 /* With the device lock, t the calling thread's own (its lock not taken:
  * tcache.c): the slow path's moves of t's stock. A held block of pool of
  * exactly size bytes (of the plain large pool, npa_stock_take_fit's, which

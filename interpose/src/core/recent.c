@@ -104,9 +104,15 @@ bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_
     return true;
 }
 
+void npa_stock_return_oldest(npa_device *d, npa_recent *r) {
+    npa_stats_begin(d);
+    npa_pool_return(d, npa_stock_remove_at(r, oldest(r), true));
+    npa_stats_end(d);
+}
+
 void npa_stock_flush(npa_device *d, npa_recent *r) {
     if (r->count == 0) return;
     npa_stats_begin(d);
-    while (r->count > 0) npa_pool_return(d, npa_stock_remove_at(r, oldest(r), true));
+    while (r->count > 0) npa_stock_return_oldest(d, r);
     npa_stats_end(d);
 }

@@ -665,6 +665,21 @@ static void flush_stocks(npa_device *d, npa_tcache *t, unsigned which) {
 
 static void flush_stock(npa_device *d, npa_tcache *t) { flush_stocks(d, t, NPA_FLUSH_SMALL | NPA_FLUSH_LARGE); }
 
+bool npa_tcaches_return_one(npa_device *d, unsigned which) {
+    npa_tcache *from = NULL;
+    for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
+        npa_tcache *t = d->tcaches[i];
+        if (!t || t == d->frozen_without) continue; /* its stocks left as they are (npa_tcaches_freeze) */
+        const npa_recent *r = which == NPA_FLUSH_SMALL ? &t->stock : &t->large;
+        if (r->count && (!from || r->bytes > (which == NPA_FLUSH_SMALL ? from->stock : from->large).bytes))
+            from = t;
+    }
+    if (!from) return false;
+    npa_stock_return_oldest(d, which == NPA_FLUSH_SMALL ? &from->stock : &from->large);
+    slot_publish_largest(from);
+    return true;
+}
+
 /* While the fast paths run, frozen, not one lock after another: a merge
  * may raise inactive_split past what the ceilings leave, which freezes
  * (npa_split_past_peak). Off, a merge never freezes, and a lone

@@ -670,9 +670,10 @@ static void hold_large(fixture *fx, const size_t *sizes, int count, void **addrs
 /* A held large block B serves a request R as torch's pool hands a block
  * out whole: R <= B and B - R not above 1 MiB, the smallest such B; its
  * figures are the slow path's (allocated and active B, requested R). A
- * warm pair takes no device lock only for B of R's rounded size: the fast
- * path cannot see whether the pool holds a block between R and B, which
- * torch would hand out instead (test_held_large_blocks_weighed_against_the_pool). Anything else goes to the pool. */
+ * warm pair takes no device lock for B of R's rounded size, or a bigger B
+ * where the pool holds no block between R and B, which torch would hand
+ * out instead (test_held_large_blocks_weighed_against_the_pool). Anything
+ * else goes to the pool. */
 static void test_large_blocks_serve_as_torch_would(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
@@ -691,11 +692,14 @@ static void test_large_blocks_serve_as_torch_would(void) {
     CHECK_EQ(s.allocation[NPUALLOC_POOL_LARGE].current, 1);
     CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 1);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
-    /* Warm: the fast path declines a request below the block's size (2.25
-     * MiB, rounded already), which the slow path weighs against the pool;
-     * a pair of the block's own size takes no device lock. */
-    CHECK(!npa_tcache_malloc(my_tcache(&fx), 9 * MiB / 4, 9 * MiB / 4, &p));
+    /* Warm: the pool holds nothing of 2.25 to 2.5 MiB (the segment's 14.5
+     * MiB rest), so the fast path serves 2.25 MiB (rounded already) from
+     * the 2.5 MiB block, as it does a pair of the block's own size: no
+     * device lock. */
     uint64_t seq = device_seq(&fx);
+    CHECK(npa_tcache_malloc(my_tcache(&fx), 9 * MiB / 4, 9 * MiB / 4, &p));
+    CHECK(p == held[1]);
+    CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     p = alloc_exact(&fx, 0, 5 * MiB / 2);
     CHECK(p == held[1]);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
@@ -907,10 +911,11 @@ static void test_a_held_large_block_yields_to_the_pools_best_fit(void) {
 /* The slow path weighs the held blocks against the pool's best fit P as
  * torch's one search would (size, then address): P serves when it is
  * smaller than the held block B, or as big and at a lower address; B
- * serves otherwise, P staying in the pool. The fast path serves only B of
- * the request's rounded size, whatever the pool holds: torch's figures
+ * serves otherwise, P staying in the pool. The fast path serves B of the
+ * request's rounded size whatever the pool holds: torch's figures
  * (allocated, active), though torch would take a pooled block of that
- * size at a lower address (README: the layout's difference). One 20 MiB
+ * size at a lower address (README: the layout's difference); a bigger B
+ * only where the pool's summary shows no block from R to B. One 20 MiB
  * segment: the first block, the second, the rest allocated; the pooled
  * one freed by a thread with no cache (merged with nothing), the held one
  * by this thread (into its large stock). */
@@ -952,14 +957,14 @@ static void weigh_once(const weighing *w) {
 static void test_held_large_blocks_weighed_against_the_pool(void) {
     const size_t r = 9 * MiB / 4; /* 2.25 MiB, rounded already */
     const weighing cases[] = {
-        /* P between R and B: P, whatever the addresses. */
+        /* P between R and B: P, whatever the addresses; the fast path declines. */
         {.pooled = 5 * MiB / 2, .held = 3 * MiB, .request = r, .pooled_first = false, .pool_serves = true},
         /* as big as B, at a lower address: P, torch's tie. */
         {.pooled = 5 * MiB / 2, .held = 5 * MiB / 2, .request = r, .pooled_first = true, .pool_serves = true},
         /* as big, at a higher address: B, lent; P stays. */
         {.pooled = 5 * MiB / 2, .held = 5 * MiB / 2, .request = r, .pooled_first = false, .pool_serves = false},
-        /* bigger than B: B. */
-        {.pooled = 3 * MiB, .held = 5 * MiB / 2, .request = r, .pooled_first = true, .pool_serves = false},
+        /* bigger than B: B, by the fast path (the pool's summary clear from R to B). */
+        {.pooled = 3 * MiB, .held = 5 * MiB / 2, .request = r, .pooled_first = true, .pool_serves = false, .fast = true},
         /* B of R's size: the fast path's, P unseen (torch: P, as big, lower). */
         {.pooled = 5 * MiB / 2, .held = 5 * MiB / 2, .request = 5 * MiB / 2, .pooled_first = true, .fast = true},
     };

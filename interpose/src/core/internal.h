@@ -86,10 +86,29 @@ static inline bool npa_block_is_split(const npa_block *b) { return b->prev != NU
  * priorities hash the address, so no node is allocated and no RNG is shared. */
 typedef struct npa_expandable npa_expandable;
 
+/* The plain large pool's free blocks counted by size in 64 KiB buckets,
+ * below 64 MiB, for the fast malloc (tcache.c take_large), which cannot walk
+ * the pool without the device lock. Written only under the device lock
+ * (npa_pool_insert and _remove, npa_summary_settle), read with atomics.
+ * seq is odd from the first count a stats section changes to that
+ * section's close: a reader that saw it even, and the same after its
+ * counts, read the pool as some section left it, never half way through
+ * a merge or split (a section closes under the hold of the lock that
+ * opened it; a change outside any section leaves it odd until the next
+ * close: the fast path declines meanwhile, which is only slower). On its
+ * own lines (npa_device): every slow large malloc and free writes it. */
+#define NPA_SUMMARY_SHIFT 16
+#define NPA_SUMMARY_BUCKETS 1024
+typedef struct npa_pool_summary {
+    uint32_t seq;
+    uint32_t counts[NPA_SUMMARY_BUCKETS];
+} npa_pool_summary;
+
 struct npa_pool {
     npa_block *root;
     npa_block *largest;      /* the maximum, kept for largest_free_block */
     bool *largest_moved;     /* its device's largest_moved, set when largest changes */
+    npa_pool_summary *summary; /* the device's large_summary for its plain large pool, else NULL */
     uint64_t search_count;   /* best-fit searches so far: the GC clock */
     bool is_small;
     bool vmm_refused;        /* the device refused a reservation: plain segments from then on */
@@ -417,6 +436,7 @@ struct npa_device {
     _Alignas(64) npualloc_thread_stats local_threads[NPUALLOC_THREAD_SLOTS]; /* a slot's lines its thread's alone */
     const npa_backend *backend; /* the allocator's: its capture_stack names each recorded event's stack */
     const npa_config *config;   /* the allocator's: its record_context says whether the trace shows that stack */
+    _Alignas(64) npa_pool_summary large_summary; /* plain.large's; lines of its own */
     /* num_pending_frees != 0, for the threads' fast mallocs (pending.c):
      * last, on a cache line of its own, written only when it changes. */
     _Alignas(64) bool pending_any;
@@ -598,6 +618,11 @@ void npa_stock_put_large(npa_device *d, npa_recent *r, npa_block *b);
  * *held; false when none. Its blocks are all below max_split_size
  * (npa_tcache_keep), so none is split at or above it. */
 bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr, npa_lent *held);
+/* The fast malloc's two halves of it: the index of the smallest such block
+ * of at most most bytes (the lowest address among equals), r->count when
+ * none; then that block out into *held. */
+unsigned npa_stock_find_fit(const npa_recent *r, size_t size, size_t most);
+void npa_stock_take_at(npa_recent *r, unsigned at, npa_lent *held);
 /* Every held block back to its pool (merged). Device lock held. */
 void npa_stock_flush(npa_device *d, npa_recent *r);
 /* Its oldest block (there is one) back to its pool. Device lock held. */
@@ -884,8 +909,16 @@ static inline void npa_publish_largest(npa_device *d) {
 /* The outermost section's closing: a freeze an increase of inactive_split
  * began ends (npa_split_past_peak sets largest_moved too: one test for
  * both), largest_free_block, then seq even. */
+/* Ends the summary's change a section made (npa_pool_summary): release,
+ * after its counts. */
+static inline void npa_summary_settle(npa_device *d) {
+    uint32_t seq = d->large_summary.seq; /* written under the lock alone */
+    if (seq & 1) __atomic_store_n(&d->large_summary.seq, seq + 1, __ATOMIC_RELEASE);
+}
+
 static inline void npa_stats_close(npa_device *d) {
     npualloc_device_stats *s = d->stats;
+    npa_summary_settle(d);
     if (d->largest_moved) {
         if (d->freeze_at_close) npa_tcaches_thaw_at_close(d);
         npa_publish_largest(d);
@@ -904,6 +937,7 @@ static inline void npa_stats_end(npa_device *d) {
 static inline void npa_stats_end_outermost(npa_device *d) {
     npualloc_device_stats *s = d->stats;
     d->stats_depth = 0;
+    npa_summary_settle(d);
     if (d->largest_moved) npa_publish_largest(d);
     __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE);
 }

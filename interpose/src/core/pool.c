@@ -57,7 +57,20 @@ static npa_block *rightmost(npa_block *t) {
     return t;
 }
 
+/* A block of the summary's pool came or went: seq odd first (the release
+ * fence orders it before the count for a reader that sees the count). */
+static void summary_count(npa_pool_summary *s, size_t size, uint32_t by) {
+    size_t at = size >> NPA_SUMMARY_SHIFT;
+    if (at >= NPA_SUMMARY_BUCKETS) return;
+    if (!(s->seq & 1)) {
+        __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&s->counts[at], s->counts[at] + by, __ATOMIC_RELAXED);
+}
+
 void npa_pool_insert(npa_pool *pool, npa_block *b) {
+    if (pool->summary) summary_count(pool->summary, b->size, 1);
     b->priority = address_priority(b->addr);
     b->age_base = pool->search_count;
     npa_block **link = &pool->root;
@@ -71,6 +84,7 @@ void npa_pool_insert(npa_pool *pool, npa_block *b) {
 }
 
 void npa_pool_remove(npa_pool *pool, npa_block *b) {
+    if (pool->summary) summary_count(pool->summary, b->size, UINT32_MAX); /* minus one, modulo 2^32 */
     npa_block **link = &pool->root;
     while (*link != b) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
     *link = treap_merge(b->left, b->right);

@@ -87,7 +87,7 @@ __attribute__((noinline)) void npa_stock_put_large(npa_device *d, npa_recent *r,
 
 /* A few blocks at most: a plain scan, each block that fits and comes first
  * so far becoming the bound the next must come before. */
-bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr, npa_lent *held) {
+static unsigned find_before(const npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr) {
     unsigned at = r->count;
     for (unsigned i = 0; i < r->count; i++) {
         size_t s = r->sizes[i];
@@ -98,9 +98,22 @@ bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_
             at = i;
         }
     }
-    if (at == r->count) return false;
-    *held = (npa_lent){.addr = before_addr, .size = before_size, .split = r->splits[at], .is_small = false};
+    return at;
+}
+
+unsigned npa_stock_find_fit(const npa_recent *r, size_t size, size_t most) {
+    return find_before(r, size, most, UINTPTR_MAX);
+}
+
+void npa_stock_take_at(npa_recent *r, unsigned at, npa_lent *held) {
+    *held = (npa_lent){.addr = r->addrs[at], .size = r->sizes[at], .split = r->splits[at], .is_small = false};
     held->block = npa_stock_remove_at(r, at, true);
+}
+
+bool npa_stock_take_fit(npa_recent *r, size_t size, size_t before_size, uintptr_t before_addr, npa_lent *held) {
+    unsigned at = find_before(r, size, before_size, before_addr);
+    if (at == r->count) return false;
+    npa_stock_take_at(r, at, held);
     return true;
 }
 

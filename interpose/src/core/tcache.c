@@ -203,12 +203,32 @@ static inline void lend(npa_tcache *t, npa_lent *held, size_t requested) {
     slot_move(t, pool_index(held->is_small), 1, (int64_t)held->size, (int64_t)requested, held->split);
 }
 
-/* A large block of the stock of exactly rounded bytes, if the byte ceiling
- * still allows it. Exactly: without the device lock the pool's blocks are
- * out of sight, and one between rounded bytes and a bigger held block's
- * size is what torch's best fit would hand out (the slow path weighs the
- * two, take_large_held); a held block of the rounded size is torch's size
- * whatever the pool holds. Out of line: the fast malloc's callers kept it
+/* Whether the plain large pool held no free block of [lo, hi] bytes, read
+ * without the device lock from its summary (npa_pool_summary). Bucketed: a
+ * block below lo in lo's bucket, or above hi in hi's, counts too, which
+ * only declines. Exact otherwise: the counts read with seq even and the
+ * same after are what some stats section left, under the lock; a fast
+ * malloc that read 0 before another thread's insert is ordered before
+ * that insert, as the device lock would have ordered them, and the thread
+ * reads its own earlier inserts (program order). */
+static bool plain_large_clear(const npa_pool_summary *s, size_t lo, size_t hi) {
+    size_t last = hi >> NPA_SUMMARY_SHIFT;
+    if (last >= NPA_SUMMARY_BUCKETS) return false;
+    uint32_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
+    uint32_t any = seq & 1;
+    for (size_t i = lo >> NPA_SUMMARY_SHIFT; i <= last && !any; i++)
+        any = __atomic_load_n(&s->counts[i], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the counts before seq again */
+    return !any && __atomic_load_n(&s->seq, __ATOMIC_RELAXED) == seq;
+}
+
+/* A large block of the stock for rounded bytes, if the byte ceiling still
+ * allows it: the smallest held B with B - rounded at most 1 MiB (torch's
+ * split rule), as torch's best fit would take it. A B of the rounded size
+ * is torch's size whatever the pool holds; a bigger one only where the
+ * pool holds none of [rounded, B] (B itself: a pool block of B's size at a
+ * lower address would win the tie), else the slow path weighs the two
+ * (take_large_held). Out of line: the fast malloc's callers kept it
  * inlined and paid its registers on every call. */
 static __attribute__((noinline)) bool take_large(npa_tcache *t, size_t rounded, npa_lent *held) {
     const int64_t *small = t->slot->current[0], *large = t->slot->current[1];
@@ -216,8 +236,13 @@ static __attribute__((noinline)) bool take_large(npa_tcache *t, size_t rounded, 
     int64_t room_all = t->ceiling[NPA_CEIL_ALL][NPA_CEIL_BYTES] - small[NPUALLOC_THREAD_ACTIVE_BYTES] -
                        large[NPUALLOC_THREAD_ACTIVE_BYTES];
     if (room_all < room) room = room_all;
-    return t->large.count && room >= (int64_t)rounded && large_stock_on(t->config) &&
-           npa_stock_take_fit(&t->large, rounded, rounded, UINTPTR_MAX, held);
+    if (!t->large.count || room < (int64_t)rounded || !large_stock_on(t->config)) return false;
+    unsigned at = npa_stock_find_fit(&t->large, rounded, (size_t)room);
+    if (at == t->large.count ||
+        (t->large.sizes[at] != rounded && !plain_large_clear(&t->device->large_summary, rounded, t->large.sizes[at])))
+        return false;
+    npa_stock_take_at(&t->large, at, held);
+    return true;
 }
 
 bool npa_tcache_malloc(npa_tcache *t, size_t rounded, size_t requested, void **ptr) {

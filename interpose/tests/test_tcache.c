@@ -993,6 +993,55 @@ static void test_held_large_blocks_tie_by_address(void) {
     fixture_destroy(&fx);
 }
 
+/* The free blocks of a pool's subtree counted into buckets as the pool's
+ * summary counts them. */
+static void count_subtree(const npa_block *b, uint32_t counts[NPA_SUMMARY_BUCKETS]) {
+    for (; b; b = b->right) {
+        if (b->size >> NPA_SUMMARY_SHIFT < NPA_SUMMARY_BUCKETS) counts[b->size >> NPA_SUMMARY_SHIFT]++;
+        count_subtree(b->left, counts);
+    }
+}
+
+static void check_summary(fixture *fx) {
+    const npa_device *d = my_tcache(fx)->device;
+    static uint32_t counts[NPA_SUMMARY_BUCKETS];
+    memset(counts, 0, sizeof counts);
+    count_subtree(d->plain.large.root, counts);
+    CHECK_EQ(d->large_summary.seq & 1, 0); /* settled by each call's section */
+    CHECK(memcmp(counts, d->large_summary.counts, sizeof counts) == 0);
+}
+
+/* The plain large pool's summary counts its free blocks as they are, after
+ * splits, merges (with and without the stock), the stock's evictions and
+ * empty_cache; 64 MiB and up are not counted. */
+static void test_the_large_summary_follows_the_pool(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    static const size_t sizes[] = {5 * MiB / 2, 3 * MiB, 9 * MiB / 4, 7 * MiB, 70 * MiB, 2 * MiB + 512, 12 * MiB};
+    enum { n = sizeof sizes / sizeof sizes[0] };
+    void *p[n];
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < n; i++) {
+            p[i] = alloc_exact(&fx, 0, sizes[(i + round) % n]);
+            check_summary(&fx);
+        }
+        for (int i = 0; i < n; i += 2) {
+            CHECK_EQ(npa_free(fx.a, p[i], 0, NULL), NPA_FREE_OK);
+            check_summary(&fx);
+        }
+        for (int i = 1; i < n; i += 2) {
+            CHECK_EQ(npa_free(fx.a, p[i], 0, NULL), NPA_FREE_OK);
+            check_summary(&fx);
+        }
+    }
+    npa_empty_cache(fx.a, 0);
+    check_summary(&fx);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 static void *read_own_stats(void *arg) {
     fixture *fx = arg;
     static npualloc_device_stats out;
@@ -1107,6 +1156,7 @@ int main(void) {
     RUN(test_own_stats_inside_own_fast_path);
     RUN(test_a_held_large_block_yields_to_the_pools_best_fit);
     RUN(test_held_large_blocks_weighed_against_the_pool);
+    RUN(test_the_large_summary_follows_the_pool);
     RUN(test_held_large_blocks_tie_by_address);
     return check_report();
 }

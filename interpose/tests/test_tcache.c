@@ -9,6 +9,7 @@
 #define _GNU_SOURCE /* pthread_timedjoin_np */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -1042,6 +1043,81 @@ static void test_the_large_summary_follows_the_pool(void) {
     fixture_destroy(&fx);
 }
 
+/* A thread with no cache of its own runs the poll that completes the
+ * pending frees (npa_process_pending), flagging when it returns. */
+typedef struct poller {
+    fixture *fx;
+    int done; /* atomic */
+} poller;
+
+static void *poll_pending(void *arg) {
+    poller *p = arg;
+    npa_process_pending(p->fx->a, 0);
+    __atomic_store_n(&p->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A free whose fence completed is torch's pick at the next malloc
+ * (process_events, then best fit): the fast path, which cannot see pending
+ * frees, declines while any is pending (pending_any), so that flag may say
+ * none only once the completed blocks are in their pools, where the plain
+ * large pool's summary shows them. The poll that completes a small block S
+ * and then P (2.25 MiB) is held between the two: S's merge raises
+ * inactive_split past its peak (reset before), which freezes every tcache,
+ * and the companion's, first in index order, is held here. There a fast
+ * 2.25 MiB malloc with B (2.5 MiB) held must decline (torch: P): P is
+ * pending no more, and not yet in the pool. */
+static void test_a_completed_free_is_in_the_pool_before_nothing_is_pending(void) {
+    fixture fx;
+    fake_init(&fx.fake, GiB, false);
+    fx.fake.fences = true;
+    fx.fake.answers_fence_needed = true;
+    fake_set_eager(&fx.fake, true);
+    fixture_start(&fx, NULL);
+    companion c;
+    companion_start(&c, &fx);
+    const size_t r = 9 * MiB / 4, held_size = 5 * MiB / 2;
+    void *pooled = alloc_exact(&fx, 0, r), *held = alloc_exact(&fx, 0, held_size);
+    void *rest = alloc_exact(&fx, 0, 20 * MiB - r - held_size); /* the segment's tail: P merges with nothing */
+    void *x = alloc_exact(&fx, 0, 4096), *s = alloc_exact(&fx, 0, 4096), *y = alloc_exact(&fx, 0, 4096);
+    CHECK_EQ(npa_free(fx.a, held, 0, NULL), NPA_FREE_OK);
+    npa_tcache *mine = my_tcache(&fx);
+    CHECK_EQ(mine->large.count, 1);
+    npa_reset_peak_stats(fx.a, 0);
+    /* A slow pair on B gives this thread's ceilings its room again. */
+    CHECK(alloc_exact(&fx, 0, held_size) == held);
+    CHECK_EQ(npa_free(fx.a, held, 0, NULL), NPA_FREE_OK);
+    fake_set_eager(&fx.fake, false);
+    CHECK_EQ(npa_free(fx.a, s, 0, NULL), NPA_FREE_OK);      /* pending, the older */
+    CHECK_EQ(npa_free(fx.a, pooled, 0, NULL), NPA_FREE_OK); /* pending */
+    npa_process_pending(fx.a, 0);                           /* their fence recorded, not done */
+    fake_complete_fences(&fx.fake);
+    void *p = NULL;
+    CHECK(!npa_tcache_malloc(mine, r, r, &p)); /* pending */
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    npa_tcache *other = d->tcaches[0];
+    CHECK(other != NULL && other != mine); /* the companion's, frozen first */
+    if (other == NULL || other == mine) return;
+    npa_lock_acquire(&other->lock);
+    poller poll = {.fx = &fx};
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, poll_pending, &poll), 0);
+    while (__atomic_load_n(&other->lock.state, __ATOMIC_ACQUIRE) == 1 && !__atomic_load_n(&poll.done, __ATOMIC_ACQUIRE))
+        sched_yield();
+    CHECK(!__atomic_load_n(&poll.done, __ATOMIC_ACQUIRE)); /* it froze inside the poll */
+    bool fast = npa_tcache_malloc(mine, r, r, &p);
+    npa_lock_release(&other->lock);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK(!fast);
+    if (fast) CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    p = alloc_exact(&fx, 0, r); /* torch's best fit: P, from the pool */
+    CHECK(p == pooled);
+    void *blocks[] = {p, x, y, rest};
+    for (int i = 0; i < 4; i++) CHECK_EQ(npa_free(fx.a, blocks[i], 0, NULL), NPA_FREE_OK);
+    companion_stop(&c);
+    fixture_destroy(&fx);
+}
+
 static void *read_own_stats(void *arg) {
     fixture *fx = arg;
     static npualloc_device_stats out;
@@ -1158,5 +1234,6 @@ int main(void) {
     RUN(test_held_large_blocks_weighed_against_the_pool);
     RUN(test_the_large_summary_follows_the_pool);
     RUN(test_held_large_blocks_tie_by_address);
+    RUN(test_a_completed_free_is_in_the_pool_before_nothing_is_pending);
     return check_report();
 }

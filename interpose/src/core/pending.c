@@ -73,6 +73,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
     unsigned capacity = t ? t->stock.capacity : 0;
     unsigned offered = whole ? 0 : capacity;
     npa_block *merged = NULL; /* those not held, oldest first */
+    int64_t completed = 0;
     npa_stats_begin(d);
     for (npa_block *b = blocks, *next; b; b = next) {
         next = b->link;
@@ -82,7 +83,7 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->uses_unknown = false;
         b->unknown_by = 0;
         b->fence_own = false;
-        count_pending(d, -1);
+        completed++;
         if (offered < capacity && b->pool->retired_by != NPA_STREAM_GONE && npa_tcache_keep(d, t, b, d->lending)) {
             offered++;
         } else {
@@ -95,6 +96,12 @@ static void complete_blocks(npa_allocator *a, npa_device *d, npa_block *blocks, 
         b->link = NULL;
         npa_free_block(a, d, b);
     }
+    /* Not pending only now that they are in their pools: a fast malloc
+     * that finds nothing pending weighs its held block against the plain
+     * large pool's summary alone (tcache.c take_large), so a block between
+     * the two counts must be there, or the summary's seq odd (a merge may
+     * freeze the tcaches, and a fast malloc runs on meanwhile). */
+    count_pending(d, -completed);
     npa_stats_end(d);
 }
 

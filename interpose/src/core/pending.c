@@ -44,11 +44,14 @@
 #define NPA_POLL_BACKOFF_MAX 64
 
 /* num_pending_frees moves, and pending_any with it: the fast mallocs' one
- * look at the device (tcache.c), on a line nothing else writes. */
+ * look at the device (tcache.c), on a line nothing else writes. Release:
+ * a fast malloc that reads it false, then (after an acquire fence) the
+ * plain large pool's summary, sees the summary as this thread left it, the
+ * blocks just completed in it (complete_blocks). */
 static void count_pending(npa_device *d, int64_t delta) {
     npa_stat_add(&d->stats->num_pending_frees, delta);
     bool any = d->stats->num_pending_frees != 0;
-    if (any != __atomic_load_n(&d->pending_any, __ATOMIC_RELAXED)) __atomic_store_n(&d->pending_any, any, __ATOMIC_RELAXED);
+    if (any != __atomic_load_n(&d->pending_any, __ATOMIC_RELAXED)) __atomic_store_n(&d->pending_any, any, __ATOMIC_RELEASE);
 }
 
 static bool batch_full(const npa_device *d) {

@@ -214,6 +214,12 @@ static inline void lend(npa_tcache *t, npa_lent *held, size_t requested) {
 static bool plain_large_clear(const npa_pool_summary *s, size_t lo, size_t hi) {
     size_t last = hi >> NPA_SUMMARY_SHIFT;
     if (last >= NPA_SUMMARY_BUCKETS) return false;
+    /* npa_tcache_malloc's relaxed look at pending_any before the summary:
+     * one that read it false (count_pending's release store) then reads the
+     * counts its frees' completion left, or seq odd. Without the fence a
+     * weakly ordered core (aarch64) may read the summary older than the
+     * flag, a completed free in neither. */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
     uint32_t seq = __atomic_load_n(&s->seq, __ATOMIC_ACQUIRE);
     uint32_t any = seq & 1;
     for (size_t i = lo >> NPA_SUMMARY_SHIFT; i <= last && !any; i++)

@@ -377,9 +377,10 @@ struct npa_tcache {
 /* Lock order: hook/hook.h lists every lock of the library. For the core:
  * the tcache registry lock (tcache.c) and init_lock before any device lock,
  * one device lock at a time; under a device lock its tcaches' locks, in
- * index order. A tcache's owner takes its own lock with no device lock and
- * never takes one while holding it. A device's exit_lock is a leaf, taken
- * under the device lock or the registry lock. */
+ * index order (a freeze only tries the caller's own). A tcache's owner
+ * takes its own lock on its fast paths with no device lock and never takes
+ * one while holding it. A device's exit_lock is a leaf, taken under the
+ * device lock or the registry lock. */
 struct npa_device {
     npa_lock lock;           /* lock.h */
     int id;

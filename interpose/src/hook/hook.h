@@ -63,10 +63,13 @@
  *      synchronize. Only fork_prepare holds several, in ascending order.
  *   5a. a thread's cache of a device (core tcache.c npa_tcache.lock, a
  *      futex word): its owner takes it alone on its fast paths, holding
- *      none of ours and taking nothing under it; any other thread only
- *      under that device's lock (5), all of them in index order to freeze
- *      the fast paths (snapshots, the peaks' ceilings). Before 4 and 5 comes
- *      the core's registry of live allocators (tcache.c registry_lock): a
+ *      none of ours and taking nothing under it; otherwise only under that
+ *      device's lock (5): one at a time (a block it lent taken back, a
+ *      flush while the fast paths are off), or all of them in index order
+ *      to freeze the fast paths (snapshots, the stats' reads, the peaks'
+ *      ceilings), the freezing thread's own only tried (its fast path may
+ *      be what a signal handler interrupted). Before 4 and 5 comes the
+ *      core's registry of live allocators (tcache.c registry_lock): a
  *      thread that exits or moves to another allocator folds its caches
  *      back under it, taking each device lock (5) in turn; a device's
  *      exit_lock (core internal.h), a leaf under 5 or the registry lock,

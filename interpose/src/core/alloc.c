@@ -646,7 +646,8 @@ static __attribute__((noinline)) npa_block *lend_found_block(npa_allocator *a, n
  * lending one block at a time until one fits, best_fit_returning); NULL on
  * a miss. Held blocks are not merged before a cut: a block beside one is cut at its own
  * start where torch, with the two merged, cuts at the held block's (the
- * layouts can differ by what the cache holds, 2 MiB a device at most;
+ * layouts can differ by what the threads' caches hold: up to 2 MiB of small
+ * blocks a thread, and while the device lends up to 32 MiB of large ones;
  * README). Merging them first cost a malloc of a size the cache does not
  * hold a pool return each: 25% of the hot path's rate. ticks: the look is
  * one of torch's searches (get_free_block), counted on the GC clock. */

@@ -684,8 +684,8 @@ bool npa_tcaches_return_one(npa_device *d, unsigned which);
  * must come before rival, the pool's best fit, or NULL: none), or NULL:
  * *lent when it went to the caller (for requested bytes) as a fast
  * malloc's would, raising t's ceilings within the peaks' slack if need be;
- * else counted inactive still, as a block out of a pool. And b, freed now, kept in the stock if it admits it
- * (false: not kept). */
+ * else counted inactive still, as a block out of a pool. npa_tcache_keep:
+ * b, freed now, kept in the stock if it admits it (false: not kept). */
 npa_block *npa_tcache_take(npa_device *d, npa_tcache *t, const npa_pool *pool, size_t size, size_t requested,
                            const npa_block *rival, bool *lent);
 static NPA_ALWAYS_INLINE bool npa_tcache_keep(npa_device *d, npa_tcache *t, npa_block *b, bool lending); /* below */
@@ -728,8 +728,10 @@ __attribute__((noinline, cold)) void npa_split_past_peak(npa_device *d, bool is_
  * peaks; when not, it freezes, adds, then npa_tcaches_refit. */
 bool npa_tcaches_fit(const npa_device *d, bool is_small, int64_t count, int64_t bytes, int64_t requested);
 /* Frozen, in a stats section: the peaks of the slots' stats rise to the
- * device's figure plus the slots' (reset: set to it), and every ceiling
- * shrinks to its slot's current. */
+ * device's figure plus the slots' (reset: set to it); in each entry whose
+ * peaks no longer cover the ceilings (every entry, for a reset) they shrink
+ * to their slots' figures and what the peaks leave is shared out again
+ * (none while the fast paths are off). */
 void npa_tcaches_refit(npa_device *d, bool reset);
 /* Frozen, in a stats section: the slots' allocated counts and cache hits
  * go to the device's, for a reset of the accumulated counts. */

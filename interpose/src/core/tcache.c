@@ -13,37 +13,44 @@
  * of a stat only up to the tcache's ceiling (else it declines), and the
  * device keeps R, the sum of its tcaches' ceilings, with
  *     device.current + R <= device.peak
- * for every stat a fast path raises, in the pool's entry and in [ALL]. So
- * the true total (device plus slots, each under its ceiling) never passes
- * the peak unseen. A slow-path malloc that would break this freezes the
- * fast paths, counts, sets each peak to the larger of it and the exact sum,
- * and shrinks every ceiling to its slot's current (npa_tcaches_refit). A
- * fast malloc short of headroom takes the slow path, which raises its
- * ceilings within what the peaks leave (grant). The stats a fast free
- * raises, inactive_split and its bytes, have ceilings too: a split block
- * the cache lends stays counted inactive in the device's figure and its
- * slot says minus it (a slot's figure there is never above 0), so the fast
- * free that takes it back raises the sum, up to the ceiling (at most 0: a
- * ceiling below 0 holds back the free of a block lent before the last
- * refit). The device's figure of these two, while blocks are lent, is more
- * than the sum: a slow path's increase of them never sets a peak from it
- * alone (npa_split_stat_raise). The stats the fast malloc raises are,
- * per slot, exactly what it lent, never below 0.
+ * for every stat a fast path raises, in the pool's entry and in [ALL]. So the
+ * true total (device plus slots, each under its ceiling) never passes the
+ * peak unseen. A slow-path malloc that would break this freezes the fast
+ * paths, counts, sets each peak to the larger of it and the exact sum, and
+ * shrinks the ceilings of each entry the peaks no longer cover to the slots'
+ * figures, sharing out again what the peaks leave (npa_tcaches_refit). A fast
+ * malloc short of headroom takes the slow path, which raises its ceilings
+ * within what the peaks leave (grant). The stats a fast free raises,
+ * inactive_split and its bytes, have ceilings too: a split block the cache
+ * lends stays counted inactive in the device's figure and its slot says minus
+ * it (a slot's figure there is never above 0), so the fast free that takes it
+ * back raises the sum, up to the ceiling (at most 0: a ceiling below 0 holds
+ * back the free of a block lent before the last refit). The device's figure
+ * of these two, while blocks are lent, is more than the sum: a slow path's
+ * increase of them never sets a peak from it alone (npa_split_stat_raise).
+ * The stats the fast malloc raises are, per slot, exactly what it lent, never
+ * below 0.
  *
  * While the fast paths run, a tcache holds plain large-pool blocks too, in a
- * stock of their own (t->large), and serves a large request from them as
- * torch's pool serves it without a split: the smallest held block B of at
- * least the rounded size R with B - R not above NPA_SMALL_SIZE (should_split
- * hands such a block out whole), counted as the slow path counts it
- * (allocated and active B, requested R). Only blocks below max_split_size
- * (never split at or above it, and a request below it never takes one),
- * and only while garbage_collection_threshold is 0 and expandable_segments
- * off: GC frees cached large blocks by age, which the fast paths would
- * neither tick nor see, and expandable pools split a block to the page
- * (setting either flushes the large stocks, alloc.c), and off again when
- * the fast paths stop. Whatever needs merged space flushes them as it
- * flushes the small ones: a miss of the large pool before it asks the
- * device for memory, the OOM retry, empty_cache, a thread's exit.
+ * stock of their own (t->large), and serves a large request from them where
+ * torch's one best fit over the pool and the stock would take a held block:
+ * the smallest held block B of at least the rounded size R with B - R not
+ * above NPA_SMALL_SIZE (should_split hands such a block out whole), when no
+ * free pool block comes before it (size, then address). The fast malloc
+ * cannot search the pool: it serves B of R bytes as it is, a bigger B only
+ * where the pool's summary shows no free block of [R, B] (take_large); the
+ * slow path weighs B against the pool's best fit (take_large_held). Counted
+ * as the slow path counts it (allocated and active B, requested R). Only
+ * blocks below max_split_size (never split at or above it, and a request
+ * below it never takes one), and only while garbage_collection_threshold is 0
+ * and expandable_segments off: GC frees cached large blocks by age, which the
+ * fast paths would neither tick nor see, and expandable pools split a block
+ * to the page (setting either flushes the large stocks, alloc.c), and off
+ * again when the fast paths stop. Whatever needs merged space gives them back
+ * as it gives back the small ones: a miss of the large pool, before it asks
+ * the device for memory, one at a time until best fit finds a block
+ * (npa_tcaches_return_one); the OOM retry, empty_cache and a thread's exit,
+ * all of them.
  *
  * A thread's caches are found from a thread-local keyed by the allocator's
  * id; an allocator that is no longer the thread's is found in the registry
@@ -740,10 +747,10 @@ bool npa_tcaches_flush_some(npa_device *d, unsigned which) {
     return flushed;
 }
 
-/* A block of the stock is lent, as a fast malloc would lend it, so that
- * its free takes the fast path too: unless t is off or full, or the peaks
- * leave no slack for t's ceilings. */
-/* What npa_tcache_take does with the block it found. */
+/* What npa_tcache_take does with the block it found: lent, as a fast
+ * malloc would lend it, so that its free takes the fast path too, unless t
+ * is off or full, the pool a stream's, or the peaks leave no slack for t's
+ * ceilings. */
 static NPA_ALWAYS_INLINE npa_block *lend_or_hand(npa_device *d, npa_tcache *t, const npa_pool *pool, npa_lent *held,
                                                 size_t requested, bool *lent) {
     int p = pool_index(pool->is_small);

@@ -12,7 +12,9 @@
  * inactive_split can read up to capacity blocks more than torch's would
  * (recent_blocks:0 turns the cache off). Whatever needs merged free space
  * returns every held block to its pool first: a small-pool miss before it
- * asks the device for memory, the OOM retry, empty_cache, reset. A free
+ * asks the device for memory (while the device lends, one block at a time
+ * until best fit finds one: npa_stock_return_oldest), the OOM retry,
+ * empty_cache, reset. A free
  * that needs a fence or a stream's event (stream-safe reuse) comes here
  * only once that has completed (pending.c); a block freed on its own stream
  * comes at once, and serves only that stream's pool again. When most of

@@ -718,10 +718,13 @@ bool npa_tcaches_return_one(npa_device *d, unsigned which) {
     return true;
 }
 
-/* While the fast paths run, frozen, not one lock after another: a merge
- * may raise inactive_split past what the ceilings leave, which freezes
- * (npa_split_past_peak). Off, a merge never freezes, and a lone
- * thread's small-pool misses pay for one lock, not a freeze's two walks.
+/* While the fast paths run, frozen, not one lock after another. A held
+ * block's return never raises inactive_split (it was counted inactive,
+ * and it merges with its free neighbours into one block), but an increase
+ * past the ceilings would freeze (npa_split_past_peak), which one held
+ * lock would deadlock: the walk does not rest on that. Off, nothing
+ * freezes, and a lone thread's small-pool misses pay for one lock, not a
+ * freeze's two walks.
  * Either way the calling thread's own tcache is only tried (see
  * npa_tcaches_freeze), and its stocks left as they are when held. */
 bool npa_tcaches_flush_some(npa_device *d, unsigned which) {
@@ -924,8 +927,9 @@ void npa_tcaches_add_slot_currents_at_reset(npa_device *d) {
 /* t leaves the device, everything it held and counted folded back, its
  * slot all zero for the next thread. Device lock held. */
 static void retire(npa_device *d, npa_tcache *t) {
-    /* Every tcache frozen, not t alone: its stocks' merges may raise
-     * inactive_split past what the ceilings leave, which freezes. */
+    /* Every tcache frozen, not t alone, as npa_tcaches_flush_some while
+     * lending: t's returns never raise inactive_split, but an increase
+     * that froze under t's lock alone would deadlock. */
     npa_stats_begin(d);
     npa_tcaches_freeze(d);
     empty_tcache(d, t);

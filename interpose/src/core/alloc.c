@@ -691,11 +691,14 @@ typedef struct stream_request {
 
 /* The calling thread's cache serves a plain malloc (on NULL) if it can,
  * with no device lock (tcache.c): only while the device lends, which malloc_on
- * asks first, so that a lone thread pays one test for it and no call. */
-static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, npa_device *d, const void *on, size_t size,
+ * asks first, so that a lone thread pays one test for it and no call. The
+ * device by its index, not d->id: that field shares the device lock's cache
+ * line, which every slow call of another thread writes, and the fast paths
+ * read no line the lock's holder writes. */
+static __attribute__((noinline)) bool malloc_fast(npa_allocator *a, int device, const void *on, size_t size,
                                                   size_t rounded, void **ptr) {
     if (on) return false; /* asked here: on is no constant in malloc_on's one out-of-line copy */
-    npa_tcache *t = npa_tcache_serving(a, d->id);
+    npa_tcache *t = npa_tcache_serving(a, device);
     return t && size <= NPA_MAX_REQUEST && npa_tcache_malloc(t, rounded, size, ptr);
 }
 
@@ -721,7 +724,8 @@ static inline npa_error malloc_on(npa_allocator *a, int device, size_t size, npa
      * inlines, as on main, where two left it a call (6 instructions a pair). */
     size_t rounded =
         size <= NPA_MAX_REQUEST ? npa_round_size_as(&a->config, a->has_divisions, npa_entry_size(entry, size)) : SIZE_MAX;
-    if (__builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && malloc_fast(a, d, on, size, rounded, ptr))
+    if (__builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) &&
+        malloc_fast(a, device, on, size, rounded, ptr))
         return NPA_OK;
 
     npa_tcache *t = npa_tcache_get(a, d);
@@ -1001,9 +1005,10 @@ static NPA_ALWAYS_INLINE int op_on_device(npa_allocator *a, npa_device *d, uintp
 }
 
 /* A block the calling thread's cache lent goes back there with no device
- * lock (tcache.c): asked only while the hinted device lends. */
-static __attribute__((noinline)) bool free_fast(npa_allocator *a, npa_device *d, void *ptr) {
-    npa_tcache *t = npa_tcache_serving(a, d->id);
+ * lock (tcache.c): asked only while the hinted device lends. By index, as
+ * malloc_fast. */
+static __attribute__((noinline)) bool free_fast(npa_allocator *a, int device, void *ptr) {
+    npa_tcache *t = npa_tcache_serving(a, device);
     return t && npa_tcache_free(a, t, (uintptr_t)ptr); /* not NULL: the lent table's empty slots say 0 */
 }
 
@@ -1018,7 +1023,7 @@ static NPA_ALWAYS_INLINE npa_free_result block_op_any_device(npa_allocator *a, v
         npa_device *d = npa_device_get(a, dev, false);
         if (!d) continue;
         if (op == OP_FREE && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && i < 0 &&
-            dev == hint_device && free_fast(a, d, ptr)) { /* the hinted device's own (a valid hint) */
+            dev == hint_device && free_fast(a, dev, ptr)) { /* the hinted device's own (a valid hint) */
             if (device_out) *device_out = dev;
             return NPA_FREE_OK;
         }

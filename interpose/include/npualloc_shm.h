@@ -216,7 +216,7 @@ typedef struct npualloc_thread_stats {
     int64_t allocated[2][7]; /* the sum of those stats' increases (torch's Stat.allocated) */
     int64_t num_cache_hits;  /* mallocs the cache served */
     int64_t largest_held;    /* the biggest free block the cache holds (largest_free_block) */
-    int64_t pad0;            /* a whole number of cache lines: no false sharing between threads */
+    int64_t pad0;            /* a whole number of 128-byte line pairs: no false sharing between threads */
 } npualloc_thread_stats;
 
 typedef struct npualloc_region {
@@ -224,7 +224,8 @@ typedef struct npualloc_region {
     npualloc_command command;
     npualloc_device_stats devices[16];
     npualloc_saver_stats saver[16];
-    uint8_t pad0[56];        /* threads on a cache line boundary (the mapping is page aligned) */
+    uint8_t pad0[120];       /* threads on a 128-byte boundary (the mapping is page aligned): aarch64's
+                              * coherence granule, and x86's pair of lines its prefetcher fetches together */
     npualloc_thread_stats threads[16][32]; /* [device][slot] (version 9) */
 } npualloc_region;
 /* cffi:end */
@@ -262,7 +263,7 @@ _Static_assert(sizeof(((npualloc_region *)0)->threads) ==
                    NPUALLOC_MAX_DEVICES * NPUALLOC_THREAD_SLOTS * sizeof(npualloc_thread_stats) &&
                    sizeof(((npualloc_region *)0)->threads[0]) == NPUALLOC_THREAD_SLOTS * sizeof(npualloc_thread_stats),
                "thread slot counts");
-_Static_assert(sizeof(npualloc_thread_stats) % 64 == 0 && offsetof(npualloc_region, threads) % 64 == 0,
-               "each thread's slot on cache lines of its own");
+_Static_assert(sizeof(npualloc_thread_stats) % 128 == 0 && offsetof(npualloc_region, threads) % 128 == 0,
+               "each thread's slot on 128-byte line pairs of its own");
 
 #endif

@@ -353,6 +353,12 @@ enum { NPA_CEIL_ALL = NPUALLOC_THREAD_POOL_COUNT, NPA_CEIL_ENTRIES };
  * any other thread only while it holds the device lock. */
 typedef struct npa_device npa_device;
 typedef struct npa_tcache npa_tcache;
+/* How far apart lines that different threads write must start: 128 bytes,
+ * aarch64's coherence granule on several hosts and the pair of lines x86's
+ * spatial prefetcher fetches together; 64 leaves two threads' hot lines in
+ * one pair. A tcache, a device's thread slots and its pending_any line are
+ * aligned to it. */
+#define NPA_APART 128
 struct npa_tcache {
     npa_lock lock;
     bool enabled;            /* fast paths allowed (the device's lending): written under the device lock and
@@ -434,13 +440,16 @@ struct npa_device {
     npualloc_device_stats *stats; /* backend storage or local_stats */
     npualloc_device_stats local_stats;
     npualloc_thread_stats *threads; /* its threads' NPUALLOC_THREAD_SLOTS slots: backend storage or local_threads */
-    _Alignas(64) npualloc_thread_stats local_threads[NPUALLOC_THREAD_SLOTS]; /* a slot's lines its thread's alone */
+    /* A slot's lines its thread's alone, by pairs (NPA_APART). */
+    _Alignas(NPA_APART) npualloc_thread_stats local_threads[NPUALLOC_THREAD_SLOTS];
     const npa_backend *backend; /* the allocator's: its capture_stack names each recorded event's stack */
     const npa_config *config;   /* the allocator's: its record_context says whether the trace shows that stack */
     _Alignas(64) npa_pool_summary large_summary; /* plain.large's; lines of its own */
     /* num_pending_frees != 0, for the threads' fast mallocs (pending.c):
-     * last, on a cache line of its own, written only when it changes. */
-    _Alignas(64) bool pending_any;
+     * last, on a line pair of its own (the struct's size a multiple of
+     * NPA_APART: nothing allocated after it shares the pair), written only
+     * when it changes. */
+    _Alignas(NPA_APART) bool pending_any;
     /* Whether the threads' fast paths run (npa_tcaches_settle: not paused, no
      * history, two threads or more); written under the lock, atomic. Every
      * malloc and free asks it first, a lone thread's one test for them

@@ -1078,9 +1078,9 @@ npa_tcache *npa_tcache_get(npa_allocator *a, npa_device *d) {
     npa_tcache *t = npa_tcache_mine(a, d->id);
     if (t || a->config.recent_blocks == 0 || !bind_thread(a) || (npa_my_caches.refused & (1u << d->id)))
         return t;
-    /* Cache lines of its own: its owner writes it on every fast call. */
-    size_t size = (sizeof *t + 63) & ~(size_t)63;
-    t = aligned_alloc(64, size);
+    /* Line pairs of its own: its owner writes it on every fast call. */
+    size_t size = (sizeof *t + NPA_APART - 1) & ~(size_t)(NPA_APART - 1);
+    t = aligned_alloc(NPA_APART, size);
     if (!t) return NULL;
     memset(t, 0, size);
     t->device = d;

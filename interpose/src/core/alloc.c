@@ -1004,16 +1004,12 @@ static NPA_ALWAYS_INLINE int op_on_device(npa_allocator *a, npa_device *d, uintp
     return result;
 }
 
-/* A block the calling thread's cache lent goes back there with no device
- * lock (tcache.c): asked only while the hinted device lends. By index, as
- * malloc_fast. */
-static __attribute__((noinline)) bool free_fast(npa_allocator *a, int device, void *ptr) {
-    npa_tcache *t = npa_tcache_serving(a, device);
-    return t && npa_tcache_free(a, t, (uintptr_t)ptr); /* not NULL: the lent table's empty slots say 0 */
-}
+static __attribute__((noinline)) npa_free_result free_fast(npa_allocator *a, void *ptr, int device, int *device_out);
 
+/* fast: a free (OP_FREE) the hinted device's fast free may take (free_fast),
+ * not one it declined. */
 static NPA_ALWAYS_INLINE npa_free_result block_op_any_device(npa_allocator *a, void *ptr, int hint_device, int *device_out,
-                                           block_op op, uintptr_t stream) {
+                                           block_op op, uintptr_t stream, bool fast) {
     if (!a || !ptr) return NPA_FREE_NOT_OURS;
     bool hint_valid = hint_device >= 0 && hint_device < NPUALLOC_MAX_DEVICES;
     int first = hint_valid ? hint_device : 0;
@@ -1022,11 +1018,9 @@ static NPA_ALWAYS_INLINE npa_free_result block_op_any_device(npa_allocator *a, v
         if (i >= 0 && dev == first) continue;
         npa_device *d = npa_device_get(a, dev, false);
         if (!d) continue;
-        if (op == OP_FREE && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && i < 0 &&
-            dev == hint_device && free_fast(a, dev, ptr)) { /* the hinted device's own (a valid hint) */
-            if (device_out) *device_out = dev;
-            return NPA_FREE_OK;
-        }
+        if (fast && __builtin_expect(__atomic_load_n(&d->lending, __ATOMIC_RELAXED), 0) && i < 0 &&
+            dev == hint_device) /* the hinted device's own (a valid hint) */
+            return free_fast(a, ptr, dev, device_out);
         int found = op_on_device(a, d, (uintptr_t)ptr, op, stream);
         if (found < 0) return NPA_FREE_INVALID;
         if (found > 0) {
@@ -1045,16 +1039,37 @@ static NPA_ALWAYS_INLINE npa_free_result block_op_any_device(npa_allocator *a, v
     return NPA_FREE_NOT_OURS;
 }
 
+/* npa_free's way when the fast free declined, out of line (npa_free's own
+ * copy, a lone thread's, stays inline). */
+static __attribute__((noinline)) npa_free_result free_locked(npa_allocator *a, void *ptr, int hint_device,
+                                                             int *device_out) {
+    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE, 0, false);
+}
+
+/* A block the calling thread's cache lent goes back there with no device
+ * lock (tcache.c), else the free takes the lock's way, out of line: asked
+ * only while the hinted device lends, and handed the whole call (a tail
+ * call), so that the fast free's result goes back as it is. By index, as
+ * malloc_fast. */
+static __attribute__((noinline)) npa_free_result free_fast(npa_allocator *a, void *ptr, int device, int *device_out) {
+    npa_tcache *t = npa_tcache_serving(a, device);
+    if (t && npa_tcache_free(a, t, (uintptr_t)ptr)) { /* not NULL: the lent table's empty slots say 0 */
+        if (device_out) *device_out = device;
+        return NPA_FREE_OK;
+    }
+    return free_locked(a, ptr, device, device_out);
+}
+
 npa_free_result npa_free(npa_allocator *a, void *ptr, int hint_device, int *device_out) {
-    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE, 0);
+    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE, 0, true);
 }
 
 npa_free_result npa_free_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device, int *device_out) {
-    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE_ON_STREAM, stream);
+    return block_op_any_device(a, ptr, hint_device, device_out, OP_FREE_ON_STREAM, stream, false);
 }
 
 npa_error npa_record_stream(npa_allocator *a, void *ptr, uintptr_t stream, int hint_device) {
-    return block_op_any_device(a, ptr, hint_device, NULL, OP_RECORD, stream) == NPA_FREE_OK ? NPA_OK
+    return block_op_any_device(a, ptr, hint_device, NULL, OP_RECORD, stream, false) == NPA_FREE_OK ? NPA_OK
                                                                                              : NPA_ERR_INVALID_PARAM;
 }
 

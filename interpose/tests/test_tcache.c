@@ -1043,6 +1043,58 @@ static void test_the_large_summary_follows_the_pool(void) {
     fixture_destroy(&fx);
 }
 
+/* The summary is kept only while the device lends: a lone thread's pool
+ * changes skip it (seq left odd, so no fast path could trust it), and the
+ * start of lending rebuilds it from the pool. In one 20 MiB segment: P (2.5
+ * MiB) freed while alone must count, so that the fast path declines a 2.25
+ * MiB malloc the held B (3 MiB) would serve (torch's best fit: P); then P,
+ * counted when lending stopped, is cut again while alone from its merge
+ * with B, and must not count: the fast path serves B. */
+static void test_lending_rebuilds_the_large_summary(void) {
+    fixture fx;
+    fixture_init(&fx, GiB, NULL);
+    const size_t r = 9 * MiB / 4, pooled_size = 5 * MiB / 2, held_size = 3 * MiB;
+    void *pooled = alloc_exact(&fx, 0, pooled_size), *held = alloc_exact(&fx, 0, held_size);
+    void *rest = alloc_exact(&fx, 0, 20 * MiB - pooled_size - held_size);
+    npa_device *d = npa_device_get(fx.a, 0, false);
+    CHECK_EQ(npa_free(fx.a, pooled, 0, NULL), NPA_FREE_OK); /* to the pool, alone */
+    CHECK(d->plain.large.summary == NULL);
+    CHECK_EQ(d->large_summary.seq & 1, 1);
+    companion c;
+    companion_start(&c, &fx);
+    check_summary(&fx);
+    CHECK_EQ(npa_free(fx.a, held, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(my_tcache(&fx)->large.count, 1);
+    void *p = NULL;
+    CHECK(!npa_tcache_malloc(my_tcache(&fx), r, r, &p));
+    if (p) CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
+    p = alloc_exact(&fx, 0, r);
+    CHECK(p == pooled);
+    lender l = {.fx = &fx, .block = p}; /* back to the pool, not to a stock */
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, free_without_cache, &l), 0);
+    CHECK_EQ(pthread_join(thread, NULL), 0);
+    CHECK_EQ(l.failures, 0);
+    check_summary(&fx);
+    companion_stop(&c); /* B back to the pool, merged with P */
+    CHECK(d->plain.large.summary == NULL);
+    CHECK_EQ(d->large_summary.seq & 1, 1);
+    CHECK(alloc_exact(&fx, 0, pooled_size) == pooled);
+    CHECK(alloc_exact(&fx, 0, held_size) == held); /* the pool holds no large block now */
+    companion_start(&c, &fx);
+    check_summary(&fx);
+    CHECK_EQ(npa_free(fx.a, held, 0, NULL), NPA_FREE_OK);
+    bool fast = npa_tcache_malloc(my_tcache(&fx), r, r, &p);
+    CHECK(fast);
+    if (!fast) p = alloc_exact(&fx, 0, r);
+    CHECK(p == held);
+    void *blocks[] = {p, pooled, rest};
+    for (int i = 0; i < 3; i++) CHECK_EQ(npa_free(fx.a, blocks[i], 0, NULL), NPA_FREE_OK);
+    companion_stop(&c);
+    CHECK_EQ(stats_of(&fx, 0).allocation[NPUALLOC_POOL_ALL].current, 0);
+    fixture_destroy(&fx);
+}
+
 /* A thread with no cache of its own runs the poll that completes the
  * pending frees (npa_process_pending), flagging when it returns. */
 typedef struct poller {
@@ -1233,6 +1285,7 @@ int main(void) {
     RUN(test_a_held_large_block_yields_to_the_pools_best_fit);
     RUN(test_held_large_blocks_weighed_against_the_pool);
     RUN(test_the_large_summary_follows_the_pool);
+    RUN(test_lending_rebuilds_the_large_summary);
     RUN(test_held_large_blocks_tie_by_address);
     RUN(test_a_completed_free_is_in_the_pool_before_nothing_is_pending);
     return check_report();

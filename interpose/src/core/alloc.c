@@ -216,7 +216,7 @@ static npa_device *device_create(npa_allocator *a, int id) {
     d->id = id;
     d->plain.small.is_small = true;
     d->plain.small.largest_moved = d->plain.large.largest_moved = &d->largest_moved;
-    d->plain.large.summary = &d->large_summary;
+    npa_pool_summary_stop(&d->plain.large, &d->large_summary); /* until the device lends (npa_tcaches_settle) */
     for (int kind = 0; kind < NPA_BATCH_KINDS; kind++) d->batches_tail[kind] = &d->batches[kind];
     d->backend = &a->backend;
     d->config = &a->config;

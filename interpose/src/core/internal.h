@@ -96,7 +96,12 @@ typedef struct npa_expandable npa_expandable;
  * a merge or split (a section closes under the hold of the lock that
  * opened it; a change outside any section leaves it odd until the next
  * close: the fast path declines meanwhile, which is only slower). On its
- * own lines (npa_device): every slow large malloc and free writes it. */
+ * own lines (npa_device): every slow large malloc and free writes it.
+ * Kept only while the device lends (the fast paths run: npa_tcaches_settle
+ * starts and stops it), so that a lone thread's pool changes and section
+ * closes skip it (the pool's summary pointer NULL, one test): stopped, seq
+ * stays odd (parked) and the counts go stale; started, the counts are
+ * rebuilt from the pool, seq odd, until the section's close. */
 #define NPA_SUMMARY_SHIFT 16
 #define NPA_SUMMARY_BUCKETS 1024
 typedef struct npa_pool_summary {
@@ -108,7 +113,7 @@ struct npa_pool {
     npa_block *root;
     npa_block *largest;      /* the maximum, kept for largest_free_block */
     bool *largest_moved;     /* its device's largest_moved, set when largest changes */
-    npa_pool_summary *summary; /* the device's large_summary for its plain large pool, else NULL */
+    npa_pool_summary *summary; /* the device's large_summary for its plain large pool while it lends, else NULL */
     uint64_t search_count;   /* best-fit searches so far: the GC clock */
     bool is_small;
     bool vmm_refused;        /* the device refused a reservation: plain segments from then on */
@@ -164,6 +169,11 @@ void npa_pool_remove(npa_pool *pool, npa_block *b);
 npa_block *npa_pool_lower_bound(const npa_pool *pool, size_t size);
 /* The block after b in (size, addr) order, or NULL. */
 npa_block *npa_pool_next(const npa_pool *pool, const npa_block *b);
+/* The pool's summary s counts from now on, rebuilt from the pool's blocks
+ * (seq odd: the section's close settles it), or no longer (seq odd until
+ * a start). Under the device lock. */
+void npa_pool_summary_start(npa_pool *pool, npa_pool_summary *s);
+void npa_pool_summary_stop(npa_pool *pool, npa_pool_summary *s);
 
 /* Live (allocated) blocks by start address: chained hash over block->link. */
 typedef struct npa_block_map {
@@ -922,10 +932,10 @@ static inline void npa_publish_largest(npa_device *d) {
  * began ends (npa_split_past_peak sets largest_moved too: one test for
  * both), largest_free_block, then seq even. */
 /* Ends the summary's change a section made (npa_pool_summary): release,
- * after its counts. */
+ * after its counts. Nothing while the device does not lend: seq stays odd. */
 static inline void npa_summary_settle(npa_device *d) {
-    uint32_t seq = d->large_summary.seq; /* written under the lock alone */
-    if (seq & 1) __atomic_store_n(&d->large_summary.seq, seq + 1, __ATOMIC_RELEASE);
+    npa_pool_summary *s = d->plain.large.summary;
+    if (s && (s->seq & 1)) __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE); /* written under the lock alone */
 }
 
 static inline void npa_stats_close(npa_device *d) {

@@ -57,16 +57,39 @@ static npa_block *rightmost(npa_block *t) {
     return t;
 }
 
-/* A block of the summary's pool came or went: seq odd first (the release
- * fence orders it before the count for a reader that sees the count). */
+/* seq odd before a count changes: the release fence orders it before the
+ * count for a reader that sees the count. */
+static void summary_open(npa_pool_summary *s) {
+    if (s->seq & 1) return;
+    __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+/* A block of the summary's pool came or went. */
 static void summary_count(npa_pool_summary *s, size_t size, uint32_t by) {
     size_t at = size >> NPA_SUMMARY_SHIFT;
     if (at >= NPA_SUMMARY_BUCKETS) return;
-    if (!(s->seq & 1)) {
-        __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_RELEASE);
-    }
+    summary_open(s);
     __atomic_store_n(&s->counts[at], s->counts[at] + by, __ATOMIC_RELAXED);
+}
+
+void npa_pool_summary_start(npa_pool *pool, npa_pool_summary *s) {
+    /* seq odd since the stop, perhaps another thread's: the fence orders it
+     * before the rebuilt counts here, as summary_open does for its own. */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    for (size_t i = 0; i < NPA_SUMMARY_BUCKETS; i++) __atomic_store_n(&s->counts[i], 0, __ATOMIC_RELAXED);
+    /* In (size, addr) order: the counted range ends at the first block past it. */
+    for (const npa_block *b = npa_pool_lower_bound(pool, 0); b && b->size >> NPA_SUMMARY_SHIFT < NPA_SUMMARY_BUCKETS;
+         b = npa_pool_next(pool, b)) {
+        uint32_t *count = &s->counts[b->size >> NPA_SUMMARY_SHIFT];
+        __atomic_store_n(count, *count + 1, __ATOMIC_RELAXED);
+    }
+    pool->summary = s;
+}
+
+void npa_pool_summary_stop(npa_pool *pool, npa_pool_summary *s) {
+    summary_open(s);
+    pool->summary = NULL;
 }
 
 void npa_pool_insert(npa_pool *pool, npa_block *b) {

@@ -866,6 +866,32 @@ static void empty_tcache(npa_device *d, npa_tcache *t) {
     flush_stock(d, t);
 }
 
+/* The plain large pool's summary (npa_pool_summary) is kept only while the
+ * device lends: only the fast malloc reads it, and a lone thread's every
+ * large pool change and section close paid for it (12 instructions a pair
+ * of make bench's hot path, by callgrind). Called inside the freeze of
+ * npa_tcaches_settle, where no reader can be at work: the one reader,
+ * take_large, runs under its tcache's lock, after it reads t->enabled again
+ * there, and t->enabled changes only in npa_tcaches_settle, under the
+ * device lock (which every writer of the summary holds) and a freeze,
+ * which holds every tcache's lock until the thaw. The caller's own may be
+ * frozen_without (a signal handler interrupted its own fast path): that
+ * path goes on only after this returns, in program order, and reads a
+ * rebuilt summary or a stopped one, odd, and declines. A rebuild is thus
+ * seen by every fast path that sees t->enabled set: the thaw's lock
+ * releases order it before the next acquire of each lock, on a weakly
+ * ordered core (aarch64) too. The summary's seq guarantees as much without
+ * the locks: stopped, it stays odd (the pool's summary pointer NULL, the
+ * closers leave it); started, the counts are rebuilt while it is odd, and
+ * only the section's close makes it even, a release store after them, so
+ * a reader that sees it even (acquire) reads them. */
+static void follow_lending(npa_device *d, bool lending) {
+    npa_pool *pool = &d->plain.large;
+    if (lending == (pool->summary != NULL)) return;
+    if (lending) npa_pool_summary_start(pool, &d->large_summary);
+    else npa_pool_summary_stop(pool, &d->large_summary);
+}
+
 /* The fast paths run only while two threads or more have a cache on the
  * device: a lone thread gains nothing from them that the device lock costs
  * it (nobody waits for that lock), and their ceilings and slots would cost
@@ -876,6 +902,7 @@ void npa_tcaches_settle(npa_device *d) {
     bool lending = quiet && d->tcache_count >= 2;
     npa_stats_begin(d);
     npa_tcaches_freeze(d);
+    follow_lending(d, lending);
     for (unsigned i = 0; i < NPUALLOC_THREAD_SLOTS; i++) {
         npa_tcache *t = d->tcaches[i];
         if (!t) continue;

@@ -148,6 +148,26 @@ static void test_hint_for_a_request_larger_than_the_device(void) {
     fixture_destroy(&fx);
 }
 
+/* A request no pool can hold (above NPA_MAX_REQUEST, which malloc_on tells
+ * apart before the lock by its rounded size): out of memory, reported and
+ * counted, with no call to the runtime and no block. */
+static void test_a_request_no_pool_can_hold_is_out_of_memory(void) {
+    fixture fx;
+    fixture_init(&fx, 100 * MiB, NULL);
+    const size_t sizes[] = {((size_t)1 << 60) + 1, (size_t)1 << 62, SIZE_MAX};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        char line[1024];
+        CHECK_EQ(malloc_reporting(&fx, sizes[i], line, sizeof line), NPA_ERR_OOM);
+        CHECK(strstr(line, "out of memory") != NULL);
+    }
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.num_ooms, 3);
+    CHECK_EQ(s.allocation[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(s.reserved_bytes[NPUALLOC_POOL_ALL].current, 0);
+    CHECK_EQ(fx.fake.raw_malloc_calls, 0);
+    fixture_destroy(&fx);
+}
+
 static void test_failure_injection_retries_once(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
@@ -612,6 +632,7 @@ int main(void) {
     RUN(test_oversize_release_step);
     RUN(test_failure_injection_retries_once);
     RUN(test_hint_for_a_request_larger_than_the_device);
+    RUN(test_a_request_no_pool_can_hold_is_out_of_memory);
     RUN(test_runtime_errors_are_not_out_of_memory);
     RUN(test_fraction_cap);
     RUN(test_fraction_below_smallest_segment_is_refused);

@@ -188,6 +188,37 @@ static void test_bounded_by_recent_blocks(void) {
     fixture_destroy(&fx);
 }
 
+/* largest_free_block counts the held blocks (the thread's slot shows its
+ * stock's largest): an eviction that takes the largest out lowers it, and
+ * a held block bigger than the rest raises it, each at the free that does
+ * it. The segment is full of live blocks but for the held ones, so the
+ * pool shows no free block of its own once the evicted one is taken. */
+static void test_largest_free_block_follows_the_evictions(void) {
+    npa_config config;
+    npa_config_defaults(&config);
+    config.recent_blocks = 2;
+    fixture fx;
+    fixture_init(&fx, GiB, &config);
+    void *big = alloc_exact(&fx, 0, 64 * KiB), *b = alloc_exact(&fx, 0, 4 * KiB), *c = alloc_exact(&fx, 0, 4 * KiB);
+    void *fill[2];
+    for (int i = 0; i < 2; i++) fill[i] = alloc_exact(&fx, 0, (2 * MiB - 72 * KiB) / 2);
+    CHECK_EQ(stats_of(&fx, 0).largest_free_block, 0);
+    CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(stats_of(&fx, 0).largest_free_block, 4 * KiB);
+    CHECK_EQ(npa_free(fx.a, big, 0, NULL), NPA_FREE_OK); /* the stock's largest rises */
+    CHECK_EQ(stats_of(&fx, 0).largest_free_block, 64 * KiB);
+    CHECK(alloc_exact(&fx, 0, 4 * KiB) == b); /* from the stock, which holds big alone then */
+    CHECK_EQ(npa_free(fx.a, c, 0, NULL), NPA_FREE_OK);
+    CHECK_EQ(npa_free(fx.a, b, 0, NULL), NPA_FREE_OK); /* evicts big, the oldest: the stock's largest falls */
+    CHECK_EQ(stats_of(&fx, 0).largest_free_block, 64 * KiB); /* big, in the pool now, merged with nothing */
+    CHECK(alloc_exact(&fx, 0, 64 * KiB) == big); /* from the pool, which has no other free block */
+    npualloc_device_stats s = stats_of(&fx, 0);
+    CHECK_EQ(s.largest_free_block, 4 * KiB);
+    CHECK_EQ(s.largest_free_block, blocks_of(&fx, 0).largest_free);
+    (void)fill;
+    fixture_destroy(&fx);
+}
+
 /* The cache belongs to a thread: what a thread held when it exited goes
  * back to the pool, merged (its segment whole again), and the stats count
  * none of it held any more. */
@@ -419,6 +450,7 @@ int main(void) {
     RUN(test_fenced_frees_do_not_enter);
     RUN(test_held_blocks_serve_their_own_stream_only);
     RUN(test_bounded_by_recent_blocks);
+    RUN(test_largest_free_block_follows_the_evictions);
     RUN(test_off_merges_every_free);
     RUN(test_off_cuts_where_torch_does);
     RUN(test_a_thrashing_cache_steps_aside);

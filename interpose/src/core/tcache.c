@@ -856,7 +856,7 @@ void npa_tcache_lend_found(npa_device *d, npa_tcache *t, npa_block *b, size_t re
     }
 }
 
-void npa_tcache_publish_largest(npa_tcache *t) { slot_publish_largest(t); } /* npa_tcache_keep's, inline */
+void npa_tcache_publish_largest(npa_tcache *t) { slot_publish_largest(t); } /* the inline stock moves' (internal.h) */
 
 bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b) { return keep_large(d, t, b); }
 

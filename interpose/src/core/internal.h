@@ -1064,29 +1064,37 @@ void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg
  * LTO's growth limits otherwise left them out of line (the free's hit path
  * then paid calls, 60 instructions a lone thread's pair with the take by
  * callgrind). */
-static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full) {
-    npa_recent *r = &t->stock;
+/* What both stocks' puts do once room is made: b's free noted, b held in
+ * r, counted in the device's stats as a free to the pool would count it.
+ * is_small a constant at each caller. */
+static NPA_ALWAYS_INLINE void npa_stock_hold_freed(npa_device *d, npa_recent *r, npa_block *b, bool is_small,
+                                                   bool full) {
     size_t size = b->size, requested = b->requested;
-    if (!npa_stock_has_room(r, size, true)) {
-        npa_stock_make_room(d, r, size, true); /* its evictions publish nothing */
-        if (!full) npa_tcache_publish_largest(t);
-    }
     npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
     bool split = npa_block_is_split(b);
     /* The stock's own fields before the stats: GCC reloads every field
      * after a stat's atomic store (it may alias them). */
     b->phase = NPA_PHASE_RECENT;
     b->requested = 0;
-    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split, .is_small = true},
+    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split, .is_small = is_small},
                    b->pool, full);
     npualloc_device_stats *s = d->stats;
     if (split) { /* counted as the pool counts an unmerged free block */
-        npa_split_stat_increase(d, s->inactive_split, true, 1);
-        npa_split_stat_increase(d, s->inactive_split_bytes, true, (int64_t)size);
+        npa_split_stat_increase(d, s->inactive_split, is_small, 1);
+        npa_split_stat_increase(d, s->inactive_split_bytes, is_small, (int64_t)size);
     }
-    npa_pool_stat_decrease(s->active, true, 1);
-    npa_pool_stat_decrease(s->active_bytes, true, (int64_t)size);
-    npa_pool_stat_decrease(s->requested_bytes, true, (int64_t)requested);
+    npa_pool_stat_decrease(s->active, is_small, 1);
+    npa_pool_stat_decrease(s->active_bytes, is_small, (int64_t)size);
+    npa_pool_stat_decrease(s->requested_bytes, is_small, (int64_t)requested);
+}
+
+static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full) {
+    npa_recent *r = &t->stock;
+    if (!npa_stock_has_room(r, b->size, true)) {
+        npa_stock_make_room(d, r, b->size, true); /* its evictions publish nothing */
+        if (!full) npa_tcache_publish_largest(t);
+    }
+    npa_stock_hold_freed(d, r, b, true, full);
 }
 
 /* b, freed now (device lock held, t the calling thread's own), kept in

@@ -69,22 +69,8 @@ void npa_stock_make_room(npa_device *d, npa_recent *r, size_t size, bool is_smal
  * small one, it cost the small one's callers their inlining (callgrind: 14
  * instructions a pair more). */
 __attribute__((noinline)) void npa_stock_put_large(npa_device *d, npa_recent *r, npa_block *b) {
-    size_t size = b->size, requested = b->requested;
-    npa_stock_make_room(d, r, size, false);
-    npa_history_note(d, b->pool, NPA_TRACE_FREE_COMPLETED, b->addr, requested);
-    bool split = npa_block_is_split(b);
-    b->phase = NPA_PHASE_RECENT;
-    b->requested = 0;
-    npa_stock_hold(r, &(npa_lent){.addr = b->addr, .block = b, .size = size, .split = split, .is_small = false},
-                   b->pool, true);
-    npualloc_device_stats *s = d->stats;
-    if (split) { /* counted as the pool counts an unmerged free block */
-        npa_split_stat_increase(d, s->inactive_split, false, 1);
-        npa_split_stat_increase(d, s->inactive_split_bytes, false, (int64_t)size);
-    }
-    npa_pool_stat_decrease(s->active, false, 1);
-    npa_pool_stat_decrease(s->active_bytes, false, (int64_t)size);
-    npa_pool_stat_decrease(s->requested_bytes, false, (int64_t)requested);
+    npa_stock_make_room(d, r, b->size, false);
+    npa_stock_hold_freed(d, r, b, false, true);
 }
 
 /* A few blocks at most: a plain scan, each block that fits and comes first

@@ -217,6 +217,18 @@ static void *hit_then_wait(void *arg) {
     return NULL;
 }
 
+/* This thread's cache and w's thread, which made its hits and waits for
+ * the second barrier to end. */
+static pthread_t start_worker_after_hits(fixture *fx, worker *w) {
+    CHECK_EQ(npa_free(fx->a, alloc_exact(fx, 0, 512), 0, NULL), NPA_FREE_OK);
+    *w = (worker){.fx = fx};
+    pthread_barrier_init(&w->barrier, NULL, 2);
+    pthread_t thread;
+    CHECK_EQ(pthread_create(&thread, NULL, hit_then_wait, w), 0);
+    pthread_barrier_wait(&w->barrier);
+    return thread;
+}
+
 /* A thread's exit folds its caches back; one that ends while the allocator
  * is paused must not wait for the resume (its pthread key's destructor ran
  * into the device lock the pause holds, so a program that joined it before
@@ -226,12 +238,8 @@ static void *hit_then_wait(void *arg) {
 static void test_a_thread_ending_while_paused_is_joined_before_the_resume(void) {
     fixture fx;
     start(&fx, true);
-    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 512), 0, NULL), NPA_FREE_OK); /* this thread's cache */
-    worker w = {.fx = &fx};
-    pthread_barrier_init(&w.barrier, NULL, 2);
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, hit_then_wait, &w), 0);
-    pthread_barrier_wait(&w.barrier);
+    worker w;
+    pthread_t thread = start_worker_after_hits(&fx, &w);
     npualloc_device_stats before;
     npa_get_stats(fx.a, 0, &before);
     CHECK(before.num_cache_hits >= 8);
@@ -276,12 +284,8 @@ static void test_a_thread_ending_while_paused_is_joined_before_the_resume(void) 
 static void test_a_thread_ending_while_the_device_is_busy_folds_its_cache_itself(void) {
     fixture fx;
     start(&fx, true);
-    CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 512), 0, NULL), NPA_FREE_OK);
-    worker w = {.fx = &fx};
-    pthread_barrier_init(&w.barrier, NULL, 2);
-    pthread_t thread;
-    CHECK_EQ(pthread_create(&thread, NULL, hit_then_wait, &w), 0);
-    pthread_barrier_wait(&w.barrier);
+    worker w;
+    pthread_t thread = start_worker_after_hits(&fx, &w);
     npualloc_device_stats before;
     npa_get_stats(fx.a, 0, &before);
     npa_device *d = npa_device_get(fx.a, 0, false);

@@ -665,10 +665,12 @@ typedef struct npa_thread_caches {
 } npa_thread_caches;
 extern __thread __attribute__((tls_model("initial-exec"))) npa_thread_caches npa_my_caches;
 
-/* The calling thread's tcache on device, or NULL (no lookup of anything shared). */
-static inline npa_tcache *npa_tcache_mine(const npa_allocator *a, int device) {
-    return npa_my_caches.allocator == a->id ? npa_my_caches.of_device[device] : NULL;
+/* The calling thread's tcache on device of the allocator whose id is
+ * allocator_id, or NULL (no lookup of anything shared). */
+static inline npa_tcache *npa_thread_tcache(uint64_t allocator_id, int device) {
+    return npa_my_caches.allocator == allocator_id ? npa_my_caches.of_device[device] : NULL;
 }
+static inline npa_tcache *npa_tcache_mine(const npa_allocator *a, int device) { return npa_thread_tcache(a->id, device); }
 /* The calling thread's tcache on device when its fast paths run (two
  * threads or more there, npa_tcaches_settle), else NULL: asked before the
  * size is rounded, which a lone thread's slow path does anyway. */
@@ -935,9 +937,6 @@ static inline void npa_publish_largest(npa_device *d) {
     npa_stat_store(&d->stats->largest_free_block, (int64_t)largest);
 }
 
-/* The outermost section's closing: a freeze an increase of inactive_split
- * began ends (npa_split_past_peak sets largest_moved too: one test for
- * both), largest_free_block, then seq even. */
 /* Ends the summary's change a section made (npa_pool_summary): release,
  * after its counts. Nothing while the device does not lend: seq stays odd. */
 static inline void npa_summary_settle(npa_device *d) {
@@ -945,6 +944,10 @@ static inline void npa_summary_settle(npa_device *d) {
     if (s && (s->seq & 1)) __atomic_store_n(&s->seq, s->seq + 1, __ATOMIC_RELEASE); /* written under the lock alone */
 }
 
+/* The outermost section's closing: the summary settled, a freeze an
+ * increase of inactive_split began ends (npa_split_past_peak sets
+ * largest_moved too: one test for both), largest_free_block, then seq
+ * even. */
 static inline void npa_stats_close(npa_device *d) {
     npualloc_device_stats *s = d->stats;
     npa_summary_settle(d);
@@ -1059,11 +1062,6 @@ bool npa_history_reset(npa_history *h, size_t capacity);
 /* Every held event of the device, oldest first. */
 void npa_history_visit(const npa_device *d, npa_trace_visitor visitor, void *arg);
 
-/* recent.c's put and tcache.c's keep, inline for both their callers (the
- * eager free path and the fence's completion), as main's npa_recent_put:
- * LTO's growth limits otherwise left them out of line (the free's hit path
- * then paid calls, 60 instructions a lone thread's pair with the take by
- * callgrind). */
 /* What both stocks' puts do once room is made: b's free noted, b held in
  * r, counted in the device's stats as a free to the pool would count it.
  * is_small a constant at each caller. */
@@ -1088,6 +1086,11 @@ static NPA_ALWAYS_INLINE void npa_stock_hold_freed(npa_device *d, npa_recent *r,
     npa_pool_stat_decrease(s->requested_bytes, is_small, (int64_t)requested);
 }
 
+/* recent.c's put and tcache.c's keep, inline for both their callers (the
+ * eager free path and the fence's completion), as main's npa_recent_put:
+ * LTO's growth limits otherwise left them out of line (the free's hit path
+ * then paid calls, 60 instructions a lone thread's pair with the take by
+ * callgrind). */
 static NPA_ALWAYS_INLINE void npa_stock_put(npa_device *d, npa_tcache *t, npa_block *b, bool full) {
     npa_recent *r = &t->stock;
     if (!npa_stock_has_room(r, b->size, true)) {

@@ -107,8 +107,13 @@ static inline bool large_stock_on(const npa_config *c) {
 }
 
 /* The slot's largest_held follows the stocks': inside a slot section. */
+/* The biggest block either stock holds. */
+static inline int64_t stocks_largest(const npa_tcache *t) {
+    return (int64_t)(t->large.largest > t->stock.largest ? t->large.largest : t->stock.largest);
+}
+
 static inline void slot_note_largest(npa_tcache *t) {
-    int64_t largest = (int64_t)(t->large.largest > t->stock.largest ? t->large.largest : t->stock.largest);
+    int64_t largest = stocks_largest(t);
     if (largest == t->largest_published) return;
     t->largest_published = largest;
     npa_stat_store(&t->slot->largest_held, largest);
@@ -117,8 +122,7 @@ static inline void slot_note_largest(npa_tcache *t) {
 /* The same in a section of its own, opened only when it changed: the slow
  * path's stock moves, most of which leave it as it was. */
 static inline void slot_publish_largest(npa_tcache *t) {
-    if ((int64_t)(t->large.largest > t->stock.largest ? t->large.largest : t->stock.largest) == t->largest_published)
-        return;
+    if (stocks_largest(t) == t->largest_published) return;
     slot_open(t->slot);
     slot_note_largest(t);
     slot_close(t->slot);
@@ -336,6 +340,13 @@ static inline int64_t held_in(const npa_tcache *t, int e, int g) {
     return e == NPA_CEIL_ALL ? current[0][k] + current[1][k] : current[e][k];
 }
 
+/* t's ceiling of group g in entry e moves by by, and R with it: R is the
+ * sum of the tcaches' ceilings. */
+static inline void move_ceiling(npa_device *d, npa_tcache *t, int e, int g, int64_t by) {
+    t->ceiling[e][g] += by;
+    d->reserve[e][g] += by;
+}
+
 /* The least slack of a group's stats in one entry: peak - current - R.
  * Straight-line: every slow malloc and free asks it. */
 static inline int64_t stat_slack(const npualloc_stat *st, int64_t reserve) { return st->peak - st->current - reserve; }
@@ -387,9 +398,7 @@ static inline int64_t split_room(const npa_tcache *t, int e, int g) { return -t-
 
 /* The calling thread's own tcache on d, with the device lock: its ceilings
  * need no lock of their own (only its owner's fast paths read them). */
-static inline npa_tcache *own_tcache(const npa_device *d) {
-    return npa_my_caches.allocator == d->allocator_id ? npa_my_caches.of_device[d->id] : NULL;
-}
+static inline npa_tcache *own_tcache(const npa_device *d) { return npa_thread_tcache(d->allocator_id, d->id); }
 
 /* A share of left for one of count tcaches, rounded up (one tcache's
  * grant: slack 1 between two threads must still give the one that asks a
@@ -420,8 +429,7 @@ static bool grant(npa_device *d, npa_tcache *t, int p, int64_t size, int64_t req
         for (int g = 0; g < NPA_CEIL_MALLOC; g++) {
             int e = entries[i];
             int64_t rise = need[i][g] + share_of(e, g, left[i][g] - need[i][g], d->tcache_count, true);
-            t->ceiling[e][g] += rise;
-            d->reserve[e][g] += rise;
+            move_ceiling(d, t, e, g, rise);
         }
     return true;
 }
@@ -453,8 +461,7 @@ __attribute__((noinline)) void npa_tcache_borrow(npa_device *d, npa_tcache *t, b
             int64_t take = t->ceiling[e][g] - held_in(t, e, g);
             if (take > want[g]) take = want[g];
             if (take <= 0) continue;
-            t->ceiling[e][g] -= take;
-            d->reserve[e][g] -= take;
+            move_ceiling(d, t, e, g, -take);
         }
 }
 
@@ -467,8 +474,7 @@ static __attribute__((noinline, cold)) void regrant_split(npa_device *d, npa_tca
             int64_t rise = split_room(t, e, g), left = entry_slack(d, e, g);
             if (rise > left) rise = left;
             if (rise <= 0) continue;
-            t->ceiling[e][g] += rise;
-            d->reserve[e][g] += rise;
+            move_ceiling(d, t, e, g, rise);
         }
 }
 
@@ -492,8 +498,7 @@ __attribute__((noinline)) void npa_tcache_regrant(npa_device *d, npa_tcache *t, 
             if (i == 2 && left > 0) left = share_of(e, g, left, d->tcache_count, true);
             if (rise > left) rise = left;
             if (rise <= 0) continue;
-            t->ceiling[e][g] += rise;
-            d->reserve[e][g] += rise;
+            move_ceiling(d, t, e, g, rise);
         }
     bool split_low = false;
     for (int e = 0; e < NPA_CEIL_ENTRIES; e++)
@@ -586,8 +591,7 @@ void npa_tcaches_refit(npa_device *d, bool reset) {
                 if (!t) continue;
                 /* a split group's ceiling never above 0 (split_room) */
                 int64_t rise = g < NPA_CEIL_MALLOC || share <= split_room(t, e, g) ? share : split_room(t, e, g);
-                t->ceiling[e][g] += rise;
-                d->reserve[e][g] += rise;
+                move_ceiling(d, t, e, g, rise);
             }
         }
     }
@@ -619,10 +623,7 @@ static void split_past_peak(npa_device *d, int g, bool is_small) {
         if (short_by <= 0) continue;
         int64_t take = mine ? mine->ceiling[e][g] - held_in(mine, e, g) : 0;
         if (take > short_by) take = short_by;
-        if (take > 0) {
-            mine->ceiling[e][g] -= take;
-            d->reserve[e][g] -= take;
-        }
+        if (take > 0) move_ceiling(d, mine, e, g, -take);
         if (take < short_by) short_left = true;
     }
     if (!short_left) return;
@@ -680,8 +681,7 @@ static npa_block *unlend(npa_device *d, npa_tcache *t, unsigned at) {
             /* inactive_split's share is minus the block: its ceiling rises as
              * far as its slot, but never past 0 (split_room) */
             if (g >= NPA_CEIL_MALLOC && moved < -split_room(t, e, g)) moved = -split_room(t, e, g);
-            t->ceiling[e][g] -= moved;
-            d->reserve[e][g] -= moved;
+            move_ceiling(d, t, e, g, -moved);
         }
     b->phase = NPA_PHASE_ALLOCATED;
     npa_block_map_insert(&d->live, b);
@@ -815,7 +815,7 @@ static bool large_admits(const npa_device *d, const npa_recent *r, const npa_blo
 }
 
 /* Out of line, as take_large_held. */
-static __attribute__((noinline)) bool keep_large(npa_device *d, npa_tcache *t, npa_block *b) {
+__attribute__((noinline)) bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b) {
     if (!large_admits(d, &t->large, b, b->size)) return false;
     npa_stock_put_large(d, &t->large, b);
     slot_publish_largest(t);
@@ -857,8 +857,6 @@ void npa_tcache_lend_found(npa_device *d, npa_tcache *t, npa_block *b, size_t re
 }
 
 void npa_tcache_publish_largest(npa_tcache *t) { slot_publish_largest(t); } /* the inline stock moves' (internal.h) */
-
-bool npa_tcache_keep_large(npa_device *d, npa_tcache *t, npa_block *b) { return keep_large(d, t, b); }
 
 /* Everything t holds back to the device: t's lock held, a stats section open. */
 static void empty_tcache(npa_device *d, npa_tcache *t) {

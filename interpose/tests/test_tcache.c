@@ -20,6 +20,7 @@
 #include "core/internal.h"
 #include "fake_backend.h"
 #include "test_util.h"
+#include "companion.h"
 
 /* A warm cache: size allocated and freed a few times, so the stock holds
  * it and the ceilings cover it. */
@@ -29,38 +30,6 @@ static void warm(fixture *fx, size_t size) {
 
 static uint64_t device_seq(fixture *fx) {
     return __atomic_load_n(&npa_device_get(fx->a, 0, false)->stats->seq, __ATOMIC_ACQUIRE);
-}
-
-/* The fast paths run only while two threads have a cache on the device: a
- * companion thread makes one (a malloc and a free) and stays until told. */
-typedef struct companion {
-    fixture *fx;
-    pthread_t thread;
-    pthread_barrier_t barrier;
-    long failures;
-} companion;
-
-static void *keep_company(void *arg) {
-    companion *c = arg;
-    c->failures += npa_free(c->fx->a, alloc_exact(c->fx, 0, 512), 0, NULL) != NPA_FREE_OK;
-    pthread_barrier_wait(&c->barrier); /* its cache made */
-    pthread_barrier_wait(&c->barrier); /* told to go */
-    return NULL;
-}
-
-static void companion_start(companion *c, fixture *fx) {
-    c->fx = fx;
-    c->failures = 0;
-    pthread_barrier_init(&c->barrier, NULL, 2);
-    CHECK_EQ(pthread_create(&c->thread, NULL, keep_company, c), 0);
-    pthread_barrier_wait(&c->barrier);
-}
-
-static void companion_stop(companion *c) {
-    pthread_barrier_wait(&c->barrier);
-    CHECK_EQ(pthread_join(c->thread, NULL), 0);
-    CHECK_EQ(c->failures, 0);
-    pthread_barrier_destroy(&c->barrier);
 }
 
 /* A thread alone on its device takes the device lock for everything (it

@@ -15,36 +15,13 @@
 #include "core/internal.h"
 #include "fake_backend.h"
 #include "test_util.h"
+#include "companion.h"
 
-/* Another thread with a cache on device 0, alive until companion_end: the
- * fast paths run only while two threads or more have one (h95a b54b0a5). */
-typedef struct companion {
-    fixture *fx;
-    pthread_barrier_t barrier;
-    pthread_t thread;
-} companion;
-
-static void *companion_main(void *arg) {
-    companion *c = arg;
-    void *p = NULL;
-    if (npa_malloc(c->fx->a, 0, 512, NPA_ENTRY_EXACT, &p) == NPA_OK) npa_free(c->fx->a, p, 0, NULL);
-    pthread_barrier_wait(&c->barrier); /* has its cache */
-    pthread_barrier_wait(&c->barrier); /* the test is done */
-    return NULL;
-}
-
-static void companion_start(companion *c, fixture *fx) {
-    c->fx = fx;
-    pthread_barrier_init(&c->barrier, NULL, 2);
-    CHECK_EQ(pthread_create(&c->thread, NULL, companion_main, c), 0);
-    pthread_barrier_wait(&c->barrier);
-    CHECK_EQ(npa_empty_cache(fx->a, 0), NPA_OK); /* its block back: the device starts empty */
-}
-
-static void companion_end(companion *c) {
-    pthread_barrier_wait(&c->barrier);
-    CHECK_EQ(pthread_join(c->thread, NULL), 0);
-    pthread_barrier_destroy(&c->barrier);
+/* A companion (companion.h) beside this thread, its cache's block given
+ * back at once: the device starts empty. */
+static void start_companion_empty(companion *c, fixture *fx) {
+    companion_start(c, fx);
+    CHECK_EQ(npa_empty_cache(fx->a, 0), NPA_OK);
 }
 
 /* inactive_split's peak is the most inactive split blocks there ever were.
@@ -57,7 +34,7 @@ static void test_inactive_split_peak_counts_lent_blocks_out(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
     companion c;
-    companion_start(&c, &fx);
+    start_companion_empty(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);      /* a new small segment: its tail is an inactive split block */
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK); /* held in the stock: 2 inactive split blocks */
     p = alloc_exact(&fx, 0, 4096);            /* lent out of the stock: 1 (the tail) */
@@ -71,7 +48,7 @@ static void test_inactive_split_peak_counts_lent_blocks_out(void) {
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_SMALL].peak, 2);
     CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].peak, (int64_t)(2 * MiB)); /* p held beside the tail */
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
-    companion_end(&c);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -82,7 +59,7 @@ static void test_inactive_split_peak_after_a_reset(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
     companion c;
-    companion_start(&c, &fx);
+    start_companion_empty(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     p = alloc_exact(&fx, 0, 4096); /* lent */
@@ -95,7 +72,7 @@ static void test_inactive_split_peak_after_a_reset(void) {
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 2);
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].peak, 2);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
-    companion_end(&c);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -107,7 +84,7 @@ static void test_inactive_split_never_passes_its_peak_after_a_reset(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
     companion c;
-    companion_start(&c, &fx);
+    start_companion_empty(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     p = alloc_exact(&fx, 0, 4096); /* lent */
@@ -118,7 +95,7 @@ static void test_inactive_split_never_passes_its_peak_after_a_reset(void) {
     CHECK(s.inactive_split[NPUALLOC_POOL_ALL].current <= s.inactive_split[NPUALLOC_POOL_ALL].peak);
     CHECK(s.inactive_split[NPUALLOC_POOL_SMALL].current <= s.inactive_split[NPUALLOC_POOL_SMALL].peak);
     CHECK(s.inactive_split_bytes[NPUALLOC_POOL_ALL].current <= s.inactive_split_bytes[NPUALLOC_POOL_ALL].peak);
-    companion_end(&c);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 
@@ -139,7 +116,7 @@ static void test_empty_cache_unless_busy_never_waits_for_a_tcache(void) {
             fixture fx;
             fixture_init(&fx, GiB, NULL);
             companion c;
-            if (with_companion) companion_start(&c, &fx);
+            if (with_companion) start_companion_empty(&c, &fx);
             for (int i = 0; i < 4; i++) CHECK_EQ(npa_free(fx.a, alloc_exact(&fx, 0, 4096), 0, NULL), NPA_FREE_OK);
             npa_tcache *t = npa_tcache_mine(fx.a, 0);
             CHECK(t != NULL && t->stock.count > 0);
@@ -148,7 +125,7 @@ static void test_empty_cache_unless_busy_never_waits_for_a_tcache(void) {
             unsigned busy = npa_empty_cache_unless_busy(fx.a, 1u);
             bool left = t->stock.count > 0;
             npa_lock_release(&t->lock);
-            if (with_companion) companion_end(&c);
+            if (with_companion) companion_stop(&c);
             _exit(busy == 0u && left && check_report() == 0 ? 0 : 3);
         }
         int status = 0;
@@ -475,7 +452,7 @@ static void test_a_free_past_a_split_ceiling_goes_slow(void) {
     fixture fx;
     fixture_init(&fx, GiB, NULL);
     companion c;
-    companion_start(&c, &fx);
+    start_companion_empty(&c, &fx);
     void *p = alloc_exact(&fx, 0, 4096);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     p = alloc_exact(&fx, 0, 4096); /* lent: 1 inactive split block, the tail */
@@ -499,7 +476,7 @@ static void test_a_free_past_a_split_ceiling_goes_slow(void) {
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].current, 3);
     CHECK_EQ(s.inactive_split[NPUALLOC_POOL_ALL].peak, 3);
     CHECK_EQ(s.inactive_split_bytes[NPUALLOC_POOL_ALL].peak, s.inactive_split_bytes[NPUALLOC_POOL_ALL].current);
-    companion_end(&c);
+    companion_stop(&c);
     fixture_destroy(&fx);
 }
 

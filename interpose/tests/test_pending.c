@@ -94,11 +94,7 @@ static void test_eager_fence_frees_at_next_poll(void) {
  * now) gets the block back into its pool at once: no pending batch, no poll. */
 static void test_free_skips_the_batch_when_no_fence_is_needed(void) {
     fixture fx;
-    fake_init(&fx.fake, GiB, false);
-    fx.fake.fences = true;
-    fx.fake.answers_fence_needed = true;
-    fake_set_eager(&fx.fake, true);
-    fixture_start(&fx, NULL);
+    fixture_init_fenced_but_eager(&fx);
     void *p = alloc_exact(&fx, 0, 1024);
     CHECK_EQ(npa_free(fx.a, p, 0, NULL), NPA_FREE_OK);
     npualloc_device_stats s = stats_of(&fx, 0);

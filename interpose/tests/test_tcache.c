@@ -1090,11 +1090,7 @@ static void *poll_pending(void *arg) {
  * pending no more, and not yet in the pool. */
 static void test_a_completed_free_is_in_the_pool_before_nothing_is_pending(void) {
     fixture fx;
-    fake_init(&fx.fake, GiB, false);
-    fx.fake.fences = true;
-    fx.fake.answers_fence_needed = true;
-    fake_set_eager(&fx.fake, true);
-    fixture_start(&fx, NULL);
+    fixture_init_fenced_but_eager(&fx);
     companion c;
     companion_start(&c, &fx);
     const size_t r = 9 * MiB / 4, held_size = 5 * MiB / 2;

@@ -31,6 +31,16 @@ static inline void fixture_init(fixture *fx, size_t capacity, const npa_config *
     fixture_start(fx, config);
 }
 
+/* A runtime with fences whose reuse policy answers, at each free, that no
+ * fence is needed now (eager): over 1 GiB, default config. */
+static inline void fixture_init_fenced_but_eager(fixture *fx) {
+    fake_init(&fx->fake, GiB, false);
+    fx->fake.fences = true;
+    fx->fake.answers_fence_needed = true;
+    fake_set_eager(&fx->fake, true);
+    fixture_start(fx, NULL);
+}
+
 static inline void fixture_destroy(fixture *fx) {
     npa_destroy(fx->a);
     CHECK_EQ(fx->fake.calls_in_stats_section, 0);

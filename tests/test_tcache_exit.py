@@ -1,7 +1,7 @@
 """exit() from a signal handler that lands on a thread inside its own
 per-thread cache's fast path (issue 14): the hook's at_exit gives the cache
 back without waiting for any lock of ours, that thread's cache lock
-included (h96a review)."""
+included."""
 from __future__ import annotations
 
 import subprocess

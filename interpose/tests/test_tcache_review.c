@@ -1,5 +1,5 @@
-/* Review of the per-thread caches (issue 14, h96a): cases that failed on
- * the first implementation (dc45998). */
+/* Review of the per-thread caches (issue 14): cases that failed on the
+ * implementation as of 910ce5f. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
@@ -103,7 +103,7 @@ static void test_inactive_split_never_passes_its_peak_after_a_reset(void) {
  * (its tcache lock held): the hook's at_exit gives the cache back through
  * npa_empty_cache_unless_busy, which must never wait for a lock (the
  * device's it only tries). Its flush of every stock waited for the
- * thread's own tcache lock: the process never ended. Since h95a's 4503fec
+ * thread's own tcache lock: the process never ended. Since a004cdb
  * the flush only tries the caller's own tcache and leaves its stock: the
  * device is emptied otherwise (0, not busy). Alone and beside another
  * thread's cache (the fast paths on). Run in a child, which an alarm ends
@@ -442,7 +442,7 @@ static uint64_t device_seq(fixture *fx) {
     return __atomic_load_n(&npa_device_get(fx->a, 0, false)->stats->seq, __ATOMIC_ACQUIRE);
 }
 
-/* inactive_split's ceilings (h97a): after reset_peak_memory_stats with a
+/* inactive_split's ceilings: after reset_peak_memory_stats with a
  * split block lent, its slot's ceiling there is its slot's figure, so the
  * block's free may not raise the sum past the peak by the fast path: it
  * goes slow, and the peak becomes the exact 2 (the block back in the stock
